@@ -1,0 +1,102 @@
+"""The algorithm interface: a handful of hooks the engine calls.
+
+An algorithm holds its math and nothing else: no ``torch.distributed``, no file I/O, no rank
+checks. The engine owns placement, aggregation, checkpoints and logging.
+
+State is kept as flat ``{name: tensor}`` dicts:
+
+* the *global state* is replicated on every rank; the engine replaces it with
+  ``server_update(global_state, Σ n_i·upload_i / Σ n_i)`` after every round and tells the
+  algorithm through ``set_global``;
+* the *client state* persists on the rank that owns the client for the whole run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+State = Dict[str, torch.Tensor]
+
+
+@dataclass
+class Context:
+    """Where a hook is called: the round, the client, and its own random stream."""
+
+    round: int
+    client: int
+    generator: torch.Generator
+
+
+@dataclass
+class LocalResult:
+    upload: State  # aggregated with weight = the client's train-sample count
+    client_state: Optional[State]  # the client's new persistent state
+    loss_sum: float  # Σ over local batches of (mean batch loss · batch size)
+    samples: int  # samples seen in local training
+    extra: dict = field(default_factory=dict)
+
+
+def module_state(prefix: str, module: nn.Module) -> State:
+    """Detached copies of a module's parameters and floating buffers, keys prefixed."""
+    out = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_floating_point():
+            out[f"{prefix}{name}"] = t.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def load_module(module: nn.Module, state: State, prefix: str) -> None:
+    """Copy ``state[prefix + name]`` into a module's parameters and floating buffers in place."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_floating_point():
+            t.copy_(state[f"{prefix}{name}"])
+
+
+@torch.no_grad()
+def copy_module(dst: nn.Module, src: nn.Module) -> None:
+    """Copy the parameters and floating buffers of ``src`` into the same-shaped ``dst``."""
+    for a, b in zip(list(dst.parameters()) + list(dst.buffers()), list(src.parameters()) + list(src.buffers())):
+        if a.is_floating_point():
+            a.copy_(b)
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+class Algorithm:
+    """Base class. Subclasses implement the hooks below."""
+
+    name = "base"
+
+    def __init__(self, cfg, model: nn.Module, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+
+    def init_global_state(self) -> State:
+        raise NotImplementedError
+
+    def set_global(self, global_state: State) -> None:
+        """Called with the current global state before training and evaluation use it."""
+        raise NotImplementedError
+
+    def init_client_state(self, client: int) -> Optional[State]:
+        """A client's persistent state before it has trained (None: the method keeps none)."""
+        return None
+
+    def local_train(self, client_state: Optional[State], data, ctx: Context) -> LocalResult:
+        raise NotImplementedError
+
+    def server_update(self, global_state: State, averaged: State) -> State:
+        """New global state from the sample-weighted mean of the round's uploads."""
+        return {k: averaged[k].clone() if k in averaged else v for k, v in global_state.items()}
+
+    def predict(self, client_state: Optional[State], x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Logits of the client's personalized model (the global one for FedAvg) on ``x``."""
+        raise NotImplementedError

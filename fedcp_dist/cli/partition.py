@@ -1,0 +1,339 @@
+"""``fedcp-partition``: partition a data source among clients into one HDF5 shard file.
+
+Three modes::
+
+    fedcp-partition --source digits --partition dir --num-clients 20 --beta 0.1 --seed 1 \\
+        --out data/digits_dir0.1_n20.h5
+    fedcp-partition --describe data/digits_dir0.1_n20.h5
+    fedcp-partition --from-npz DIR --out FILE [--num-classes C] [--source NAME] [--allow-pickle]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fedcp_dist.errors import UserError, cli_main
+
+NPZ_NAME = re.compile(r"^(\d+)\.npz$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one-line :class:`UserError`\\ s."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fedcp-partition",
+                description="Partition a data source among federated clients into an HDF5 shard.")
+    mode = p.add_argument_group("input (one of)")
+    mode.add_argument("--source", default=None,
+                      help="data source: digits (default, offline), mnist, fmnist, cifar10, "
+                           "cifar100; with --from-npz, the name recorded in the file")
+    mode.add_argument("--describe", metavar="FILE", help="summarise an existing shard file")
+    mode.add_argument("--from-npz", metavar="DIR",
+                      help="import DIR/train/{i}.npz and DIR/test/{i}.npz client files")
+    p.add_argument("--root", help="directory holding torchvision data sets")
+    p.add_argument("--download", action="store_true", help="let torchvision download the source")
+    p.add_argument("--partition", default="dir", choices=("dir", "pat", "iid"),
+                   help="partition scheme (default dir)")
+    p.add_argument("--num-clients", type=int, help="number of clients")
+    p.add_argument("--beta", type=float, default=0.1, help="Dirichlet concentration (default 0.1)")
+    p.add_argument("--classes-per-client", type=int, default=2,
+                   help="classes per client for pat (default 2)")
+    p.add_argument("--unbalanced", action="store_true",
+                   help="pat: draw unequal share sizes (default balanced)")
+    p.add_argument("--batch-size", type=int, default=10,
+                   help="batch size, only used for the minimum client size (default 10)")
+    p.add_argument("--train-ratio", type=float, default=0.75,
+                   help="fraction of each client's samples used for training (default 0.75)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument("--max-tries", type=int, default=10000,
+                   help="dir: redraws before giving up (default 10000)")
+    p.add_argument("--num-classes", type=int,
+                   help="--from-npz: number of classes (default max label + 1)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="--from-npz: accept npz files holding a pickled dict under 'data' "
+                        "(only for files you trust)")
+    p.add_argument("--out", help="output shard file (.h5)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    return p
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _check_out(args) -> Path:
+    if not args.out:
+        raise UserError("--out FILE is required (or use --describe FILE)")
+    out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name")
+    if out.exists() and not args.force:
+        raise UserError(f"--out {out} already exists; pass --force to overwrite it")
+    return out
+
+
+def _with_progress(clients, total: int):
+    """Yield ``clients`` unchanged, printing progress about every 10% of ``total``."""
+    step = max(1, total // 10)
+    for i, client in enumerate(clients):
+        yield client
+        done = i + 1
+        if total >= 20 and (done % step == 0 or done == total):
+            _say(f"  wrote {done}/{total} clients")
+
+
+def _summary(path: Path) -> None:
+    from fedcp_dist.data.shards import read_info
+
+    info = read_info(path)
+    _say(f"wrote {path}: {info.num_clients} clients, {int(info.train_counts.sum())} train / "
+         f"{int(info.test_counts.sum())} test samples, input {info.input_shape}, "
+         f"{info.num_classes} classes")
+
+
+def _partition(args) -> None:
+    from fedcp_dist.data.partition import least_samples, make_partition
+    from fedcp_dist.data.shards import write_shard
+    from fedcp_dist.data.sources import check_source_name, load_source
+
+    source_name = args.source or "digits"
+    check_source_name(source_name)
+    if args.num_clients is None:
+        raise UserError("--num-clients is required")
+    if args.num_clients < 1:
+        raise UserError(f"--num-clients must be >= 1, got {args.num_clients}")
+    if not args.beta > 0:
+        raise UserError(f"--beta must be > 0, got {args.beta}")
+    if not 0 < args.train_ratio < 1:
+        raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {args.train_ratio}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_tries < 1:
+        raise UserError(f"--max-tries must be >= 1, got {args.max_tries}")
+    if args.classes_per_client < 1:
+        raise UserError(f"--classes-per-client must be >= 1, got {args.classes_per_client}")
+    out = _check_out(args)
+
+    _say(f"loading source {source_name}" + (f" from {args.root}" if args.root else ""))
+    src = load_source(source_name, root=args.root, download=args.download)
+    _say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes")
+
+    _say(f"partitioning: {args.partition}, {args.num_clients} clients, seed {args.seed}")
+    shares = make_partition(src.y, src.num_classes, args.partition, args.num_clients, args.seed,
+                            beta=args.beta, classes_per_client=args.classes_per_client,
+                            balance=not args.unbalanced, batch_size=args.batch_size,
+                            train_ratio=args.train_ratio, max_tries=args.max_tries)
+    params = {"train_ratio": args.train_ratio, "batch_size": args.batch_size,
+              "least_samples": least_samples(args.batch_size, args.train_ratio, len(src.y),
+                                             args.num_clients)}
+    if args.partition == "dir":
+        params.update(beta=args.beta, max_tries=args.max_tries)
+    elif args.partition == "pat":
+        params.update(classes_per_client=args.classes_per_client, balance=not args.unbalanced)
+    if args.root:
+        params["root"] = os.path.abspath(args.root)
+
+    clients = ((src.x[tr], src.y[tr], src.x[te], src.y[te]) for tr, te in shares)
+    _say(f"writing {len(shares)} clients to {out}")
+    write_shard(out, _with_progress(clients, len(shares)), source=src.name,
+                num_classes=src.num_classes, input_shape=src.input_shape, mean=src.mean,
+                std=src.std, partition=args.partition, partition_params=params, seed=args.seed)
+    _summary(out)
+
+
+# ----------------------------------------------------------------------------- npz import
+
+
+def _npz_ids(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        raise UserError(f"--from-npz: directory {folder} does not exist")
+    ids = sorted(int(m.group(1)) for name in os.listdir(folder)
+                 if (m := NPZ_NAME.match(name)))
+    if not ids:
+        raise UserError(f"--from-npz: no {{i}}.npz files in {folder}")
+    if ids != list(range(len(ids))):
+        missing = sorted(set(range(ids[-1] + 1)) - set(ids))
+        raise UserError(f"--from-npz: client files in {folder} are not numbered 0..{len(ids) - 1} "
+                        f"contiguously (missing {missing[0]}.npz)")
+    return ids
+
+
+def _read_npz(path: Path, allow_pickle: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Read raw (x, y) from one client npz file, in either layout."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "x" in z.files and "y" in z.files:
+                return z["x"], z["y"]
+            if "data" not in z.files:
+                raise UserError(f"{path} holds neither arrays 'x' and 'y' nor a 'data' dict "
+                                f"(found: {', '.join(z.files) or 'nothing'})")
+        if not allow_pickle:
+            raise UserError(f"{path} holds a pickled object under 'data', which is never loaded "
+                            f"by default; pass --allow-pickle if you trust this file")
+        with np.load(path, allow_pickle=True) as z:
+            data = z["data"]
+            data = data.item() if isinstance(data, np.ndarray) and data.dtype == object else data
+    except UserError:
+        raise
+    except Exception as exc:  # zipfile, pickle and value errors from a bad file
+        raise UserError(f"{path} could not be read as npz: "
+                        f"{' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict) or "x" not in data or "y" not in data:
+        raise UserError(f"{path}: 'data' is not a dict with keys 'x' and 'y'")
+    return np.asarray(data["x"]), np.asarray(data["y"])
+
+
+def _to_uint8_images(x: np.ndarray, path: Path) -> np.ndarray:
+    if x.ndim == 3:
+        x = x[:, None, :, :]
+    if x.ndim != 4:
+        raise UserError(f"{path}: x has shape {x.shape}, expected (n, C, H, W) or (n, H, W)")
+    if x.dtype == np.uint8:
+        return np.ascontiguousarray(x)
+    if np.issubdtype(x.dtype, np.floating):
+        if x.size and (np.nanmin(x) < -1.01 or np.nanmax(x) > 1.01 or np.isnan(x).any()):
+            raise UserError(f"{path}: float x must hold images in [-1, 1], found values in "
+                            f"[{np.nanmin(x):.3g}, {np.nanmax(x):.3g}]")
+        return np.clip(np.round((x.astype(np.float64) + 1) / 2 * 255), 0, 255).astype(np.uint8)
+    if np.issubdtype(x.dtype, np.integer):
+        if x.size and (x.min() < 0 or x.max() > 255):
+            raise UserError(f"{path}: integer x must hold values in 0..255")
+        return x.astype(np.uint8)
+    raise UserError(f"{path}: x has unsupported dtype {x.dtype}")
+
+
+def _to_labels(y: np.ndarray, n: int, path: Path) -> np.ndarray:
+    if y.ndim == 2 and y.shape[1] == 1:  # column vector of labels
+        y = y.reshape(-1)
+    if y.ndim != 1 or len(y) != n:
+        raise UserError(f"{path}: y has shape {y.shape}, expected ({n},)")
+    if n and not np.issubdtype(y.dtype, np.integer):
+        if not np.issubdtype(y.dtype, np.floating) or not np.all(y == np.round(y)):
+            raise UserError(f"{path}: y must hold integer class labels, got {y.dtype}")
+    y = y.astype(np.int64)
+    if n and y.min() < 0:
+        raise UserError(f"{path}: y holds negative labels")
+    return y
+
+
+def _load_npz_client(folder: Path, i: int, allow_pickle: bool):
+    out = []
+    for split in ("train", "test"):
+        path = folder / split / f"{i}.npz"
+        x, y = _read_npz(path, allow_pickle)
+        x = _to_uint8_images(np.asarray(x), path)
+        out += [x, _to_labels(np.asarray(y), len(x), path)]
+    return tuple(out)
+
+
+def _from_npz(args) -> None:
+    from fedcp_dist.data.shards import write_shard
+
+    folder = Path(args.from_npz)
+    out = _check_out(args)
+    if args.num_classes is not None and args.num_classes < 1:
+        raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
+    ids = _npz_ids(folder / "train")
+    test_ids = _npz_ids(folder / "test")
+    if test_ids != ids:
+        raise UserError(f"--from-npz: {folder}/train holds {len(ids)} clients but "
+                        f"{folder}/test holds {len(test_ids)}")
+    n = len(ids)
+
+    _say(f"loading {n} clients from {folder} (checking shapes and labels)")
+    shape, max_label = None, -1
+    for i in ids:  # first pass: shapes and labels, so that attributes are known before writing
+        train_x, train_y, test_x, test_y = _load_npz_client(folder, i, args.allow_pickle)
+        for x, split in ((train_x, "train"), (test_x, "test")):
+            if shape is None:
+                shape = x.shape[1:]
+            elif x.shape[1:] != shape:
+                raise UserError(f"{folder / split / f'{i}.npz'}: images of shape {x.shape[1:]} "
+                                f"differ from the shape {shape} of earlier clients")
+        for y in (train_y, test_y):
+            if len(y):
+                max_label = max(max_label, int(y.max()))
+    num_classes = args.num_classes if args.num_classes is not None else max_label + 1
+    if num_classes < 1:
+        raise UserError(f"--from-npz: {folder} holds no samples")
+    if max_label >= num_classes:
+        raise UserError(f"--num-classes {num_classes} is too small: labels go up to {max_label}")
+
+    _say(f"partitioning: kept as stored ({n} clients, {num_classes} classes)")
+    channels = int(shape[0])
+    clients = (_load_npz_client(folder, i, args.allow_pickle) for i in ids)
+    _say(f"writing {n} clients to {out}")
+    write_shard(out, _with_progress(clients, n), source=args.source or "npz",
+                num_classes=num_classes, input_shape=shape, mean=(0.5,) * channels,
+                std=(0.5,) * channels, partition="npz",
+                partition_params={"dir": str(folder.resolve())}, seed=-1)
+    _summary(out)
+
+
+# ----------------------------------------------------------------------------- describe
+
+
+def _compact_labels(labels) -> str:
+    """Render sorted ints compactly: [0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    labels = [int(v) for v in labels]
+    parts, i = [], 0
+    while i < len(labels):
+        j = i
+        while j + 1 < len(labels) and labels[j + 1] == labels[j] + 1:
+            j += 1
+        parts.append(str(labels[i]) if i == j else f"{labels[i]}-{labels[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
+
+
+def _describe(path: str) -> None:
+    import json
+
+    from fedcp_dist.data.shards import read_info
+
+    info = read_info(path)
+    _say(f"file:             {info.path}")
+    _say(f"format_version:   {info.format_version}")
+    _say(f"source:           {info.source} ({info.kind}, input {info.input_shape}, "
+         f"{info.num_classes} classes)")
+    _say(f"mean / std:       {info.mean} / {info.std}")
+    _say(f"partition:        {info.partition} {json.dumps(info.partition_params, sort_keys=True)}")
+    _say(f"seed:             {info.seed}")
+    _say(f"clients:          {info.num_clients}")
+    _say("")
+    _say(f"{'client':>7} {'train':>8} {'test':>8} {'classes':>7}  labels")
+    label_counts = info.train_label_counts + info.test_label_counts
+    for i in range(info.num_clients):
+        present = np.flatnonzero(label_counts[i])
+        _say(f"{i:>7} {int(info.train_counts[i]):>8} {int(info.test_counts[i]):>8} "
+             f"{len(present):>7}  {_compact_labels(present)}")
+    present = np.flatnonzero(label_counts.sum(axis=0))
+    _say(f"{'total':>7} {int(info.train_counts.sum()):>8} {int(info.test_counts.sum()):>8} "
+         f"{len(present):>7}  {_compact_labels(present)}")
+
+
+@cli_main
+def main(argv=None) -> None:
+    """Entry point of ``fedcp-partition``."""
+    args = _build_parser().parse_args(argv)
+    if args.describe and args.from_npz:
+        raise UserError("--describe and --from-npz cannot be used together")
+    if args.describe:
+        _describe(args.describe)
+    elif args.from_npz:
+        _from_npz(args)
+    else:
+        _partition(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

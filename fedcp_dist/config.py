@@ -1,0 +1,239 @@
+"""Run configuration: dataclasses, YAML loading, ``key=value`` overrides, validation.
+
+Every user mistake becomes a :class:`~fedcp_dist.errors.UserError` whose one-line message names
+the key. The keys users touch most are flat (``method``, ``rounds``, ``lr``, ``lam`` ...); the data
+set lives under ``data.`` (``data.path``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from fedcp_dist.errors import UserError
+
+METHODS = ("fedcp", "fedavg")
+MODELS = ("cnn",)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DataConfig:
+    """Where the pre-sharded partition lives (an HDF5 file written by ``fedcp-partition``)."""
+
+    path: str = ""
+    #: expected number of clients; 0 takes the file's count, any other value must agree with it
+    num_clients: int = 0
+
+
+@dataclass
+class Config:
+    """A whole run. Defaults are the paper's for the 4-layer CNN."""
+
+    #: federated method: fedcp | fedavg
+    method: str = "fedcp"
+    #: model: cnn (the paper's 4-layer CNN, sized from the shard's input shape)
+    model: str = "cnn"
+    #: communication rounds
+    rounds: int = 100
+    #: evaluate every this many rounds (before that round's training), and after the last round
+    eval_every: int = 1
+    #: fraction ρ of clients that train each round, in (0, 1]
+    participation: float = 1.0
+    #: if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round (drop-out study)
+    participation_range: Optional[list] = None
+    #: run seed: model init, cohorts and every client's batch order and noise derive from it
+    seed: int = 1
+    #: local learning rate η (plain SGD, no momentum)
+    lr: float = 0.005
+    #: local batch size B
+    batch_size: int = 10
+    #: local epochs E
+    local_epochs: int = 1
+    #: drop a last incomplete batch each epoch (the reference's data loader does)
+    drop_last: bool = True
+    #: FedCP: weight λ of the MMD term
+    lam: float = 5.0
+    #: FedCP: Gumbel-softmax temperature τ of the policy during training
+    tau: float = 1.0
+    #: FedCP: add Gumbel noise to the policy during training (the reference does)
+    cpn_train_gumbel: bool = True
+    #: FedCP: add Gumbel noise at evaluation too (the reference's stochastic evaluation)
+    cpn_eval_gumbel: bool = False
+    #: samples per forward pass at evaluation
+    eval_batch_size: int = 1000
+    #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
+    out_dir: str = "runs/default"
+    #: replace a finished run found in out_dir (otherwise such a run is refused)
+    overwrite: bool = False
+    #: auto | cpu | cuda
+    device: str = "auto"
+    #: CPU threads per rank; 0 = cores / ranks on this node
+    threads: int = 0
+    #: seconds a collective may wait for a peer before the run fails
+    collective_timeout: float = 600.0
+    data: DataConfig = field(default_factory=DataConfig)
+
+    # ------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        """Raise :class:`UserError` naming the first impossible value."""
+
+        def bad(key: str, why: str):
+            raise UserError(f"config key '{key}': {why}")
+
+        if self.method not in METHODS:
+            bad("method", f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
+        if self.model not in MODELS:
+            bad("model", f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        if self.device not in DEVICES:
+            bad("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size"):
+            if getattr(self, key) <= 0:
+                bad(key, f"must be > 0, got {getattr(self, key)}")
+        if self.threads < 0:
+            bad("threads", f"must be >= 0, got {self.threads}")
+        for key in ("lr", "lam", "tau", "participation", "collective_timeout"):
+            if not math.isfinite(getattr(self, key)):
+                bad(key, f"must be a finite number, got {getattr(self, key)}")
+        if self.lr <= 0:
+            bad("lr", f"must be > 0, got {self.lr}")
+        if self.lam < 0:
+            bad("lam", f"must be >= 0, got {self.lam}")
+        if self.tau <= 0:
+            bad("tau", f"must be > 0, got {self.tau}")
+        if not 0 < self.participation <= 1:
+            bad("participation", f"must lie in (0, 1], got {self.participation}")
+        if self.collective_timeout <= 0:
+            bad("collective_timeout", f"must be > 0, got {self.collective_timeout}")
+        if self.participation_range is not None:
+            r = self.participation_range
+            if (
+                len(r) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
+                or not 0 < r[0] <= r[1] <= 1
+            ):
+                bad("participation_range", f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}")
+        if not self.out_dir:
+            bad("out_dir", "must not be empty")
+        if not self.data.path:
+            bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
+        if not os.path.isfile(self.data.path):
+            bad("data.path", f"no such file: {self.data.path}")
+        if self.data.num_clients < 0:
+            bad("data.num_clients", f"must be >= 0, got {self.data.num_clients}")
+        return self
+
+
+# ----------------------------------------------------------------------
+# loading and overriding
+
+
+def _type_ok(value: Any, tp) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[...]
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is list:
+        return isinstance(value, list)
+    return False
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _apply(obj, values: dict, prefix: str = "") -> None:
+    if not isinstance(values, dict):
+        raise UserError(f"config section '{prefix.rstrip('.') or '<top>'}' must be a mapping")
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if not isinstance(key, str) or key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise UserError(f"unknown config key '{full}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _apply(getattr(obj, key), value, prefix=f"{full}.")
+            continue
+        if not _type_ok(value, tp):
+            raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}")
+        if tp is float:
+            value = float(value)
+        setattr(obj, key, value)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["lr=0.1", "data.path=x.h5"]`` → nested dict; values are parsed as YAML scalars."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise UserError(f"override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            raise UserError(f"override {item!r}: value is not valid YAML") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override {item!r} conflicts with another override of '{part}'")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate: bool = True) -> Config:
+    """Defaults ← YAML file ← ``key=value`` overrides, then validation."""
+    cfg = Config()
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise UserError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"config file {path} cannot be read: {exc}") from None
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            loc = f" (line {where.line + 1})" if where is not None else ""
+            raise UserError(f"config file {path} is not valid YAML{loc}") from None
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise UserError(f"config file {path} must hold a mapping of keys to values")
+        _apply(cfg, values)
+    if overrides:
+        _apply(cfg, parse_overrides(overrides))
+    if validate:
+        cfg.validate()
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

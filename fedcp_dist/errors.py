@@ -1,0 +1,30 @@
+"""User-facing errors: one line, a non-zero exit, never a traceback."""
+from __future__ import annotations
+
+import functools
+import sys
+
+
+class UserError(Exception):
+    """A mistake in what the user gave us (config, file, argument).
+
+    The message is printed as one line; the process exits with status 2.
+    """
+
+
+def cli_main(func):
+    """Wrap a console-script ``main`` so that a :class:`UserError` ends in one line on stderr."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except UserError as exc:
+            msg = " ".join(str(exc).split())
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
+
+    return wrapper

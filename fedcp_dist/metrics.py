@@ -1,0 +1,76 @@
+"""Rank 0 writes the run directory; every other rank gets a writer that does nothing.
+
+Files: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per round), ``summary.json``,
+``final_global.pt``. Whole-file writes go to a temporary name first and are renamed when complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _json_default(o: Any):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+class RunWriter:
+    def __init__(self, out_dir: str, enabled: bool):
+        self.enabled = enabled
+        self.dir = Path(out_dir)
+        self._metrics = None
+        if enabled:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def write_text(self, name: str, text: str) -> None:
+        if self.enabled:
+            atomic_write_bytes(self.dir / name, text.encode("utf-8"))
+
+    def write_json(self, name: str, obj: Any) -> None:
+        if self.enabled:
+            self.write_text(name, json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+    def save_tensors(self, name: str, state: dict) -> None:
+        if self.enabled:
+            tmp = self.dir / f".{name}.tmp-{os.getpid()}"
+            try:
+                torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+                os.replace(tmp, self.dir / name)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+    def log(self, record: dict) -> None:
+        """Append one line to metrics.jsonl and flush it."""
+        if not self.enabled:
+            return
+        if self._metrics is None:
+            self._metrics = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
+        self._metrics.write(json.dumps(record, default=_json_default) + "\n")
+        self._metrics.flush()
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None

@@ -1,0 +1,62 @@
+"""Client → rank placement, cohort sampling and derived random streams.
+
+Everything here is a pure function of (seed, round, client) and the shard's metadata, so every
+rank computes the same answer and results do not depend on the world size.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+# stream tags: keep the streams of different purposes apart
+STREAM_COHORT = 1
+STREAM_TRAIN = 2
+STREAM_EVAL = 3
+STREAM_INIT = 4
+
+
+def stream_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed for the random stream named by (seed, *keys)."""
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, *[int(k) for k in keys]]).generate_state(2, np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1]))
+
+
+def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
+    """Owner rank of every client: largest train-sample count first, to the least-loaded rank.
+
+    Ties (equal counts, equal loads) are broken by client id and rank, so the answer is the same
+    on every rank.
+    """
+    counts = np.asarray(train_counts, dtype=np.int64)
+    owner = np.empty(len(counts), dtype=np.int64)
+    order = sorted(range(len(counts)), key=lambda c: (-int(counts[c]), c))
+    heap = [(0, r) for r in range(world_size)]
+    for c in order:
+        load, r = heapq.heappop(heap)
+        owner[c] = r
+        heapq.heappush(heap, (load + int(counts[c]), r))
+    return owner
+
+
+def cohort_size(rho: float, num_clients: int) -> int:
+    return max(1, min(num_clients, int(math.floor(rho * num_clients + 1e-9))))
+
+
+def sample_cohort(
+    seed: int,
+    round_idx: int,
+    num_clients: int,
+    participation: float,
+    participation_range: Optional[Sequence[float]] = None,
+) -> np.ndarray:
+    """The sorted client ids that train in round ``round_idx`` (same on every rank).
+
+    With ``participation_range = [a, b]`` the round's ρ is drawn uniformly from [a, b].
+    """
+    rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
+    rho = participation if participation_range is None else float(rng.uniform(*participation_range))
+    m = cohort_size(rho, num_clients)
+    return np.sort(rng.choice(num_clients, size=m, replace=False))

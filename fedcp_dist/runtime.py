@@ -1,0 +1,199 @@
+"""Launcher detection, device pinning and the process group.
+
+One process per rank. The launcher is read from the environment:
+
+* ``torchrun`` — ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``;
+* ``mpi`` — ``mpirun``/``mpiexec`` (Open MPI or MPICH): rank and size from mpi4py's
+  ``COMM_WORLD``, the rendezvous address chosen by rank 0 and broadcast over MPI;
+* ``slurm`` — ``srun`` job steps: ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_STEP_NUM_TASKS``;
+  the master is the first host of the step's node list, the port derives from the job id;
+* ``single`` — anything else: one rank, no process group.
+
+``FEDCP_LAUNCHER`` forces one of these names.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from fedcp_dist.errors import UserError
+
+LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
+
+
+def detect_launcher(env: Mapping[str, str] = os.environ) -> str:
+    forced = env.get("FEDCP_LAUNCHER")
+    if forced:
+        if forced not in LAUNCHERS:
+            raise UserError(f"FEDCP_LAUNCHER={forced!r} is not one of {', '.join(LAUNCHERS)}")
+        return forced
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return "torchrun"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi"
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return "slurm"
+    return "single"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[007-009,12],cpu1"`` → ``"gpu007"``."""
+    nodelist = nodelist.strip()
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise UserError(f"cannot read the SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _tasks_on_first_node(spec: str) -> int:
+    """``SLURM_STEP_TASKS_PER_NODE`` such as ``"4(x2),3"`` → 4."""
+    m = re.match(r"(\d+)", spec or "")
+    return int(m.group(1)) if m else 1
+
+
+@dataclass
+class Endpoint:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    init_method: Optional[str]  # None: one rank, no process group
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def resolve_endpoint(launcher: str, env: Mapping[str, str] = os.environ) -> Endpoint:
+    if launcher == "torchrun":
+        world = int(env["WORLD_SIZE"])
+        return Endpoint(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            init_method="env://",
+        )
+    if launcher == "slurm":
+        world = int(env["SLURM_STEP_NUM_TASKS"])
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
+        addr = env.get("MASTER_ADDR") or first_host(nodelist)
+        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        return Endpoint(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=world,
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=_tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE", "")),
+            init_method=f"tcp://{addr}:{port}",
+        )
+    if launcher == "mpi":
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise UserError("started under MPI but mpi4py is not installed: pip install '.[mpi]'") from None
+        comm = MPI.COMM_WORLD
+        rank, world = comm.Get_rank(), comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank, local_world = local.Get_rank(), local.Get_size()
+        local.Free()
+        addr = None
+        if rank == 0:
+            host = env.get("MASTER_ADDR") or socket.gethostname()
+            addr = f"tcp://{host}:{int(env.get('MASTER_PORT') or _free_port())}"
+        addr = comm.bcast(addr, root=0)
+        return Endpoint(rank, world, local_rank, local_world, addr)
+    return Endpoint(0, 1, 0, 1, None)
+
+
+class Runtime:
+    """This process's place in the job: rank, device, and the collectives the engine uses."""
+
+    def __init__(self, launcher: str, endpoint: Endpoint, device: torch.device, backend: Optional[str], threads: int):
+        self.launcher = launcher
+        self.rank = endpoint.rank
+        self.world_size = endpoint.world_size
+        self.local_rank = endpoint.local_rank
+        self.local_world_size = endpoint.local_world_size
+        self.device = device
+        self.backend = backend
+        self.threads = threads
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over all ranks (a no-op on one rank)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def describe(self) -> str:
+        return (
+            f"launcher={self.launcher} world_size={self.world_size} device={self.device} "
+            f"backend={self.backend or 'none'} threads={self.threads}"
+        )
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ) -> Runtime:
+    """Detect the launcher, pin this rank's device and open the process group."""
+    launcher = detect_launcher(env)
+    ep = resolve_endpoint(launcher, env)
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise UserError("device=cuda but no CUDA device is visible to this process")
+        dev = torch.device("cuda", ep.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+    else:
+        dev = torch.device("cpu")
+        backend = "gloo"
+    n_threads = threads or max(1, _cpu_count() // max(1, ep.local_world_size))
+    torch.set_num_threads(n_threads)
+    if ep.world_size > 1:
+        kwargs = dict(
+            backend=backend,
+            init_method=ep.init_method,
+            rank=ep.rank,
+            world_size=ep.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        if backend == "nccl":
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+    else:
+        backend = None
+    return Runtime(launcher, ep, dev, backend, n_threads)

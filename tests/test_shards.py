@@ -1,0 +1,361 @@
+"""Tests of the HDF5 shard format (fedcp_dist.data.shards) and the fedcp-partition CLI."""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from fedcp_dist.cli.partition import main
+from fedcp_dist.data import shards
+from fedcp_dist.data.shards import FORMAT_VERSION, load_clients, read_info, write_shard
+from fedcp_dist.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+MNIST_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+SHAPE = (1, 8, 8)
+C = 4
+
+
+def make_clients(sizes, seed=0, shape=SHAPE, num_classes=C):
+    """Random clients: ``sizes`` is a list of (n_train, n_test)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n_train, n_test in sizes:
+        out.append((rng.integers(0, 256, (n_train,) + shape, dtype=np.uint8),
+                    rng.integers(0, num_classes, n_train).astype(np.int64),
+                    rng.integers(0, 256, (n_test,) + shape, dtype=np.uint8),
+                    rng.integers(0, num_classes, n_test).astype(np.int64)))
+    return out
+
+
+def write(path, clients, **overrides):
+    kw = dict(source="synthetic", num_classes=C, input_shape=SHAPE, mean=(0.5,), std=(0.5,),
+              partition="dir", partition_params={"beta": 0.1, "train_ratio": 0.75}, seed=7)
+    kw.update(overrides)
+    write_shard(path, clients, **kw)
+
+
+def leftovers(folder):
+    return [p.name for p in Path(folder).iterdir() if ".tmp-" in p.name]
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+def test_round_trip(tmp_path):
+    sizes = [(300, 100), (5, 2), (0, 3), (1, 0)]
+    clients = make_clients(sizes)
+    path = tmp_path / "sub" / "shard.h5"  # parent folder is created
+    write(path, clients)
+    assert path.exists() and leftovers(path.parent) == []
+
+    info = read_info(path)
+    assert info.format_version == FORMAT_VERSION
+    assert info.kind == "image" and info.source == "synthetic"
+    assert info.num_classes == C and info.num_clients == len(sizes)
+    assert info.input_shape == SHAPE
+    assert info.mean == (0.5,) and info.std == (0.5,)
+    assert info.partition == "dir"
+    assert info.partition_params == {"beta": 0.1, "train_ratio": 0.75}
+    assert info.seed == 7
+    assert info.train_counts.tolist() == [s[0] for s in sizes]
+    assert info.test_counts.tolist() == [s[1] for s in sizes]
+    assert info.train_label_counts.shape == (len(sizes), C)
+    for i, (_, train_y, _, test_y) in enumerate(clients):
+        assert info.train_label_counts[i].tolist() == np.bincount(train_y, minlength=C).tolist()
+        assert info.test_label_counts[i].tolist() == np.bincount(test_y, minlength=C).tolist()
+
+    loaded = load_clients(path, [0, 2, 3])
+    assert sorted(loaded) == [0, 2, 3]
+    for i in (0, 2, 3):
+        for j, key in enumerate(["train_x", "train_y", "test_x", "test_y"]):
+            arr = loaded[i][key]
+            assert arr.dtype == (np.uint8 if key.endswith("_x") else np.int64)
+            assert np.array_equal(arr, clients[i][j])
+    assert loaded[2]["train_x"].shape == (0,) + SHAPE
+    assert loaded[3]["test_x"].shape == (0,) + SHAPE
+
+    with h5py.File(path, "r") as f:
+        attrs = f.attrs
+        assert attrs["input_shape"].dtype == np.int64
+        assert attrs["mean"].dtype == np.float64
+        assert attrs["train_counts"].dtype == np.int64
+        ds = f["clients/0/train_x"]
+        assert ds.compression == "gzip" and ds.compression_opts == 4 and ds.shuffle
+        assert ds.chunks[0] <= 256 and ds.chunks[1:] == SHAPE
+        assert f["clients/0/train_y"].dtype == np.int64
+
+
+def test_load_missing_client(tmp_path):
+    path = tmp_path / "s.h5"
+    write(path, make_clients([(3, 1), (2, 1)]))
+    with pytest.raises(UserError, match=r"no client 5 \(it holds 2 clients\)"):
+        load_clients(path, [0, 5])
+
+
+def test_load_corrupt_dataset(tmp_path):
+    path = tmp_path / "s.h5"
+    write(path, make_clients([(600, 10)]))
+    with h5py.File(path, "r") as f:
+        chunk = f["clients/0/train_x"].id.get_chunk_info(0)
+    with open(path, "r+b") as fh:  # overwrite the first compressed chunk with garbage
+        fh.seek(chunk.byte_offset)
+        fh.write(b"\xff" * chunk.size)
+    with pytest.raises(UserError, match="corrupt"):
+        load_clients(path, [0])
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
+    path = tmp_path / "s.h5"
+    write(path, make_clients([(4, 2)] * 2))
+    before = path.read_bytes()
+
+    real_write_x = shards._write_x
+
+    def failing_write_x(group, name, x):
+        if group.name == "/clients/3":
+            raise RuntimeError("disk on fire")
+        real_write_x(group, name, x)
+
+    monkeypatch.setattr(shards, "_write_x", failing_write_x)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        write(path, make_clients([(5, 5)] * 6, seed=1))
+    assert path.read_bytes() == before
+    assert leftovers(tmp_path) == []
+    assert read_info(path).num_clients == 2
+
+
+def test_failed_generator_leaves_nothing(tmp_path):
+    def clients():
+        yield from make_clients([(3, 1)] * 2)
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        write(tmp_path / "new.h5", clients())
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- bad files
+
+
+def test_read_info_missing_file(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        read_info(tmp_path / "nope.h5")
+
+
+def test_read_info_garbage_file(tmp_path):
+    path = tmp_path / "garbage.h5"
+    path.write_bytes(b"this is not hdf5\n" * 100)
+    with pytest.raises(UserError, match="not a readable HDF5 file") as exc:
+        read_info(path)
+    assert "\n" not in str(exc.value)
+
+
+def test_read_info_truncated_file(tmp_path):
+    path = tmp_path / "s.h5"
+    write(path, make_clients([(200, 50)] * 3))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="truncated"):
+        read_info(path)
+    with pytest.raises(UserError, match="truncated"):
+        load_clients(path, [0])
+
+
+def test_read_info_wrong_version(tmp_path):
+    path = tmp_path / "s.h5"
+    write(path, make_clients([(3, 1)]))
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = np.int64(99)
+    with pytest.raises(UserError, match=f"format_version 99.*format_version {FORMAT_VERSION}"):
+        read_info(path)
+    with pytest.raises(UserError, match="format_version 99"):
+        load_clients(path, [0])
+
+
+def test_read_info_missing_attribute(tmp_path):
+    path = tmp_path / "s.h5"
+    write(path, make_clients([(3, 1)]))
+    with h5py.File(path, "r+") as f:
+        del f.attrs["train_label_counts"]
+    with pytest.raises(UserError, match="lacks the attribute 'train_label_counts'"):
+        read_info(path)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def run_cli(capsys, *argv):
+    main(list(map(str, argv)))
+    return capsys.readouterr()
+
+
+def test_cli_digits_dir(tmp_path, capsys):
+    out = tmp_path / "data" / "digits_dir.h5"
+    res = run_cli(capsys, "--source", "digits", "--partition", "dir", "--num-clients", 10,
+                  "--beta", 0.5, "--seed", 1, "--out", out)
+    assert "loading" in res.out and "partitioning" in res.out and "writing 10 clients" in res.out
+    assert str(out) in res.out.splitlines()[-1]
+    info = read_info(out)
+    assert info.num_clients == 10 and info.source == "digits" and info.partition == "dir"
+    assert info.input_shape == (1, 28, 28) and info.num_classes == 10
+    assert int(info.train_counts.sum() + info.test_counts.sum()) == 1797
+    assert (info.train_counts + info.test_counts).min() >= 40  # least_samples
+    assert info.partition_params["beta"] == 0.5 and info.seed == 1
+
+    res = run_cli(capsys, "--describe", out)
+    lines = res.out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["client", "train", "test"])
+    rows = lines[header + 1:header + 11]
+    for i, row in enumerate(rows):
+        fields = row.split()
+        assert int(fields[0]) == i
+        assert int(fields[1]) == info.train_counts[i] and int(fields[2]) == info.test_counts[i]
+    assert lines[header + 11].split()[:3] == ["total", str(info.train_counts.sum()),
+                                              str(info.test_counts.sum())]
+
+
+def test_cli_pat_iid_same_seed_reproducible(tmp_path, capsys):
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    for out in (a, b):
+        run_cli(capsys, "--partition", "pat", "--num-clients", 20, "--classes-per-client", 2,
+                "--seed", 3, "--out", out)
+    la, lb = load_clients(a, range(20)), load_clients(b, range(20))
+    for i in range(20):
+        assert np.array_equal(la[i]["train_y"], lb[i]["train_y"])
+        assert np.array_equal(la[i]["test_x"], lb[i]["test_x"])
+    assert (read_info(a).train_label_counts + read_info(a).test_label_counts > 0).sum(1).max() == 2
+    run_cli(capsys, "--partition", "iid", "--num-clients", 3, "--out", a, "--force")
+    assert read_info(a).partition == "iid" and read_info(a).num_clients == 3
+
+
+def expect_user_error(capsys, argv, match):
+    with pytest.raises(SystemExit) as exc:
+        main(list(map(str, argv)))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert match in err, err
+
+
+def test_cli_bad_arguments(tmp_path, capsys):
+    out = tmp_path / "x.h5"
+    expect_user_error(capsys, ["--num-clients", -3, "--out", out], "--num-clients")
+    expect_user_error(capsys, ["--source", "nope", "--num-clients", 3, "--out", out],
+                      "unknown source 'nope'")
+    expect_user_error(capsys, ["--num-clients", "abc", "--out", out], "--num-clients")
+    expect_user_error(capsys, ["--partition", "zipf", "--num-clients", 3, "--out", out],
+                      "--partition")
+    expect_user_error(capsys, ["--num-clients", 3], "--out")
+    out.write_bytes(b"precious")
+    expect_user_error(capsys, ["--num-clients", 3, "--out", out], "--force")
+    assert out.read_bytes() == b"precious"
+    expect_user_error(capsys, ["--describe", tmp_path / "missing.h5"], "does not exist")
+    expect_user_error(capsys, ["--source", "mnist", "--root", tmp_path, "--num-clients", 3,
+                               "--out", tmp_path / "m.h5"], "--download")
+
+
+def test_cli_python_dash_m(tmp_path):
+    path = tmp_path / "s.h5"
+    write(path, make_clients([(3, 1), (2, 2)]))
+    res = subprocess.run([sys.executable, "-m", "fedcp_dist.cli.partition", "--describe", path],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "synthetic" in res.stdout and "total" in res.stdout
+
+
+# ----------------------------------------------------------------------------- npz import
+
+
+def save_npz_clients(folder, clients, pickled):
+    for split in ("train", "test"):
+        (folder / split).mkdir(parents=True, exist_ok=True)
+    for i, (train_x, train_y, test_x, test_y) in enumerate(clients):
+        for split, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
+            path = folder / split / f"{i}.npz"
+            if pickled:
+                np.savez_compressed(path, data={"x": x, "y": y})
+            else:
+                np.savez_compressed(path, x=x, y=y)
+
+
+def test_npz_import_direct_arrays(tmp_path, capsys):
+    clients = make_clients([(6, 2), (4, 3), (5, 0)])
+    save_npz_clients(tmp_path / "npz", clients, pickled=False)
+    out = tmp_path / "imported.h5"
+    run_cli(capsys, "--from-npz", tmp_path / "npz", "--out", out, "--source", "mine")
+    info = read_info(out)
+    assert info.partition == "npz" and info.source == "mine" and info.num_clients == 3
+    assert info.partition_params == {"dir": str((tmp_path / "npz").resolve())}
+    assert info.num_classes == max(int(c[1].max()) for c in clients) + 1
+    assert info.input_shape == SHAPE and info.mean == (0.5,)
+    loaded = load_clients(out, [0, 1, 2])
+    for i, client in enumerate(clients):
+        assert np.array_equal(loaded[i]["train_x"], client[0])
+        assert np.array_equal(loaded[i]["test_y"], client[3])
+
+
+def test_npz_import_pickled_float(tmp_path, capsys):
+    # float images in [-1, 1] of shape (n, H, W), inside a pickled dict under 'data'
+    raw = make_clients([(5, 2), (3, 3)], shape=(6, 6))
+    floats = [(tx.astype(np.float32) / 255 * 2 - 1, ty, vx.astype(np.float32) / 255 * 2 - 1, vy)
+              for tx, ty, vx, vy in raw]
+    folder = tmp_path / "npz"
+    save_npz_clients(folder, floats, pickled=True)
+    out = tmp_path / "imported.h5"
+    expect_user_error(capsys, ["--from-npz", folder, "--out", out], "--allow-pickle")
+    assert not out.exists()
+
+    run_cli(capsys, "--from-npz", folder, "--out", out, "--allow-pickle", "--num-classes", 10)
+    info = read_info(out)
+    assert info.num_classes == 10 and info.input_shape == (1, 6, 6)
+    loaded = load_clients(out, [0, 1])
+    for i, (tx, ty, vx, vy) in enumerate(raw):
+        assert np.array_equal(loaded[i]["train_x"], tx[:, None])
+        assert np.array_equal(loaded[i]["test_x"], vx[:, None])
+        assert np.array_equal(loaded[i]["train_y"], ty)
+
+    expect_user_error(capsys, ["--from-npz", folder, "--out", tmp_path / "o.h5",
+                               "--allow-pickle", "--num-classes", 2], "--num-classes")
+
+
+def test_npz_import_bad_layout(tmp_path, capsys):
+    folder = tmp_path / "npz"
+    save_npz_clients(folder, make_clients([(2, 1)] * 3), pickled=False)
+    os.remove(folder / "train" / "1.npz")
+    expect_user_error(capsys, ["--from-npz", folder, "--out", tmp_path / "o.h5"], "missing 1.npz")
+    expect_user_error(capsys, ["--from-npz", tmp_path / "none", "--out", tmp_path / "o.h5"],
+                      "does not exist")
+
+
+# ----------------------------------------------------------------------------- real MNIST
+
+
+def test_cli_real_mnist(tmp_path, capsys):
+    if not MNIST_DIR.is_dir():
+        pytest.skip(f"real MNIST not found at {MNIST_DIR}")
+    raw = tmp_path / "root" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for gz in MNIST_DIR.glob("*-ubyte.gz"):
+        with gzip.open(gz, "rb") as src, open(raw / gz.name[:-3], "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    out = tmp_path / "mnist.h5"
+    run_cli(capsys, "--source", "mnist", "--root", tmp_path / "root", "--partition", "dir",
+            "--num-clients", 20, "--out", out)
+    info = read_info(out)
+    assert info.source == "mnist" and info.num_clients == 20
+    assert info.input_shape == (1, 28, 28) and info.num_classes == 10
+    assert int(info.train_counts.sum() + info.test_counts.sum()) == 70_000
+    assert info.train_label_counts.sum() + info.test_label_counts.sum() == 70_000
+    client = load_clients(out, [0])[0]
+    assert client["train_x"].shape[1:] == (1, 28, 28) and client["train_x"].dtype == np.uint8
