@@ -1,0 +1,41 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def partition(out: Path, *args: str) -> Path:
+    from fedcp_dist.cli.partition import main
+
+    main([*args, "--out", str(out), "--force"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def digits20(tmp_path_factory) -> Path:
+    """The embedded default: digits, 20 clients, Dir(0.1), seed 1."""
+    out = tmp_path_factory.mktemp("shards") / "digits_dir0.1_n20.h5"
+    return partition(out, "--source", "digits", "--partition", "dir", "--beta", "0.1", "--num-clients", "20", "--seed", "1")
+
+
+@pytest.fixture(scope="session")
+def digits6(tmp_path_factory) -> Path:
+    """A small partition for multi-process runs: digits, 6 clients, Dir(0.5)."""
+    out = tmp_path_factory.mktemp("shards") / "digits_dir0.5_n6.h5"
+    return partition(out, "--source", "digits", "--partition", "dir", "--beta", "0.5", "--num-clients", "6", "--seed", "2")
+
+
+def run_cmd(cmd, timeout=300, env_extra=None):
+    """Run a command from the repo root with the test interpreter's venv first on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("FEDCP_LAUNCHER", None)
+    if env_extra:
+        env.update(env_extra)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,93 @@
+"""Config loading and the run command's refusals: one line naming the key, exit 2, no traceback."""
+import sys
+
+import pytest
+
+from conftest import run_cmd
+from fedcp_dist.config import Config, load_config, parse_overrides
+from fedcp_dist.errors import UserError
+from fedcp_dist.run import main
+
+
+def test_defaults_are_the_papers():
+    c = Config()
+    assert (c.lr, c.batch_size, c.local_epochs, c.lam, c.participation, c.tau) == (0.005, 10, 1, 5.0, 1.0, 1.0)
+
+
+def test_yaml_then_overrides(digits6):
+    cfg = load_config("configs/digits_fedcp.yaml", ["rounds=7", "lam=0", "data.path=" + str(digits6), "participation_range=[0.2, 0.5]"])
+    assert cfg.rounds == 7 and cfg.lam == 0.0 and isinstance(cfg.lam, float)
+    assert cfg.data.path == str(digits6) and cfg.participation_range == [0.2, 0.5]
+    assert cfg.method == "fedcp" and cfg.lr == 0.05
+
+
+def test_parse_overrides_nested():
+    assert parse_overrides(["a=1", "data.path=x.h5", "b=true"]) == {"a": 1, "data": {"path": "x.h5"}, "b": True}
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("lrr=0.1", "lrr"),
+        ("rounds=abc", "rounds"),
+        ("rounds=1.5", "rounds"),
+        ("lam=-1", "lam"),
+        ("participation=1.5", "participation"),
+        ("participation=0", "participation"),
+        ("batch_size=0", "batch_size"),
+        ("method=fedxyz", "method"),
+        ("data.path=/nonexistent/x.h5", "data.path"),
+        ("data.pth=x", "data.pth"),
+        ("participation_range=[0.5, 0.2]", "participation_range"),
+        ("drop_last=3", "drop_last"),
+        ("lr=.nan", "lr"),
+    ],
+)
+def test_bad_values_name_the_key(override, key, capsys, digits6):
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6}", override])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert f"'{key}'" in err
+
+
+def test_unknown_key_suggests(digits6):
+    with pytest.raises(UserError, match="did you mean 'lam'"):
+        load_config(None, ["lamb=1", f"data.path={digits6}"])
+
+
+def test_client_count_must_agree(digits6, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6}", "data.num_clients=7", f"out_dir={tmp_path}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "data.num_clients" in err and "6 clients" in err
+
+
+def test_missing_and_broken_config_files(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\n")
+    for path, words in ((tmp_path / "none.yaml", "not found"), (bad, "not valid YAML")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", str(path)])
+        assert exc.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_a_finished_run_is_not_overwritten(digits6, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text('{"best_acc": 0.9}')
+    with pytest.raises(SystemExit):
+        main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6}", f"out_dir={out}", "rounds=1"])
+    assert "overwrite=true" in capsys.readouterr().err
+    assert (out / "summary.json").read_text() == '{"best_acc": 0.9}'
+
+
+def test_command_line_error_has_no_traceback(tmp_path):
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", "lam=-2"], timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "'lam'" in r.stderr
