@@ -1,7 +1,9 @@
 """Sample-weighted aggregation in one flat buffer and one all-reduce per round.
 
 Layout of the buffer: ``[Σ n_i·θ_i (every upload tensor, flattened) | Σ n_i | metric sums]``.
-The metric sums of the round ride in the same all-reduce as the parameters.
+The metric sums of the round ride in the same all-reduce as the parameters. The buffer is
+float64 by default: the sums are then exact enough that the order in which ranks add them (which
+changes with the world size) does not show in the float32 result.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 
 class FlatAggregator:
-    def __init__(self, spec: Mapping[str, torch.Size], num_metrics: int, device: torch.device, dtype=torch.float32):
+    def __init__(self, spec: Mapping[str, torch.Size], num_metrics: int, device: torch.device, dtype=torch.float64):
         self.names = list(spec)
         self.shapes = {k: torch.Size(spec[k]) for k in self.names}
         self.offsets = {}
@@ -57,5 +59,5 @@ class FlatAggregator:
             flat = self.buffer[: self.num_params] / total
             for k in self.names:
                 off = self.offsets[k]
-                mean[k] = flat[off : off + self.shapes[k].numel()].view(self.shapes[k])
+                mean[k] = flat[off : off + self.shapes[k].numel()].view(self.shapes[k]).to(torch.float32)
         return mean, total, metrics

@@ -37,7 +37,7 @@ def test_weighted_average_hand_computed():
     assert mean["w"].tolist() == pytest.approx([(1 + 12) / 4, (2 + 24) / 4])
     assert mean["b"].item() == pytest.approx(3 / 4)
     assert metrics == [5.0]
-    assert agg.nbytes == (3 + 1 + 1) * 4
+    assert agg.nbytes == (3 + 1 + 1) * 8
 
 
 def test_weighted_average_split_over_ranks_equals_one_rank():
