@@ -21,6 +21,13 @@ from fedcp_dist.errors import UserError
 METHODS = ("fedcp", "fedavg")
 MODELS = ("cnn",)
 DEVICES = ("auto", "cpu", "cuda")
+# SIGUSR1 is left alone: NCCL may use it
+PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
+#: keys that may change when a run is resumed; any other change is refused
+RESUMABLE_CHANGES = (
+    "rounds", "eval_every", "eval_batch_size", "out_dir", "overwrite", "resume", "checkpoint_every",
+    "keep_checkpoints", "preempt_signal", "device", "threads", "collective_timeout",
+)
 
 
 @dataclass
@@ -70,8 +77,16 @@ class Config:
     eval_batch_size: int = 1000
     #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
     out_dir: str = "runs/default"
-    #: replace a finished run found in out_dir (otherwise such a run is refused)
+    #: start afresh in an out_dir that holds a run (its checkpoints are removed); otherwise refused
     overwrite: bool = False
+    #: auto: continue from the newest complete checkpoint in out_dir; never: refuse an out_dir with one
+    resume: str = "auto"
+    #: checkpoint every this many rounds (0: only on a preemption signal)
+    checkpoint_every: int = 50
+    #: complete checkpoints kept
+    keep_checkpoints: int = 2
+    #: signal that asks the run to finish its round, checkpoint and exit with status 75 (SIGTERM too)
+    preempt_signal: str = "SIGUSR2"
     #: auto | cpu | cuda
     device: str = "auto"
     #: CPU threads per rank; 0 = cores / ranks on this node
@@ -99,6 +114,14 @@ class Config:
         for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size"):
             if getattr(self, key) <= 0:
                 bad(key, f"must be > 0, got {getattr(self, key)}")
+        if self.resume not in ("auto", "never"):
+            bad("resume", f"must be auto or never, got {self.resume!r}")
+        if self.checkpoint_every < 0:
+            bad("checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            bad("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        if self.preempt_signal not in PREEMPT_SIGNALS:
+            bad("preempt_signal", f"must be one of {', '.join(PREEMPT_SIGNALS)}, got {self.preempt_signal!r}")
         if self.threads < 0:
             bad("threads", f"must be >= 0, got {self.threads}")
         for key in ("lr", "lam", "tau", "participation", "collective_timeout"):

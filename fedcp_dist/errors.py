@@ -5,6 +5,14 @@ import functools
 import sys
 
 
+#: exit status of a run that was asked to stop (preemption signal), checkpointed and can be requeued
+EXIT_REQUEUE = 75
+
+
+class Preempted(Exception):
+    """Raised on every rank after the checkpoint that a preemption signal asked for is complete."""
+
+
 class UserError(Exception):
     """A mistake in what the user gave us (config, file, argument).
 
@@ -23,6 +31,9 @@ def cli_main(func):
             msg = " ".join(str(exc).split())
             print(f"error: {msg}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except Preempted as exc:
+            print(f"preempted: {exc}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_REQUEUE)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             sys.exit(130)

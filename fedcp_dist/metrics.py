@@ -61,12 +61,21 @@ class RunWriter:
                 tmp.unlink(missing_ok=True)
                 raise
 
+    def start_metrics(self, records: list) -> None:
+        """Begin metrics.jsonl afresh with ``records`` (those of a resumed checkpoint, or none)."""
+        if not self.enabled:
+            return
+        self.close()
+        text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
+        atomic_write_bytes(self.dir / "metrics.jsonl", text.encode("utf-8"))
+        self._metrics = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+
     def log(self, record: dict) -> None:
         """Append one line to metrics.jsonl and flush it."""
         if not self.enabled:
             return
         if self._metrics is None:
-            self._metrics = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
+            self.start_metrics([])
         self._metrics.write(json.dumps(record, default=_json_default) + "\n")
         self._metrics.flush()
 

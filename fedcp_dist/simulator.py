@@ -9,7 +9,11 @@ round t:
 """
 from __future__ import annotations
 
+import fcntl
+import shutil
+import signal
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -19,18 +23,19 @@ import torch.nn.functional as F
 from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
-from fedcp_dist.config import Config, dump_config
+from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.config import RESUMABLE_CHANGES, Config, dump_config
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import load_clients, read_info
-from fedcp_dist.errors import UserError
+from fedcp_dist.errors import Preempted, UserError
 from fedcp_dist.metrics import RunWriter
 from fedcp_dist.models import build_model
 from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, place_clients, sample_cohort, stream_seed
 from fedcp_dist.runtime import Runtime
 
-TRAIN_METRICS = ("train_loss_sum", "train_samples")
+TRAIN_METRICS = ("train_loss_sum", "train_samples", "stop_requests")
 EVAL_METRICS = ("correct", "test_samples", "acc_client_sum", "clients", "auc_weighted_sum", "loss_sum")
-RUN_FILES = ("metrics.jsonl", "summary.json")
+RUN_FILES = ("metrics.jsonl", "summary.json", "final_global.pt", "config.yaml")
 
 
 def micro_auc(labels: np.ndarray, probs: np.ndarray) -> float:
@@ -60,9 +65,12 @@ class Simulator:
     def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print):
         self.cfg, self.rt = cfg, rt
         self.echo = echo if rt.is_main else (lambda *_: None)
+        self._lock = None
+        self._stop_signal: Optional[int] = None
+        self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
         err: Optional[UserError] = None
         try:
-            self._check_out_dir()
+            self._prepare_out_dir()
             self.info = read_info(cfg.data.path)
             if cfg.data.num_clients and cfg.data.num_clients != self.info.num_clients:
                 raise UserError(
@@ -93,18 +101,88 @@ class Simulator:
             {k: v.shape for k, v in self.global_state.items()}, len(TRAIN_METRICS) + len(EVAL_METRICS), rt.device
         )
         self.writer = RunWriter(cfg.out_dir, rt.is_main)
+        self.start_round = 0
+        self.records: list[dict] = []
+        self.round_seconds: list[float] = []
+        err = None
+        try:
+            self._maybe_resume()
+        except UserError as exc:
+            err = exc
+        self._agree(err)
 
     # -- start-up helpers ---------------------------------------------------
-    def _check_out_dir(self) -> None:
-        if not self.rt.is_main or self.cfg.overwrite:
+    def _prepare_out_dir(self) -> None:
+        """Rank 0: lock out_dir, then refuse, clear (overwrite=true) or leave it for resuming."""
+        if not self.rt.is_main:
             return
-        from pathlib import Path
+        cfg, out = self.cfg, Path(self.cfg.out_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self._lock = open(out / ".lock", "a+")
+        except OSError as exc:
+            raise UserError(f"out_dir {out} cannot be written: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"out_dir {out} is in use by another run (lock {out / '.lock'} is held)") from None
+        if cfg.overwrite:
+            shutil.rmtree(self.ckpt.root, ignore_errors=True)
+            for f in RUN_FILES:
+                (out / f).unlink(missing_ok=True)
+            return
+        if (out / "summary.json").exists():
+            raise UserError(f"out_dir {out} holds a finished run (summary.json); choose another out_dir or pass overwrite=true")
+        if cfg.resume == "never" and (self.ckpt.exists() or (out / "metrics.jsonl").exists()):
+            raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")
 
-        found = [f for f in RUN_FILES if (Path(self.cfg.out_dir) / f).exists()]
-        if found:
-            raise UserError(
-                f"out_dir {self.cfg.out_dir} already holds a run ({found[0]}); choose another out_dir or pass overwrite=true"
+    def _maybe_resume(self) -> None:
+        if self.cfg.resume != "auto":
+            return
+        d = self.ckpt.latest(warn=self.echo)
+        if d is None:
+            return
+        rounds_done, global_state, client_states, meta = self.ckpt.load(d, self.owned, self.rt.device)
+        old = meta.get("config", {})
+        new = self.cfg.to_dict()
+        for key in sorted(set(old) | set(new)):
+            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
+                raise UserError(
+                    f"config key '{key}' is {new.get(key)!r} but the checkpointed run in {self.cfg.out_dir} used "
+                    f"{old.get(key)!r}; use another out_dir, or overwrite=true to start afresh"
+                )
+        if set(global_state) != set(self.global_state):
+            raise UserError(f"checkpoint {d} does not hold this method's global state")
+        self.global_state = global_state
+        self.algo.set_global(self.global_state)
+        self.client_states.update(client_states)
+        self.start_round = rounds_done
+        self.records = meta["records"]
+        self.round_seconds = meta["round_seconds"]
+        self.echo(f"resuming from {d} ({rounds_done} rounds done)")
+
+    def _save_checkpoint(self, rounds_done: int) -> None:
+        meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict()}
+        owned_states = {c: s for c, s in self.client_states.items()}
+        self.ckpt.save(rounds_done, self.global_state, owned_states, meta, self.rt.barrier)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is None:
+            self._stop_signal = signum
+            print(
+                f"rank {self.rt.rank}: got {signal.Signals(signum).name}; finishing the round, then checkpointing",
+                flush=True,
             )
+
+    def _install_signal_handlers(self) -> dict:
+        previous = {}
+        for name in {self.cfg.preempt_signal, "SIGTERM"}:
+            sig = getattr(signal, name)
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (embedded use): signals stay the caller's
+                pass
+        return previous
 
     def _agree(self, err: Optional[UserError]) -> None:
         """Every rank stops if any rank failed to start, with that rank's message where it has one."""
@@ -144,16 +222,27 @@ class Simulator:
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> dict:
+        previous = self._install_signal_handlers()
+        try:
+            return self._run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.writer.close()
+            if self._lock is not None:
+                self._lock.close()
+
+    def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt
         self.writer.write_text("config.yaml", dump_config(cfg))
+        self.writer.start_metrics(self.records)
         self.echo(
             f"fedcp_dist: {cfg.method} on {self.num_clients} clients ({self.info.source}), {rt.describe()}, "
             f"{len(self.owned)} clients on rank 0, loaded in {self.load_seconds:.2f} s"
         )
-        evals: list[dict] = []
-        round_seconds: list[float] = []
+        round_seconds = self.round_seconds
         zero_eval = [0.0] * len(EVAL_METRICS)
-        for t in range(cfg.rounds):
+        for t in range(self.start_round, cfg.rounds):
             t_start = time.perf_counter()
             self.agg.zero()
             evaluated = t % cfg.eval_every == 0
@@ -175,7 +264,7 @@ class Simulator:
                 samples += res.samples
             t_train = time.perf_counter() - t_start - t_eval
 
-            self.agg.add_metrics([loss_sum, samples, *ev])
+            self.agg.add_metrics([loss_sum, samples, 0.0 if self._stop_signal is None else 1.0, *ev])
             mean, total, sums = self.agg.reduce(rt)
             if total > 0:
                 self.global_state = self.algo.server_update(self.global_state, mean)
@@ -196,18 +285,24 @@ class Simulator:
             if evaluated:
                 e = {"evaluated_after": t, **eval_summary(sums[len(TRAIN_METRICS) :])}
                 record.update(e)
-                evals.append(e)
                 self._progress(t, e, record)
             self.writer.log(record)
+            self.records.append(record)
+            if sums[2] > 0:  # some rank got the preemption signal: every rank stops here
+                self._save_checkpoint(t + 1)
+                self.echo(f"checkpointed after {t + 1} rounds; exiting for requeue")
+                raise Preempted(f"checkpointed after {t + 1} rounds in {cfg.out_dir}")
+            if cfg.checkpoint_every and (t + 1) % cfg.checkpoint_every == 0 and t + 1 < cfg.rounds:
+                self._save_checkpoint(t + 1)
 
         # final evaluation, after the last round
         final = torch.tensor(self.evaluate_owned(cfg.rounds), dtype=torch.float64, device=rt.device)
         rt.all_reduce_sum_(final)
         e = {"evaluated_after": cfg.rounds, **eval_summary(final.tolist())}
-        evals.append(e)
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self._progress(cfg.rounds, e, None)
 
+        evals = [r for r in self.records if "acc" in r] + [e]
         best = max(evals, key=lambda r: r["acc"])
         summary = {
             "method": cfg.method,
@@ -225,9 +320,8 @@ class Simulator:
             "device": str(rt.device),
             "load_seconds": self.load_seconds,
         }
-        self.writer.write_json("summary.json", summary)
         self.writer.save_tensors("final_global.pt", self.global_state)
-        self.writer.close()
+        self.writer.write_json("summary.json", summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))
         return summary
 
