@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from fedcp_dist.config import dump_config, load_config
-from fedcp_dist.errors import cli_main
+from fedcp_dist.errors import Preempted, cli_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,13 @@ def main(argv=None):
     rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
     try:
         Simulator(cfg, rt).run()
+    except Preempted:
+        # torchrun turns a worker's exit status into its own: job scripts read this file instead
+        status_file = os.environ.get("FEDCP_STATUS_FILE")
+        if status_file and rt.is_main:
+            with open(status_file, "w", encoding="utf-8") as f:
+                f.write("preempted\n")
+        raise
     finally:
         rt.close()
 
