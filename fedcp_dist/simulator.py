@@ -98,7 +98,9 @@ class Simulator:
         self.algo.set_global(self.global_state)
         self.client_states: dict[int, dict] = {}
         self.agg = FlatAggregator(
-            {k: v.shape for k, v in self.global_state.items()}, len(TRAIN_METRICS) + len(EVAL_METRICS), rt.device
+            {k: self.global_state[k].shape for k in self.algo.upload_keys(self.global_state)},
+            len(TRAIN_METRICS) + len(EVAL_METRICS),
+            rt.device,
         )
         self.writer = RunWriter(cfg.out_dir, rt.is_main)
         self.start_round = 0
@@ -212,7 +214,7 @@ class Simulator:
             if d.n_test == 0:
                 continue
             ctx = Context(round_idx, cid, self._generator(STREAM_EVAL, round_idx, cid))
-            state = self.client_state(cid)
+            state = self.algo.prepare_eval(self.client_state(cid), d, ctx)
             logits = torch.cat([self.algo.predict(state, d.test_batch(i, i + bs)[0], ctx) for i in range(0, d.n_test, bs)])
             loss = float(F.cross_entropy(logits, d.test_y, reduction="sum"))
             correct = float((logits.argmax(1) == d.test_y).sum())

@@ -93,6 +93,18 @@ class Algorithm:
     def local_train(self, client_state: Optional[State], data, ctx: Context) -> LocalResult:
         raise NotImplementedError
 
+    def upload_keys(self, global_state: State) -> list:
+        """The global-state keys that participants upload and the server averages (default: all)."""
+        return list(global_state)
+
+    def prepare_eval(self, client_state: Optional[State], data, ctx: Context) -> Optional[State]:
+        """Called once per client before its test batches go through ``predict`` (default: as is).
+
+        A method that adapts before evaluating (Per-FedAvg's step on a train batch) returns the
+        adapted state here; the client's persistent state is not changed.
+        """
+        return client_state
+
     def server_update(self, global_state: State, averaged: State) -> State:
         """New global state from the sample-weighted mean of the round's uploads."""
         return {k: averaged[k].clone() if k in averaged else v for k, v in global_state.items()}
