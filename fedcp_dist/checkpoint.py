@@ -25,7 +25,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from fedcp_dist.errors import UserError
+from fedcp_dist.errors import RunFailure, UserError
 
 _ROUND_DIR = re.compile(r"^round_(\d{7})$")
 MARKER = "COMPLETE"
@@ -77,28 +77,48 @@ class Checkpointer:
         self.keep = max(1, keep)
 
     # -- writing -------------------------------------------------------------
-    def save(self, rounds_done: int, global_state: dict, client_states: dict, meta: dict, barrier) -> Path:
-        """Every rank calls this with its own clients; returns the checkpoint directory."""
+    def save(self, rounds_done: int, global_state: dict, client_states: dict, meta: dict, all_ok) -> Path:
+        """Every rank calls this with its own clients; returns the checkpoint directory.
+
+        ``all_ok(ok)`` is a collective: True when every rank passes True. A write that fails on
+        any rank (a full disk, say) leaves the previous checkpoint as the newest complete one and
+        raises :class:`RunFailure` on every rank.
+        """
         d = self.root / f"round_{rounds_done:07d}"
-        d.mkdir(parents=True, exist_ok=True)
-        part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
-        _atomic_torch_save(part, d / f"clients_{self.rank}.pt")
+        problem = None
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
+            _atomic_torch_save(part, d / f"clients_{self.rank}.pt")
+            if self.rank == 0:
+                _atomic_torch_save(
+                    {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, d / "global.pt"
+                )
+        except OSError as exc:
+            problem = exc
+        if all_ok(problem is None):  # every part is on disk
+            if self.rank == 0:
+                try:
+                    parts = ["global.pt"] + [f"clients_{r}.pt" for r in range(self.world_size)]
+                    manifest = {
+                        "round": rounds_done,
+                        "world_size": self.world_size,
+                        "sha256": {p: _sha256(d / p) for p in parts},
+                    }
+                    _atomic_write_text(d / MARKER, json.dumps(manifest, indent=1) + "\n")
+                except OSError as exc:
+                    problem = exc
+            if all_ok(problem is None):  # nobody moves on before the checkpoint counts
+                if self.rank == 0:
+                    self._prune()
+                return d
         if self.rank == 0:
-            _atomic_torch_save(
-                {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, d / "global.pt"
-            )
-        barrier()  # every part is on disk
-        if self.rank == 0:
-            parts = ["global.pt"] + [f"clients_{r}.pt" for r in range(self.world_size)]
-            manifest = {
-                "round": rounds_done,
-                "world_size": self.world_size,
-                "sha256": {p: _sha256(d / p) for p in parts},
-            }
-            _atomic_write_text(d / MARKER, json.dumps(manifest, indent=1) + "\n")
-            self._prune()
-        barrier()  # nobody moves on (or exits) before the checkpoint counts
-        return d
+            shutil.rmtree(d, ignore_errors=True)
+        why = f"{problem.strerror or problem}" if problem is not None else "a write failed on another rank"
+        raise RunFailure(
+            f"the checkpoint after round {rounds_done} could not be written ({why}); "
+            f"the previous complete checkpoint in {self.root} is intact"
+        )
 
     def _prune(self) -> None:
         complete = [d for _, d in self._round_dirs() if (d / MARKER).exists()]

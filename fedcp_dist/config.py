@@ -37,6 +37,10 @@ class DataConfig:
     path: str = ""
     #: expected number of clients; 0 takes the file's count, any other value must agree with it
     num_clients: int = 0
+    #: expected source data set (digits, mnist, cifar10, ...); empty accepts any
+    source: str = ""
+    #: expected input shape [C, H, W]; null accepts any
+    input_shape: Optional[list] = None
 
 
 @dataclass
@@ -73,6 +77,45 @@ class Config:
     cpn_train_gumbel: bool = True
     #: FedCP: add Gumbel noise at evaluation too (the reference's stochastic evaluation)
     cpn_eval_gumbel: bool = False
+    # -- baselines' hyperparameters (names and defaults from each method's paper)
+    #: FedProx: weight μ of the proximal term (μ/2)·‖w − w_global‖² (0 reproduces FedAvg exactly)
+    prox_mu: float = 1.0
+    #: Per-FedAvg: step size α of the inner (adaptation) step, also used for the one-step adaptation at evaluation
+    perfedavg_alpha: float = 0.005
+    #: Per-FedAvg: step size β of the outer (meta) step (first-order variant)
+    perfedavg_beta: float = 0.001
+    #: pFedMe: weight λ of (λ/2)·‖θ − w‖² in the personalized problem; also scales the local step w ← w − η·λ·(w − θ)
+    pfedme_lam: float = 15.0
+    #: pFedMe: K, steps that approximately solve the personalized problem on each batch
+    pfedme_k: int = 5
+    #: pFedMe: personal learning rate of those K steps (η, the local rate of w, is `lr`)
+    pfedme_lr: float = 0.09
+    #: pFedMe: server mixing β: new global = (1 − β)·old + β·average of the local w (1: plain averaging)
+    pfedme_beta: float = 1.0
+    #: Ditto: weight λ of (λ/2)·‖v − w_global‖² on the personal model v
+    ditto_lam: float = 0.1
+    #: Ditto: local epochs of the personal model v each round (the global model trains `local_epochs`)
+    ditto_epochs: int = 1
+    #: FedRep: local epochs of the personal head (extractor frozen) before the extractor's `local_epochs`
+    fedrep_head_epochs: int = 10
+    #: FedPHP: λ: local loss = (1 − λ)·CE + λ·MMD²(local features, inherited private model's features)
+    fedphp_lam: float = 0.1
+    #: FedPHP: μ̄: the inherited model's moving-average weight μ rises from 0 to μ̄ over a client's expected participations
+    fedphp_mu: float = 0.9
+    #: FedCP variant: CPN input: both (v̂ ⊙ h, the paper's) | sample (h) | client (v̂) | none (a fixed random vector)
+    cpn_input: str = "both"
+    #: FedCP variant: fully connected layers in the CPN, 1–4 (each Linear → norm → activation; 1 is the paper's)
+    cpn_layers: int = 1
+    #: FedCP variant: normalisation in the CPN: layernorm (the paper's) | batchnorm | groupnorm (2 groups) | none
+    cpn_norm: str = "layernorm"
+    #: FedCP variant: activation in the CPN: relu (the paper's) | tanh | sigmoid
+    cpn_act: str = "relu"
+    #: FedCP ablation: false drops the frozen global feature extractor module and its MMD term (λ ignored)
+    fedcp_gfm: bool = True
+    #: FedCP ablation: false drops the CPN: the whole feature goes to both heads
+    fedcp_cpn: bool = True
+    #: FedCP ablation: false drops the frozen global head (needs fedcp_cpn=false; only the extractor is shared)
+    fedcp_global_head: bool = True
     #: samples per forward pass at evaluation
     eval_batch_size: int = 1000
     #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
@@ -87,6 +130,8 @@ class Config:
     keep_checkpoints: int = 2
     #: signal that asks the run to finish its round, checkpoint and exit with status 75 (SIGTERM too)
     preempt_signal: str = "SIGUSR2"
+    #: a client's non-finite loss or update: error (stop every rank) | skip (leave it out of the round)
+    on_nonfinite: str = "error"
     #: auto | cpu | cuda
     device: str = "auto"
     #: CPU threads per rank; 0 = cores / ranks on this node
@@ -114,6 +159,8 @@ class Config:
         for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size"):
             if getattr(self, key) <= 0:
                 bad(key, f"must be > 0, got {getattr(self, key)}")
+        if self.on_nonfinite not in ("error", "skip"):
+            bad("on_nonfinite", f"must be error or skip, got {self.on_nonfinite!r}")
         if self.resume not in ("auto", "never"):
             bad("resume", f"must be auto or never, got {self.resume!r}")
         if self.checkpoint_every < 0:
@@ -153,6 +200,33 @@ class Config:
             bad("data.path", f"no such file: {self.data.path}")
         if self.data.num_clients < 0:
             bad("data.num_clients", f"must be >= 0, got {self.data.num_clients}")
+        # -- baselines' hyperparameters
+        for key in ("prox_mu", "perfedavg_alpha", "perfedavg_beta", "pfedme_lam", "pfedme_lr", "pfedme_beta",
+                    "ditto_lam", "fedphp_lam", "fedphp_mu"):
+            if not math.isfinite(getattr(self, key)):
+                bad(key, f"must be a finite number, got {getattr(self, key)}")
+        for key in ("prox_mu", "pfedme_lam", "ditto_lam"):
+            if getattr(self, key) < 0:
+                bad(key, f"must be >= 0, got {getattr(self, key)}")
+        for key in ("perfedavg_alpha", "perfedavg_beta", "pfedme_lr", "pfedme_k", "ditto_epochs", "fedrep_head_epochs"):
+            if getattr(self, key) <= 0:
+                bad(key, f"must be > 0, got {getattr(self, key)}")
+        if self.pfedme_beta <= 0:
+            bad("pfedme_beta", f"must be > 0, got {self.pfedme_beta}")
+        if not 0 <= self.fedphp_lam <= 1:
+            bad("fedphp_lam", f"must lie in [0, 1], got {self.fedphp_lam}")
+        if not 0 <= self.fedphp_mu < 1:
+            bad("fedphp_mu", f"must lie in [0, 1), got {self.fedphp_mu}")
+        if self.cpn_input not in ("both", "sample", "client", "none"):
+            bad("cpn_input", f"must be one of both, sample, client, none, got {self.cpn_input!r}")
+        if not 1 <= self.cpn_layers <= 4:
+            bad("cpn_layers", f"must lie in 1..4, got {self.cpn_layers}")
+        if self.cpn_norm not in ("layernorm", "batchnorm", "groupnorm", "none"):
+            bad("cpn_norm", f"must be one of layernorm, batchnorm, groupnorm, none, got {self.cpn_norm!r}")
+        if self.cpn_act not in ("relu", "tanh", "sigmoid"):
+            bad("cpn_act", f"must be one of relu, tanh, sigmoid, got {self.cpn_act!r}")
+        if not self.fedcp_global_head and self.fedcp_cpn:
+            bad("fedcp_global_head", "false needs fedcp_cpn=false too: the CPN splits features between the two heads")
         return self
 
 

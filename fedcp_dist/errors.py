@@ -13,6 +13,13 @@ class Preempted(Exception):
     """Raised on every rank after the checkpoint that a preemption signal asked for is complete."""
 
 
+class RunFailure(Exception):
+    """The run cannot go on (a rank died, a non-finite update, a full disk): one line, exit 1.
+
+    What is on disk stays as the last complete checkpoint left it.
+    """
+
+
 class UserError(Exception):
     """A mistake in what the user gave us (config, file, argument).
 
@@ -31,6 +38,10 @@ def cli_main(func):
             msg = " ".join(str(exc).split())
             print(f"error: {msg}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except RunFailure as exc:
+            msg = " ".join(str(exc).split())
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+            sys.exit(1)
         except Preempted as exc:
             print(f"preempted: {exc}", file=sys.stderr, flush=True)
             sys.exit(EXIT_REQUEUE)

@@ -17,13 +17,14 @@ import datetime
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from fedcp_dist.errors import UserError
+from fedcp_dist.errors import RunFailure, UserError
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
 
@@ -130,6 +131,10 @@ class Runtime:
         self.device = device
         self.backend = backend
         self.threads = threads
+        self.timeout_s = 600.0
+        #: what the run is doing, for failure messages ("round 12", "checkpoint after round 50")
+        self.phase = "start-up"
+        self.failed = False
 
     @property
     def is_main(self) -> bool:
@@ -142,15 +147,47 @@ class Runtime:
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over all ranks (a no-op on one rank)."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            try:
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
+                self._fail(exc)
         return tensor
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except Exception as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self.failed = True
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        missing = self._silent_ranks()
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} stopped answering"
+            if missing
+            else f"a peer rank died or did not answer within collective_timeout={self.timeout_s:g} s"
+        )
+        raise RunFailure(f"rank {self.rank}, {self.phase}: a collective failed: {who} ({first})") from None
+
+    def _silent_ranks(self, wait_s: float = 3.0) -> Optional[list]:
+        """Ranks that do not check in on the rendezvous store within ``wait_s`` (None: store gone)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"fedcp/alive/{self.rank}", self.phase)
+            deadline = time.monotonic() + wait_s
+            while True:
+                missing = [r for r in range(self.world_size) if not store.check([f"fedcp/alive/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.2)
+        except Exception:  # the store lived in the process that died
+            return None
 
     def close(self) -> None:
-        if self.distributed and dist.is_initialized():
+        # after a failed collective, tearing down the group can block on the dead peer
+        if self.distributed and dist.is_initialized() and not self.failed:
             dist.destroy_process_group()
 
     def describe(self) -> str:
@@ -196,4 +233,6 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         dist.init_process_group(**kwargs)
     else:
         backend = None
-    return Runtime(launcher, ep, dev, backend, n_threads)
+    rt = Runtime(launcher, ep, dev, backend, n_threads)
+    rt.timeout_s = timeout_s
+    return rt

@@ -10,6 +10,8 @@ round t:
 from __future__ import annotations
 
 import fcntl
+import math
+import os
 import shutil
 import signal
 import time
@@ -27,15 +29,32 @@ from fedcp_dist.checkpoint import Checkpointer
 from fedcp_dist.config import RESUMABLE_CHANGES, Config, dump_config
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import load_clients, read_info
-from fedcp_dist.errors import Preempted, UserError
+from fedcp_dist.errors import Preempted, RunFailure, UserError
 from fedcp_dist.metrics import RunWriter
 from fedcp_dist.models import build_model
 from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, place_clients, sample_cohort, stream_seed
 from fedcp_dist.runtime import Runtime
 
-TRAIN_METRICS = ("train_loss_sum", "train_samples", "stop_requests")
+TRAIN_METRICS = ("train_loss_sum", "train_samples", "stop_requests", "nonfinite_clients", "nonfinite_client_id_sum")
 EVAL_METRICS = ("correct", "test_samples", "acc_client_sum", "clients", "auc_weighted_sum", "loss_sum")
 RUN_FILES = ("metrics.jsonl", "summary.json", "final_global.pt", "config.yaml")
+
+
+def _finite(res) -> bool:
+    if not math.isfinite(res.loss_sum):
+        return False
+    return bool(torch.stack([torch.isfinite(t).all() for t in res.upload.values()]).all())
+
+
+def _parse_injection(spec: str):
+    """``FEDCP_INJECT_NONFINITE=ROUND:CLIENT`` (a testing hook): that client's upload becomes NaN."""
+    if not spec:
+        return None
+    try:
+        r, c = spec.split(":")
+        return int(r), int(c)
+    except ValueError:
+        raise UserError(f"FEDCP_INJECT_NONFINITE={spec!r} is not ROUND:CLIENT") from None
 
 
 def micro_auc(labels: np.ndarray, probs: np.ndarray) -> float:
@@ -67,6 +86,7 @@ class Simulator:
         self.echo = echo if rt.is_main else (lambda *_: None)
         self._lock = None
         self._stop_signal: Optional[int] = None
+        self._inject_nonfinite = _parse_injection(os.environ.get("FEDCP_INJECT_NONFINITE", ""))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
         err: Optional[UserError] = None
         try:
@@ -76,6 +96,15 @@ class Simulator:
                 raise UserError(
                     f"config key 'data.num_clients' is {cfg.data.num_clients} but {cfg.data.path} holds "
                     f"{self.info.num_clients} clients"
+                )
+            if cfg.data.source and cfg.data.source != self.info.source:
+                raise UserError(
+                    f"config key 'data.source' is {cfg.data.source!r} but {cfg.data.path} holds {self.info.source!r}"
+                )
+            if cfg.data.input_shape is not None and list(cfg.data.input_shape) != list(self.info.input_shape):
+                raise UserError(
+                    f"config key 'data.input_shape' is {list(cfg.data.input_shape)} but {cfg.data.path} holds "
+                    f"inputs of shape {list(self.info.input_shape)}"
                 )
             self.num_clients = self.info.num_clients
             self.owner = place_clients(self.info.train_counts, rt.world_size)
@@ -145,7 +174,8 @@ class Simulator:
         if d is None:
             return
         rounds_done, global_state, client_states, meta = self.ckpt.load(d, self.owned, self.rt.device)
-        old = meta.get("config", {})
+        # keys a newer version added count with their defaults
+        old = {**Config(data=self.cfg.data).to_dict(), **meta.get("config", {})}
         new = self.cfg.to_dict()
         for key in sorted(set(old) | set(new)):
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
@@ -164,9 +194,16 @@ class Simulator:
         self.echo(f"resuming from {d} ({rounds_done} rounds done)")
 
     def _save_checkpoint(self, rounds_done: int) -> None:
+        self.rt.phase = f"checkpoint after round {rounds_done}"
         meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict()}
         owned_states = {c: s for c, s in self.client_states.items()}
-        self.ckpt.save(rounds_done, self.global_state, owned_states, meta, self.rt.barrier)
+        self.ckpt.save(rounds_done, self.global_state, owned_states, meta, self._all_ok)
+
+    def _all_ok(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank (one tiny all-reduce)."""
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.rt.device)
+        self.rt.all_reduce_sum_(flag)
+        return flag.item() == 0
 
     def _on_signal(self, signum, frame) -> None:
         if self._stop_signal is None:
@@ -245,6 +282,7 @@ class Simulator:
         round_seconds = self.round_seconds
         zero_eval = [0.0] * len(EVAL_METRICS)
         for t in range(self.start_round, cfg.rounds):
+            rt.phase = f"round {t + 1}"
             t_start = time.perf_counter()
             self.agg.zero()
             evaluated = t % cfg.eval_every == 0
@@ -252,13 +290,21 @@ class Simulator:
             t_eval = time.perf_counter() - t_start
 
             cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
-            loss_sum, samples = 0.0, 0
+            loss_sum, samples, bad = 0.0, 0, []
             for cid in cohort:
                 cid = int(cid)
                 if self.owner[cid] != rt.rank:
                     continue
                 d = self.data[cid]
                 res = self.algo.local_train(self.client_state(cid), d, Context(t, cid, self._generator(STREAM_TRAIN, t, cid)))
+                if (t + 1, cid) == self._inject_nonfinite:
+                    first = next(iter(res.upload))
+                    res.upload[first] = res.upload[first] * float("nan")
+                if not _finite(res):
+                    bad.append(cid)
+                    print(f"rank {rt.rank}: round {t + 1}: client {cid} produced a non-finite loss or update "
+                          f"({'left out of the round' if cfg.on_nonfinite == 'skip' else 'stopping'})", flush=True)
+                    continue  # neither aggregated nor kept as the client's new state
                 if res.client_state is not None:
                     self.client_states[cid] = res.client_state
                 self.agg.add(res.upload, d.n_train)
@@ -266,8 +312,16 @@ class Simulator:
                 samples += res.samples
             t_train = time.perf_counter() - t_start - t_eval
 
-            self.agg.add_metrics([loss_sum, samples, 0.0 if self._stop_signal is None else 1.0, *ev])
+            stop = 0.0 if self._stop_signal is None else 1.0
+            self.agg.add_metrics([loss_sum, samples, stop, len(bad), sum(bad), *ev])
             mean, total, sums = self.agg.reduce(rt)
+            if sums[3] > 0 and cfg.on_nonfinite == "error":
+                who = f"client {int(sums[4])}" if sums[3] == 1 else f"{int(sums[3])} clients"
+                raise RunFailure(
+                    f"round {t + 1}: {who} produced a non-finite loss or update (on_nonfinite=error); the global "
+                    f"model was not updated and the last complete checkpoint is kept; on_nonfinite=skip leaves such "
+                    f"clients out of their round"
+                )
             if total > 0:
                 self.global_state = self.algo.server_update(self.global_state, mean)
                 self.algo.set_global(self.global_state)
@@ -283,6 +337,7 @@ class Simulator:
                 "allreduce_bytes": self.agg.nbytes,
                 "participants": int(len(cohort)),
                 "train_loss": sums[0] / max(sums[1], 1.0),
+                "nonfinite_skipped": int(sums[3]),
             }
             if evaluated:
                 e = {"evaluated_after": t, **eval_summary(sums[len(TRAIN_METRICS) :])}
@@ -298,6 +353,7 @@ class Simulator:
                 self._save_checkpoint(t + 1)
 
         # final evaluation, after the last round
+        rt.phase = "final evaluation"
         final = torch.tensor(self.evaluate_owned(cfg.rounds), dtype=torch.float64, device=rt.device)
         rt.all_reduce_sum_(final)
         e = {"evaluated_after": cfg.rounds, **eval_summary(final.tolist())}

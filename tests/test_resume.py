@@ -161,7 +161,7 @@ def test_resume_refuses_a_changed_config(digits6, tmp_path):
 def _fake_ckpt(tmp_path, rounds, keep=2):
     ck = Checkpointer(str(tmp_path), 0, 1, keep)
     for r in rounds:
-        ck.save(r, {"w": torch.full((3,), float(r))}, {0: {"h": torch.ones(2) * r}}, {"records": [], "round_seconds": [], "config": {}}, lambda: None)
+        ck.save(r, {"w": torch.full((3,), float(r))}, {0: {"h": torch.ones(2) * r}}, {"records": [], "round_seconds": [], "config": {}}, lambda ok: ok)
     return ck
 
 

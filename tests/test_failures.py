@@ -1,0 +1,223 @@
+"""Failures end cleanly: a dead rank, a non-finite update, a full disk, a damaged checkpoint,
+a shared out_dir, bad shards. Each test provokes the real failure."""
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from conftest import BIN, REPO, run_cmd
+from test_resume import _kill_job, _start, _wait_for
+
+from fedcp_dist import checkpoint as ckpt_mod
+from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.config import load_config
+from fedcp_dist.errors import RunFailure
+from fedcp_dist.runtime import init_runtime
+from fedcp_dist.simulator import Simulator
+
+
+def _args(shard, out, *extra):
+    return ["--config", "configs/digits_fedcp.yaml", "eval_every=1", f"data.path={shard}", f"out_dir={out}",
+            "threads=1", *extra]
+
+
+def _lines(out: Path):
+    p = out / "metrics.jsonl"
+    return p.read_text().splitlines() if p.exists() else []
+
+
+def _wait_rounds(out: Path, proc, n, timeout=180):
+    t0 = time.time()
+    while len(_lines(out)) < n:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() - t0 < timeout
+        time.sleep(0.05)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- a rank dies -------------------------------------------------------------------------------
+
+def test_dead_rank_without_a_launcher_to_clean_up(digits6, tmp_path):
+    """Two ranks rendezvous by themselves (no torchrun agent to kill the survivor): when rank 1
+    is SIGKILLed, rank 0 must stop on its own, naming rank 1 and the round."""
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500", "collective_timeout=30")],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        _wait_rounds(tmp_path, procs[0], 3)
+        procs[1].kill()
+        t0 = time.time()
+        out, err = procs[0].communicate(timeout=90)
+        elapsed = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 1
+    assert elapsed < 60
+    lines = [l for l in err.strip().splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "rank(s) 1 stopped answering" in lines[0] and "round" in lines[0]
+
+
+def test_dead_rank_under_torchrun(digits6, tmp_path):
+    proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500", "collective_timeout=30")])
+    _wait_rounds(tmp_path, proc, 3)
+    kids = [int(k) for k in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(kids) == 2
+    os.kill(kids[1], signal.SIGKILL)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 90
+    assert "local_rank: 1" in out or "rank(s) 1" in out, out[-3000:]
+
+
+def test_dead_rank_under_mpirun(digits6, tmp_path):
+    mpirun = shutil.which("mpirun", path=str(BIN))
+    if mpirun is None:
+        pytest.skip("mpirun not installed (pip install '.[mpi]')")
+    proc = _start([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "fedcp_dist.run",
+                   *_args(digits6, tmp_path, "rounds=500", "collective_timeout=30")])
+    _wait_rounds(tmp_path, proc, 3)
+    from test_resume import _descendants
+
+    ranks = [p for p in _descendants(proc.pid)[1:] if "fedcp_dist.run" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(ranks) == 2
+    os.kill(ranks[-1], signal.SIGKILL)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 90, out[-3000:]
+
+
+# -- non-finite updates --------------------------------------------------------------------------
+
+def test_nonfinite_update_stops_every_rank_and_keeps_the_checkpoint(digits6, tmp_path):
+    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fedcp_dist.run",
+                 *_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")],
+                env_extra={"FEDCP_INJECT_NONFINITE": "4:2"})
+    assert r.returncode != 0
+    assert "round 4: client 2 produced a non-finite loss or update (on_nonfinite=error)" in r.stderr
+    latest = Checkpointer(str(tmp_path), 0, 2, 2).latest()
+    assert latest is not None and latest.name == "round_0000002"
+    assert not (tmp_path / "summary.json").exists()
+    # the run continues from the good checkpoint once the cause is gone
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming from" in r.stdout and "round_0000002" in r.stdout
+
+
+def test_nonfinite_update_skipped(digits6, tmp_path):
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=3", "on_nonfinite=skip")],
+                env_extra={"FEDCP_INJECT_NONFINITE": "2:3"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "round 2: client 3 produced a non-finite loss or update (left out of the round)" in r.stdout
+    rows = [json.loads(l) for l in _lines(tmp_path) if '"round"' in l]
+    assert [row.get("nonfinite_skipped") for row in rows if row["kind"] == "round"] == [0, 1, 0]
+    assert [row["participants"] for row in rows if row["kind"] == "round"] == [6, 6, 6]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_acc"] > 0.5  # the global model stayed finite and kept learning
+
+
+# -- checkpoints on a full disk, damaged checkpoints ------------------------------------------------
+
+def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path, monkeypatch):
+    real = ckpt_mod._atomic_torch_save
+    calls = {"n": 0}
+
+    def flaky(obj, path):
+        if "round_0000004" in str(path):
+            calls["n"] += 1
+            # a partial temporary file, then the disk is full
+            Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path)
+
+    monkeypatch.setattr(ckpt_mod, "_atomic_torch_save", flaky)
+    cfg = load_config("configs/digits_fedcp.yaml", [f"data.path={digits6}", f"out_dir={tmp_path}", "rounds=6",
+                                                    "checkpoint_every=2", "eval_every=3"])
+    rt = init_runtime("cpu", 1, env={})
+    with pytest.raises(RunFailure, match="after round 4 could not be written .No space left on device.; the previous"):
+        Simulator(cfg, rt, echo=lambda *_: None).run()
+    assert calls["n"] == 1
+    ck = Checkpointer(str(tmp_path), 0, 1, 2)
+    assert ck.latest().name == "round_0000002"
+    assert not (ck.root / "round_0000004").exists()
+    assert ck.verify(ck.latest()) is None
+
+
+def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(digits6, tmp_path):
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=5", "checkpoint_every=1")],
+                env_extra={"FEDCP_INJECT_NONFINITE": "4:0"})
+    assert r.returncode == 1
+    newest = tmp_path / "checkpoints" / "round_0000003" / "clients_0.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])  # truncated, as by a crash of the file system
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=5", "checkpoint_every=1")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "round_0000003 is damaged (clients_0.pt does not match its checksum)" in r.stdout
+    assert "resuming from" in r.stdout and "round_0000002" in r.stdout
+
+
+# -- a shared out_dir ------------------------------------------------------------------------------
+
+def test_second_run_on_the_same_out_dir_is_refused(digits6, tmp_path):
+    proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500")])
+    try:
+        _wait_rounds(tmp_path, proc, 1)
+        r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500")])
+        assert r.returncode == 2
+        assert "is in use by another run" in r.stderr and "Traceback" not in r.stderr
+        assert proc.poll() is None  # the first run is untouched
+    finally:
+        _kill_job(proc)
+
+
+# -- bad shards ------------------------------------------------------------------------------------
+
+def _refused(args, *words):
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *args], timeout=120)
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def test_bad_shards_are_refused_before_training(digits6, tmp_path):
+    trunc = tmp_path / "trunc.h5"
+    data = Path(digits6).read_bytes()
+    trunc.write_bytes(data[: len(data) // 3])
+    _refused(_args(trunc, tmp_path / "a", "rounds=1"), "trunc.h5")
+    garbage = tmp_path / "garbage.h5"
+    garbage.write_bytes(b"not an hdf5 file" * 100)
+    _refused(_args(garbage, tmp_path / "b", "rounds=1"), "garbage.h5")
+    other = tmp_path / "v2.h5"
+    shutil.copy(digits6, other)
+    with h5py.File(other, "a") as f:
+        f.attrs["format_version"] = 99
+    _refused(_args(other, tmp_path / "c", "rounds=1"), "format", "99")
+    _refused(_args(digits6, tmp_path / "d", "rounds=1", "data.source=mnist"), "'data.source'", "digits")
+    _refused(_args(digits6, tmp_path / "e", "rounds=1", "data.input_shape=[3, 32, 32]"), "'data.input_shape'", "[1, 28, 28]")
+    _refused(_args(digits6, tmp_path / "f", "rounds=1", "data.num_clients=20"), "'data.num_clients'")
+    for sub in "abcdef":
+        assert not (tmp_path / sub / "metrics.jsonl").exists()
