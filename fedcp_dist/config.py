@@ -261,7 +261,7 @@ def _type_name(tp) -> str:
 
 def _apply(obj, values: dict, prefix: str = "") -> None:
     if not isinstance(values, dict):
-        raise UserError(f"config section '{prefix.rstrip('.') or '<top>'}' must be a mapping")
+        raise UserError(f"config section {prefix.rstrip('.') or '<top>'!r} must be a mapping")
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in values.items():
@@ -269,7 +269,7 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
         if not isinstance(key, str) or key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise UserError(f"unknown config key '{full}'{hint}")
+            raise UserError(f"unknown config key {full!r}{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, prefix=f"{full}.")

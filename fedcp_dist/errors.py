@@ -1,6 +1,7 @@
 """User-facing errors: one line, a non-zero exit, never a traceback."""
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
@@ -50,3 +51,10 @@ def cli_main(func):
             sys.exit(130)
 
     return wrapper
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one-line :class:`UserError` s (exit 2, no usage dump)."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message}")

@@ -11,11 +11,11 @@ import argparse
 import os
 
 from fedcp_dist.config import dump_config, load_config
-from fedcp_dist.errors import Preempted, cli_main
+from fedcp_dist.errors import ArgumentParser, Preempted, cli_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="fedcp-run",
         description="Run one federated experiment (FedCP or a baseline) on every rank of the job.",
         epilog="Overrides are key=value pairs (YAML values), e.g. rounds=50 lam=1 data.path=data/x.h5",

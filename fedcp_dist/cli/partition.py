@@ -17,20 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcp_dist.errors import UserError, cli_main
+from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 
 NPZ_NAME = re.compile(r"^(\d+)\.npz$")
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one-line :class:`UserError`\\ s."""
-
-    def error(self, message):
-        raise UserError(f"{self.prog}: {message}")
-
-
 def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fedcp-partition",
+    p = ArgumentParser(prog="fedcp-partition",
                 description="Partition a data source among federated clients into an HDF5 shard.")
     mode = p.add_argument_group("input (one of)")
     mode.add_argument("--source", default=None,
