@@ -1,0 +1,65 @@
+# shellcheck shell=bash
+# Sourced by train.sbatch and sweep.sbatch inside a SLURM batch job: one job step with one task
+# per rank, then the requeue-on-75 rule.
+#
+#   fedcp_launch ARGS...   srun the run (python -m fedcp_dist.run ARGS...) over the allocation:
+#                          one task per GPU on every node when the job has GPUs, else the job's
+#                          tasks (1 by default). Each rank reads SLURM_PROCID etc. itself. A
+#                          requeued attempt gets overwrite=false appended where ARGS set overwrite,
+#                          so that it resumes from the checkpoint instead of clearing it.
+#   fedcp_finish STATUS    75 ("preempted, checkpointed, please requeue"): `scontrol requeue` this
+#                          job (or array task) and exit 0; anything else: exit STATUS.
+#
+# FEDCP_RUN_CMD replaces `python -m fedcp_dist.run` (word-split), e.g. to wrap the run with a
+# profiler: FEDCP_RUN_CMD="nsys profile -o prof-%q{SLURM_PROCID} python -m fedcp_dist.run".
+# FEDCP_SRUN_FLAGS adds flags to the srun line (word-split).
+
+fedcp_launch() {
+    local -a run srun_flags
+    read -r -a run <<<"${FEDCP_RUN_CMD:-python -m fedcp_dist.run}"
+    read -r -a srun_flags <<<"${FEDCP_SRUN_FLAGS:-}"
+    local nodes=${SLURM_JOB_NUM_NODES:-1} gpus=${SLURM_GPUS_ON_NODE:-0}
+    if [ "$gpus" -gt 0 ] 2>/dev/null; then
+        srun_flags=(--nodes="$nodes" --ntasks-per-node="$gpus" --ntasks=$(( nodes * gpus )) "${srun_flags[@]}")
+    fi
+    # srun of Slurm 22.05 does not inherit --cpus-per-task from the job
+    if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+    # overwrite=true clears out_dir, checkpoints included: a requeued attempt must resume instead
+    local a
+    if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+        for a in "$@"; do
+            case $a in overwrite=*) set -- "$@" overwrite=false; break ;; esac
+        done
+    fi
+    local shown
+    printf -v shown ' %q' "${run[@]}" "$@"
+    echo "fedcp: job ${SLURM_JOB_ID:-?} attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on ${SLURM_JOB_NODELIST:-?}" \
+         "(${nodes} node(s), ${gpus} GPU(s) per node):$shown"
+    # srun returns the highest exit status of its tasks: 75 when every rank checkpointed and stopped
+    srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@"
+}
+
+fedcp_finish() {
+    local status=$1 id state
+    if [ "$status" != 75 ]; then
+        exit "$status"
+    fi
+    if [ -n "${SLURM_ARRAY_JOB_ID:-}" ] && [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
+        id=${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}
+    else
+        id=${SLURM_JOB_ID:?not inside a SLURM job}
+    fi
+    # a run stopped by scancel also checkpoints and exits 75: leave a cancelled job cancelled
+    state=$(scontrol show job -o "$id" 2>/dev/null | sed -n 's/.* JobState=\([A-Z_]*\).*/\1/p' || true)
+    if [ "$state" = CANCELLED ]; then
+        echo "fedcp: checkpointed (exit 75); the job was cancelled, so it is not requeued"
+        exit 75
+    fi
+    echo "fedcp: checkpointed (exit 75); requeueing job $id"
+    if scontrol requeue "$id"; then
+        exit 0  # slurmctld usually ends this attempt before we get here
+    fi
+    echo "fedcp: scontrol requeue $id failed; resubmit to resume from the checkpoint" >&2
+    exit 75
+}

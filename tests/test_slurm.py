@@ -1,0 +1,275 @@
+"""slurm/train.sbatch and slurm/sweep.sbatch as real batch jobs on the local one-node cluster.
+
+The module starts the cluster with `bash slurm/local_cluster.sh start` (root; it installs slurm-wlm
+and munge with apt-get on a fresh machine) and fails when it cannot; FEDCP_SKIP_SLURM=1 skips it.
+Jobs run as the submitting user with the test's tmp_path as their submit directory, so every path
+given to them is absolute. Every wait is bounded: a job that has not finished in time fails the
+test (with the controller's view of it) and is killed.
+"""
+import json
+import os
+import re
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from conftest import BIN, REPO
+
+CLUSTER = REPO / "slurm" / "local_cluster.sh"
+TRAIN = REPO / "slurm" / "train.sbatch"
+SWEEP = REPO / "slurm" / "sweep.sbatch"
+CONFIG = REPO / "configs" / "digits_fedcp.yaml"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+            "BOOT_FAIL", "DEADLINE"}
+
+
+def _env(extra=None):
+    """This environment with the venv first on PATH and no SLURM job of our own (sbatch propagates it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "FEDCP_"))}
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", ""), "/usr/sbin", "/sbin"])
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.environ.get("FEDCP_SKIP_SLURM") == "1":
+        pytest.skip("FEDCP_SKIP_SLURM=1")
+    was_up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True,
+                            env=_env(), timeout=60).returncode == 0
+    try:
+        p = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, env=_env(),
+                           stdin=subprocess.DEVNULL, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail("slurm/local_cluster.sh start did not finish in 600 s (set FEDCP_SKIP_SLURM=1 to skip)")
+    if p.returncode != 0:
+        pytest.fail(f"the local SLURM cluster did not start (set FEDCP_SKIP_SLURM=1 to skip these tests):\n"
+                    f"{p.stdout}{p.stderr}")
+    yield
+    if not was_up:  # leave the machine as we found it
+        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, env=_env(), timeout=120)
+
+
+#: set when a job did not finish in time: the cluster is broken, later tests fail at once
+_HUNG = []
+
+
+def submit(tmp_path, *args, env=None):
+    """sbatch ARGS from tmp_path; returns (job id, job name). Every job gets a 10-minute limit."""
+    if _HUNG:
+        pytest.fail(f"not submitted: an earlier job hung ({_HUNG[0]})")
+    name = f"fedcp-test-{uuid.uuid4().hex[:8]}"
+    p = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", "--time=10", *map(str, args)],
+                       cwd=tmp_path, env=_env(env), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, f"sbatch failed: {p.stdout}{p.stderr}"
+    return p.stdout.strip().split(";")[0], name
+
+
+def _field(record, key):
+    m = re.search(rf"(?:^| ){key}=(\S*)", record)
+    return m.group(1) if m else None
+
+
+def _records(job_id):
+    """The controller's record of the job, one `key=value ...` line per array task."""
+    p = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                       env=_env(), timeout=30)
+    return [line for line in p.stdout.splitlines() if "JobId=" in line]
+
+
+def wait(job_id, name, timeout, start_timeout=90):
+    """Poll the controller until every record of the job (each array task) has ended. Bounded: a
+    job that has not started within start_timeout s or ended within timeout s fails the test."""
+    t0 = time.monotonic()
+    started = False
+    while True:
+        records = _records(job_id)
+        states = [_field(r, "JobState") for r in records]
+        if records and all(s in TERMINAL for s in states):
+            return records
+        started = started or any(s != "PENDING" for s in states)
+        elapsed = time.monotonic() - t0
+        if elapsed >= timeout or (not started and elapsed >= start_timeout):
+            break
+        time.sleep(1)
+    subprocess.run(["scancel", "--full", "--signal=KILL", f"--name={name}"], capture_output=True, timeout=30)
+    subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=30)
+    what = [(_field(r, "JobId"), _field(r, "JobState"), _field(r, "Reason")) for r in records]
+    msg = f"job {job_id} {'did not finish' if started else 'did not start'} in {elapsed:.0f} s: {what}"
+    _HUNG.append(msg)
+    pytest.fail(msg)
+
+
+def _logs(tmp_path):
+    return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("slurm-*.out")))
+
+
+def _ok(records, tmp_path):
+    for r in records:
+        assert (_field(r, "JobState"), _field(r, "ExitCode")) == ("COMPLETED", "0:0"), f"{r}\n{_logs(tmp_path)}"
+
+
+def _overrides(shard, out, seed=1):
+    return [f"data.path={shard}", "rounds=2", "eval_every=1", "threads=1", f"seed={seed}", f"out_dir={out}"]
+
+
+def test_train_sbatch_tiny_run(cluster, digits6, tmp_path):
+    out = tmp_path / "run"
+    job, name = submit(tmp_path, TRAIN, CONFIG, *_overrides(digits6, out))
+    _ok(wait(job, name, timeout=180), tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2
+    assert summary["launcher"] == "slurm" and summary["world_size"] == 1
+    assert (tmp_path / f"slurm-{name}-{job}.out").exists()
+
+
+def test_sweep_array_two_seeds(cluster, digits6, tmp_path):
+    grid = tmp_path / "grid.txt"
+    lines = ["# seed sweep: blank and comment lines are not counted", ""]
+    lines += [" ".join(["--config", str(CONFIG), *_overrides(digits6, tmp_path / f"seed{s}", seed=s)]) for s in (1, 2)]
+    grid.write_text("\n".join(lines) + "\n")
+    job, name = submit(tmp_path, "--array=0-1", SWEEP, grid)
+    records = wait(job, name, timeout=180)
+    assert sorted(_field(r, "ArrayTaskId") for r in records) == ["0", "1"]
+    _ok(records, tmp_path)
+    for s in (1, 2):
+        assert (tmp_path / f"seed{s}" / "summary.json").exists()
+    assert {p.name for p in tmp_path.glob("slurm-*.out")} == {f"slurm-{name}-{job}_{t}.out" for t in (0, 1)}
+
+
+def test_usr2_checkpoints_requeues_and_resumes(cluster, digits6, tmp_path):
+    """The warning signal of --signal=USR2@120, sent now: the run checkpoints and exits 75, the job
+    requeues itself and the second attempt resumes from the checkpoint and finishes."""
+    out = tmp_path / "run"
+    overrides = [o for o in _overrides(digits6, out) if not o.startswith("rounds=")] + ["rounds=6"]
+    job, name = submit(tmp_path, TRAIN, CONFIG, *overrides)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()):  # the run is inside its round loop
+        if time.monotonic() > deadline:
+            wait(job, name, timeout=0, start_timeout=0)  # fails with the job's state and kills it
+        assert _field(_records(job)[0], "JobState") not in TERMINAL, f"the run ended early:\n{_logs(tmp_path)}"
+        time.sleep(0.5)
+    p = subprocess.run(["scancel", "--signal=USR2", job], capture_output=True, text=True, env=_env(), timeout=30)
+    assert p.returncode == 0, p.stderr
+    (record,) = wait(job, name, timeout=180)
+    _ok([record], tmp_path)
+    log = _logs(tmp_path)
+    assert _field(record, "Restarts") == "1", log
+    assert "got SIGUSR2" in log and f"requeueing job {job}" in log and "resuming from" in log, log
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 6
+
+
+STUB = """#!/usr/bin/env bash
+# stands in for `python -m fedcp_dist.run`: exit 75 ("checkpointed, requeue me") on the first
+# attempt, then FINAL; every attempt appends its restart count and arguments to the marker
+marker=$1; final=$2; shift 2
+printf 'restart=%s id=%s args=' "${SLURM_RESTART_COUNT:-0}" "${SLURM_ARRAY_TASK_ID:-none}" >>"$marker"
+printf '<%s>' "$@" >>"$marker"; echo >>"$marker"
+if [ "$(wc -l <"$marker")" -lt 2 ]; then exit 75; fi
+exit "$final"
+"""
+
+
+def test_exit_75_requeues_the_job(cluster, tmp_path):
+    """train.sbatch and an array task of sweep.sbatch: status 75 → scontrol requeue → second attempt."""
+    stub = tmp_path / "stub.sh"
+    stub.write_text(STUB)
+    m_train, m_sweep = tmp_path / "train.marker", tmp_path / "sweep.marker"
+    grid = tmp_path / "grid.txt"
+    grid.write_text("--config a.yaml 'participation_range=[0.5, 1.0]' seed=7\n")
+    j1, n1 = submit(tmp_path, TRAIN, "a.yaml", "rounds=3", env={"FEDCP_RUN_CMD": f"bash {stub} {m_train} 0"})
+    j2, n2 = submit(tmp_path, "--array=0", SWEEP, grid, env={"FEDCP_RUN_CMD": f"bash {stub} {m_sweep} 0"})
+    r1, r2 = wait(j1, n1, timeout=120), wait(j2, n2, timeout=120)
+    _ok(r1 + r2, tmp_path)
+    assert _field(r1[0], "Restarts") == "1" and _field(r2[0], "Restarts") == "1"
+    assert m_train.read_text().splitlines() == [
+        "restart=0 id=none args=<--config><a.yaml><rounds=3>",
+        "restart=1 id=none args=<--config><a.yaml><rounds=3>",
+    ]
+    assert m_sweep.read_text().splitlines() == [
+        "restart=0 id=0 args=<--config><a.yaml><participation_range=[0.5, 1.0]><seed=7>",
+        "restart=1 id=0 args=<--config><a.yaml><participation_range=[0.5, 1.0]><seed=7>",
+    ]
+    logs = _logs(tmp_path)
+    assert f"requeueing job {j1}" in logs and f"requeueing job {j2}_0" in logs
+
+
+def test_other_exit_status_passes_through(cluster, tmp_path):
+    stub = tmp_path / "stub.sh"
+    stub.write_text(STUB)
+    marker = tmp_path / "marker"
+    marker.write_text("an earlier attempt\n")  # so the stub exits with the final status at once
+    job, name = submit(tmp_path, TRAIN, "a.yaml", env={"FEDCP_RUN_CMD": f"bash {stub} {marker} 3"})
+    (record,) = wait(job, name, timeout=120)
+    assert (_field(record, "JobState"), _field(record, "ExitCode"), _field(record, "Restarts")) == ("FAILED", "3:0", "0")
+
+
+def test_submitit_sweep_completes_reports_and_is_not_resubmitted(cluster, digits6, tmp_path):
+    """fedcp-sweep's SLURM executor: one submitit array job of 2 tasks on the real cluster, the
+    report has both rows, and a second invocation over the finished sweep submits nothing."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(json.dumps({
+        "name": "two", "root": str(tmp_path / "sweeps"), "base": str(CONFIG),
+        "overrides": {"rounds": 2, "eval_every": 1, "threads": 1, "data.path": str(digits6)},
+        "grid": {"method": ["fedcp", "fedavg"]},
+        "executor": {"kind": "slurm", "nproc": 1, "slurm": {"partition": "debug", "gpus_per_task": 0,
+                     "tasks_per_node": 1, "cpus_per_task": 1, "time_min": 10}},
+    }))
+    run = lambda *a: subprocess.run([str(BIN / "fedcp-sweep"), str(sweep), *a], cwd=REPO, env=_env(),  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    p = run("--wait")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "array job" in p.stdout and "2 task(s)" in p.stdout
+    rows = list((tmp_path / "sweeps" / "two" / "runs").glob("*/summary.json"))
+    assert len(rows) == 2
+    assert {json.loads(r.read_text())["launcher"] for r in rows} == {"slurm"}
+    r = subprocess.run([str(BIN / "fedcp-report"), str(tmp_path / "sweeps" / "two")], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    table = (tmp_path / "sweeps" / "two" / "report.md").read_text()
+    assert re.search(r"\| fedcp \|.*±", table) and re.search(r"\| fedavg \|.*±", table), table
+    again = run("--wait")
+    assert again.returncode == 0 and "nothing to submit" in again.stdout and "submitted" not in again.stdout
+
+
+def _rank_pids(out_dir):
+    pids = []
+    for cmd in os.listdir("/proc"):
+        if not cmd.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{cmd}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"python" in os.path.basename(argv[0]) and b"fedcp_dist.run" in argv and f"out_dir={out_dir}".encode() in argv:
+            pids.append(int(cmd))
+    return sorted(pids)
+
+
+def test_dead_rank_under_srun_ends_the_job(cluster, digits6, tmp_path):
+    """A 2-rank job step: SIGKILL one rank mid-run; the job ends (FAILED) within bounded time."""
+    out = tmp_path / "run"
+    overrides = [o for o in _overrides(digits6, out) if not o.startswith("rounds=")] + ["rounds=500", "collective_timeout=30"]
+    job, name = submit(tmp_path, "-n", "2", TRAIN, CONFIG, *overrides)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 150
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            if time.monotonic() > deadline:
+                wait(job, name, timeout=0, start_timeout=0)
+            time.sleep(0.5)
+        pids = _rank_pids(out)
+        assert len(pids) == 2, pids
+        os.kill(pids[-1], 9)
+        t0 = time.monotonic()
+        (record,) = wait(job, name, timeout=120)
+        assert time.monotonic() - t0 < 90
+        assert _field(record, "JobState") == "FAILED", f"{record}\n{_logs(tmp_path)}"
+        assert not (out / "summary.json").exists()
+        assert _rank_pids(out) == []
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], capture_output=True, env=_env(), timeout=30)
