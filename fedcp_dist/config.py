@@ -18,7 +18,7 @@ import yaml
 
 from fedcp_dist.errors import UserError
 
-METHODS = ("fedcp", "fedavg")
+METHODS = ("fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "ditto", "fedper", "fedrep", "fedrod", "fedphp")
 MODELS = ("cnn",)
 DEVICES = ("auto", "cpu", "cuda")
 # SIGUSR1 is left alone: NCCL may use it
@@ -47,7 +47,7 @@ class DataConfig:
 class Config:
     """A whole run. Defaults are the paper's for the 4-layer CNN."""
 
-    #: federated method: fedcp | fedavg
+    #: federated method: fedcp | fedavg | fedprox | perfedavg | pfedme | ditto | fedper | fedrep | fedrod | fedphp
     method: str = "fedcp"
     #: model: cnn (the paper's 4-layer CNN, sized from the shard's input shape)
     model: str = "cnn"

@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 from fedcp_dist.algorithms.base import Algorithm
+from fedcp_dist.algorithms.ditto import Ditto
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.fedcp import FedCP
+from fedcp_dist.algorithms.fedcp_variants import FedCPVariant, is_variant
+from fedcp_dist.algorithms.fedper import FedPer
+from fedcp_dist.algorithms.fedphp import FedPHP
+from fedcp_dist.algorithms.fedprox import FedProx
+from fedcp_dist.algorithms.fedrep import FedRep
+from fedcp_dist.algorithms.fedrod import FedRoD
+from fedcp_dist.algorithms.perfedavg import PerFedAvg
+from fedcp_dist.algorithms.pfedme import PFedMe
 
-ALGORITHMS = {cls.name: cls for cls in (FedCP, FedAvg)}
+ALGORITHMS = {
+    cls.name: cls
+    for cls in (FedCP, FedAvg, FedProx, PerFedAvg, PFedMe, Ditto, FedPer, FedRep, FedRoD, FedPHP)
+}
 
 
 def make_algorithm(name: str, cfg, model, device) -> Algorithm:
+    """The method ``name``; FedCP with any ablation or CPN-design key off its default is FedCPVariant."""
+    if name == "fedcp" and is_variant(cfg):
+        return FedCPVariant(cfg, model, device)
     return ALGORITHMS[name](cfg, model, device)

@@ -1,0 +1,61 @@
+"""FedRep (Collins, Hassani, Mokhtari, Shakkottai, ICML 2021): shared representation, personal head.
+
+Each round a participant loads the global extractor φ and its own head h_i, then
+
+1. trains the head alone for ``fedrep_head_epochs`` epochs, φ frozen;
+2. trains φ alone for ``local_epochs`` epochs (1, the paper's), the head frozen;
+
+and uploads φ only; the head stays on the client. While φ is frozen its features do not change,
+so step 1 computes them once (chunks of ``eval_batch_size``, no graph) and trains the head on them:
+the same updates (up to float rounding) as running the extractor on every batch, without its cost.
+Evaluation: the global extractor with the client's head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fedcp_dist.algorithms.fedper import FedPer
+from fedcp_dist.local_train import batch_indices, sgd
+
+
+class FedRep(FedPer):
+    name = "fedrep"
+
+    @torch.no_grad()
+    def _features(self, data) -> torch.Tensor:
+        fe = self.model.features
+        step = max(1, int(self.cfg.eval_batch_size))
+        chunks = [fe(data.train_batch(torch.arange(i, min(i + step, data.n_train), device=data.train_y.device))[0])
+                  for i in range(0, data.n_train, step)]
+        return torch.cat(chunks) if chunks else torch.zeros(0, self.model.head.in_features, device=data.train_y.device)
+
+    def _train_head(self, data, ctx):
+        """Head epochs on the frozen extractor's features; returns (loss sum, samples)."""
+        cfg = self.cfg
+        head = self.model.head
+        h, y = self._features(data), data.train_y
+
+        def loss_fn(idx):
+            return F.cross_entropy(head(h[idx]), y[idx])
+
+        batches = batch_indices(data.n_train, cfg.batch_size, cfg.fedrep_head_epochs, cfg.drop_last, ctx.generator)
+        return sgd(head.parameters(), batches, loss_fn, cfg.lr)
+
+    def _train_extractor(self, data, ctx):
+        """Extractor epochs with the head frozen (only the extractor's parameters step)."""
+        cfg = self.cfg
+        model = self.model
+
+        def loss_fn(idx):
+            x, y = data.train_batch(idx)
+            return F.cross_entropy(model(x), y)
+
+        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
+        return sgd(model.features.parameters(), batches, loss_fn, cfg.lr)
+
+    def local_train(self, client_state, data, ctx):
+        self._receive(client_state)
+        l_head, n_head = self._train_head(data, ctx)
+        l_fe, n_fe = self._train_extractor(data, ctx)
+        return self._result(l_head + l_fe, n_head + n_fe)

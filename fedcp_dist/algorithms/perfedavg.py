@@ -1,0 +1,84 @@
+"""Per-FedAvg (Fallah, Mokhtari, Ozdaglar, NeurIPS 2020), first-order variant.
+
+The global model w is a meta-model for the personalised objective F_i(w) = f_i(w − α·∇f_i(w)).
+Each local step draws two batches D and D' (consecutive batches of the client's shuffled epochs):
+
+    w̃ = w − α·∇f(w; D)          (inner, adaptation step)
+    w ← w − β·∇f(w̃; D')          (outer step; first-order: the Hessian term is dropped)
+
+The server averages the w's as FedAvg does. A client's personalised model is the global w after one
+adaptation step on one of its train batches (drawn from the evaluation stream), which is what
+``prepare_eval`` returns; nothing persists per client.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fedcp_dist.algorithms.base import LocalResult, copy_module, load_module, module_state
+from fedcp_dist.algorithms.fedavg import FedAvg
+from fedcp_dist.local_train import batch_indices
+
+
+class PerFedAvg(FedAvg):
+    name = "perfedavg"
+
+    def _grads(self, params, data, idx):
+        x, y = data.train_batch(idx)
+        loss = F.cross_entropy(self.model(x), y)
+        return loss, torch.autograd.grad(loss, params)
+
+    def local_train(self, client_state, data, ctx):
+        cfg = self.cfg
+        model = self.model
+        copy_module(model, self.global_model)
+        model.train()
+        params = list(model.parameters())
+        batches = list(batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator))
+        # one meta step per pair of consecutive batches (an odd last batch is left out); a client with
+        # a single batch uses it as both D and D'
+        steps = max(1, len(batches) // 2) if batches else 0
+        loss_sum, seen = None, 0
+        for j in range(steps):
+            d_in, d_out = batches[2 * j], batches[(2 * j + 1) % len(batches)]
+            w = [p.detach().clone() for p in params]
+            _, g_in = self._grads(params, data, d_in)
+            with torch.no_grad():
+                torch._foreach_add_(params, g_in, alpha=-cfg.perfedavg_alpha)  # w̃
+            loss, g_out = self._grads(params, data, d_out)
+            with torch.no_grad():
+                torch._foreach_copy_(params, w)
+                torch._foreach_add_(params, g_out, alpha=-cfg.perfedavg_beta)
+            b = int(d_out.shape[0])
+            seen += b
+            contrib = loss.detach() * b
+            loss_sum = contrib if loss_sum is None else loss_sum + contrib
+        return LocalResult(
+            upload=module_state("", model),
+            client_state=None,
+            loss_sum=float(loss_sum) if loss_sum is not None else 0.0,
+            samples=seen,
+        )
+
+    def prepare_eval(self, client_state, data, ctx):
+        """The global model after one step of size α on one train batch (drawn from ctx.generator)."""
+        if data.n_train == 0:
+            return None
+        model = self.model
+        copy_module(model, self.global_model)
+        params = list(model.parameters())
+        g = ctx.generator
+        idx = torch.randperm(data.n_train, generator=g, device=g.device)[: self.cfg.batch_size]
+        with torch.enable_grad():  # the engine evaluates under no_grad
+            _, grads = self._grads(params, data, idx)
+        with torch.no_grad():
+            torch._foreach_add_(params, grads, alpha=-self.cfg.perfedavg_alpha)
+        return module_state("", model)
+
+    @torch.no_grad()
+    def predict(self, client_state, x, ctx):
+        if client_state is None:
+            return self.global_model(x)
+        load_module(self.model, client_state, "")
+        self.model.eval()
+        return self.model(x)

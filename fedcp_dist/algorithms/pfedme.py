@@ -1,0 +1,79 @@
+"""pFedMe (Dinh, Tran, Nguyen, NeurIPS 2020): personalisation with Moreau envelopes.
+
+Client i's personalised model θ_i solves min_θ f_i(θ) + (λ/2)·‖θ − w‖² around its local copy w of
+the global model. On each local batch D:
+
+    K steps  θ ← θ − η_p·(∇f(θ; D) + λ·(θ − w))      (approximate inner solution, own lr η_p)
+    then     w ← w − η·λ·(w − θ)                       (η = ``lr``)
+
+θ and w both start from the received global model each round and θ warm-starts across batches.
+The participants upload w; the server mixes: new global = (1 − β)·old + β·Σ n_i w_i / Σ n_i.
+θ_i (persisted per client, the initial model until the client first trains) is what is evaluated.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from fedcp_dist.algorithms.base import LocalResult, copy_module, freeze, load_module, module_state
+from fedcp_dist.algorithms.fedavg import FedAvg
+from fedcp_dist.local_train import batch_indices
+
+
+class PFedMe(FedAvg):
+    name = "pfedme"
+
+    def __init__(self, cfg, model, device):
+        super().__init__(cfg, model, device)
+        self.theta = copy.deepcopy(self.model)  # θ, trained on the inner problem
+        self.eval_model = freeze(copy.deepcopy(self.model)).eval()
+        self._init_state = module_state("", self.model)
+
+    def init_client_state(self, client):
+        return {k: v.clone() for k, v in self._init_state.items()}
+
+    def local_train(self, client_state, data, ctx):
+        cfg = self.cfg
+        lam, eta, plr = float(cfg.pfedme_lam), float(cfg.lr), float(cfg.pfedme_lr)
+        copy_module(self.model, self.global_model)
+        copy_module(self.theta, self.global_model)
+        self.model.train()
+        self.theta.train()
+        w = list(self.model.parameters())
+        th = list(self.theta.parameters())
+        loss_sum, seen = None, 0
+        for idx in batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator):
+            x, y = data.train_batch(idx)
+            for _ in range(cfg.pfedme_k):
+                loss = F.cross_entropy(self.theta(x), y)
+                grads = list(torch.autograd.grad(loss, th))
+                with torch.no_grad():
+                    torch._foreach_add_(grads, torch._foreach_sub(th, w), alpha=lam)  # ∇f + λ(θ − w)
+                    torch._foreach_add_(th, grads, alpha=-plr)
+            with torch.no_grad():
+                torch._foreach_add_(w, torch._foreach_sub(w, th), alpha=-eta * lam)  # w ← w − ηλ(w − θ)
+            b = int(idx.shape[0])
+            seen += b
+            contrib = loss.detach() * b
+            loss_sum = contrib if loss_sum is None else loss_sum + contrib
+        return LocalResult(
+            upload=module_state("", self.model),
+            client_state=module_state("", self.theta) if seen else client_state,
+            loss_sum=float(loss_sum) if loss_sum is not None else 0.0,
+            samples=seen,
+        )
+
+    def server_update(self, global_state, averaged):
+        beta = float(self.cfg.pfedme_beta)
+        if beta == 1.0:
+            return super().server_update(global_state, averaged)
+        return {
+            k: ((1.0 - beta) * v + beta * averaged[k]) if k in averaged else v for k, v in global_state.items()
+        }
+
+    @torch.no_grad()
+    def predict(self, client_state, x, ctx):
+        load_module(self.eval_model, client_state, "")
+        return self.eval_model(x)
