@@ -174,9 +174,15 @@ class Simulator:
         if d is None:
             return
         rounds_done, global_state, client_states, meta = self.ckpt.load(d, self.owned, self.rt.device)
+
+        def flat(d):
+            out = {k: v for k, v in d.items() if k != "data"}
+            out.update({f"data.{k}": v for k, v in d.get("data", {}).items()})
+            return out
+
         # keys a newer version added count with their defaults
-        old = {**Config(data=self.cfg.data).to_dict(), **meta.get("config", {})}
-        new = self.cfg.to_dict()
+        old = {**flat(Config().to_dict()), **flat(meta.get("config", {}))}
+        new = flat(self.cfg.to_dict())
         for key in sorted(set(old) | set(new)):
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
                 raise UserError(
