@@ -24,7 +24,7 @@ run: $(STAMP) $(DIGITS)
 		--config configs/digits_fedcp.yaml overwrite=true
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=10 tests
 
 clean-runs:
 	rm -rf runs
