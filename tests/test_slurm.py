@@ -269,6 +269,9 @@ def test_dead_rank_under_srun_ends_the_job(cluster, digits6, tmp_path):
         (record,) = wait(job, name, timeout=120)
         assert time.monotonic() - t0 < 90
         assert _field(record, "JobState") == "FAILED", f"{record}\n{_logs(tmp_path)}"
+        log = _logs(tmp_path)
+        # srun names the dead task ("task 1: Killed"), or the survivor names the silent rank
+        assert re.search(r"task 1: (Killed|Exited)", log) or "rank(s) 1" in log, log
         assert not (out / "summary.json").exists()
         assert _rank_pids(out) == []
     finally:
