@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Iterable, Optional
 import torch
 
 from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
 
 _ROUND_DIR = re.compile(r"^round_(\d{7})$")
 MARKER = "COMPLETE"
@@ -40,29 +40,11 @@ def _sha256(path: Path) -> str:
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_torch_save(obj, path)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _cpu(state: dict) -> dict:

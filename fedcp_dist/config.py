@@ -307,26 +307,43 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def read_yaml_mapping(path, what: str = "config file") -> dict:
+    """A YAML file that must hold a mapping (empty → {}); every problem is a one-line UserError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{what} {path} cannot be read: {exc}") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        loc = f" (line {where.line + 1})" if where is not None else ""
+        raise UserError(f"{what} {path} is not valid YAML{loc}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise UserError(f"{what} {path} must hold a mapping of keys to values")
+    return values
+
+
+def flatten(values: dict, prefix: str = "") -> dict:
+    """``{"data": {"path": x}, "lr": 1}`` → ``{"data.path": x, "lr": 1}``."""
+    out = {}
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{full}."))
+        else:
+            out[full] = value
+    return out
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate: bool = True) -> Config:
     """Defaults ← YAML file ← ``key=value`` overrides, then validation."""
     cfg = Config()
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                values = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise UserError(f"config file not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"config file {path} cannot be read: {exc}") from None
-        except yaml.YAMLError as exc:
-            where = getattr(exc, "problem_mark", None)
-            loc = f" (line {where.line + 1})" if where is not None else ""
-            raise UserError(f"config file {path} is not valid YAML{loc}") from None
-        if values is None:
-            values = {}
-        if not isinstance(values, dict):
-            raise UserError(f"config file {path} must hold a mapping of keys to values")
-        _apply(cfg, values)
+        _apply(cfg, read_yaml_mapping(path))
     if overrides:
         _apply(cfg, parse_overrides(overrides))
     if validate:

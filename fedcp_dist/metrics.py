@@ -6,25 +6,12 @@ Files: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per round), ``s
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
 
 
 def _json_default(o: Any):
@@ -53,13 +40,7 @@ class RunWriter:
 
     def save_tensors(self, name: str, state: dict) -> None:
         if self.enabled:
-            tmp = self.dir / f".{name}.tmp-{os.getpid()}"
-            try:
-                torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
-                os.replace(tmp, self.dir / name)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self.dir / name)
 
     def start_metrics(self, records: list) -> None:
         """Begin metrics.jsonl afresh with ``records`` (those of a resumed checkpoint, or none)."""

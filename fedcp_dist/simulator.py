@@ -26,7 +26,7 @@ from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.config import RESUMABLE_CHANGES, Config, dump_config
+from fedcp_dist.config import RESUMABLE_CHANGES, Config, dump_config, flatten
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import load_clients, read_info
 from fedcp_dist.errors import Preempted, RunFailure, UserError
@@ -175,14 +175,9 @@ class Simulator:
             return
         rounds_done, global_state, client_states, meta = self.ckpt.load(d, self.owned, self.rt.device)
 
-        def flat(d):
-            out = {k: v for k, v in d.items() if k != "data"}
-            out.update({f"data.{k}": v for k, v in d.get("data", {}).items()})
-            return out
-
         # keys a newer version added count with their defaults
-        old = {**flat(Config().to_dict()), **flat(meta.get("config", {}))}
-        new = flat(self.cfg.to_dict())
+        old = {**flatten(Config().to_dict()), **flatten(meta.get("config", {}))}
+        new = flatten(self.cfg.to_dict())
         for key in sorted(set(old) | set(new)):
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
                 raise UserError(

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import yaml
 
+from fedcp_dist.config import flatten
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 
 MANIFEST = "sweep.json"
@@ -89,15 +90,6 @@ class Run:
         return self._curve
 
 
-def _flatten(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in values.items():
-        full = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{full}."))
-        else:
-            out[full] = value
-    return out
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -114,7 +106,7 @@ def _read_config(path: Path) -> dict:
             data = yaml.safe_load(f)
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return {}
-    return _flatten(data) if isinstance(data, dict) else {}
+    return flatten(data) if isinstance(data, dict) else {}
 
 
 def _fmt_value(value: Any) -> str:

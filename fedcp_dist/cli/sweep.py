@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import yaml
 
-from fedcp_dist.config import Config, load_config
+from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 
 MANIFEST = "sweep.json"
@@ -135,19 +135,10 @@ def point_name(params: dict) -> str:
     return name
 
 
-def _flatten(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in values.items():
-        full = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{full}."))
-        else:
-            out[full] = value
-    return out
 
 
 def _config_keys() -> set:
-    return set(_flatten(Config().to_dict()))
+    return set(flatten(Config().to_dict()))
 
 
 def _display_path(path: Path) -> str:
@@ -257,18 +248,8 @@ class Sweep:
 
 
 def _read_yaml(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise UserError(f"sweep file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"sweep file {path} cannot be read: {exc}") from None
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        loc = f" (line {where.line + 1})" if where is not None else ""
-        raise UserError(f"sweep file {path} is not valid YAML{loc}") from None
-    if not isinstance(values, dict):
+    values = read_yaml_mapping(path, "sweep file")
+    if not values:
         raise UserError(f"sweep file {path} must hold a mapping (name, base, grid, ...)")
     return values
 
@@ -375,7 +356,7 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     overrides = raw.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise UserError(f"sweep key 'overrides' must be a mapping of config keys to values, got {overrides!r}")
-    overrides = _flatten(overrides)
+    overrides = flatten(overrides)
     for key in overrides:
         if key in RESERVED:
             raise UserError(f"sweep key 'overrides.{key}': {key} is set by the sweep (one run directory per point)")
@@ -389,7 +370,7 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     grid = raw.get("grid")
     if not isinstance(grid, dict) or not grid:
         raise UserError("sweep key 'grid' is required: a mapping of config keys to lists of values")
-    grid = _flatten(grid)
+    grid = flatten(grid)
     config_keys = _config_keys()
     part_block = raw.get("partition")
     if part_block is not None:
@@ -495,10 +476,10 @@ def _config_drift(sweep: Sweep, point: Point) -> list:
     """Config keys whose value in a finished run's config.yaml differs from the point's."""
     try:
         with open(point.run_dir / "config.yaml", encoding="utf-8") as f:
-            have = _flatten(yaml.safe_load(f) or {})
+            have = flatten(yaml.safe_load(f) or {})
     except (OSError, yaml.YAMLError):
         return []
-    want = _flatten(_point_config(sweep, point).to_dict())
+    want = flatten(_point_config(sweep, point).to_dict())
     drift = []
     for key, value in want.items():
         if key in DRIFT_IGNORED or key not in have:
