@@ -89,6 +89,8 @@ def main(argv=None):
     p.add_argument("--mnist-root", default=str(REPO.parent / "shared" / "data" / "mnist"))
     p.add_argument("--config", default=str(REPO / "configs" / "mnist_dir0.1_fedcp.yaml"))
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--startup-only", action="store_true",
+                   help="measure start-up (placement + loading this rank's clients) and its memory, then stop")
     p.add_argument("--json", default=str(REPO / "bench" / "last.json"))
     p.add_argument("overrides", nargs="*", help="config overrides (default rounds=3)")
     args = p.parse_args(argv)
@@ -110,7 +112,18 @@ def main(argv=None):
     cfg.rounds = timed + args.warmup
     rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
     cfg.out_dir = out_dir
+    t_start = time.perf_counter()
     sim = Simulator(cfg, rt, echo=lambda *_: None)
+    if args.startup_only:
+        startup = time.perf_counter() - t_start
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        held = sum(d.train_x.numel() + d.test_x.numel() for d in sim.data.values()) / 2**20
+        print(f"rank {rt.rank}: {len(sim.owned)} of {sim.num_clients} clients, start-up {startup:.2f} s "
+              f"(loading the shard {sim.load_seconds:.2f} s), {held:.1f} MiB of images held, peak RSS {rss:.0f} MiB",
+              flush=True)
+        rt.close()
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return
 
     # FLOPs per trained and per evaluated sample, counted on this rank's largest client
     big = max(sim.owned, key=lambda c: sim.data[c].n_train)
