@@ -236,10 +236,10 @@ class Config:
 # loading and overriding
 
 
-def _type_ok(value: Any, tp) -> bool:
+def type_ok(value: Any, tp) -> bool:
     origin = typing.get_origin(tp)
     if origin is typing.Union:  # Optional[...]
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
+        return any(type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
     if tp is bool:
@@ -276,7 +276,7 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, prefix=f"{full}.")
             continue
-        if not _type_ok(value, tp):
+        if not type_ok(value, tp):
             raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}")
         if tp is float:
             value = float(value)

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, IO
-
-import torch
+from typing import IO, Callable
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -31,4 +29,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def atomic_torch_save(obj, path: Path) -> None:
+    import torch  # here, so that command-line tools that never save tensors start fast
+
     atomic_write(path, lambda f: torch.save(obj, f))

@@ -35,8 +35,9 @@ from typing import Any, Optional
 
 import yaml
 
-from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
+from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping, type_ok
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
+from fedcp_dist.fileio import atomic_write_bytes
 
 MANIFEST = "sweep.json"
 MANIFEST_FORMAT = 1
@@ -150,26 +151,12 @@ def _display_path(path: Path) -> str:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(str(word), list(choices), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _typed(value: Any, tp) -> bool:
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is list:
-        return isinstance(value, list)
-    return isinstance(value, tp)
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -280,7 +267,7 @@ def _partition_argv(params: dict) -> list:
 
 def _check_partition_value(key: str, value, where: str) -> None:
     tp = PARTITION_KEYS[key]
-    if not _typed(value, tp):
+    if not type_ok(value, tp):
         raise UserError(f"{where}: expected {tp.__name__}, got {value!r}")
 
 
@@ -339,12 +326,12 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     if kind not in EXECUTORS:
         raise UserError(f"sweep key 'executor.kind': {kind!r} is not one of {', '.join(EXECUTORS)}")
     nproc = executor.get("nproc", 1)
-    if not _typed(nproc, int) or nproc < 1:
+    if not type_ok(nproc, int) or nproc < 1:
         raise UserError(f"sweep key 'executor.nproc' must be an integer >= 1, got {nproc!r}")
     slurm = dict(_check_mapping(executor.get("slurm"), "executor.slurm", SLURM_KEYS))
     for key, value in slurm.items():
         tp = SLURM_KEYS[key][0]
-        if not _typed(value, tp) or (tp in (int, float) and value < 0):
+        if not type_ok(value, tp) or (tp in (int, float) and value < 0):
             raise UserError(f"sweep key 'executor.slurm.{key}': expected a {'non-negative ' if tp in (int, float) else ''}"
                             f"{tp.__name__} ({SLURM_KEYS[key][1]}), got {value!r}")
     tasks = slurm.get("tasks_per_node")
