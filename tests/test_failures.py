@@ -15,7 +15,7 @@ import h5py
 import pytest
 
 from conftest import BIN, REPO, run_cmd
-from test_resume import _kill_job, _start, _wait_for
+from test_resume import _kill_job, _start
 
 from fedcp_dist import checkpoint as ckpt_mod
 from fedcp_dist.checkpoint import Checkpointer

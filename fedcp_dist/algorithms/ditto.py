@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import copy
 
-import torch
 import torch.nn.functional as F
 
-from fedcp_dist.algorithms.base import LocalResult, freeze, load_module, module_state
-from fedcp_dist.algorithms.fedavg import FedAvg
+from fedcp_dist.algorithms.base import LocalResult, load_module, module_state
+from fedcp_dist.algorithms.fedavg import FedAvgWithPersonalModel
 from fedcp_dist.algorithms.fedprox import proximal_term
 from fedcp_dist.local_train import batch_indices, sgd
 
 
-class Ditto(FedAvg):
+class Ditto(FedAvgWithPersonalModel):
     name = "ditto"
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         self.personal = copy.deepcopy(self.model)  # v, trained
-        self.eval_model = freeze(copy.deepcopy(self.model)).eval()
-        self._init_state = module_state("", self.model)
-
-    def init_client_state(self, client):
-        return {k: v.clone() for k, v in self._init_state.items()}
 
     def local_train(self, client_state, data, ctx):
         cfg = self.cfg
@@ -56,8 +50,3 @@ class Ditto(FedAvg):
             loss_sum=res.loss_sum + p_loss,
             samples=res.samples + p_seen,
         )
-
-    @torch.no_grad()
-    def predict(self, client_state, x, ctx):
-        load_module(self.eval_model, client_state, "")
-        return self.eval_model(x)

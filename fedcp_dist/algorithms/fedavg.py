@@ -40,3 +40,24 @@ class FedAvg(Algorithm):
     @torch.no_grad()
     def predict(self, client_state, x, ctx):
         return self.global_model(x)
+
+
+class FedAvgWithPersonalModel(FedAvg):
+    """FedAvg plus a persistent per-client model that is what is evaluated (Ditto's v, pFedMe's θ).
+
+    The client state is that model's parameters; before a client first trains it is the initial
+    global model.
+    """
+
+    def __init__(self, cfg, model, device):
+        super().__init__(cfg, model, device)
+        self.eval_model = freeze(copy.deepcopy(self.model)).eval()
+        self._init_state = module_state("", self.model)
+
+    def init_client_state(self, client):
+        return {k: v.clone() for k, v in self._init_state.items()}
+
+    @torch.no_grad()
+    def predict(self, client_state, x, ctx):
+        load_module(self.eval_model, client_state, "")
+        return self.eval_model(x)

@@ -17,22 +17,17 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from fedcp_dist.algorithms.base import LocalResult, copy_module, freeze, load_module, module_state
-from fedcp_dist.algorithms.fedavg import FedAvg
+from fedcp_dist.algorithms.base import LocalResult, copy_module, module_state
+from fedcp_dist.algorithms.fedavg import FedAvgWithPersonalModel
 from fedcp_dist.local_train import batch_indices
 
 
-class PFedMe(FedAvg):
+class PFedMe(FedAvgWithPersonalModel):
     name = "pfedme"
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         self.theta = copy.deepcopy(self.model)  # θ, trained on the inner problem
-        self.eval_model = freeze(copy.deepcopy(self.model)).eval()
-        self._init_state = module_state("", self.model)
-
-    def init_client_state(self, client):
-        return {k: v.clone() for k, v in self._init_state.items()}
 
     def local_train(self, client_state, data, ctx):
         cfg = self.cfg
@@ -72,8 +67,3 @@ class PFedMe(FedAvg):
         return {
             k: ((1.0 - beta) * v + beta * averaged[k]) if k in averaged else v for k, v in global_state.items()
         }
-
-    @torch.no_grad()
-    def predict(self, client_state, x, ctx):
-        load_module(self.eval_model, client_state, "")
-        return self.eval_model(x)
