@@ -18,8 +18,12 @@ import yaml
 
 from fedcp_dist.errors import UserError
 
-METHODS = ("fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "ditto", "fedper", "fedrep", "fedrod", "fedphp")
-MODELS = ("cnn",)
+METHODS = (
+    "fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep", "fedrod", "fedfomo",
+    "fedphp",
+)
+MODELS = ("cnn", "resnet18", "fasttext")
+AMP_MODES = ("none", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 # SIGUSR1 is left alone: NCCL may use it
 PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
@@ -27,6 +31,7 @@ PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
 RESUMABLE_CHANGES = (
     "rounds", "eval_every", "eval_batch_size", "out_dir", "overwrite", "resume", "checkpoint_every",
     "keep_checkpoints", "preempt_signal", "device", "threads", "collective_timeout", "on_nonfinite",
+    "peer_memory_mb", "fused", "fused_group",
     # checks of the shard against the config, not part of the run's trajectory
     "data.num_clients", "data.source", "data.input_shape",
 )
@@ -49,10 +54,13 @@ class DataConfig:
 class Config:
     """A whole run. Defaults are the paper's for the 4-layer CNN."""
 
-    #: federated method: fedcp | fedavg | fedprox | perfedavg | pfedme | ditto | fedper | fedrep | fedrod | fedphp
+    #: federated method: fedcp | fedavg | fedprox | perfedavg | pfedme | fedamp | ditto | fedper | fedrep | fedrod | fedfomo | fedphp
     method: str = "fedcp"
-    #: model: cnn (the paper's 4-layer CNN, sized from the shard's input shape)
+    #: model: cnn (the paper's 4-layer CNN, sized from the shard's input shape) | resnet18 | fasttext (text shards)
     model: str = "cnn"
+    #: BatchNorm running statistics (ResNet-18): false keeps each client's own (the reference's behaviour);
+    #: true averages them across participants with the same sample weights as the parameters
+    aggregate_bn_stats: bool = False
     #: communication rounds
     rounds: int = 100
     #: evaluate every this many rounds (before that round's training), and after the last round
@@ -104,6 +112,22 @@ class Config:
     fedphp_lam: float = 0.1
     #: FedPHP: μ̄: the inherited model's moving-average weight μ rises from 0 to μ̄ over a client's expected participations
     fedphp_mu: float = 0.9
+    #: FedAMP: α_K, step size of the attention update; the local proximal weight is fedamp_lam / α_K
+    fedamp_alpha_k: float = 1.0
+    #: FedAMP: λ, weight of the proximal term (λ / (2·α_K))·‖w − u_i‖² toward the client's aggregated model u_i
+    fedamp_lam: float = 1.0
+    #: FedAMP: σ of the attention function: ξ_ij = α_K · exp(−‖w_i − w_j‖² / σ) / σ for j ≠ i
+    fedamp_sigma: float = 1.0
+    #: FedFomo: M, other clients' models each participant downloads and weighs every round
+    fedfomo_m: int = 5
+    #: FedFomo: fraction of each client's training samples held out as its validation split
+    fedfomo_val_ratio: float = 0.2
+    #: FedFomo: ε of the ε-greedy choice of models (random with probability ε, else the highest affinity)
+    fedfomo_eps: float = 0.3
+    #: FedFomo: ε falls by this much every round (not below 0)
+    fedfomo_eps_decay: float = 0.05
+    #: FedAMP/FedFomo: MiB per rank that the models exchanged between clients may use; a run above it is refused
+    peer_memory_mb: float = 4096.0
     #: FedCP variant: CPN input: both (v̂ ⊙ h, the paper's) | sample (h) | client (v̂) | none (a fixed random vector)
     cpn_input: str = "both"
     #: FedCP variant: fully connected layers in the CPN, 1–4 (each Linear → norm → activation; 1 is the paper's)
@@ -120,6 +144,12 @@ class Config:
     fedcp_global_head: bool = True
     #: samples per forward pass at evaluation
     eval_batch_size: int = 1000
+    #: train a group of a rank's clients at once (stacked parameters, one vmapped forward/backward)
+    fused: bool = False
+    #: clients per fused group; 0 picks it from free memory
+    fused_group: int = 0
+    #: mixed precision of local training and evaluation: none | bf16 (autocast; meant for CUDA)
+    amp: str = "none"
     #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
     out_dir: str = "runs/default"
     #: start afresh in an out_dir that holds a run (its checkpoints are removed); otherwise refused
@@ -219,6 +249,22 @@ class Config:
             bad("fedphp_lam", f"must lie in [0, 1], got {self.fedphp_lam}")
         if not 0 <= self.fedphp_mu < 1:
             bad("fedphp_mu", f"must lie in [0, 1), got {self.fedphp_mu}")
+        for key in ("fedamp_alpha_k", "fedamp_lam", "fedamp_sigma", "fedfomo_val_ratio", "fedfomo_eps",
+                    "fedfomo_eps_decay", "peer_memory_mb"):
+            if not math.isfinite(getattr(self, key)):
+                bad(key, f"must be a finite number, got {getattr(self, key)}")
+        for key in ("fedamp_alpha_k", "fedamp_sigma", "fedfomo_m", "peer_memory_mb"):
+            if getattr(self, key) <= 0:
+                bad(key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("fedamp_lam", "fedfomo_eps_decay", "fused_group"):
+            if getattr(self, key) < 0:
+                bad(key, f"must be >= 0, got {getattr(self, key)}")
+        if not 0 < self.fedfomo_val_ratio < 1:
+            bad("fedfomo_val_ratio", f"must lie in (0, 1), got {self.fedfomo_val_ratio}")
+        if not 0 <= self.fedfomo_eps <= 1:
+            bad("fedfomo_eps", f"must lie in [0, 1], got {self.fedfomo_eps}")
+        if self.amp not in AMP_MODES:
+            bad("amp", f"must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         if self.cpn_input not in ("both", "sample", "client", "none"):
             bad("cpn_input", f"must be one of both, sample, client, none, got {self.cpn_input!r}")
         if not 1 <= self.cpn_layers <= 4:
