@@ -260,6 +260,19 @@ class Simulator:
             sums += (correct, d.n_test, correct / d.n_test, 1.0, auc * d.n_test, loss)
         return sums.tolist()
 
+    def _train_owned(self, t: int, cids: list[int]):
+        """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
+        items = [(self.client_state(c), self.data[c], Context(t, c, self._generator(STREAM_TRAIN, t, c))) for c in cids]
+        if not self.cfg.fused:
+            for c, (state, d, ctx) in zip(cids, items):
+                yield c, self.algo.local_train(state, d, ctx)
+            return
+        size = self.cfg.fused_group or self.algo.fused_group_size([d for _, d, _ in items])
+        for start in range(0, len(items), size):
+            group = items[start : start + size]
+            for c, res in zip(cids[start : start + size], self.algo.local_train_group(group)):
+                yield c, res
+
     # -- the loop ----------------------------------------------------------------
     def run(self) -> dict:
         previous = self._install_signal_handlers()
@@ -292,12 +305,8 @@ class Simulator:
 
             cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
             loss_sum, samples, bad = 0.0, 0, []
-            for cid in cohort:
-                cid = int(cid)
-                if self.owner[cid] != rt.rank:
-                    continue
+            for cid, res in self._train_owned(t, [int(c) for c in cohort if self.owner[int(c)] == rt.rank]):
                 d = self.data[cid]
-                res = self.algo.local_train(self.client_state(cid), d, Context(t, cid, self._generator(STREAM_TRAIN, t, cid)))
                 if (t + 1, cid) == self._inject_nonfinite:
                     first = next(iter(res.upload))
                     res.upload[first] = res.upload[first] * float("nan")

@@ -93,6 +93,19 @@ class Algorithm:
     def local_train(self, client_state: Optional[State], data, ctx: Context) -> LocalResult:
         raise NotImplementedError
 
+    def local_train_group(self, items: list) -> list:
+        """Train several clients, ``items`` = [(client_state, data, ctx), ...]; one LocalResult each.
+
+        The engine calls this instead of ``local_train`` when ``fused=true``. The default trains
+        them one after another; a method with a fused path trains the group at once and must give
+        the same results within float tolerance.
+        """
+        return [self.local_train(state, data, ctx) for state, data, ctx in items]
+
+    def fused_group_size(self, datas: list) -> int:
+        """Clients per fused group when ``fused_group=0`` (default: all of them at once)."""
+        return max(1, len(datas))
+
     def upload_keys(self, global_state: State) -> list:
         """The global-state keys that participants upload and the server averages (default: all)."""
         return list(global_state)
