@@ -153,6 +153,17 @@ class Runtime:
                 self._fail(exc)
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape on all ranks), stacked in rank order: (world_size, *shape)."""
+        if not self.distributed:
+            return tensor.unsqueeze(0)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(out, tensor.contiguous())
+        except Exception as exc:
+            self._fail(exc)
+        return torch.stack(out)
+
     def barrier(self) -> None:
         if self.distributed:
             try:

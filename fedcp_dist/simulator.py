@@ -38,12 +38,16 @@ from fedcp_dist.runtime import Runtime
 TRAIN_METRICS = ("train_loss_sum", "train_samples", "stop_requests", "nonfinite_clients", "nonfinite_client_id_sum")
 EVAL_METRICS = ("correct", "test_samples", "acc_client_sum", "clients", "auc_weighted_sum", "loss_sum")
 RUN_FILES = ("metrics.jsonl", "summary.json", "final_global.pt", "config.yaml")
+BN_STAT_SUFFIXES = (".running_mean", ".running_var")
+BN_PREFIX = "__bn__/"  # a client's own BatchNorm statistics, inside its checkpointed state
 
 
 def _finite(res) -> bool:
+    """The loss, the upload and the new client state (a personal-only method uploads nothing) are finite."""
     if not math.isfinite(res.loss_sum):
         return False
-    return bool(torch.stack([torch.isfinite(t).all() for t in res.upload.values()]).all())
+    tensors = [*res.upload.values(), *(res.client_state or {}).values()]
+    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def _parse_injection(spec: str):
@@ -123,11 +127,20 @@ class Simulator:
         torch.manual_seed(cfg.seed)  # the same initial model on every rank
         model = build_model(cfg.model, self.info.input_shape, self.info.num_classes)
         self.algo = make_algorithm(cfg.method, cfg, model, rt.device)
+        self.algo.num_clients = self.num_clients
+        counts = np.bincount(self.owner, minlength=rt.world_size)
+        self.peer_bytes = self._check_peer_memory(int(counts.max()))
         self.global_state = self.algo.init_global_state()
         self.algo.set_global(self.global_state)
         self.client_states: dict[int, dict] = {}
+        upload = self.algo.upload_keys(self.global_state)
+        #: BatchNorm running statistics stay with each client unless aggregate_bn_stats=true
+        self.bn_keys = [] if cfg.aggregate_bn_stats else [k for k in upload if k.endswith(BN_STAT_SUFFIXES)]
+        self.client_bn: dict[int, dict] = {}
+        if self.bn_keys and cfg.fused:
+            self.echo("fused=true is not used: the model's BatchNorm statistics are per client (aggregate_bn_stats=false)")
         self.agg = FlatAggregator(
-            {k: self.global_state[k].shape for k in self.algo.upload_keys(self.global_state)},
+            {k: self.global_state[k].shape for k in upload if k not in self.bn_keys},
             len(TRAIN_METRICS) + len(EVAL_METRICS),
             rt.device,
         )
@@ -143,6 +156,21 @@ class Simulator:
         self._agree(err)
 
     # -- start-up helpers ---------------------------------------------------
+    def _check_peer_memory(self, max_owned: int) -> int:
+        """Bytes per rank of the method's other-client models plus the exchange buffer; refuse over budget."""
+        dim = self.algo.peer_dim
+        if not dim:
+            return 0
+        need = self.algo.peer_memory_bytes(self.num_clients) + self.rt.world_size * max_owned * (dim + 1) * 4
+        budget = self.cfg.peer_memory_mb * 2**20
+        if need > budget:
+            raise UserError(
+                f"{self.cfg.method} needs {need / 2**20:.0f} MiB per rank for other clients' models "
+                f"({self.num_clients} clients, {dim} values each) but peer_memory_mb={self.cfg.peer_memory_mb:g}; "
+                f"raise peer_memory_mb or use fewer clients"
+            )
+        return need
+
     def _prepare_out_dir(self) -> None:
         """Rank 0: lock out_dir, then refuse, clear (overwrite=true) or leave it for resuming."""
         if not self.rt.is_main:
@@ -188,7 +216,12 @@ class Simulator:
             raise UserError(f"checkpoint {d} does not hold this method's global state")
         self.global_state = global_state
         self.algo.set_global(self.global_state)
-        self.client_states.update(client_states)
+        for c, state in client_states.items():
+            bn = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
+            rest = {k: v for k, v in state.items() if not k.startswith(BN_PREFIX)}
+            if bn:
+                self.client_bn[c] = bn
+            self.client_states[c] = rest if rest else None
         self.start_round = rounds_done
         self.records = meta["records"]
         self.round_seconds = meta["round_seconds"]
@@ -197,7 +230,10 @@ class Simulator:
     def _save_checkpoint(self, rounds_done: int) -> None:
         self.rt.phase = f"checkpoint after round {rounds_done}"
         meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict()}
-        owned_states = {c: s for c, s in self.client_states.items()}
+        owned_states = {
+            c: {**(self.client_states.get(c) or {}), **{BN_PREFIX + k: v for k, v in self.client_bn.get(c, {}).items()}}
+            for c in set(self.client_states) | set(self.client_bn)
+        }
         self.ckpt.save(rounds_done, self.global_state, owned_states, meta, self._all_ok)
 
     def _all_ok(self, ok: bool) -> bool:
@@ -242,6 +278,13 @@ class Simulator:
             self.client_states[cid] = self.algo.init_client_state(cid)
         return self.client_states[cid]
 
+    def _use_client_bn(self, cid: int) -> None:
+        """Hand the algorithm the global state with client ``cid``'s own BatchNorm statistics."""
+        if self.bn_keys and cid in self.client_bn:
+            self.algo.set_global({**self.global_state, **self.client_bn[cid]})
+        elif self.bn_keys:
+            self.algo.set_global(self.global_state)
+
     @torch.no_grad()
     def evaluate_owned(self, round_idx: int) -> list[float]:
         """Sums over this rank's clients of the personalized models' test metrics."""
@@ -252,6 +295,7 @@ class Simulator:
             if d.n_test == 0:
                 continue
             ctx = Context(round_idx, cid, self._generator(STREAM_EVAL, round_idx, cid))
+            self._use_client_bn(cid)
             state = self.algo.prepare_eval(self.client_state(cid), d, ctx)
             logits = torch.cat([self.algo.predict(state, d.test_batch(i, i + bs)[0], ctx) for i in range(0, d.n_test, bs)])
             loss = float(F.cross_entropy(logits, d.test_y, reduction="sum"))
@@ -263,8 +307,9 @@ class Simulator:
     def _train_owned(self, t: int, cids: list[int]):
         """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
         items = [(self.client_state(c), self.data[c], Context(t, c, self._generator(STREAM_TRAIN, t, c))) for c in cids]
-        if not self.cfg.fused:
+        if not self.cfg.fused or self.bn_keys:
             for c, (state, d, ctx) in zip(cids, items):
+                self._use_client_bn(c)
                 yield c, self.algo.local_train(state, d, ctx)
             return
         size = self.cfg.fused_group or self.algo.fused_group_size([d for _, d, _ in items])
@@ -272,6 +317,23 @@ class Simulator:
             group = items[start : start + size]
             for c, res in zip(cids[start : start + size], self.algo.local_train_group(group)):
                 yield c, res
+
+    def _exchange_peers(self, t: int, cohort, payloads: dict) -> float:
+        """One all-gather of the participants' peer payloads; the algorithm updates the global state."""
+        t0 = time.perf_counter()
+        self.rt.phase = f"round {t + 1}: peer exchange"
+        rows = max(1, int(np.bincount(self.owner[np.asarray(cohort, dtype=np.int64)], minlength=self.rt.world_size).max()))
+        buf = torch.zeros(rows, self.algo.peer_dim + 1, dtype=torch.float32, device=self.rt.device)
+        for i, cid in enumerate(sorted(payloads)):
+            buf[i, 0] = cid + 1  # 0 marks an empty row (a left-out client, or fewer participants here)
+            buf[i, 1:] = payloads[cid]
+        gathered = self.rt.all_gather(buf).view(-1, self.algo.peer_dim + 1)
+        tags = gathered[:, 0].long().tolist()
+        peers = {tag - 1: gathered[i, 1:] for i, tag in sorted(enumerate(tags), key=lambda it: it[1]) if tag > 0}
+        self.global_state = self.algo.receive_peers(t, self.global_state, peers)
+        self.algo.set_global(self.global_state)
+        self.rt.phase = f"round {t + 1}"
+        return time.perf_counter() - t0
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> dict:
@@ -304,12 +366,13 @@ class Simulator:
             t_eval = time.perf_counter() - t_start
 
             cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
-            loss_sum, samples, bad = 0.0, 0, []
+            loss_sum, samples, bad, payloads = 0.0, 0, [], {}
             for cid, res in self._train_owned(t, [int(c) for c in cohort if self.owner[int(c)] == rt.rank]):
                 d = self.data[cid]
                 if (t + 1, cid) == self._inject_nonfinite:
-                    first = next(iter(res.upload))
-                    res.upload[first] = res.upload[first] * float("nan")
+                    target = res.upload or res.client_state
+                    first = next(iter(target))
+                    target[first] = target[first] * float("nan")
                 if not _finite(res):
                     bad.append(cid)
                     print(f"rank {rt.rank}: round {t + 1}: client {cid} produced a non-finite loss or update "
@@ -317,6 +380,10 @@ class Simulator:
                     continue  # neither aggregated nor kept as the client's new state
                 if res.client_state is not None:
                     self.client_states[cid] = res.client_state
+                if self.bn_keys:
+                    self.client_bn[cid] = {k: res.upload.pop(k) for k in self.bn_keys}
+                if self.algo.peer_dim:
+                    payloads[cid] = self.algo.peer_payload(res)
                 self.agg.add(res.upload, d.n_train)
                 loss_sum += res.loss_sum
                 samples += res.samples
@@ -335,6 +402,7 @@ class Simulator:
             if total > 0:
                 self.global_state = self.algo.server_update(self.global_state, mean)
                 self.algo.set_global(self.global_state)
+            peer_seconds = self._exchange_peers(t, cohort, payloads) if self.algo.peer_dim else 0.0
             seconds = time.perf_counter() - t_start
             round_seconds.append(seconds)
             record = {
@@ -345,6 +413,7 @@ class Simulator:
                 "eval_seconds": t_eval,
                 "allreduce_seconds": self.agg.last_seconds,
                 "allreduce_bytes": self.agg.nbytes,
+                **({"peer_exchange_seconds": peer_seconds} if self.algo.peer_dim else {}),
                 "participants": int(len(cohort)),
                 "train_loss": sums[0] / max(sums[1], 1.0),
                 "nonfinite_skipped": int(sums[3]),

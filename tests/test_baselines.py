@@ -32,7 +32,7 @@ from fedcp_dist.local_train import batch_indices
 from fedcp_dist.models import build_model
 
 CPU = torch.device("cpu")
-BASELINES = ("fedprox", "perfedavg", "pfedme", "ditto", "fedper", "fedrep", "fedrod", "fedphp")
+BASELINES = ("fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep", "fedrod", "fedfomo", "fedphp")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from fedcp_dist.algorithms.base import Algorithm
 from fedcp_dist.algorithms.ditto import Ditto
+from fedcp_dist.algorithms.fedamp import FedAMP
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.algorithms.fedcp_variants import FedCPVariant, is_variant
+from fedcp_dist.algorithms.fedfomo import FedFomo
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.algorithms.fedphp import FedPHP
 from fedcp_dist.algorithms.fedprox import FedProx
@@ -16,7 +18,7 @@ from fedcp_dist.algorithms.pfedme import PFedMe
 
 ALGORITHMS = {
     cls.name: cls
-    for cls in (FedCP, FedAvg, FedProx, PerFedAvg, PFedMe, Ditto, FedPer, FedRep, FedRoD, FedPHP)
+    for cls in (FedCP, FedAvg, FedProx, PerFedAvg, PFedMe, FedAMP, Ditto, FedPer, FedRep, FedRoD, FedFomo, FedPHP)
 }
 
 

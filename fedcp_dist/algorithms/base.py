@@ -78,6 +78,8 @@ class Algorithm:
     def __init__(self, cfg, model: nn.Module, device: torch.device):
         self.cfg = cfg
         self.device = device
+        #: clients in the run; the engine sets it from the shard before ``init_global_state``
+        self.num_clients = int(cfg.data.num_clients)
 
     def init_global_state(self) -> State:
         raise NotImplementedError
@@ -105,6 +107,22 @@ class Algorithm:
     def fused_group_size(self, datas: list) -> int:
         """Clients per fused group when ``fused_group=0`` (default: all of them at once)."""
         return max(1, len(datas))
+
+    # -- the peer exchange (methods that need other clients' models: FedAMP, FedFomo) ------------
+    #: length of the flat float32 vector each participant shares with every rank (0: no exchange)
+    peer_dim = 0
+
+    def peer_payload(self, result: LocalResult) -> torch.Tensor:
+        """The flat float32 vector (``peer_dim`` long) a participant shares after training."""
+        raise NotImplementedError
+
+    def receive_peers(self, round_idx: int, global_state: State, peers: Dict[int, torch.Tensor]) -> State:
+        """New global state from the round's ``{client: payload}`` (the same on every rank)."""
+        raise NotImplementedError
+
+    def peer_memory_bytes(self, num_clients: int) -> int:
+        """Bytes per rank the method keeps for other clients' models (its part of the global state)."""
+        return 0
 
     def upload_keys(self, global_state: State) -> list:
         """The global-state keys that participants upload and the server averages (default: all)."""

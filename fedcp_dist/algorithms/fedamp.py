@@ -1,0 +1,72 @@
+"""FedAMP (Huang et al., AAAI 2021): attentive message passing between similar clients.
+
+No global model. Before client i trains in round t it gets its own aggregated model
+
+    u_i = ξ_ii·w_i + Σ_{j≠i} ξ_ij·w_j,   ξ_ij = α_K·A'(‖w_i − w_j‖²) = α_K·exp(−‖w_i − w_j‖²/σ)/σ,
+    ξ_ii = 1 − Σ_{j≠i} ξ_ij,
+
+over the models w_j that arrived in the previous round (the bank's ``fresh`` rows) and its own
+current model w_i; with none (round 1) u_i = w_i. The client then trains its own model from w_i
+on F_i(w) + (λ/(2·α_K))·‖w − u_i‖² (gradient ∇F_i + (λ/α_K)·(w − u_i)) with plain SGD. w_i is
+its persistent state, what it shares, and what is evaluated.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fedcp_dist.algorithms.base import LocalResult, load_module, module_state
+from fedcp_dist.algorithms.fedprox import proximal_term
+from fedcp_dist.algorithms.peers import PeerBankMethod
+from fedcp_dist.local_train import batch_indices, sgd
+
+
+class FedAMP(PeerBankMethod):
+    name = "fedamp"
+
+    def attention_weights(self, client: int, w: torch.Tensor) -> torch.Tensor:
+        """ξ_i· over all N clients (0 for clients without a fresh model); ξ_ii = 1 − the rest."""
+        cfg = self.cfg
+        bank, fresh = self.gs["bank"], self.gs["fresh"]
+        xi = torch.zeros(self.num_clients, dtype=torch.float64, device=w.device)
+        for j in torch.nonzero(fresh).flatten().tolist():
+            if j != client:
+                d = float(torch.sum((bank[j] - w) ** 2, dtype=torch.float64))
+                xi[j] = cfg.fedamp_alpha_k * math.exp(-d / cfg.fedamp_sigma) / cfg.fedamp_sigma
+        xi[client] = 1.0 - xi.sum()
+        return xi
+
+    def aggregated_model(self, client: int, w: torch.Tensor) -> torch.Tensor:
+        """u_i, flat."""
+        xi = self.attention_weights(client, w)
+        others = xi.clone()
+        others[client] = 0.0
+        u = float(xi[client]) * w
+        if bool((others != 0).any()):
+            u = u + torch.mv(self.gs["bank"].t(), others.to(torch.float32))
+        return u
+
+    def local_train(self, client_state, data, ctx):
+        cfg = self.cfg
+        u = self.unflat(self.aggregated_model(ctx.client, self.flat(client_state)))
+        model = self.model
+        load_module(model, client_state, "")
+        model.train()
+        params = [p for _, p in model.named_parameters()]
+        anchors = [u[n] for n in self.param_names]
+        coef = cfg.fedamp_lam / cfg.fedamp_alpha_k
+
+        def loss_fn(idx):
+            x, y = data.train_batch(idx)
+            loss = F.cross_entropy(model(x), y)
+            if coef > 0:
+                loss = loss + (0.5 * coef) * proximal_term(params, anchors)
+            return loss
+
+        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
+        loss_sum, seen = sgd(params, batches, loss_fn, cfg.lr)
+        new_state = module_state("", model)
+        return LocalResult(upload={}, client_state=new_state, loss_sum=loss_sum, samples=seen,
+                           extra={"peer": self.flat(new_state)})
