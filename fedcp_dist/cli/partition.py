@@ -4,6 +4,8 @@ Three modes::
 
     fedcp-partition --source digits --partition dir --num-clients 20 --beta 0.1 --seed 1 \\
         --out data/digits_dir0.1_n20.h5
+    fedcp-partition --source agnews --root DIR --max-len 200 --vocab-size 50000 --min-freq 1 \\
+        --partition dir --num-clients 20 --out data/agnews_dir0.1_n20.h5
     fedcp-partition --describe data/digits_dir0.1_n20.h5
     fedcp-partition --from-npz DIR --out FILE [--num-classes C] [--source NAME] [--allow-pickle]
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_VOCAB_SIZE
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 
 NPZ_NAME = re.compile(r"^(\d+)\.npz$")
@@ -28,12 +31,25 @@ def _build_parser() -> argparse.ArgumentParser:
     mode = p.add_argument_group("input (one of)")
     mode.add_argument("--source", default=None,
                       help="data source: digits (default, offline), mnist, fmnist, cifar10, "
-                           "cifar100; with --from-npz, the name recorded in the file")
+                           "cifar100, tinyimagenet, agnews (text); with --from-npz, the name "
+                           "recorded in the file")
     mode.add_argument("--describe", metavar="FILE", help="summarise an existing shard file")
     mode.add_argument("--from-npz", metavar="DIR",
                       help="import DIR/train/{i}.npz and DIR/test/{i}.npz client files")
-    p.add_argument("--root", help="directory holding torchvision data sets")
-    p.add_argument("--download", action="store_true", help="let torchvision download the source")
+    p.add_argument("--root", help="directory holding the source's files (torchvision's layout for "
+                                  "mnist, fmnist, cifar10, cifar100; tiny-imagenet-200/; AG News "
+                                  "train.csv and test.csv)")
+    p.add_argument("--download", action="store_true",
+                   help="let torchvision download the source (mnist, fmnist, cifar10, cifar100)")
+    text = p.add_argument_group("text sources (agnews)")
+    text.add_argument("--max-len", type=int, default=None,
+                      help=f"tokens kept per text, padded with id 0 (default {DEFAULT_MAX_LEN})")
+    text.add_argument("--vocab-size", type=int, default=None,
+                      help=f"most token ids, padding (0) and unknown (1) included "
+                           f"(default {DEFAULT_VOCAB_SIZE})")
+    text.add_argument("--min-freq", type=int, default=None,
+                      help=f"fewest occurrences in the training texts for a token to get its own "
+                           f"id (default {DEFAULT_MIN_FREQ})")
     p.add_argument("--partition", default="dir", choices=("dir", "pat", "iid"),
                    help="partition scheme (default dir)")
     p.add_argument("--num-clients", type=int, help="number of clients")
@@ -75,31 +91,52 @@ def _check_out(args) -> Path:
 
 
 def _with_progress(clients, total: int):
-    """Yield ``clients`` unchanged, printing progress about every 10% of ``total``."""
-    step = max(1, total // 10)
-    for i, client in enumerate(clients):
-        yield client
-        done = i + 1
-        if total >= 20 and (done % step == 0 or done == total):
-            _say(f"  wrote {done}/{total} clients")
+    """Yield ``clients`` unchanged under a progress bar (shown once writing takes 2 s)."""
+    from fedcp_dist.data.sources import progress
+
+    return progress(clients, total=total, desc="writing clients", unit="client")
 
 
 def _summary(path: Path) -> None:
     from fedcp_dist.data.shards import read_info
 
     info = read_info(path)
+    vocab = f", vocabulary of {info.vocab_size} tokens" if info.kind == "text" else ""
     _say(f"wrote {path}: {info.num_clients} clients, {int(info.train_counts.sum())} train / "
          f"{int(info.test_counts.sum())} test samples, input {info.input_shape}, "
-         f"{info.num_classes} classes")
+         f"{info.num_classes} classes{vocab}")
+
+
+def _text_options(args, kind: str, source_name: str) -> dict:
+    """The text options given (defaults filled in); an error if given for an image source."""
+    given = {"max_len": args.max_len, "vocab_size": args.vocab_size, "min_freq": args.min_freq}
+    if kind != "text":
+        for key, value in given.items():
+            if value is not None:
+                raise UserError(f"--{key.replace('_', '-')} applies to text sources (agnews) "
+                                f"only, not to '{source_name}'")
+        return {}
+    defaults = {"max_len": DEFAULT_MAX_LEN, "vocab_size": DEFAULT_VOCAB_SIZE,
+                "min_freq": DEFAULT_MIN_FREQ}
+    opts = {k: (defaults[k] if v is None else v) for k, v in given.items()}
+    if opts["max_len"] < 1:
+        raise UserError(f"--max-len must be >= 1, got {opts['max_len']}")
+    if opts["vocab_size"] < 3:
+        raise UserError(f"--vocab-size must be >= 3 (it counts the padding and unknown ids), "
+                        f"got {opts['vocab_size']}")
+    if opts["min_freq"] < 1:
+        raise UserError(f"--min-freq must be >= 1, got {opts['min_freq']}")
+    return opts
 
 
 def _partition(args) -> None:
-    from fedcp_dist.data.partition import least_samples, make_partition
+    from fedcp_dist.data.partition import client_rows, least_samples, make_partition
     from fedcp_dist.data.shards import write_shard
-    from fedcp_dist.data.sources import check_source_name, load_source
+    from fedcp_dist.data.sources import load_source, source_kind
 
     source_name = args.source or "digits"
-    check_source_name(source_name)
+    kind = source_kind(source_name)
+    text_opts = _text_options(args, kind, source_name)
     if args.num_clients is None:
         raise UserError("--num-clients is required")
     if args.num_clients < 1:
@@ -117,8 +154,9 @@ def _partition(args) -> None:
     out = _check_out(args)
 
     _say(f"loading source {source_name}" + (f" from {args.root}" if args.root else ""))
-    src = load_source(source_name, root=args.root, download=args.download)
-    _say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes")
+    src = load_source(source_name, root=args.root, download=args.download, **text_opts)
+    vocab = f", vocabulary of {src.vocab_size} tokens" if src.kind == "text" else ""
+    _say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")
 
     _say(f"partitioning: {args.partition}, {args.num_clients} clients, seed {args.seed}")
     shares = make_partition(src.y, src.num_classes, args.partition, args.num_clients, args.seed,
@@ -132,14 +170,16 @@ def _partition(args) -> None:
         params.update(beta=args.beta, max_tries=args.max_tries)
     elif args.partition == "pat":
         params.update(classes_per_client=args.classes_per_client, balance=not args.unbalanced)
+    params.update(src.params)
     if args.root:
         params["root"] = os.path.abspath(args.root)
 
-    clients = ((src.x[tr], src.y[tr], src.x[te], src.y[te]) for tr, te in shares)
+    clients = client_rows(src.x, src.y, shares, src.lengths)
     _say(f"writing {len(shares)} clients to {out}")
     write_shard(out, _with_progress(clients, len(shares)), source=src.name,
                 num_classes=src.num_classes, input_shape=src.input_shape, mean=src.mean,
-                std=src.std, partition=args.partition, partition_params=params, seed=args.seed)
+                std=src.std, partition=args.partition, partition_params=params, seed=args.seed,
+                kind=src.kind, vocab=src.vocab)
     _summary(out)
 
 
@@ -298,7 +338,10 @@ def _describe(path: str) -> None:
     _say(f"format_version:   {info.format_version}")
     _say(f"source:           {info.source} ({info.kind}, input {info.input_shape}, "
          f"{info.num_classes} classes)")
-    _say(f"mean / std:       {info.mean} / {info.std}")
+    if info.kind == "text":
+        _say(f"vocabulary:       {info.vocab_size} token ids (0 = padding, 1 = unknown)")
+    else:
+        _say(f"mean / std:       {info.mean} / {info.std}")
     _say(f"partition:        {info.partition} {json.dumps(info.partition_params, sort_keys=True)}")
     _say(f"seed:             {info.seed}")
     _say(f"clients:          {info.num_clients}")
@@ -320,6 +363,8 @@ def main(argv=None) -> None:
     args = _build_parser().parse_args(argv)
     if args.describe and args.from_npz:
         raise UserError("--describe and --from-npz cannot be used together")
+    if args.describe or args.from_npz:
+        _text_options(args, "image", "--describe" if args.describe else "--from-npz")
     if args.describe:
         _describe(args.describe)
     elif args.from_npz:

@@ -1,6 +1,8 @@
 """A rank's clients, resident on its device for the whole run (read once from the shard).
 
 Images stay uint8 on the device (4x less memory than float32) and are normalised per batch.
+Text keeps its int32 token ids on the device (half of int64) and hands out int64 ids per batch,
+unnormalised; the per-row lengths (real, non-padding tokens) stay alongside.
 """
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import torch
 @dataclass
 class ClientData:
     cid: int
-    train_x: torch.Tensor  # uint8 (n, C, H, W)
+    train_x: torch.Tensor  # images: uint8 (n, C, H, W); text: int32 token ids (n, max_len)
     train_y: torch.Tensor  # int64 (n,)
     test_x: torch.Tensor
     test_y: torch.Tensor
-    mean: torch.Tensor  # (1, C, 1, 1)
-    inv_std: torch.Tensor  # (1, C, 1, 1)
+    mean: Optional[torch.Tensor]  # images: (1, C, 1, 1); text: None
+    inv_std: Optional[torch.Tensor]  # images: (1, C, 1, 1); text: None
+    kind: str = "image"
+    train_len: Optional[torch.Tensor] = None  # text: int32 (n,) real tokens per row
+    test_len: Optional[torch.Tensor] = None
 
     @property
     def n_train(self) -> int:
@@ -29,26 +34,51 @@ class ClientData:
     def n_test(self) -> int:
         return int(self.test_y.shape[0])
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "text":
+            return x.to(torch.int64)
         return (x.to(torch.float32) * (1.0 / 255.0) - self.mean) * self.inv_std
 
     def train_batch(self, idx: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of the training rows ``idx`` (all of them when None).
+
+        Images: float32 (B, C, H, W), normalised.  Text: int64 token ids (B, max_len).
+        """
         if idx is None:
-            return self._norm(self.train_x), self.train_y
-        return self._norm(self.train_x[idx]), self.train_y[idx]
+            return self._prepare(self.train_x), self.train_y
+        return self._prepare(self.train_x[idx]), self.train_y[idx]
 
     def test_batch(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._norm(self.test_x[start:stop]), self.test_y[start:stop]
+        return self._prepare(self.test_x[start:stop]), self.test_y[start:stop]
 
 
 def to_device(cid: int, arrays: Mapping[str, np.ndarray], mean, std, device: torch.device) -> ClientData:
-    channels = len(mean)
-    m = torch.as_tensor(np.asarray(mean, dtype=np.float32)).view(1, channels, 1, 1).to(device)
-    s = torch.as_tensor(1.0 / np.asarray(std, dtype=np.float32)).view(1, channels, 1, 1).to(device)
+    """Move one client's arrays (as :func:`~fedcp_dist.data.shards.load_clients` returns them)
+    to ``device``.
+
+    A text client is recognised by its ``train_len`` array; its ``mean`` and ``std`` (empty for
+    text shards) are not used.
+    """
 
     def t(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
+    if "train_len" in arrays:
+        return ClientData(
+            cid=cid,
+            train_x=t(arrays["train_x"], torch.int32),
+            train_y=t(arrays["train_y"], torch.int64),
+            test_x=t(arrays["test_x"], torch.int32),
+            test_y=t(arrays["test_y"], torch.int64),
+            mean=None,
+            inv_std=None,
+            kind="text",
+            train_len=t(arrays["train_len"], torch.int32),
+            test_len=t(arrays["test_len"], torch.int32),
+        )
+    channels = len(mean)
+    m = torch.as_tensor(np.asarray(mean, dtype=np.float32)).view(1, channels, 1, 1).to(device)
+    s = torch.as_tensor(1.0 / np.asarray(std, dtype=np.float32)).view(1, channels, 1, 1).to(device)
     return ClientData(
         cid=cid,
         train_x=t(arrays["train_x"], torch.uint8),

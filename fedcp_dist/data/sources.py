@@ -1,27 +1,65 @@
-"""Image data sources, loaded whole into memory as uint8 arrays.
+"""Data sources, loaded whole into memory: images as uint8 arrays, texts as int32 token ids.
 
 Each source merges its train and test sets (train first, then test); the partitioner later
-splits every client's share into its own train and test parts.  ``digits`` (scikit-learn's
-bundled 8x8 digits, upsampled to 28x28) needs neither a root nor a network and is the offline
-default; the others are read through :mod:`torchvision.datasets` from ``root``.
+splits every client's share into its own train and test parts.
+
+* ``digits``: scikit-learn's bundled 8x8 digits, upsampled to 28x28; needs neither a root nor a
+  network and is the offline default.
+* ``mnist``, ``fmnist``: read through :mod:`torchvision.datasets` from ``root`` (its
+  ``MNIST/raw`` and ``FashionMNIST/raw`` idx-ubyte files).
+* ``cifar10``, ``cifar100``: the python-pickle batches (``cifar-10-batches-py/``,
+  ``cifar-100-python/``) read by this module's own reader.  torchvision's classes insist on the
+  md5 sums of the original files and so refuse any other copy in the same layout; here every
+  file is checked for its structure instead (a dict with a uint8 ``data`` array of (n, 3072)
+  rows, channel-major, and n labels in range).  Only numpy's array globals may appear in the
+  pickles, so a planted pickle cannot run code.  ``download`` fetches the original archive
+  through torchvision.
+* ``tinyimagenet``: the ``tiny-imagenet-200/`` folder (``wnids.txt``, ``train/<wnid>/images``,
+  ``val/images`` + ``val/val_annotations.txt``), 3x64x64 RGB, label = line of the wnid in
+  ``wnids.txt``.
+* ``agnews``: the AG News ``train.csv`` / ``test.csv`` files, tokenised by
+  :mod:`fedcp_dist.data.text` with a vocabulary from the training texts only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import csv
+import os
+import pickle
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 
+from fedcp_dist.data import text as textlib
 from fedcp_dist.errors import UserError
 
-#: Per-channel normalisation used for every source: x_float = (x / 255 - 0.5) / 0.5.
+#: Per-channel normalisation used for every image source: x_float = (x / 255 - 0.5) / 0.5.
 NORM_MEAN = 0.5
 NORM_STD = 0.5
+
+#: Sources whose samples are token-id sequences rather than images.
+TEXT_SOURCES = ("agnews",)
+
+
+def progress(iterable, total: Optional[int] = None, desc: Optional[str] = None, unit: str = "it"):
+    """A tqdm bar on stderr around ``iterable``; it appears only once a pass has taken 2 s."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, delay=2.0,
+                mininterval=1.0, dynamic_ncols=True)
 
 
 @dataclass
 class Source:
-    """A whole data set: images ``x`` (n, C, H, W) uint8 and labels ``y`` (n,) int64."""
+    """A whole data set.
+
+    Images: ``x`` (n, C, H, W) uint8.  Text: ``x`` (n, max_len) int32 token ids (0 = padding),
+    ``lengths`` (n,) int32 real tokens per row and ``vocab`` the tokens in id order.  Labels
+    ``y`` (n,) int64 in both.
+    """
 
     x: np.ndarray
     y: np.ndarray
@@ -29,11 +67,21 @@ class Source:
     mean: tuple
     std: tuple
     name: str
+    kind: str = "image"
+    lengths: Optional[np.ndarray] = None
+    vocab: Optional[list] = None
+    #: how the source was built (text: max_len, vocab_size_cap, min_freq), recorded in the shard
+    params: dict = field(default_factory=dict)
 
     @property
     def input_shape(self) -> tuple:
-        """Shape of one image, (C, H, W)."""
+        """Shape of one sample: (C, H, W) for images, (max_len,) for text."""
         return tuple(int(d) for d in self.x.shape[1:])
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (0 for images)."""
+        return len(self.vocab) if self.vocab is not None else 0
 
 
 def _make_source(name: str, x: np.ndarray, y: np.ndarray, num_classes: int) -> Source:
@@ -48,7 +96,28 @@ def _make_source(name: str, x: np.ndarray, y: np.ndarray, num_classes: int) -> S
     )
 
 
-def _load_digits(root, download) -> Source:
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _need_root(name: str, root, download_hint: bool = True) -> Path:
+    if root is None:
+        hint = " (and --download to fetch it there)" if download_hint else ""
+        raise UserError(f"source '{name}' needs a data directory: pass --root DIR{hint}")
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"--root {root} is not a directory")
+    return root
+
+
+def _no_download(name: str, how: str) -> None:
+    raise UserError(f"source '{name}' cannot be downloaded by fedcp-partition: {how}")
+
+
+# ----------------------------------------------------------------------------- digits
+
+
+def _load_digits(root, download, **_) -> Source:
     import torch
     import torch.nn.functional as F
     from sklearn.datasets import load_digits
@@ -61,26 +130,40 @@ def _load_digits(root, download) -> Source:
     return _make_source("digits", x, np.asarray(bunch.target, dtype=np.int64), 10)
 
 
+# ----------------------------------------------------------------------------- MNIST, FashionMNIST
+
+
 def _torchvision_loader(name: str, class_name: str, num_classes: int) -> Callable:
-    def load(root, download) -> Source:
+    def load(root, download, **_) -> Source:
         if root is None:
             raise UserError(f"source '{name}' needs a data directory: pass --root DIR "
                             f"(and --download to fetch it there)")
         import torchvision.datasets as tvd
 
         cls = getattr(tvd, class_name)
+        raw = Path(root) / cls.__name__ / "raw"
+        if not download:
+            for url, _ in cls.resources:  # the unpacked idx-ubyte files torchvision reads
+                file = raw / os.path.splitext(os.path.basename(url))[0]
+                if not file.is_file():
+                    raise UserError(f"source '{name}' not found under root '{root}': {file} is "
+                                    f"missing; pass --download to fetch it")
         parts = []
         for train in (True, False):
             try:
                 ds = cls(root=str(root), train=train, download=download)
-            except (RuntimeError, OSError) as exc:
-                detail = " ".join(str(exc).split())
+            except Exception as exc:  # a failed download, or a garbled idx file (torchvision
+                # asserts on a bad header and fails to reshape a truncated body)
                 if download:
                     raise UserError(f"could not download source '{name}' into root '{root}': "
-                                    f"{detail}") from None
-                raise UserError(f"source '{name}' not found under root '{root}' ({detail}); "
-                                f"pass --download to fetch it") from None
-            parts.append(_arrays_of(ds))
+                                    f"{_one_line(exc)}") from None
+                raise UserError(f"source '{name}': the idx-ubyte files in {raw} could not be "
+                                f"read (truncated or corrupt?): {_one_line(exc)}") from None
+            x, y = _arrays_of(ds)
+            if len(x) != len(y):
+                raise UserError(f"source '{name}': the idx-ubyte files in {raw} hold {len(x)} "
+                                f"images but {len(y)} labels")
+            parts.append((x, y))
         x = np.concatenate([p[0] for p in parts])
         y = np.concatenate([p[1] for p in parts])
         return _make_source(name, x, y, num_classes)
@@ -103,12 +186,346 @@ def _arrays_of(ds) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(x, dtype=np.uint8), y.astype(np.int64)
 
 
+# ----------------------------------------------------------------------------- CIFAR
+
+
+@dataclass(frozen=True)
+class _CifarLayout:
+    folder: str
+    train: tuple
+    test: tuple
+    meta: str
+    meta_key: str
+    label_key: str
+    num_classes: int
+    torchvision_class: str
+
+
+_CIFAR = {
+    "cifar10": _CifarLayout("cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)),
+                            ("test_batch",), "batches.meta", "label_names", "labels", 10,
+                            "CIFAR10"),
+    "cifar100": _CifarLayout("cifar-100-python", ("train",), ("test",), "meta",
+                             "fine_label_names", "fine_labels", 100, "CIFAR100"),
+}
+
+_CIFAR_ROW = 3 * 32 * 32
+
+
+def _pickle_globals() -> dict:
+    """The only globals a CIFAR pickle may name: numpy's array and scalar rebuilders."""
+    reconstruct = np.ndarray.__reduce__(np.zeros(1, dtype=np.uint8))[0]
+    scalar = np.int64(0).__reduce__()[0]
+    import codecs
+
+    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
+               ("_codecs", "encode"): codecs.encode}
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        allowed[(module, "_reconstruct")] = reconstruct
+        allowed[(module, "scalar")] = scalar
+    return allowed
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """An unpickler that builds plain containers and numpy arrays, and nothing else."""
+
+    _allowed: Optional[dict] = None
+
+    def find_class(self, module, name):
+        if _ArrayUnpickler._allowed is None:
+            _ArrayUnpickler._allowed = _pickle_globals()
+        obj = _ArrayUnpickler._allowed.get((module, name))
+        if obj is None:
+            raise pickle.UnpicklingError(f"it names the global {module}.{name}, which a CIFAR "
+                                         f"batch never holds (refused)")
+        return obj
+
+
+def read_cifar_pickle(path) -> dict:
+    """Read one CIFAR python batch: a dict, its bytes keys decoded to str."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} is missing")
+    try:
+        with open(path, "rb") as f:
+            obj = _ArrayUnpickler(f, encoding="latin1").load()
+    except Exception as exc:  # any unpickling failure of a truncated or foreign file
+        raise UserError(f"{path} is not a readable CIFAR pickle (truncated or corrupt?): "
+                        f"{_one_line(exc)}") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} holds a {type(obj).__name__}, expected a dict")
+    return {(k.decode("latin1") if isinstance(k, bytes) else k): v for k, v in obj.items()}
+
+
+def _cifar_batch(path: Path, layout: _CifarLayout) -> tuple[np.ndarray, np.ndarray]:
+    d = read_cifar_pickle(path)
+    for key in ("data", layout.label_key):
+        if key not in d:
+            raise UserError(f"{path} lacks the key '{key}' (found: "
+                            f"{', '.join(map(str, d)) or 'nothing'})")
+    data = d["data"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
+            or data.shape[1] != _CIFAR_ROW:
+        what = (f"{data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray)
+                else type(data).__name__)
+        raise UserError(f"{path}: 'data' is a {what}, expected a uint8 array of shape "
+                        f"(n, {_CIFAR_ROW})")
+    try:
+        labels = np.asarray(d[layout.label_key])
+    except Exception as exc:
+        raise UserError(f"{path}: '{layout.label_key}' is not a list of labels "
+                        f"({_one_line(exc)})") from None
+    if labels.ndim != 1 or len(labels) != len(data) or \
+            (len(labels) and not np.issubdtype(labels.dtype, np.integer)):
+        raise UserError(f"{path}: '{layout.label_key}' must be {len(data)} integer labels, found "
+                        f"{labels.dtype} of shape {labels.shape}")
+    labels = labels.astype(np.int64)
+    if len(labels) and (labels.min() < 0 or labels.max() >= layout.num_classes):
+        raise UserError(f"{path}: '{layout.label_key}' must lie in [0, {layout.num_classes}), "
+                        f"found [{labels.min()}, {labels.max()}]")
+    return data, labels
+
+
+def _cifar_loader(name: str) -> Callable:
+    layout = _CIFAR[name]
+
+    def load(root, download, **_) -> Source:
+        root = _need_root(name, root)
+        base = root / layout.folder
+        if not base.is_dir() and root.name == layout.folder:
+            base = root  # --root is the batch folder itself
+        if not base.is_dir() and download:
+            import torchvision.datasets as tvd
+
+            try:
+                getattr(tvd, layout.torchvision_class)(root=str(root), train=True, download=True)
+            except (RuntimeError, OSError) as exc:
+                raise UserError(f"could not download source '{name}' into root '{root}': "
+                                f"{_one_line(exc)}") from None
+            base = root / layout.folder
+        if not base.is_dir():
+            raise UserError(f"source '{name}' not found under root '{root}': it has no folder "
+                            f"{layout.folder}; pass --download to fetch it")
+        meta = read_cifar_pickle(base / layout.meta)
+        names = meta.get(layout.meta_key)
+        if not isinstance(names, (list, tuple)) or len(names) != layout.num_classes:
+            found = len(names) if isinstance(names, (list, tuple)) else "no"
+            raise UserError(f"{base / layout.meta}: '{layout.meta_key}' should list "
+                            f"{layout.num_classes} class names, found {found}")
+        xs, ys = [], []
+        for file in layout.train + layout.test:
+            data, labels = _cifar_batch(base / file, layout)
+            xs.append(data)
+            ys.append(labels)
+        x = np.concatenate(xs).reshape(-1, 3, 32, 32)  # rows are R, G, B planes of 32x32
+        del xs
+        return _make_source(name, x, np.concatenate(ys), layout.num_classes)
+
+    return load
+
+
+# ----------------------------------------------------------------------------- Tiny-ImageNet
+
+TINY_FOLDER = "tiny-imagenet-200"
+TINY_SIZE = 64
+_JPEG_SUFFIXES = (".jpeg", ".jpg")
+_DECODE_BLOCK = 1024
+
+
+def _find_base(name: str, root: Path, folder: str, marker: str) -> Path:
+    """``root/folder`` or ``root`` itself, whichever holds ``marker``."""
+    for base in (root / folder, root):
+        if (base / marker).is_file():
+            return base
+    raise UserError(f"source '{name}' not found: neither {root / folder / marker} nor "
+                    f"{root / marker} exists")
+
+
+def _read_wnids(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} could not be read: {_one_line(exc)}") from None
+    wnids, seen = [], {}
+    for number, line in enumerate(lines, 1):
+        wnid = line.strip()
+        if not wnid:
+            continue
+        if len(wnid.split()) != 1:
+            raise UserError(f"{path} line {number}: expected one wnid, found {wnid!r}")
+        if wnid in seen:
+            raise UserError(f"{path} line {number}: wnid {wnid} repeats line {seen[wnid]}")
+        seen[wnid] = number
+        wnids.append(wnid)
+    if not wnids:
+        raise UserError(f"{path} lists no wnids")
+    return wnids
+
+
+def _read_rgb(path: Path) -> np.ndarray:
+    """One image as uint8 (3, 64, 64); greyscale and other modes are converted to RGB."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            if im.size != (TINY_SIZE, TINY_SIZE):
+                raise UserError(f"{path} is {im.size[0]}x{im.size[1]} pixels, expected "
+                                f"{TINY_SIZE}x{TINY_SIZE}")
+            rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except UserError:
+        raise
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing") from None
+    except Exception as exc:  # PIL's errors for truncated or foreign files
+        raise UserError(f"{path} is not a readable image: {_one_line(exc)}") from None
+    return rgb.transpose(2, 0, 1)
+
+
+def _decode_all(files: list, workers: int) -> np.ndarray:
+    """Decode ``files`` into one preallocated (n, 3, 64, 64) array, a block at a time."""
+    x = np.empty((len(files), 3, TINY_SIZE, TINY_SIZE), dtype=np.uint8)
+    bar = progress(None, total=len(files), desc="decoding images", unit="img")
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for start in range(0, len(files), _DECODE_BLOCK):
+                block = files[start:start + _DECODE_BLOCK]
+                for i, image in enumerate(pool.map(_read_rgb, block), start):
+                    x[i] = image
+                bar.update(len(block))
+    finally:
+        bar.close()
+    return x
+
+
+def _load_tinyimagenet(root, download, **_) -> Source:
+    name = "tinyimagenet"
+    if download:
+        _no_download(name, "fetch tiny-imagenet-200.zip yourself, unzip it, and pass the folder "
+                           "holding tiny-imagenet-200 (or that folder itself) as --root")
+    root = _need_root(name, root, download_hint=False)
+    base = _find_base(name, root, TINY_FOLDER, "wnids.txt")
+    wnids = _read_wnids(base / "wnids.txt")
+    index = {w: k for k, w in enumerate(wnids)}
+    files, labels = [], []
+    for k, wnid in enumerate(wnids):
+        folder = base / "train" / wnid / "images"
+        if not folder.is_dir():
+            raise UserError(f"{folder} is missing (class {wnid} of {base / 'wnids.txt'})")
+        names = sorted(n for n in os.listdir(folder) if n.lower().endswith(_JPEG_SUFFIXES))
+        if not names:
+            raise UserError(f"{folder} holds no .JPEG images")
+        files += [folder / n for n in names]
+        labels += [k] * len(names)
+    ann = base / "val" / "val_annotations.txt"
+    try:
+        lines = ann.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{ann} is missing") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{ann} could not be read: {_one_line(exc)}") from None
+    n_val = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) < 2 or not fields[0].strip():
+            raise UserError(f"{ann} line {number}: expected tab-separated file name, wnid and "
+                            f"box, found {line.strip()!r}")
+        file, wnid = fields[0].strip(), fields[1].strip()
+        if wnid not in index:
+            raise UserError(f"{ann} line {number}: wnid {wnid!r} is not in {base / 'wnids.txt'}")
+        files.append(base / "val" / "images" / file)
+        labels.append(index[wnid])
+        n_val += 1
+    if n_val == 0:
+        raise UserError(f"{ann} lists no images")
+    workers = max(1, min(8, os.cpu_count() or 1))
+    x = _decode_all(files, workers)
+    return _make_source(name, x, np.asarray(labels, dtype=np.int64), len(wnids))
+
+
+# ----------------------------------------------------------------------------- AG News
+
+AGNEWS_FOLDER = "ag_news_csv"
+AGNEWS_CLASSES = 4
+
+
+def read_agnews_csv(path) -> tuple[np.ndarray, list[str]]:
+    """Labels (0-3) and texts (title + " " + description) of one AG News CSV file."""
+    path = Path(path)
+    labels: list[int] = []
+    texts: list[str] = []
+    line = 0
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            for row in reader:
+                line = reader.line_num
+                if not row:
+                    continue
+                if len(row) != 3:
+                    raise UserError(f"{path} line {line}: expected 3 columns (class index, title, "
+                                    f"description), found {len(row)}")
+                try:
+                    k = int(row[0])
+                except ValueError:
+                    raise UserError(f"{path} line {line}: class index {row[0][:20]!r} is not an "
+                                    f"integer") from None
+                if not 1 <= k <= AGNEWS_CLASSES:
+                    raise UserError(f"{path} line {line}: class index {k} is not in "
+                                    f"1..{AGNEWS_CLASSES}")
+                labels.append(k - 1)
+                texts.append(row[1] + " " + row[2])
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: "
+                        f"{_one_line(exc)}") from None
+    except csv.Error as exc:
+        raise UserError(f"{path} line {line + 1}: {_one_line(exc)}") from None
+    except OSError as exc:
+        raise UserError(f"{path} could not be read: {_one_line(exc)}") from None
+    if not labels:
+        raise UserError(f"{path} holds no rows")
+    return np.asarray(labels, dtype=np.int64), texts
+
+
+def _load_agnews(root, download, max_len=textlib.DEFAULT_MAX_LEN,
+                 vocab_size=textlib.DEFAULT_VOCAB_SIZE, min_freq=textlib.DEFAULT_MIN_FREQ) -> Source:
+    name = "agnews"
+    try:
+        textlib.check_text_options(max_len, vocab_size, min_freq)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if download:
+        _no_download(name, "fetch the AG News train.csv and test.csv yourself and pass their "
+                           "folder (or the folder holding ag_news_csv) as --root")
+    root = _need_root(name, root, download_hint=False)
+    base = _find_base(name, root, AGNEWS_FOLDER, "train.csv")
+    train_y, train_texts = read_agnews_csv(base / "train.csv")
+    test_y, test_texts = read_agnews_csv(base / "test.csv")
+    vocab = textlib.build_vocab(train_texts, vocab_size, min_freq, progress=progress,
+                                total=len(train_texts))
+    texts = train_texts + test_texts
+    del train_texts, test_texts
+    ids, lengths = textlib.encode_texts(texts, vocab, max_len, progress=progress)
+    return Source(x=ids, y=np.concatenate([train_y, test_y]), num_classes=AGNEWS_CLASSES,
+                  mean=(), std=(), name=name, kind="text", lengths=lengths, vocab=vocab,
+                  params={"max_len": int(max_len), "vocab_size_cap": int(vocab_size),
+                          "min_freq": int(min_freq)})
+
+
+# ----------------------------------------------------------------------------- registry
+
+
 _LOADERS: dict[str, Callable] = {
     "digits": _load_digits,
     "mnist": _torchvision_loader("mnist", "MNIST", 10),
     "fmnist": _torchvision_loader("fmnist", "FashionMNIST", 10),
-    "cifar10": _torchvision_loader("cifar10", "CIFAR10", 10),
-    "cifar100": _torchvision_loader("cifar100", "CIFAR100", 100),
+    "cifar10": _cifar_loader("cifar10"),
+    "cifar100": _cifar_loader("cifar100"),
+    "tinyimagenet": _load_tinyimagenet,
+    "agnews": _load_agnews,
 }
 
 #: Names accepted by :func:`load_source`.
@@ -121,10 +538,23 @@ def check_source_name(name: str) -> None:
         raise UserError(f"unknown source '{name}'; known sources: {', '.join(SOURCE_NAMES)}")
 
 
-def load_source(name: str, root=None, download: bool = False) -> Source:
+def source_kind(name: str) -> str:
+    """``"text"`` or ``"image"``: what the samples of source ``name`` are."""
+    check_source_name(name)
+    return "text" if name in TEXT_SOURCES else "image"
+
+
+def load_source(name: str, root=None, download: bool = False, *,
+                max_len: int = textlib.DEFAULT_MAX_LEN,
+                vocab_size: int = textlib.DEFAULT_VOCAB_SIZE,
+                min_freq: int = textlib.DEFAULT_MIN_FREQ) -> Source:
     """Load source ``name`` (train and test merged, train first) from ``root``.
 
-    ``download`` lets torchvision fetch a missing data set into ``root``.
+    ``download`` lets torchvision fetch a missing data set into ``root`` (mnist, fmnist, cifar10,
+    cifar100).  ``max_len``, ``vocab_size`` and ``min_freq`` apply to text sources only.
     """
     check_source_name(name)
+    if source_kind(name) == "text":
+        return _LOADERS[name](root, download, max_len=max_len, vocab_size=vocab_size,
+                              min_freq=min_freq)
     return _LOADERS[name](root, download)
