@@ -76,6 +76,9 @@ PARTITION_KEYS = {
     "train_ratio": float,
     "seed": int,
     "max_tries": int,
+    "max_len": int,
+    "vocab_size": int,
+    "min_freq": int,
 }
 #: partition options that do not change which samples a client gets (left out of the file name)
 PARTITION_LOCATION_KEYS = ("root", "download")
