@@ -5,7 +5,9 @@ Each client keeps its HPM v_i, a temporal ensemble of its past personalised (loc
 models; it starts as the initial global model. A participant
 
 1. trains the received global model w with SGD on (1 − λ)·CE + λ·MMD²(f_w(x), f_v(x)): the MMD
-   between its features and the HPM's (frozen, no gradient) transfers the HPM's knowledge;
+   between its features and the HPM's (frozen, no gradient) transfers the HPM's knowledge; both
+   feature sets normalise by the batch's own statistics where the model has BatchNorm, as the
+   reference's (training-mode) HPM does, and the HPM's running statistics are left untouched;
 2. folds the trained w into the HPM:  v ← μ·v + (1 − μ)·w,  with
    μ = μ̄·min(1, k / max(1, ⌊ρ·T⌋)), k the client's earlier participations, ρ the participation
    rate (the middle of ``participation_range`` when that is set) and T = ``rounds``: a new client's
@@ -25,6 +27,7 @@ from fedcp_dist.algorithms.base import LocalResult, copy_module, freeze, load_mo
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.fedcp import mmd2
 from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.models import forward_batch_stats
 
 HPM = "hpm."
 COUNT = "participations"
@@ -66,8 +69,7 @@ class FedPHP(FedAvg):
             h = model.features(x)
             loss = F.cross_entropy(model.head(h), y)
             if lam > 0:
-                with torch.no_grad():
-                    h_hpm = self.hpm.features(x)
+                h_hpm = forward_batch_stats(self.hpm.features, x)
                 loss = (1.0 - lam) * loss + lam * mmd2(h, h_hpm)
             return loss
 

@@ -8,6 +8,9 @@ Each round a participant loads the global extractor φ and its own head h_i, the
 and uploads φ only; the head stays on the client. While φ is frozen its features do not change,
 so step 1 computes them once (chunks of ``eval_batch_size``, no graph) and trains the head on them:
 the same updates (up to float rounding) as running the extractor on every batch, without its cost.
+That holds only for an extractor that computes each sample on its own: with BatchNorm (or dropout)
+a feature depends on its batch, so such an extractor (ResNet-18) runs, frozen and in training
+mode, on every head batch instead, as the reference does (its running statistics follow those batches).
 Evaluation: the global extractor with the client's head.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.models import mode_dependent
 
 
 class FedRep(FedPer):
@@ -33,11 +37,20 @@ class FedRep(FedPer):
     def _train_head(self, data, ctx):
         """Head epochs on the frozen extractor's features; returns (loss sum, samples)."""
         cfg = self.cfg
-        head = self.model.head
-        h, y = self._features(data), data.train_y
+        fe, head = self.model.features, self.model.head
+        if mode_dependent(fe):
 
-        def loss_fn(idx):
-            return F.cross_entropy(head(h[idx]), y[idx])
+            def loss_fn(idx):
+                x, y = data.train_batch(idx)
+                with torch.no_grad():
+                    h = fe(x)
+                return F.cross_entropy(head(h), y)
+
+        else:
+            h, y = self._features(data), data.train_y
+
+            def loss_fn(idx):
+                return F.cross_entropy(head(h[idx]), y[idx])
 
         batches = batch_indices(data.n_train, cfg.batch_size, cfg.fedrep_head_epochs, cfg.drop_last, ctx.generator)
         return sgd(head.parameters(), batches, loss_fn, cfg.lr)

@@ -66,6 +66,9 @@ class PerFedAvg(FedAvg):
             return None
         model = self.model
         copy_module(model, self.global_model)
+        # the adaptation is a training step, whatever mode the last predict left the model in
+        # (BatchNorm: batch statistics, and its running statistics move with that batch)
+        model.train()
         params = list(model.parameters())
         g = ctx.generator
         idx = torch.randperm(data.n_train, generator=g, device=g.device)[: self.cfg.batch_size]

@@ -7,7 +7,8 @@ the global model. On each local batch D:
     then     w ← w − η·λ·(w − θ)                       (η = ``lr``)
 
 θ and w both start from the received global model each round and θ warm-starts across batches.
-The participants upload w; the server mixes: new global = (1 − β)·old + β·Σ n_i w_i / Σ n_i.
+The participants upload w (its floating buffers, BatchNorm's running statistics, are θ's: w itself
+never runs forward); the server mixes: new global = (1 − β)·old + β·Σ n_i w_i / Σ n_i.
 θ_i (persisted per client, the initial model until the client first trains) is what is evaluated.
 """
 from __future__ import annotations
@@ -53,6 +54,12 @@ class PFedMe(FedAvgWithPersonalModel):
             seen += b
             contrib = loss.detach() * b
             loss_sum = contrib if loss_sum is None else loss_sum + contrib
+        with torch.no_grad():
+            # w is never run forward: its floating buffers (BatchNorm running statistics) become θ's,
+            # the network that saw the data, as in the reference where w's parameters sit in θ's network
+            for b_w, b_th in zip(self.model.buffers(), self.theta.buffers()):
+                if b_w.is_floating_point():
+                    b_w.copy_(b_th)
         return LocalResult(
             upload=module_state("", self.model),
             client_state=module_state("", self.theta) if seen else client_state,

@@ -1,18 +1,79 @@
-"""Models, each split into ``features`` (f, to ``feature_dim`` = K) and ``head`` (g)."""
+"""Models, each split into ``features`` (f, to ``feature_dim`` = K) and ``head`` (g).
+
+* ``cnn`` — the paper's 4-layer CNN, sized from the image shape (K = 512);
+* ``resnet18`` — torchvision's ResNet-18 from scratch, 3-channel images (K = 512);
+* ``fasttext`` — fastText on int64 token ids (B, max_len) with 0 as padding (K = 32).
+
+Also two helpers for methods that must treat BatchNorm (or dropout) with care:
+:func:`mode_dependent` and :func:`forward_batch_stats`.
+"""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fedcp_dist.models.cnn import CNN
+from fedcp_dist.models.fasttext import FastText
+from fedcp_dist.models.resnet import ResNet18
 
-MODELS = ("cnn",)
+MODELS = ("cnn", "resnet18", "fasttext")
 
 
-def build_model(name: str, input_shape, num_classes: int) -> nn.Module:
+def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0) -> nn.Module:
     """Build a model with ``.features``, ``.head`` and ``.feature_dim``.
 
+    ``input_shape`` is one sample's shape: [C, H, W] for the image models, [max_len] for fasttext,
+    which also needs the ``vocab_size`` (ids 0 .. vocab_size - 1, 0 the padding).
     Parameters are drawn from torch's global RNG: seed it first for identical models on every rank.
     """
-    if name == "cnn":
-        return CNN(tuple(int(s) for s in input_shape), int(num_classes))
-    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    shape = tuple(int(s) for s in input_shape)
+    num_classes = int(num_classes)
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    if num_classes < 1:
+        raise ValueError(f"model {name!r} needs at least one class, got num_classes={num_classes}")
+    if name in ("cnn", "resnet18"):
+        if len(shape) != 3 or min(shape) < 1:
+            raise ValueError(f"model {name!r} takes images [C, H, W], got input shape {list(shape)}")
+        if name == "cnn":
+            return CNN(shape, num_classes)
+        if shape[0] != 3:
+            raise ValueError(f"model 'resnet18' takes 3-channel images, got input shape {list(shape)}")
+        return ResNet18(num_classes)
+    # fasttext
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"model 'fasttext' takes token ids [max_len], got input shape {list(shape)}")
+    if int(vocab_size) < 1:
+        raise ValueError(f"model 'fasttext' needs the vocabulary size (> 0, id 0 is padding), got vocab_size={vocab_size}")
+    return FastText(int(vocab_size), num_classes)
+
+
+def mode_dependent(module: nn.Module) -> bool:
+    """True when ``module`` computes differently in training mode: BatchNorm (batch statistics,
+    running-statistics updates) or dropout."""
+    return any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)) for m in module.modules())
+
+
+def _batchnorms(module: nn.Module) -> list:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+@torch.no_grad()
+def forward_batch_stats(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` with every BatchNorm normalising by the batch's own statistics (as in training
+    mode), with no gradient and no side effect: the BatchNorms' buffers (running statistics,
+    counters) and modes are left as they were; other layers run in the module's current mode.
+    A module without BatchNorm is simply called (bit-identical to ``module(x)``)."""
+    bns = _batchnorms(module)
+    if not bns:
+        return module(x)
+    saved = [(m.training, [b.clone() for b in m.buffers()]) for m in bns]
+    try:
+        for m in bns:
+            m.train()
+        return module(x)
+    finally:
+        for m, (training, buffers) in zip(bns, saved):
+            for b, old in zip(m.buffers(), buffers):
+                b.copy_(old)
+            m.train(training)
