@@ -125,7 +125,7 @@ class Simulator:
         self._agree(err)
 
         torch.manual_seed(cfg.seed)  # the same initial model on every rank
-        model = build_model(cfg.model, self.info.input_shape, self.info.num_classes)
+        model = build_model(cfg.model, self.info.input_shape, self.info.num_classes, vocab_size=self.info.vocab_size)
         self.algo = make_algorithm(cfg.method, cfg, model, rt.device)
         self.algo.num_clients = self.num_clients
         counts = np.bincount(self.owner, minlength=rt.world_size)

@@ -193,3 +193,28 @@ def test_peer_methods_run_and_refuse_a_run_over_the_memory_budget(digits6, tmp_p
     r = run_cmd([*base, f"out_dir={tmp_path / 'no'}", "peer_memory_mb=1"], timeout=120)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "peer_memory_mb=1" in r.stderr and "MiB per rank" in r.stderr
+
+
+class TinyBN(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.ReLU())
+
+
+@pytest.mark.parametrize("cls", [FedAMP, FedFomo])
+def test_batchnorm_statistics_stay_out_of_the_bank(cls):
+    cfg = Config(lr=0.1, batch_size=4, fedfomo_eps=0.0)
+    torch.manual_seed(0)
+    algo = cls(cfg, TinyBN(), CPU)
+    algo.num_clients = 2
+    gs = algo.init_global_state()
+    algo.set_global(gs)
+    assert algo.model_dim == P + 3 + 3  # parameters only: the BatchNorm's weight and bias, not its statistics
+    state = algo.init_client_state(0)
+    state["features.2.running_mean"] = torch.full((3,), 0.25)
+    gs["bank"][1] = algo.flat(state) + 0.01
+    gs["seen"][1] = gs["fresh"][1] = 1.0
+    res = algo.local_train(state, _data(n=8), _ctx(client=0))
+    assert res.extra["peer"].shape[0] == algo.peer_dim
+    # the client's own running statistics went on from 0.25 (momentum 0.1 toward the batch means)
+    assert not torch.equal(res.client_state["features.2.running_mean"], torch.full((3,), 0.25))

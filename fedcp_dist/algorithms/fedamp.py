@@ -8,7 +8,8 @@ No global model. Before client i trains in round t it gets its own aggregated mo
 over the models w_j that arrived in the previous round (the bank's ``fresh`` rows) and its own
 current model w_i; with none (round 1) u_i = w_i. The client then trains its own model from w_i
 on F_i(w) + (λ/(2·α_K))·‖w − u_i‖² (gradient ∇F_i + (λ/α_K)·(w − u_i)) with plain SGD. w_i is
-its persistent state, what it shares, and what is evaluated.
+its persistent state, what it shares, and what is evaluated. Distances and mixing use the
+models' parameters; BatchNorm running statistics stay with their client.
 """
 from __future__ import annotations
 

@@ -79,10 +79,11 @@ class FedFomo(PeerBankMethod):
         if chosen and val_idx.numel() > 0:
             bank = self.gs["bank"]
             base_loss = self.mean_loss(client_state, data, val_idx)
-            for j in chosen:
+            for j in chosen:  # another client's parameters with this client's own buffers
                 dist = float(torch.linalg.vector_norm(bank[j] - theta))
                 if dist > 0:
-                    weights[j] = (base_loss - self.mean_loss(self.unflat(bank[j]), data, val_idx)) / dist
+                    other = {**client_state, **self.unflat(bank[j])}
+                    weights[j] = (base_loss - self.mean_loss(other, data, val_idx)) / dist
             pos = weights.clamp_min(0.0)
             if float(pos.sum()) > 0:
                 step = torch.zeros_like(theta)
@@ -91,7 +92,7 @@ class FedFomo(PeerBankMethod):
                         step.add_(bank[j] - theta, alpha=float(pos[j] / pos.sum()))
                 theta = theta + step
         model = self.model
-        load_module(model, self.unflat(theta), "")
+        load_module(model, {**client_state, **self.unflat(theta)}, "")
         model.train()
 
         def loss_fn(idx):

@@ -6,8 +6,9 @@ all-gather per round (``peer_dim`` values: the model flattened, plus whatever th
 Every rank then writes the round's models into the same replicated *bank*, part of the global
 state, so it is checkpointed with it and identical on every rank:
 
-* ``bank``  (N, P) float32: the latest model of every client that has trained, flattened in
-  ``module_state`` order;
+* ``bank``  (N, P) float32: the parameters of every client's latest model, flattened in
+  ``named_parameters`` order (BatchNorm running statistics are not parameters: they stay with
+  their client, as in the reference);
 * ``fresh`` (N,): 1 for the clients whose model arrived in the last round, else 0;
 * ``seen``  (N,): 1 for the clients whose model has ever arrived.
 
@@ -31,21 +32,22 @@ class PeerBankMethod(Algorithm):
         self.model = model.to(device)  # working copy, trained by each participant in turn
         self.eval_model = freeze(copy.deepcopy(self.model)).eval()
         self._init_state = module_state("", self.model)
-        self.shapes = {k: v.shape for k, v in self._init_state.items()}
         self.param_names = [n for n, _ in self.model.named_parameters()]
-        self.model_dim = sum(v.numel() for v in self._init_state.values())
+        self.shapes = {k: self._init_state[k].shape for k in self.param_names}
+        self.model_dim = sum(s.numel() for s in self.shapes.values())
         self.gs: State = {}
 
     @property
     def peer_dim(self) -> int:
         return self.model_dim + self.extra_peer_dim()
 
-    # -- flat views of a model state ------------------------------------------
-    @staticmethod
-    def flat(state: State) -> torch.Tensor:
-        return torch.cat([v.reshape(-1).to(torch.float32) for v in state.values()])
+    # -- flat views of a model's parameters --------------------------------------
+    def flat(self, state: State) -> torch.Tensor:
+        """The parameters of a model state, flat (buffers left out)."""
+        return torch.cat([state[k].reshape(-1).to(torch.float32) for k in self.param_names])
 
     def unflat(self, vec: torch.Tensor) -> State:
+        """``{parameter name: view}`` of a flat parameter vector."""
         out, off = {}, 0
         for k, shape in self.shapes.items():
             n = shape.numel()
