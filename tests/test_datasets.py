@@ -768,20 +768,6 @@ def test_text_options_are_checked(tmp_path, capsys):
     assert not out.exists()
 
 
-def _fasttext_known() -> bool:
-    from fedcp_dist.models import build_model
-
-    try:
-        build_model("fasttext", (8,), 4)
-    except ValueError as exc:
-        if "unknown model" in str(exc):
-            return False
-    except Exception:  # known, but built with other arguments (e.g. the vocabulary size)
-        pass
-    return True
-
-
-@pytest.mark.skipif(not _fasttext_known(), reason="fedcp_dist.models does not build 'fasttext' yet")
 def test_agnews_two_fedcp_rounds(tmp_path, capsys):
     write_agnews(tmp_path / "root", agnews_rows(10, 0), agnews_rows(3, 100))
     shard = tmp_path / "ag.h5"

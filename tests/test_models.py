@@ -334,13 +334,8 @@ def _eval(algo, state, data, seed=7):
         return algo.predict(s, data.test_x, _ctx(seed=seed))
 
 
-#: FedCP runs its frozen global extractor (fe_g) in training mode: evaluation normalises by the
-#: test batch's statistics, and both evaluation and the MMD target move fe_g's running statistics,
-#: which the next client on the rank then receives; needs the change to fedcp.py in the report
-FEDCP_BN = pytest.mark.xfail(strict=True, reason="fedcp.py: fe_g must evaluate in eval mode and its MMD target must not move its buffers")
 
-
-@pytest.mark.parametrize("method", [pytest.param(m, marks=FEDCP_BN) if m == "fedcp" else m for m in METHOD_NAMES])
+@pytest.mark.parametrize("method", METHOD_NAMES)
 def test_batchnorm_keeps_clients_apart_and_evaluates_per_sample(method):
     """ResNet-18: a client's training and evaluation do not depend on which clients the rank ran
     before, and evaluation is per sample (running statistics, not the test batch's)."""
