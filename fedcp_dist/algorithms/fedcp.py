@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcp_dist import fused
 from fedcp_dist.algorithms.base import Algorithm, LocalResult, copy_module, freeze, load_module, module_state
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.models import forward_batch_stats
+from fedcp_dist.local_train import amp_autocast, batch_indices, full_precision, sgd
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
 MMD_BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)
@@ -43,6 +45,34 @@ def mmd2(x: torch.Tensor, y: torch.Tensor, bandwidths: Sequence[float] = MMD_BAN
     for a in bandwidths:
         c = -0.5 / a
         k = k + (dxx * c).exp().mean() + (dyy * c).exp().mean() - 2.0 * (dxy * c).exp().mean()
+    return k
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or as it is if wider (bf16 activations under autocast are widened)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def grouped_mmd2(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
+                 bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> torch.Tensor:
+    """:func:`mmd2` for each of k padded batches at once: x, y (k, B, K); mask (k, B) marks the
+    real rows and count (k,) their number. Returns (k,) MMD² over the real rows only."""
+    x_sq, y_sq = (x * x).sum(2), (y * y).sum(2)
+
+    def sq_dists(a, b, a_sq, b_sq):
+        return (a_sq[:, :, None] + b_sq[:, None, :] - 2.0 * torch.bmm(a, b.transpose(1, 2))).clamp_min(0.0)
+
+    dxx, dyy, dxy = sq_dists(x, x, x_sq, x_sq), sq_dists(y, y, y_sq, y_sq), sq_dists(x, y, x_sq, y_sq)
+    pairs = mask[:, :, None] * mask[:, None, :]
+    n2 = count * count
+
+    def mean(t):
+        return (t * pairs).sum((1, 2)) / n2
+
+    k = 0.0
+    for a in bandwidths:
+        c = -0.5 / a
+        k = k + mean((dxx * c).exp()) + mean((dyy * c).exp()) - 2.0 * mean((dxy * c).exp())
     return k
 
 
@@ -74,7 +104,7 @@ class FedCP(Algorithm):
         self.fe = model.features.to(device)  # W_i^fe, trained
         self.head_p = model.head.to(device)  # W_i^hd, trained
         # received global parts, frozen: the MMD reference, the global head, and what evaluation uses
-        self.fe_g = freeze(copy.deepcopy(self.fe))
+        self.fe_g = freeze(copy.deepcopy(self.fe)).eval()  # BatchNorm: running statistics at evaluation
         self.head_g = freeze(copy.deepcopy(self.head_p))
         self.cpn_g = freeze(copy.deepcopy(self.cpn))
         self._init_head = module_state("head.", self.head_p)
@@ -115,14 +145,14 @@ class FedCP(Algorithm):
             out, h = self.forward(self.fe, self.cpn, self.head_p, v, x, cfg.cpn_train_gumbel, ctx.generator)
             loss = F.cross_entropy(out, y)
             if cfg.lam > 0:
-                with torch.no_grad():
-                    h_g = self.fe_g(x)
-                loss = loss + cfg.lam * mmd2(h, h_g)
+                h_g = forward_batch_stats(self.fe_g, x)  # batch statistics, as the reference; no buffer moves
+                with full_precision(x.device):  # bf16 would cancel the distances away
+                    loss = loss + cfg.lam * mmd2(_at_least_fp32(h), _at_least_fp32(h_g))
             return loss
 
         params = [*self.fe.parameters(), *self.cpn.parameters(), *self.head_p.parameters()]
         batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        loss_sum, seen = sgd(params, batches, loss_fn, cfg.lr)
+        loss_sum, seen = sgd(params, batches, loss_fn, cfg.lr, amp=cfg.amp)
 
         with torch.no_grad():
             new_head = module_state("head.", self.head_p)
@@ -133,6 +163,106 @@ class FedCP(Algorithm):
             }
             new_state = {**new_head, "v": self.head_p.weight.detach().sum(dim=0).clone()}
         return LocalResult(upload=upload, client_state=new_state, loss_sum=loss_sum, samples=seen)
+
+    # -- fused training (fused=true): local_train for a group of clients at once ----------------
+    def _fused_ok(self) -> bool:
+        """Only FedCP's own local_train, forward and CPN are fused; a subclass changing any keeps its own."""
+        if (type(self).local_train is not FedCP.local_train or type(self).forward is not FedCP.forward
+                or type(self.cpn).forward is not CPN.forward):
+            return False
+        reason = fused.unsupported_reason(self.fe, self.cpn, self.head_p, self.fe_g, self.head_g)
+        if reason is not None:
+            fused.note_once(self, f"fused=true: {reason}; clients train one at a time")
+            return False
+        return True
+
+    def _fused_memory(self, datas) -> "fused.MemoryPlan":
+        """Per slot: W^fe, Θ, W^hd and their gradients, v, and the activations of f, the CPN and g;
+        per result: the upload and the new client state (4 bytes per element)."""
+        x = fused.probe_input(datas)
+        if "_fused_act" not in self.__dict__ and x is not None:
+            def run():
+                h = self.fe(x)
+                self.cpn.net(h)
+                self.head_p(h)
+
+            self._fused_act = fused.activation_elements(run, [self.fe, self.cpn, self.head_p])
+        act = self.__dict__.get("_fused_act", 0)
+        trained = fused.param_count(self.fe, self.cpn, self.head_p)
+        head = fused.param_count(self.head_p)
+        per_slot = 4 * (2 * trained + self.K) + fused.ACTIVATION_COPIES * 4 * self.cfg.batch_size * act
+        return fused.MemoryPlan(per_slot=per_slot, per_result=4 * (trained + head + self.K))
+
+    def fused_group_size(self, datas):
+        if not self._fused_ok():
+            return super().fused_group_size(datas)
+        return self._fused_memory(datas).group_size(self.device, len(datas))
+
+    def local_train_group(self, items):
+        if not items or not self._fused_ok():
+            return super().local_train_group(items)
+        cfg, K, device = self.cfg, self.K, self.device
+        fe, cpn, head_p = self.fe, self.cpn, self.head_p
+        for m in (fe, cpn, head_p):
+            m.train()
+        shared = {**module_state("features.", self.fe_g), **module_state("cpn.", self.cpn_g)}
+        head_keys = list(module_state("head.", head_p))
+        trainable = [*(f"features.{n}" for n, p in fe.named_parameters() if p.requires_grad),
+                     *(f"cpn.{n}" for n, p in cpn.named_parameters() if p.requires_grad),
+                     *(f"head.{n}" for n, p in head_p.named_parameters() if p.requires_grad)]
+
+        def step_loss(views, batch):
+            k, x = batch.k, batch.x
+            b = x.shape[1]
+            h = fused.grouped_forward(fe, fused.sub_params(views, "features."), x, k)  # (k, B, K)
+            c = F.normalize(views["v"], dim=1)[:, None, :] * h
+            logits = fused.grouped_forward(cpn.net, fused.sub_params(views, "cpn.net."), c, k).reshape(k, b, 2, K)
+            if cfg.cpn_train_gumbel:
+                # each client's Gumbel noise from its own stream, the same draws as alone; padding: log 1 = 0
+                e = torch.ones_like(logits)
+                for j, (n, g) in enumerate(zip(batch.sizes, batch.generators)):
+                    e[j, :n].exponential_(generator=g)
+                logits = logits + e.log_().neg_()
+            p = torch.softmax(logits / cfg.tau, dim=2)
+            s, r = p[:, :, 0], p[:, :, 1]
+            out = fused.grouped_forward(head_p, fused.sub_params(views, "head."), s * h, k)
+            out = out + self.head_g((r * h).reshape(k * b, K)).view(k, b, -1)
+            loss = fused.masked_cross_entropy(out, batch.y, batch.mask, batch.count)
+            if cfg.lam > 0:
+                with torch.no_grad():
+                    h_g = self.fe_g(x.reshape(k * b, *x.shape[2:])).view(k, b, -1)
+                with full_precision(device):
+                    loss = loss + cfg.lam * grouped_mmd2(_at_least_fp32(h), _at_least_fp32(h_g), batch.mask, batch.count)
+            return loss
+
+        datas = [d for _, d, _ in items]
+        runs = [fused.ClientRun(d, ctx.generator, {**shared, **{k: state[k] for k in head_keys}, "v": state["v"]})
+                for state, d, ctx in items]
+        outcomes = fused.train_fused(
+            runs,
+            trainable=trainable,
+            step_loss=step_loss,
+            slots=self._fused_memory(datas).slots(device, len(items)),
+            batch_size=cfg.batch_size,
+            epochs=cfg.local_epochs,
+            drop_last=cfg.drop_last,
+            lr=cfg.lr,
+            autocast=lambda: amp_autocast(cfg.amp, device),
+        )
+        head_g = module_state("head.", self.head_g)
+        results = []
+        with torch.no_grad():
+            for o in outcomes:
+                v = o.values
+                new_head = {k: v[k] for k in head_keys}
+                upload = {
+                    **{k: t for k, t in v.items() if k.startswith("features.")},
+                    **{k: 0.5 * (g + new_head[k]) for k, g in head_g.items()},
+                    **{k: t for k, t in v.items() if k.startswith("cpn.")},
+                }
+                new_state = {**new_head, "v": new_head["head.weight"].sum(dim=0)}
+                results.append(LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples))
+        return results
 
     @torch.no_grad()
     def predict(self, client_state, x, ctx):

@@ -1,0 +1,340 @@
+"""Fused multi-client training (fused=true) gives what training each client alone gives.
+
+Clients of unequal sizes: one smaller than a batch, one with a ragged last batch, one an exact
+multiple of B, trained with fewer slots than clients too (slots are refilled and compacted).
+
+In float64 the fused and sequential paths agree to ~1e-14: the same batches, noise, masking and
+updates. In float32 they differ by rounding (other kernels: grouped, channels-last), and a
+rounding difference can now and then put a pre-activation on the other side of a ReLU's kink,
+after which the trajectories drift apart by more than rounding; the float32 checks therefore use
+well-conditioned settings, and the end-to-end run a relative tolerance.
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from fedcp_dist import fused
+from fedcp_dist.algorithms.base import Context
+from fedcp_dist.algorithms.fedavg import FedAvg
+from fedcp_dist.algorithms.fedcp import FedCP, grouped_mmd2, mmd2
+from fedcp_dist.algorithms.fedcp_variants import FedCPVariant
+from fedcp_dist.algorithms.fedprox import FedProx
+from fedcp_dist.config import Config, load_config
+from fedcp_dist.data.resident import ClientData, to_device
+from fedcp_dist.local_train import batch_indices, num_batches
+from fedcp_dist.models import build_model
+from fedcp_dist.runtime import init_runtime
+from fedcp_dist.simulator import Simulator
+
+CPU = torch.device("cpu")
+ATOL = 1e-5
+#: train sizes with B = 10: a ragged last batch (23 = 2·10 + 3), fewer than one batch (7),
+#: an exact multiple (40), ragged again (31)
+SIZES = (23, 7, 40, 31)
+
+
+class Data64(ClientData):
+    """A client whose batches come in float64 (for the exactness checks)."""
+
+    def train_batch(self, idx=None):
+        x, y = super().train_batch(idx)
+        return x.double(), y
+
+
+def _client(cid, n, classes=10, shape=(1, 28, 28), double=False):
+    g = torch.Generator().manual_seed(100 + cid)
+    arrays = {
+        "train_x": torch.randint(0, 256, (n, *shape), generator=g, dtype=torch.uint8).numpy(),
+        "train_y": torch.randint(0, classes, (n,), generator=g).numpy(),
+        "test_x": torch.randint(0, 256, (2, *shape), generator=g, dtype=torch.uint8).numpy(),
+        "test_y": torch.randint(0, classes, (2,), generator=g).numpy(),
+    }
+    d = to_device(cid, arrays, (0.5,), (0.5,), CPU)
+    return Data64(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}) if double else d
+
+
+@pytest.fixture
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def _algo(cls, net=None, shape=(1, 28, 28), **kw):
+    kw.setdefault("lr", 0.05)
+    kw.setdefault("batch_size", 10)
+    cfg = Config(**kw)
+    torch.manual_seed(0)
+    algo = cls(cfg, net if net is not None else build_model("cnn", shape, 10), CPU)
+    gs = algo.init_global_state()
+    # a global state that differs from the initial one, so the shared and personal parts differ
+    gs = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in gs.items()}
+    algo.set_global(gs)
+    return algo, gs
+
+
+def _items(algo, datas, seed=11):
+    """(client_state, data, ctx) per client, each with a fresh generator seeded per client."""
+    items = []
+    for d in datas:
+        state = algo.init_client_state(d.cid)
+        if state is not None and "v" in state:  # FedCP: a different client vector per client
+            state = {**state, "v": state["v"] + 0.1 * d.cid}
+        items.append((state, d, Context(3, d.cid, torch.Generator().manual_seed(seed + d.cid))))
+    return items
+
+
+def _sequential(algo, items):
+    return [algo.local_train(s, d, Context(c.round, c.client, torch.Generator().manual_seed(c.generator.initial_seed())))
+            for s, d, c in items]
+
+
+def _assert_close(a: dict, b: dict, atol=ATOL):
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+        assert b[k].is_contiguous(), k
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), f"{k}: {(a[k] - b[k]).abs().max():.3g}"
+
+
+def _assert_same_results(seq, fus, gs=None, atol=ATOL):
+    assert len(seq) == len(fus)
+    for s, f in zip(seq, fus):
+        assert f.samples == s.samples
+        assert f.loss_sum == pytest.approx(s.loss_sum, rel=1e-5, abs=1e-6)
+        _assert_close(s.upload, f.upload, atol)
+        if s.client_state is None:
+            assert f.client_state is None
+        else:
+            _assert_close(s.client_state, f.client_state, atol)
+        if gs is not None and s.samples:
+            # training moved the model: the comparison is not between two untouched copies
+            assert any((s.upload[k] - gs[k]).abs().max() > 1e-3 for k in s.upload)
+
+
+def test_step_counts_match_batch_indices():
+    for n in (0, 1, 7, 10, 23, 40):
+        for drop_last in (False, True):
+            for epochs in (1, 2):
+                got = list(batch_indices(n, 10, epochs, drop_last, torch.Generator().manual_seed(0)))
+                assert num_batches(n, 10, epochs, drop_last) == len(got)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("slots", [1, 2, 8])
+def test_fedavg_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots):
+    monkeypatch.setattr(fused, "CPU_SLOTS", slots)
+    algo, gs = _algo(FedAvg, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2)
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
+    items = _items(algo, datas)
+    fus = algo.local_train_group(items)
+    seq = _sequential(algo, items)
+    _assert_same_results(seq, fus, gs, atol=1e-12)
+    assert [r.samples for r in seq] == [2 * (n - n % 10 if drop_last and n >= 10 else n) for n in SIZES]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("slots", [1, 2, 8])
+def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots):
+    """Gumbel noise, MMD and two epochs: each client's generator is consumed as in the sequential loop."""
+    monkeypatch.setattr(fused, "CPU_SLOTS", slots)
+    algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2, lam=5.0, lr=0.01,
+                     cpn_train_gumbel=True)
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
+    items = _items(algo, datas)
+    fus = algo.local_train_group(items)
+    seq = _sequential(algo, items)
+    _assert_same_results(seq, fus, gs, atol=1e-12)
+    for r in fus:
+        assert set(r.client_state) == {"head.weight", "head.bias", "v"}
+        assert torch.equal(r.client_state["v"], r.client_state["head.weight"].sum(0))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_fedavg_fused_equals_sequential_in_float32(drop_last):
+    algo, gs = _algo(FedAvg, drop_last=drop_last, local_epochs=2)
+    items = _items(algo, [_client(i, n) for i, n in enumerate(SIZES)])
+    _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_fedcp_fused_equals_sequential_in_float32(drop_last):
+    algo, gs = _algo(FedCP, drop_last=drop_last, local_epochs=2, lam=0.5, cpn_train_gumbel=True)
+    items = _items(algo, [_client(i, n) for i, n in enumerate(SIZES)])
+    _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
+
+
+def test_fedcp_fused_uses_each_clients_own_noise():
+    """Swapping two clients' generators changes both results (the equality checks above are not
+    blind to the noise): each client's Gumbel noise and batches come from its own stream."""
+    algo, _ = _algo(FedCP, lam=0.0, cpn_train_gumbel=True)
+    datas = [_client(i, 20) for i in range(2)]
+    items = _items(algo, datas)
+    fus = algo.local_train_group(items)
+    swapped = [(s, d, Context(3, d.cid, torch.Generator().manual_seed(11 + 1 - d.cid))) for s, d, _ in items]
+    other = algo.local_train_group(swapped)
+    for a, b in zip(fus, other):
+        assert abs(a.loss_sum - b.loss_sum) > 1e-3
+        assert max((a.upload[k] - b.upload[k]).abs().max() for k in a.upload) > 1e-5
+
+
+def test_grouped_mmd_is_the_mmd_of_the_real_rows():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 6, 5, generator=g), torch.randn(3, 6, 5, generator=g)
+    counts = [6, 2, 4]
+    mask = torch.tensor([[1.0] * c + [0.0] * (6 - c) for c in counts])
+    got = grouped_mmd2(x, y, mask, mask.sum(1))
+    want = torch.stack([mmd2(x[i, :c], y[i, :c]) for i, c in enumerate(counts)])
+    assert torch.allclose(got, want, atol=1e-6)
+    assert got[1] != pytest.approx(float(mmd2(x[1], y[1])), abs=1e-3)  # the padding is really left out
+
+
+def test_fedprox_with_fused_keeps_its_own_local_training():
+    algo, gs = _algo(FedProx, prox_mu=1.0, fused=True)
+    datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
+    items = _items(algo, datas)
+    got = algo.local_train_group(items)
+    _assert_same_results(_sequential(algo, items), got, gs)
+    plain, _ = _algo(FedAvg, fused=True)
+    fedavg = plain.local_train_group(_items(plain, datas))
+    # the proximal term changes the result: FedAvg's fused path was not used
+    assert any((got[0].upload[k] - fedavg[0].upload[k]).abs().max() > 1e-4 for k in got[0].upload)
+
+
+def test_fedcp_variant_keeps_its_own_local_training():
+    algo, gs = _algo(FedCPVariant, cpn_input="sample", fused=True)
+    datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
+    items = _items(algo, datas)
+    got = algo.local_train_group(items)
+    _assert_same_results(_sequential(algo, items), got, gs)
+    plain, _ = _algo(FedCP, fused=True)
+    fedcp = plain.local_train_group(_items(plain, datas))
+    assert (got[0].upload["cpn.net.0.weight"] - fedcp[0].upload["cpn.net.0.weight"]).abs().max() > 1e-4
+
+
+class Scale(nn.Module):
+    """A layer the grouped interpreter does not know: it runs through vmap."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class Odd(nn.Module):
+    """A model whose forward is not head(features(x)) (a skip connection around the head)."""
+
+    def __init__(self, with_bn=False):
+        super().__init__()
+        self.feature_dim = 6
+        norm = nn.BatchNorm1d(6) if with_bn else nn.Identity()
+        self.features = nn.Sequential(nn.Conv2d(1, 3, 3, stride=2), nn.Tanh(), nn.AvgPool2d(2), nn.Flatten(),
+                                      nn.Linear(3 * 6 * 6, 6), norm, Scale(6), nn.LayerNorm(6))
+        self.head = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.features(x)
+        return self.head(h) + h
+
+
+def test_vmapped_modules_and_unsplit_models_match_sequential():
+    algo, gs = _algo(FedAvg, net=Odd(), fused=True)
+    datas = [_client(i, n, classes=6) for i, n in enumerate(SIZES)]
+    items = _items(algo, datas)
+    got = algo.local_train_group(items)
+    assert algo._fused_split is False  # the whole model ran through vmap
+    _assert_same_results(_sequential(algo, items), got, gs)
+
+    algo, gs = _algo(FedCP, net=Odd(), fused=True)  # FedCP uses features and head separately
+    items = _items(algo, datas)
+    _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
+
+
+def test_batchnorm_falls_back_to_one_client_at_a_time(capsys):
+    algo, gs = _algo(FedAvg, net=Odd(with_bn=True), fused=True)
+    datas = [_client(i, n, classes=6) for i, n in enumerate(SIZES)]
+    items = _items(algo, datas)
+    got = algo.local_train_group(items)
+    assert "BatchNorm1d layers are not fused" in capsys.readouterr().out
+    assert algo.fused_group_size(datas) == len(datas)
+    seq = _sequential(algo, items)
+    for s, f in zip(seq, got):  # the very same sequential computation
+        assert f.loss_sum == s.loss_sum
+        for k in s.upload:
+            assert torch.equal(s.upload[k], f.upload[k])
+
+
+def test_group_size_and_slots_follow_memory(monkeypatch):
+    algo, _ = _algo(FedCP)
+    datas = [_client(i, n) for i, n in enumerate(SIZES)]
+    plan = algo._fused_memory(datas)
+    params = fused.param_count(algo.fe, algo.cpn, algo.head_p)
+    assert plan.per_slot > 8 * params  # stacked parameters and gradients, plus activations
+    assert plan.per_result == 4 * (params + fused.param_count(algo.head_p) + algo.K)
+    monkeypatch.setattr(fused, "available_memory", lambda device: 1 << 40)
+    assert algo.fused_group_size(datas) == len(datas)
+    assert plan.slots(CPU, 100) == fused.CPU_SLOTS
+    tight = int((3 * plan.per_slot + 3 * plan.per_result) / fused.MEMORY_FRACTION) + 16
+    monkeypatch.setattr(fused, "available_memory", lambda device: tight)
+    assert plan.slots(CPU, 100) == 3
+    assert algo.fused_group_size(datas) == 3
+    monkeypatch.setattr(fused, "available_memory", lambda device: 1024)
+    assert algo.fused_group_size(datas) == 1
+
+
+def test_amp_on_cpu_is_ignored_with_one_notice(capsys):
+    algo, _ = _algo(FedAvg, amp="bf16")
+    import fedcp_dist.local_train as lt
+
+    lt._amp_cpu_noted = False
+    datas = [_client(i, n) for i, n in enumerate(SIZES[:2])]
+    items = _items(algo, datas)
+    got = algo.local_train_group(items)
+    got_again = algo.local_train_group(items[:1])
+    out = capsys.readouterr().out
+    assert out.count("amp=bf16 applies on CUDA devices only") == 1
+    plain, _ = _algo(FedAvg)
+    want = plain.local_train_group(_items(plain, datas))
+    for a, b in zip(got, want):
+        assert a.loss_sum == b.loss_sum
+    assert got_again[0].samples == got[0].samples
+
+
+def _run(shard, out, fused_on, method="fedcp"):
+    cfg = load_config("configs/digits_fedcp.yaml", [
+        f"method={method}", "rounds=2", "eval_every=1", "lr=0.005", f"data.path={shard}", "data.num_clients=0",
+        f"out_dir={out}", f"fused={'true' if fused_on else 'false'}", "fused_group=4", "checkpoint_every=0"])
+    rt = init_runtime("cpu", 0, env={})
+    try:
+        return Simulator(cfg, rt, echo=lambda *_: None).run()
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("method", ["fedcp", "fedavg"])
+def test_end_to_end_fused_run_equals_sequential_run(digits6, tmp_path, method):
+    """Two rounds, 6 clients in fused groups of 4 and 2: the same model within float32 drift
+    (measured: 2e-4 (FedAvg) and 5e-4 (FedCP) of each tensor's largest entry, the same as a
+    2-ulp random perturbation of the initial model gives FedCP)."""
+    seq = _run(digits6, tmp_path / "seq", False, method)
+    fus = _run(digits6, tmp_path / "fus", True, method)
+    a = torch.load(tmp_path / "seq" / "final_global.pt")
+    b = torch.load(tmp_path / "fus" / "final_global.pt")
+    assert list(a) == list(b)
+    for k in a:
+        assert (a[k] - b[k]).abs().max() <= 5e-3 * a[k].abs().max(), k
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # other kernels ran: the fused path was taken
+    rounds = [[json.loads(l) for l in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("seq", "fus")]
+    assert len(rounds[0]) == len(rounds[1]) == 3
+    for ra, rb in zip(*rounds):
+        if "train_loss" in ra:
+            assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-3)
+        if "acc" in ra:
+            assert rb["acc"] == pytest.approx(ra["acc"], abs=0.01)
+    assert fus["final_acc"] == pytest.approx(seq["final_acc"], abs=0.01)
