@@ -3,6 +3,8 @@
     python bench/round.py                                     # MNIST, 20 clients, Dir(0.1), FedCP, 1 rank
     torchrun --nproc_per_node=2 bench/round.py threads=1      # the same on 2 ranks
     python bench/round.py --shard data/x.h5 method=fedavg rounds=3
+    python bench/round.py --fused                             # the same with fused=true
+    python bench/round.py --compare                           # sequential, then fused, in one run
 
 It partitions the real MNIST files (``--mnist-root``, default ../shared/data/mnist, gzipped IDX files
 are unpacked into a temporary folder) unless ``--shard`` names an existing partition, runs the
@@ -16,6 +18,13 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
   float32 matrix-multiply peak measured in the same run (GFLOP/s per rank with its threads);
 * bytes and seconds of the round's all-reduce;
 * peak memory per rank (RSS on CPU, max allocated on CUDA).
+
+``--fused`` runs with ``fused=true`` (``--fused-group N`` sets ``fused_group``, 0 = from memory;
+``--fused-slots N`` overrides how many clients train at once); ``--compare`` runs the sequential
+and the fused variant back to back in one invocation (same shard, same data on the device) and
+adds their ratios, so that machines shared with other work still give a fair comparison. The
+FLOP count is always that of the sequential local training, so GFLOP/s are useful work per
+second for both variants.
 
 The same figures go to ``--json`` (default bench/last.json) for comparison across commits.
 """
@@ -40,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fedcp_dist import fused  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
 from fedcp_dist.placement import STREAM_TRAIN, sample_cohort  # noqa: E402
@@ -91,9 +101,16 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--startup-only", action="store_true",
                    help="measure start-up (placement + loading this rank's clients) and its memory, then stop")
+    p.add_argument("--fused", action="store_true", help="train with fused=true (groups of clients at once)")
+    p.add_argument("--compare", action="store_true", help="run the sequential and the fused variant back to back")
+    p.add_argument("--fused-group", type=int, default=0, help="fused_group: clients per group (0: from memory)")
+    p.add_argument("--fused-slots", type=int, default=0,
+                   help="clients trained at once in a fused group (0: the memory plan, capped per device)")
     p.add_argument("--json", default=str(REPO / "bench" / "last.json"))
     p.add_argument("overrides", nargs="*", help="config overrides (default rounds=3)")
     args = p.parse_args(argv)
+    if args.fused_slots:
+        fused.CPU_SLOTS = fused.CUDA_SLOTS = args.fused_slots
 
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     shard = Path(args.shard) if args.shard else REPO / "data" / "bench_mnist_dir0.1_n20.h5"
@@ -103,48 +120,91 @@ def main(argv=None):
         else:
             while not shard.exists():
                 time.sleep(0.5)
-    out_dir = tempfile.mkdtemp(prefix="fedcp-bench-") if rank == 0 else "/nonexistent"
     overrides = ["rounds=3", *args.overrides]
-    cfg = load_config(args.config, [f"data.path={shard}", "data.num_clients=0", "data.source=",
-                                    "data.input_shape=null", "eval_every=1", "checkpoint_every=0",
-                                    "overwrite=true", *overrides])
-    timed = cfg.rounds
-    cfg.rounds = timed + args.warmup
-    rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
-    cfg.out_dir = out_dir
-    t_start = time.perf_counter()
-    sim = Simulator(cfg, rt, echo=lambda *_: None)
-    if args.startup_only:
-        startup = time.perf_counter() - t_start
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        held = sum(d.train_x.numel() + d.test_x.numel() for d in sim.data.values()) / 2**20
-        print(f"rank {rt.rank}: {len(sim.owned)} of {sim.num_clients} clients, start-up {startup:.2f} s "
-              f"(loading the shard {sim.load_seconds:.2f} s), {held:.1f} MiB of images held, peak RSS {rss:.0f} MiB",
-              flush=True)
-        rt.close()
-        shutil.rmtree(out_dir, ignore_errors=True)
-        return
 
-    # FLOPs per trained and per evaluated sample, counted on this rank's largest client
+    def config(fused_on: bool, out_dir: str):
+        cfg = load_config(args.config, [f"data.path={shard}", "data.num_clients=0", "data.source=",
+                                        "data.input_shape=null", "eval_every=1", "checkpoint_every=0",
+                                        "overwrite=true", *overrides,
+                                        f"fused={'true' if fused_on else 'false'}", f"fused_group={args.fused_group}"])
+        cfg.rounds = cfg.rounds + args.warmup
+        cfg.out_dir = out_dir
+        return cfg
+
+    first = config(args.fused, "/nonexistent")
+    rt = init_runtime(first.device, first.threads, first.collective_timeout)
+    variants = [False, True] if args.compare else [args.fused]
+    results, flops_per_train_sample = [], None
+    for fused_on in variants:
+        out_dir = tempfile.mkdtemp(prefix="fedcp-bench-") if rt.rank == 0 else "/nonexistent"
+        cfg = config(fused_on, out_dir)
+        t_start = time.perf_counter()
+        sim = Simulator(cfg, rt, echo=lambda *_: None)
+        if args.startup_only:
+            startup = time.perf_counter() - t_start
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            held = sum(d.train_x.numel() + d.test_x.numel() for d in sim.data.values()) / 2**20
+            print(f"rank {rt.rank}: {len(sim.owned)} of {sim.num_clients} clients, start-up {startup:.2f} s "
+                  f"(loading the shard {sim.load_seconds:.2f} s), {held:.1f} MiB of images held, peak RSS {rss:.0f} MiB",
+                  flush=True)
+            rt.close()
+            shutil.rmtree(out_dir, ignore_errors=True)
+            return
+        if flops_per_train_sample is None:
+            flops_per_train_sample = train_flops_per_sample(sim, cfg)
+        results.append(measure(sim, cfg, rt, args.warmup, flops_per_train_sample))
+        shutil.rmtree(out_dir, ignore_errors=True)
+    rt.close()
+    if rt.rank != 0:
+        return
+    for res in results:
+        print_table(res, args.warmup)
+    out = results[0] if len(results) == 1 else {"sequential": results[0], "fused": results[1]}
+    if len(results) == 2:
+        seq, fus = results
+        ratio = {
+            "round_speedup": seq["seconds_per_round"] / fus["seconds_per_round"],
+            "train_speedup": seq["train_seconds"] / fus["train_seconds"],
+            "fraction_of_peak_sequential": seq["train_fraction_of_peak"],
+            "fraction_of_peak_fused": fus["train_fraction_of_peak"],
+        }
+        out["comparison"] = ratio
+        print(f"fused / sequential: local training {ratio['train_speedup']:.2f}x faster, "
+              f"whole round {ratio['round_speedup']:.2f}x faster; training / peak "
+              f"{', '.join(f'{100 * v:.1f} %' for v in seq['train_fraction_of_peak'])} -> "
+              f"{', '.join(f'{100 * v:.1f} %' for v in fus['train_fraction_of_peak'])}")
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def train_flops_per_sample(sim, cfg) -> float:
+    """FLOPs per trained sample, counted on this rank's largest client's sequential local training."""
     big = max(sim.owned, key=lambda c: sim.data[c].n_train)
     d = sim.data[big]
     train_flops = count_flops(lambda: sim.algo.local_train(sim.client_state(big), d, Context(0, big, sim._generator(STREAM_TRAIN, 0, big))))
-    trained = cfg.local_epochs * (d.n_train - d.n_train % cfg.batch_size if cfg.drop_last and d.n_train >= cfg.batch_size else d.n_train)
-    flops_per_train_sample = train_flops / trained
-    peak = matmul_peak_gflops(rt.device)
+    return train_flops / num_batches_samples(d.n_train, cfg)
 
+
+def num_batches_samples(n: int, cfg) -> int:
+    """Samples one client trains on in a round (epochs × its kept samples)."""
+    return cfg.local_epochs * (n - n % cfg.batch_size if cfg.drop_last and n >= cfg.batch_size else n)
+
+
+def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
+    """Run the simulator and return this variant's figures (all ranks gathered)."""
+    peak = matmul_peak_gflops(rt.device)
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.perf_counter()
     summary = sim.run()
     wall = time.perf_counter() - t0
-    rounds = [r for r in sim.records if r["kind"] == "round"][args.warmup:]
+    rounds = [r for r in sim.records if r["kind"] == "round"][warmup:]
 
     # this rank's trained samples per timed round
     def rank_samples(t):
         n = 0
         for c in sample_cohort(cfg.seed, t, sim.num_clients, cfg.participation, cfg.participation_range):
             if sim.owner[c] == rt.rank:
-                m = sim.data[int(c)].n_train
-                n += cfg.local_epochs * (m - m % cfg.batch_size if cfg.drop_last and m >= cfg.batch_size else m)
+                n += num_batches_samples(sim.data[int(c)].n_train, cfg)
         return n
 
     samples = [rank_samples(r["round"] - 1) for r in rounds]
@@ -158,13 +218,14 @@ def main(argv=None):
         per_rank = torch.stack([g.cpu() for g in gathered])
     else:
         per_rank = mine[None]
-    rt.close()
-    if rt.rank != 0:
-        return
     mean = lambda k: float(np.mean([r[k] for r in rounds]))  # noqa: E731
     tot_samples = per_rank[:, 0].sum().item()
+    group = (cfg.fused_group or sim.algo.fused_group_size([sim.data[c] for c in sim.owned])) if cfg.fused else None
     res = {
         "setting": f"{summary['source']} {summary['num_clients']} clients, {cfg.method}, B={cfg.batch_size}, E={cfg.local_epochs}",
+        "fused": bool(cfg.fused),
+        "fused_group": group,
+        "fused_slots": (fused.CUDA_SLOTS if rt.device.type == "cuda" else fused.CPU_SLOTS) if cfg.fused else None,
         "world_size": rt.world_size,
         "launcher": rt.launcher,
         "device": str(rt.device),
@@ -185,25 +246,30 @@ def main(argv=None):
         "wall_seconds": wall,
     }
     res["train_fraction_of_peak"] = [g / pk for g, pk in zip(res["train_gflops_per_rank"], res["matmul_peak_gflops_per_rank"])]
+    return res
+
+
+def print_table(res: dict, warmup: int) -> None:
+    fused_row = (f"fused, groups of {res['fused_group']}, at most {res['fused_slots']} clients at once"
+                 if res["fused"] else "sequential (one client after another)")
     rows = [
         ("setting", res["setting"]),
-        ("ranks", f"{rt.world_size} ({rt.launcher}, {rt.device}, {rt.threads} thread(s) each)"),
-        ("seconds per round", f"{res['seconds_per_round']:.2f}  (mean of {len(rounds)} after {args.warmup} warm-up)"),
+        ("local training", fused_row),
+        ("ranks", f"{res['world_size']} ({res['launcher']}, {res['device']}, {res['threads_per_rank']} thread(s) each)"),
+        ("seconds per round", f"{res['seconds_per_round']:.2f}  (mean of {res['timed_rounds']} after {warmup} warm-up)"),
         ("  local training", f"{res['train_seconds']:.2f}"),
         ("  evaluation", f"{res['eval_seconds']:.2f}"),
         ("  aggregation (all-reduce)", f"{res['allreduce_seconds']:.4f} s, {res['allreduce_bytes'] / 2**20:.1f} MiB"),
         ("client-samples/s per rank", ", ".join(f"{v:.0f}" for v in res["client_samples_per_s_per_rank"])),
         ("client-samples/s, all ranks", f"{res['client_samples_per_s_total']:.0f}"),
-        ("training FLOP per sample", f"{flops_per_train_sample / 1e6:.1f} MFLOP (forward + backward, counted)"),
+        ("training FLOP per sample", f"{res['train_flops_per_sample'] / 1e6:.1f} MFLOP (forward + backward, counted)"),
         ("training GFLOP/s per rank", ", ".join(f"{v:.1f}" for v in res["train_gflops_per_rank"])),
         ("matmul peak GFLOP/s per rank", ", ".join(f"{v:.1f}" for v in res["matmul_peak_gflops_per_rank"])),
         ("training / peak", ", ".join(f"{100 * v:.1f} %" for v in res["train_fraction_of_peak"])),
         ("peak memory per rank", ", ".join(f"{v:.0f} MiB" for v in res["peak_memory_mib_per_rank"])),
     ]
     w = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
-    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
+    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows), flush=True)
 
 
 if __name__ == "__main__":

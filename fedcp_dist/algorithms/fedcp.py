@@ -211,6 +211,8 @@ class FedCP(Algorithm):
                      *(f"cpn.{n}" for n, p in cpn.named_parameters() if p.requires_grad),
                      *(f"head.{n}" for n, p in head_p.named_parameters() if p.requires_grad)]
 
+        fe_g_params = fused.stack_once(dict(self.fe_g.named_parameters()))
+
         def step_loss(views, batch):
             k, x = batch.k, batch.x
             b = x.shape[1]
@@ -229,8 +231,8 @@ class FedCP(Algorithm):
             out = out + self.head_g((r * h).reshape(k * b, K)).view(k, b, -1)
             loss = fused.masked_cross_entropy(out, batch.y, batch.mask, batch.count)
             if cfg.lam > 0:
-                with torch.no_grad():
-                    h_g = self.fe_g(x.reshape(k * b, *x.shape[2:])).view(k, b, -1)
+                with torch.no_grad():  # the frozen extractor on all k·B samples at once, channels-last
+                    h_g = fused.grouped_forward(self.fe_g, fe_g_params, x.reshape(1, k * b, *x.shape[2:]), 1).view(k, b, -1)
                 with full_precision(device):
                     loss = loss + cfg.lam * grouped_mmd2(_at_least_fp32(h), _at_least_fp32(h_g), batch.mask, batch.count)
             return loss
