@@ -16,8 +16,13 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
 * achieved GFLOP/s per rank in local training, from a FLOP count of one client's real local
   training (forward and backward, counted by torch's FlopCounterMode), against the same machine's
   float32 matrix-multiply peak measured in the same run (GFLOP/s per rank with its threads);
+* on a CPU, the same rate and fraction per CPU-second of one thread (this process's CPU time in
+  local training over its threads, against the GEMM's rate per CPU-second): on a machine shared
+  with other work that is what compares variants fairly (use threads=1 there: with more threads
+  the CPU time also counts their spin-waiting);
 * bytes and seconds of the round's all-reduce;
-* peak memory per rank (RSS on CPU, max allocated on CUDA).
+* peak memory per rank (RSS on CPU, the process's peak so far, so with ``--compare`` the fused
+  figure includes the sequential run's; max allocated on CUDA, per variant).
 
 ``--fused`` runs with ``fused=true`` (``--fused-group N`` sets ``fused_group``, 0 = from memory;
 ``--fused-slots N`` overrides how many clients train at once); ``--compare`` runs the sequential
@@ -31,6 +36,7 @@ The same figures go to ``--json`` (default bench/last.json) for comparison acros
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -57,8 +63,8 @@ from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.simulator import Simulator  # noqa: E402
 
 
-def matmul_peak_gflops(device, n=2048, repeats=5) -> float:
-    """Best float32 GEMM rate of this rank with its threads."""
+def matmul_peak_gflops(device, n=2048, repeats=5, clock=time.perf_counter) -> float:
+    """Best float32 GEMM rate of this rank with its threads (per second of ``clock``)."""
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     a @ b
@@ -66,12 +72,38 @@ def matmul_peak_gflops(device, n=2048, repeats=5) -> float:
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return 2 * n**3 / best / 1e9
+
+
+def cpu_timed_training(sim) -> dict:
+    """Make ``sim`` add up this process's CPU time spent in local training, per round index.
+
+    On a CPU shared with other work the wall-clock time includes the time this process waits for
+    a core; its CPU time does not, so rates per CPU-second compare variants fairly there (with one
+    thread per rank: with more, CPU time also counts the threads' spin-waiting).
+    """
+    spent: dict = {}
+    train = sim._train_owned
+
+    def timed(t, cids):
+        steps = train(t, cids)
+        while True:
+            c0 = time.process_time()
+            try:
+                item = next(steps)
+            except StopIteration:
+                spent[t] = spent.get(t, 0.0) + time.process_time() - c0
+                return
+            spent[t] = spent.get(t, 0.0) + time.process_time() - c0
+            yield item
+
+    sim._train_owned = timed
+    return spent
 
 
 def count_flops(fn) -> int:
@@ -168,18 +200,32 @@ def main(argv=None):
             "fraction_of_peak_sequential": seq["train_fraction_of_peak"],
             "fraction_of_peak_fused": fus["train_fraction_of_peak"],
         }
+        if "train_fraction_of_peak_cpu_time" in seq:
+            ratio["train_speedup_cpu_time"] = sum(seq["train_cpu_seconds_per_thread"]) / sum(fus["train_cpu_seconds_per_thread"])
+            ratio["fraction_of_peak_cpu_time_sequential"] = seq["train_fraction_of_peak_cpu_time"]
+            ratio["fraction_of_peak_cpu_time_fused"] = fus["train_fraction_of_peak_cpu_time"]
         out["comparison"] = ratio
         print(f"fused / sequential: local training {ratio['train_speedup']:.2f}x faster, "
               f"whole round {ratio['round_speedup']:.2f}x faster; training / peak "
               f"{', '.join(f'{100 * v:.1f} %' for v in seq['train_fraction_of_peak'])} -> "
               f"{', '.join(f'{100 * v:.1f} %' for v in fus['train_fraction_of_peak'])}")
+        if "train_speedup_cpu_time" in ratio:
+            print(f"per CPU-second: local training {ratio['train_speedup_cpu_time']:.2f}x faster; training / peak "
+                  f"{', '.join(f'{100 * v:.1f} %' for v in ratio['fraction_of_peak_cpu_time_sequential'])} -> "
+                  f"{', '.join(f'{100 * v:.1f} %' for v in ratio['fraction_of_peak_cpu_time_fused'])}")
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 
-def train_flops_per_sample(sim, cfg) -> float:
-    """FLOPs per trained sample, counted on this rank's largest client's sequential local training."""
+def train_flops_per_sample(sim, cfg, batches: int = 8) -> float:
+    """FLOPs per trained sample, counted on the sequential local training of this rank's largest
+    client cut to its first ``batches`` full batches (every full batch costs the same)."""
     big = max(sim.owned, key=lambda c: sim.data[c].n_train)
     d = sim.data[big]
+    m = min(d.n_train, batches * cfg.batch_size)
+    cut = {"train_x": d.train_x[:m], "train_y": d.train_y[:m]}
+    if getattr(d, "train_len", None) is not None:
+        cut["train_len"] = d.train_len[:m]
+    d = dataclasses.replace(d, **cut)
     train_flops = count_flops(lambda: sim.algo.local_train(sim.client_state(big), d, Context(0, big, sim._generator(STREAM_TRAIN, 0, big))))
     return train_flops / num_batches_samples(d.n_train, cfg)
 
@@ -192,6 +238,10 @@ def num_batches_samples(n: int, cfg) -> int:
 def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
     """Run the simulator and return this variant's figures (all ranks gathered)."""
     peak = matmul_peak_gflops(rt.device)
+    on_cpu = rt.device.type == "cpu"
+    # per CPU-second of one thread: CPU time over the threads
+    peak_cpu = matmul_peak_gflops(rt.device, clock=lambda: time.process_time() / rt.threads) if on_cpu else None
+    cpu_spent = cpu_timed_training(sim)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.perf_counter()
@@ -209,9 +259,11 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
 
     samples = [rank_samples(r["round"] - 1) for r in rounds]
     train_s = [r["train_seconds"] for r in rounds]
+    train_cpu = sum(cpu_spent.get(r["round"] - 1, 0.0) for r in rounds) / rt.threads if on_cpu else float("nan")
     mem = (torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda"
            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    mine = torch.tensor([float(np.sum(samples)), float(np.sum(train_s)), float(mem), peak], dtype=torch.float64)
+    mine = torch.tensor([float(np.sum(samples)), float(np.sum(train_s)), float(mem), peak, train_cpu,
+                         peak_cpu if on_cpu else float("nan")], dtype=torch.float64)
     if rt.distributed:
         gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
         dist.all_gather(gathered, mine.to(rt.device) if rt.backend == "nccl" else mine)
@@ -246,6 +298,12 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
         "wall_seconds": wall,
     }
     res["train_fraction_of_peak"] = [g / pk for g, pk in zip(res["train_gflops_per_rank"], res["matmul_peak_gflops_per_rank"])]
+    if on_cpu:
+        res["train_cpu_seconds_per_thread"] = (per_rank[:, 4] / len(rounds)).tolist()
+        res["train_gflops_per_cpu_second"] = [float(a * flops_per_train_sample / c / 1e9) for a, c in per_rank[:, [0, 4]].tolist()]
+        res["matmul_peak_gflops_per_cpu_second"] = per_rank[:, 5].tolist()
+        res["train_fraction_of_peak_cpu_time"] = [g / pk for g, pk in zip(res["train_gflops_per_cpu_second"],
+                                                                           res["matmul_peak_gflops_per_cpu_second"])]
     return res
 
 
@@ -266,6 +324,15 @@ def print_table(res: dict, warmup: int) -> None:
         ("training GFLOP/s per rank", ", ".join(f"{v:.1f}" for v in res["train_gflops_per_rank"])),
         ("matmul peak GFLOP/s per rank", ", ".join(f"{v:.1f}" for v in res["matmul_peak_gflops_per_rank"])),
         ("training / peak", ", ".join(f"{100 * v:.1f} %" for v in res["train_fraction_of_peak"])),
+    ]
+    if "train_fraction_of_peak_cpu_time" in res:
+        rows += [
+            ("  per CPU-second (thread)", ", ".join(
+                f"{g:.1f} / {pk:.1f} GFLOP/s = {100 * f:.1f} %" for g, pk, f in zip(
+                    res["train_gflops_per_cpu_second"], res["matmul_peak_gflops_per_cpu_second"],
+                    res["train_fraction_of_peak_cpu_time"]))),
+        ]
+    rows += [
         ("peak memory per rank", ", ".join(f"{v:.0f} MiB" for v in res["peak_memory_mib_per_rank"])),
     ]
     w = max(len(k) for k, _ in rows)

@@ -31,6 +31,13 @@ Unequal clients
     is padded with copies of its first sample and a 0/1 mask: losses are means over the real
     samples only (the MMD as well), so padded rows get zero gradient.
 
+The SGD step
+    ``w ← w − lr·∇w`` per client, as in :func:`~fedcp_dist.local_train.sgd`. The grouped Linear
+    layers take their step inside the backward pass (:class:`_LinearSGD`): at B = 10 their large
+    per-client matrices are bound by memory traffic, not arithmetic, and adding the gradient
+    straight into the weight saves writing and re-reading a gradient tensor. All other
+    parameters get their gradient from the backward pass and step after it.
+
 Randomness
     Each client's batch indices come from :func:`~fedcp_dist.local_train.batch_indices` on its own
     generator, advanced one batch per step exactly as the sequential loop advances it, and noise
@@ -211,12 +218,24 @@ def _per_slot(t: Tensor, k: int, ndim: int) -> Tensor:
     return t.view(k, *([1] * (ndim - t.dim())), *t.shape[1:])
 
 
+def _one_channel_cl(t: Tensor) -> Tensor:
+    """A 4-d tensor with one channel, viewed with channels-last strides.
+
+    With a single channel both layouts hold the elements in the same order and PyTorch keeps the
+    NCHW strides; the convolution then writes NCHW, and the pooling after it runs several times
+    slower than on channels-last. The explicit strides make the convolution write channels-last.
+    """
+    n, c, h, w = t.shape
+    return t.as_strided(t.shape, (h * w, 1, w, 1)) if c == 1 and t.is_contiguous() else t
+
+
 def _conv(m: nn.Conv2d, p: Dict[str, Tensor], a: Act) -> Act:
-    x = a.slot_channel()
+    x = _one_channel_cl(a.slot_channel())
     w = p["weight"]
     k = a.k
+    w = w.reshape(k * w.shape[1], *w.shape[2:])
     bias = p["bias"].reshape(-1) if m.bias is not None else None
-    y = F.conv2d(x, w.reshape(k * w.shape[1], *w.shape[2:]), bias, m.stride, m.padding, m.dilation, k * m.groups)
+    y = F.conv2d(x, w, bias, m.stride, m.padding, m.dilation, k * m.groups)
     return Act(y, k, grouped=True)
 
 
@@ -315,8 +334,19 @@ def grouped_forward(module: nn.Module, params: Dict[str, Tensor], x, k: int) -> 
 
 def _run(m: nn.Module, p: Dict[str, Tensor], a: Act) -> Act:
     if type(m) is nn.Sequential:
-        for name, child in m.named_children():
+        children = list(m.named_children())
+        i = 0
+        while i < len(children):
+            name, child = children[i]
+            if type(child) is nn.ReLU and i + 1 < len(children) and type(children[i + 1][1]) is nn.MaxPool2d:
+                # max-pooling and ReLU commute exactly (ReLU is monotonic): pooling first runs the
+                # ReLU and its backward on a quarter of the elements
+                a = _channelwise(children[i + 1][1], a)
+                a = Act(torch.relu(a.t), a.k, a.grouped)
+                i += 2
+                continue
             a = _run(child, sub_params(p, f"{name}."), a)
+            i += 1
         return a
     if type(m) is nn.Conv2d and m.padding_mode == "zeros":
         return _conv(m, p, a)
