@@ -24,6 +24,8 @@ METHODS = (
 )
 MODELS = ("cnn", "resnet18", "fasttext")
 AMP_MODES = ("none", "bf16")
+#: methods whose local training runs under ``amp`` (the others would silently train in float32)
+AMP_METHODS = ("fedavg", "fedcp")
 DEVICES = ("auto", "cpu", "cuda")
 # SIGUSR1 is left alone: NCCL may use it
 PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
@@ -148,7 +150,7 @@ class Config:
     fused: bool = False
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
-    #: mixed precision of local training and evaluation: none | bf16 (autocast; meant for CUDA)
+    #: mixed precision of FedAvg's and FedCP's local training: none | bf16 (autocast; evaluation stays float32)
     amp: str = "none"
     #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
     out_dir: str = "runs/default"
@@ -265,6 +267,8 @@ class Config:
             bad("fedfomo_eps", f"must lie in [0, 1], got {self.fedfomo_eps}")
         if self.amp not in AMP_MODES:
             bad("amp", f"must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.amp != "none" and self.method not in AMP_METHODS:
+            bad("amp", f"{self.amp} is implemented for {' and '.join(AMP_METHODS)} only, got method {self.method!r}")
         if self.cpn_input not in ("both", "sample", "client", "none"):
             bad("cpn_input", f"must be one of both, sample, client, none, got {self.cpn_input!r}")
         if not 1 <= self.cpn_layers <= 4:

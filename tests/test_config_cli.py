@@ -41,6 +41,7 @@ def test_parse_overrides_nested():
         ("participation_range=[0.5, 0.2]", "participation_range"),
         ("drop_last=3", "drop_last"),
         ("lr=.nan", "lr"),
+        ("amp=fp16", "amp"),
     ],
 )
 def test_bad_values_name_the_key(override, key, capsys, digits6):
@@ -50,6 +51,15 @@ def test_bad_values_name_the_key(override, key, capsys, digits6):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert f"'{key}'" in err
+
+
+def test_amp_is_refused_for_methods_that_would_ignore_it(capsys, digits6):
+    """Only FedAvg's and FedCP's local training runs under amp; elsewhere it would silently be float32."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6}", "method=fedprox", "amp=bf16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'amp'" in err and "fedprox" in err
 
 
 def test_unknown_key_suggests(digits6):

@@ -1,0 +1,104 @@
+"""The round benchmark's figures: its FLOP count against a hand derivation, and its table's arithmetic.
+
+The benchmark itself (bench/round.py) is a script, not a timed test; these tests only check that
+what it counts and prints is computed right.
+"""
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import REPO, run_cmd
+from fedcp_dist.algorithms.base import Context
+from fedcp_dist.algorithms.fedcp import FedCP
+from fedcp_dist.config import Config
+from fedcp_dist.data.resident import to_device
+from fedcp_dist.models import build_model
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_round", REPO / "bench" / "round.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fedcp_mnist_flops_per_sample(B: int = 10, K: int = 512, classes: int = 10) -> int:
+    """FedCP's FLOPs per trained sample on the 4-layer MNIST CNN, derived by hand (2 per MAC).
+
+    Extractor: conv 1→32 (5×5, 24×24 out), pool, conv 32→64 (5×5, 8×8 out), pool, Linear 1024→K.
+    Backward: the first convolution needs no input gradient (its input is data), every other
+    layer an input and a weight gradient (2× its forward). The frozen extractor runs forward only.
+    CPN Linear K→2K forward + backward; the personal head forward + backward, the frozen global
+    head forward + input gradient. MMD: three B×B Gram matrices of K-vectors (2·B²·K each per
+    batch), backward two products for h·hᵀ and one for h·h_gᵀ (h_g needs none).
+    """
+    conv1 = 2 * 24 * 24 * 32 * (1 * 25)
+    conv2 = 2 * 8 * 8 * 64 * (32 * 25)
+    fc = 2 * 1024 * K
+    fe_forward = conv1 + conv2 + fc
+    fe_backward = conv1 + 2 * conv2 + 2 * fc
+    cpn = 3 * (2 * K * 2 * K)
+    head_p = 3 * (2 * K * classes)
+    head_g = 2 * (2 * K * classes)
+    mmd = (3 + 3) * 2 * B * B * K // B  # six B×B×K products per batch, per sample
+    return fe_forward + fe_backward + fe_forward + cpn + head_p + head_g + mmd
+
+
+def _mnist_client(n):
+    g = torch.Generator().manual_seed(3)
+    arrays = {
+        "train_x": torch.randint(0, 256, (n, 1, 28, 28), generator=g, dtype=torch.uint8).numpy(),
+        "train_y": torch.randint(0, 10, (n,), generator=g).numpy(),
+        "test_x": torch.randint(0, 256, (2, 1, 28, 28), generator=g, dtype=torch.uint8).numpy(),
+        "test_y": torch.randint(0, 10, (2,), generator=g).numpy(),
+    }
+    return to_device(0, arrays, (0.5,), (0.5,), torch.device("cpu"))
+
+
+def test_flop_count_matches_hand_derivation():
+    """torch's FlopCounterMode over FedCP's real local training = the hand derivation, exactly."""
+    cfg = Config(method="fedcp", lr=0.005, lam=5.0, batch_size=10)
+    torch.manual_seed(0)
+    algo = FedCP(cfg, build_model("cnn", (1, 28, 28), 10), torch.device("cpu"))
+    algo.set_global(algo.init_global_state())
+    data = _mnist_client(40)  # 4 full batches
+    with FlopCounterMode(display=False) as fc:
+        algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(1)))
+    per_sample = fc.get_total_flops() / 40
+    assert per_sample == fedcp_mnist_flops_per_sample()
+    assert per_sample == 36_431_872  # the figure the README's Performance section derives
+
+
+def test_peak_and_fraction_arithmetic():
+    bench = _load_bench()
+    peak = bench.matmul_peak_gflops(torch.device("cpu"), n=256, repeats=2)
+    assert 0.1 < peak < 1e5  # GFLOP/s of this CPU, not FLOP/s or TFLOP/s
+
+
+def test_bench_compare_table(digits6, tmp_path):
+    """One documented command end to end (--compare on a small shard): the JSON's derived figures
+    follow from its measured ones, and both variants trained the same samples."""
+    out = tmp_path / "bench.json"
+    r = run_cmd([sys.executable, "bench/round.py", "--shard", str(digits6), "--config", "configs/digits_fedcp.yaml",
+                 "--compare", "--warmup", "0", "--json", str(out), "rounds=1", "threads=1"], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    seq, fus, cmp_ = res["sequential"], res["fused"], res["comparison"]
+    assert not seq["fused"] and fus["fused"]
+    assert seq["train_flops_per_sample"] == fus["train_flops_per_sample"] > 0
+    for v in (seq, fus):
+        samples = v["client_samples_per_s_per_rank"][0] * v["train_seconds"]
+        gflops = samples * v["train_flops_per_sample"] / v["train_seconds"] / 1e9
+        assert v["train_gflops_per_rank"][0] == pytest.approx(gflops, rel=1e-6)
+        assert v["train_fraction_of_peak"][0] == pytest.approx(gflops / v["matmul_peak_gflops_per_rank"][0], rel=1e-9)
+        assert v["seconds_per_round"] >= v["train_seconds"] + v["eval_seconds"] - 1e-6
+    # the same clients and samples trained by both variants
+    n_seq = seq["client_samples_per_s_per_rank"][0] * seq["train_seconds"]
+    n_fus = fus["client_samples_per_s_per_rank"][0] * fus["train_seconds"]
+    assert n_seq == pytest.approx(n_fus, rel=1e-9)
+    assert cmp_["train_speedup"] == pytest.approx(seq["train_seconds"] / fus["train_seconds"], rel=1e-9)
+    assert "training / peak" in r.stdout and "fused / sequential" in r.stdout
