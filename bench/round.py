@@ -80,32 +80,6 @@ def matmul_peak_gflops(device, n=2048, repeats=5, clock=time.perf_counter) -> fl
     return 2 * n**3 / best / 1e9
 
 
-def cpu_timed_training(sim) -> dict:
-    """Make ``sim`` add up this process's CPU time spent in local training, per round index.
-
-    On a CPU shared with other work the wall-clock time includes the time this process waits for
-    a core; its CPU time does not, so rates per CPU-second compare variants fairly there (with one
-    thread per rank: with more, CPU time also counts the threads' spin-waiting).
-    """
-    spent: dict = {}
-    train = sim._train_owned
-
-    def timed(t, cids):
-        steps = train(t, cids)
-        while True:
-            c0 = time.process_time()
-            try:
-                item = next(steps)
-            except StopIteration:
-                spent[t] = spent.get(t, 0.0) + time.process_time() - c0
-                return
-            spent[t] = spent.get(t, 0.0) + time.process_time() - c0
-            yield item
-
-    sim._train_owned = timed
-    return spent
-
-
 def count_flops(fn) -> int:
     with FlopCounterMode(display=False) as fc:
         fn()
@@ -241,7 +215,6 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
     on_cpu = rt.device.type == "cpu"
     # per CPU-second of one thread: CPU time over the threads
     peak_cpu = matmul_peak_gflops(rt.device, clock=lambda: time.process_time() / rt.threads) if on_cpu else None
-    cpu_spent = cpu_timed_training(sim)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.perf_counter()
@@ -259,7 +232,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
 
     samples = [rank_samples(r["round"] - 1) for r in rounds]
     train_s = [r["train_seconds"] for r in rounds]
-    train_cpu = sum(cpu_spent.get(r["round"] - 1, 0.0) for r in rounds) / rt.threads if on_cpu else float("nan")
+    train_cpu = sum(r["train_cpu_seconds"] for r in rounds) / rt.threads if on_cpu else float("nan")
     mem = (torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda"
            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     mine = torch.tensor([float(np.sum(samples)), float(np.sum(train_s)), float(mem), peak, train_cpu,

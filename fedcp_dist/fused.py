@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
+from fedcp_dist.data.resident import channels_last
 from fedcp_dist.local_train import batch_indices, num_batches
 
 Tensor = torch.Tensor
@@ -204,8 +205,7 @@ class Act:
         if self.grouped:
             return self.t
         k, b, c, h, w = self.t.shape
-        t = self.t.transpose(0, 1).reshape(b, k * c, h, w)
-        return t.contiguous(memory_format=torch.channels_last)
+        return channels_last(self.t.transpose(0, 1).reshape(b, k * c, h, w))
 
 
 def sub_params(params: Dict[str, Tensor], prefix: str) -> Dict[str, Tensor]:
@@ -218,19 +218,8 @@ def _per_slot(t: Tensor, k: int, ndim: int) -> Tensor:
     return t.view(k, *([1] * (ndim - t.dim())), *t.shape[1:])
 
 
-def _one_channel_cl(t: Tensor) -> Tensor:
-    """A 4-d tensor with one channel, viewed with channels-last strides.
-
-    With a single channel both layouts hold the elements in the same order and PyTorch keeps the
-    NCHW strides; the convolution then writes NCHW, and the pooling after it runs several times
-    slower than on channels-last. The explicit strides make the convolution write channels-last.
-    """
-    n, c, h, w = t.shape
-    return t.as_strided(t.shape, (h * w, 1, w, 1)) if c == 1 and t.is_contiguous() else t
-
-
 def _conv(m: nn.Conv2d, p: Dict[str, Tensor], a: Act) -> Act:
-    x = _one_channel_cl(a.slot_channel())
+    x = a.slot_channel()
     w = p["weight"]
     k = a.k
     w = w.reshape(k * w.shape[1], *w.shape[2:])

@@ -367,6 +367,7 @@ class Simulator:
 
             cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
             loss_sum, samples, bad, payloads = 0.0, 0, [], {}
+            cpu_start = time.process_time()
             for cid, res in self._train_owned(t, [int(c) for c in cohort if self.owner[int(c)] == rt.rank]):
                 d = self.data[cid]
                 if (t + 1, cid) == self._inject_nonfinite:
@@ -388,6 +389,7 @@ class Simulator:
                 loss_sum += res.loss_sum
                 samples += res.samples
             t_train = time.perf_counter() - t_start - t_eval
+            cpu_train = time.process_time() - cpu_start
 
             stop = 0.0 if self._stop_signal is None else 1.0
             self.agg.add_metrics([loss_sum, samples, stop, len(bad), sum(bad), *ev])
@@ -410,6 +412,7 @@ class Simulator:
                 "round": t + 1,
                 "seconds": seconds,
                 "train_seconds": t_train,
+                "train_cpu_seconds": cpu_train,
                 "eval_seconds": t_eval,
                 "allreduce_seconds": self.agg.last_seconds,
                 "allreduce_bytes": self.agg.nbytes,

@@ -14,9 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import REPO, run_cmd
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import FedCP
-from fedcp_dist.config import Config
-from fedcp_dist.data.resident import to_device
-from fedcp_dist.models import build_model
+from test_fused import _algo, _client
 
 
 def _load_bench():
@@ -48,24 +46,10 @@ def fedcp_mnist_flops_per_sample(B: int = 10, K: int = 512, classes: int = 10) -
     return fe_forward + fe_backward + fe_forward + cpn + head_p + head_g + mmd
 
 
-def _mnist_client(n):
-    g = torch.Generator().manual_seed(3)
-    arrays = {
-        "train_x": torch.randint(0, 256, (n, 1, 28, 28), generator=g, dtype=torch.uint8).numpy(),
-        "train_y": torch.randint(0, 10, (n,), generator=g).numpy(),
-        "test_x": torch.randint(0, 256, (2, 1, 28, 28), generator=g, dtype=torch.uint8).numpy(),
-        "test_y": torch.randint(0, 10, (2,), generator=g).numpy(),
-    }
-    return to_device(0, arrays, (0.5,), (0.5,), torch.device("cpu"))
-
-
 def test_flop_count_matches_hand_derivation():
     """torch's FlopCounterMode over FedCP's real local training = the hand derivation, exactly."""
-    cfg = Config(method="fedcp", lr=0.005, lam=5.0, batch_size=10)
-    torch.manual_seed(0)
-    algo = FedCP(cfg, build_model("cnn", (1, 28, 28), 10), torch.device("cpu"))
-    algo.set_global(algo.init_global_state())
-    data = _mnist_client(40)  # 4 full batches
+    algo, _ = _algo(FedCP, lr=0.005, lam=5.0)
+    data = _client(0, 40)  # 4 full batches of MNIST-shaped images
     with FlopCounterMode(display=False) as fc:
         algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(1)))
     per_sample = fc.get_total_flops() / 40
@@ -73,10 +57,12 @@ def test_flop_count_matches_hand_derivation():
     assert per_sample == 36_431_872  # the figure the README's Performance section derives
 
 
-def test_peak_and_fraction_arithmetic():
+def test_peak_is_gemm_flops_over_the_best_time():
+    """2·n³ FLOPs over the fastest repeat, in GFLOP/s of the given clock."""
     bench = _load_bench()
-    peak = bench.matmul_peak_gflops(torch.device("cpu"), n=256, repeats=2)
-    assert 0.1 < peak < 1e5  # GFLOP/s of this CPU, not FLOP/s or TFLOP/s
+    ticks = iter([0.0, 4.0, 10.0, 12.0, 20.0, 25.0])  # repeats of 4, 2 and 5 clock units
+    peak = bench.matmul_peak_gflops(torch.device("cpu"), n=64, repeats=3, clock=lambda: next(ticks))
+    assert peak == pytest.approx(2 * 64**3 / 2.0 / 1e9)
 
 
 def test_bench_compare_table(digits6, tmp_path):
@@ -96,6 +82,9 @@ def test_bench_compare_table(digits6, tmp_path):
         assert v["train_gflops_per_rank"][0] == pytest.approx(gflops, rel=1e-6)
         assert v["train_fraction_of_peak"][0] == pytest.approx(gflops / v["matmul_peak_gflops_per_rank"][0], rel=1e-9)
         assert v["seconds_per_round"] >= v["train_seconds"] + v["eval_seconds"] - 1e-6
+        # the engine's CPU time of local training: one thread cannot spend more than the wall time
+        cpu = v["train_cpu_seconds_per_thread"][0]
+        assert 0 < cpu <= 1.05 * v["train_seconds"] + 0.05
     # the same clients and samples trained by both variants
     n_seq = seq["client_samples_per_s_per_rank"][0] * seq["train_seconds"]
     n_fus = fus["client_samples_per_s_per_rank"][0] * fus["train_seconds"]

@@ -303,6 +303,10 @@ def test_amp_bf16_on_cpu(cls, capsys):
     seq16 = _sequential(a16, _items(a16, datas))
     fused32 = a32.local_train_group(_items(a32, datas))
     out = capsys.readouterr().out
+
+    def flat(upload):
+        return torch.cat([upload[k].flatten() for k in gs])
+
     assert out.count("amp=bf16 on a CPU without native bf16 units") == (0 if lt.cpu_has_native_bf16() else 1)
     for f16, s16, f32 in zip(fused16, seq16, fused32):
         assert f16.samples == f32.samples
@@ -310,10 +314,6 @@ def test_amp_bf16_on_cpu(cls, capsys):
         assert f16.loss_sum == pytest.approx(f32.loss_sum, rel=2e-2)
         assert s16.loss_sum == pytest.approx(f16.loss_sum, rel=2e-2)
         assert all(t.dtype == torch.float32 for t in f16.upload.values())
-
-        def flat(upload):
-            return torch.cat([upload[k].flatten() for k in gs])
-
         moved = (flat(f32.upload) - flat(gs)).norm()  # how far training moved the model
         # bf16 products perturb the few steps here by about a tenth of what they move the model
         assert (flat(f16.upload) - flat(f32.upload)).norm() < 0.25 * moved
