@@ -1,0 +1,146 @@
+"""Digests of every method's trajectory on the digits shard: the reference a refactor must keep.
+
+    python tests/golden/record.py --out tests/golden/digests.json              # 1 rank
+    torchrun --standalone --nproc_per_node=2 tests/golden/record.py --out ...  # 2 ranks
+
+Each case runs ROUNDS rounds of a ``configs/digits_<method>.yaml`` config (plus the case's
+overrides) in this process on the embedded digits partition (20 clients, Dir(0.1), seed 1),
+evaluating every round and checkpointing after round 1. Its digest covers the final global state,
+every client's persistent state in that checkpoint (all ranks' parts), the metric records without
+their timings, and the summary without its timings: SHA-256 over the exact bytes and float reprs.
+The file also records the machine it was made on (torch version, CPU capability): float results
+are bit-identical only on the same kind of machine and thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ROUNDS = 2
+#: record keys that measure time (or depend on the buffer layout), left out of the digest
+UNSTABLE = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds", "allreduce_seconds",
+            "allreduce_bytes", "peer_exchange_seconds", "seconds_per_round", "load_seconds",
+            "launcher", "world_size", "device")
+METHODS = ("fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep",
+           "fedrod", "fedfomo", "fedphp")
+CASES = {
+    **{m: (m, []) for m in METHODS},
+    "fedcp-fused": ("fedcp", ["fused=true"]),
+    "fedavg-fused": ("fedavg", ["fused=true"]),
+    "fedcp-rho0.5": ("fedcp", ["participation=0.5"]),
+    "fedavg-rho-range": ("fedavg", ["participation_range=[0.3, 0.8]"]),
+    "fedcp-eval-gumbel": ("fedcp", ["cpn_eval_gumbel=true"]),
+    "fedcp-cpn-sample": ("fedcp", ["cpn_input=sample"]),
+    "fedcp-cpn-2bn": ("fedcp", ["cpn_layers=2", "cpn_norm=batchnorm", "cpn_act=tanh"]),
+    "fedcp-no-cpn": ("fedcp", ["fedcp_cpn=false"]),
+    "fedcp-no-gfm": ("fedcp", ["fedcp_gfm=false"]),
+    "fedcp-lam0": ("fedcp", ["lam=0"]),
+    "fedavg-bf16": ("fedavg", ["amp=bf16"]),
+    "fedprox-mu0": ("fedprox", ["prox_mu=0"]),
+    "fedrep-e2": ("fedrep", ["local_epochs=2", "fedrep_head_epochs=2"]),
+}
+
+
+def _tensor_digest(h, state: dict) -> None:
+    import torch
+
+    for k in sorted(state, key=str):
+        t = state[k]
+        h.update(str(k).encode())
+        if isinstance(t, dict):
+            _tensor_digest(h, t)
+            continue
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{t.dtype}{tuple(state[k].shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint() -> dict:
+    import torch
+
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": 1}
+
+
+def digest_run(out: Path) -> dict:
+    import torch
+
+    g = hashlib.sha256()
+    _tensor_digest(g, torch.load(out / "final_global.pt", weights_only=True))
+    ck = out / "checkpoints" / "round_0000001"
+    clients = {}
+    for part in sorted(ck.glob("clients_*.pt")):
+        clients.update(torch.load(part, weights_only=True)["clients"])
+    c = hashlib.sha256()
+    _tensor_digest(c, {int(k): v for k, v in clients.items()})
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [{k: v for k, v in r.items() if k not in UNSTABLE} for r in records]
+    summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in UNSTABLE}
+    return {"global": g.hexdigest(), "clients": c.hexdigest(), "metrics": _sha(records), "summary": _sha(summary),
+            "final_acc": summary["final_acc"], "best_acc": summary["best_acc"]}
+
+
+def run_case(rt, shard: str, name: str, work: Path) -> dict:
+    from fedcp_dist.config import load_config
+    from fedcp_dist.simulator import Simulator
+
+    method, extra = CASES[name]
+    out = work / name
+    cfg = load_config(str(REPO / "configs" / f"digits_{method}.yaml"), [
+        f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=1", "keep_checkpoints=5", "threads=1",
+        f"data.path={shard}", f"out_dir={out}", "overwrite=true", *extra])
+    Simulator(cfg, rt, echo=lambda *_: None).run()
+    rt.barrier()
+    return digest_run(out) if rt.is_main else {}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write (rank 0)")
+    p.add_argument("--cases", nargs="*", default=list(CASES), help="case names (default: all)")
+    p.add_argument("--shard", help="the digits shard (default: partition it into a temporary directory)")
+    args = p.parse_args(argv)
+    import torch
+
+    from fedcp_dist.runtime import init_runtime
+
+    torch.set_num_threads(1)
+    rt = init_runtime("cpu", 1)
+    work = Path(tempfile.mkdtemp(prefix="golden-")) if rt.is_main else None
+    shard = args.shard
+    if shard is None:
+        # rank 0 partitions; every rank then reads the same path, passed through a file-free agreement
+        tmp = Path(os.environ.get("FEDCP_GOLDEN_TMP", tempfile.gettempdir())) / f"golden-digits-{os.getppid()}.h5"
+        if rt.is_main:
+            from fedcp_dist.cli.partition import main as partition
+
+            partition.__wrapped__(["--source", "digits", "--partition", "dir", "--beta", "0.1", "--num-clients", "20",
+                                   "--seed", "1", "--out", str(tmp), "--force"])
+        rt.barrier()
+        shard = str(tmp)
+    work_dir = Path(tempfile.gettempdir()) / f"golden-runs-{os.getppid()}"
+    results = {}
+    for name in args.cases:
+        results[name] = run_case(rt, shard, name, work_dir)
+        if rt.is_main:
+            print(f"{name}: {results[name]['final_acc']:.4f} {results[name]['global'][:12]}", flush=True)
+    if rt.is_main:
+        out = Path(args.out)
+        data = json.loads(out.read_text()) if out.exists() else {}
+        data["fingerprint"] = fingerprint()
+        data.setdefault("world_sizes", {})[str(rt.world_size)] = results
+        out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    rt.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
