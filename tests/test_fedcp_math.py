@@ -152,3 +152,16 @@ def test_lambda_zero_skips_mmd_but_trains():
     algo, gs, data = _fedcp(lam=0.0)
     res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(3)))
     assert res.loss_sum > 0 and math.isfinite(res.loss_sum)
+
+
+def test_head_outputs_add_up_to_the_prediction():
+    algo, gs, data = _fedcp()
+    res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(3)))
+    x, _ = data.test_batch(0, 3)
+    ctx = Context(0, 0, torch.Generator().manual_seed(0))
+    personal, glob = algo.head_outputs(res.client_state, x, ctx)
+    assert torch.allclose(personal + glob, algo.predict(res.client_state, x, ctx), atol=1e-6)
+    # the global head's logits do not depend on the client's personal head
+    other = dict(res.client_state, **{"head.bias": res.client_state["head.bias"] + 1.0})
+    p2, g2 = algo.head_outputs(other, x, ctx)
+    assert torch.allclose(p2, personal + 1.0, atol=1e-5) and torch.equal(g2, glob)

@@ -266,6 +266,17 @@ class FedCP(Algorithm):
                 results.append(LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples))
         return results
 
+    def head_outputs(self, client_state, x, ctx):
+        """(g(s ⊙ h; W_i^hd), g(r ⊙ h; W^hd)): the personal and the global head's logits of the
+        client's personalized model as evaluated (received extractor and CPN, the client's head);
+        their sum is :meth:`predict`'s output. Runs with gradients enabled (for Grad-CAM)."""
+        load_module(self.head_p, client_state, "head.")
+        self.head_p.eval()
+        h = self.fe_g(x)
+        s, r = self.cpn_g(F.normalize(client_state["v"], dim=0) * h, tau=self.cfg.tau,
+                          gumbel=self.cfg.cpn_eval_gumbel, generator=ctx.generator)
+        return self.head_p(s * h), self.head_g(r * h)
+
     @torch.no_grad()
     def predict(self, client_state, x, ctx):
         load_module(self.head_p, client_state, "head.")
