@@ -8,17 +8,17 @@ generator, takes its own SGD step and gets exactly the result it would get alone
 rounding).
 
 How the group is computed
-    Layers with per-client parameters run as grouped operations on the stacked parameters:
-    ``Conv2d`` as one convolution with ``groups = S·groups`` over a channels-last
-    (batch, slot·channel, H, W) tensor, ``Linear`` as ``baddbmm``, ``LayerNorm`` as a plain
-    normalisation followed by each slot's affine; parameter-free per-channel or elementwise layers
-    (pooling, activations) run unchanged on either layout. Any other module runs through
-    ``torch.vmap`` over ``torch.func.functional_call`` (correct for any module whose forward treats
-    samples independently). Grouped convolutions were measured faster than vmap on this code's CPU
-    (the 4-layer CNN, B = 10, 2 cores: vmap 1.0×, grouped NCHW 1.1×, grouped channels-last
-    1.2–1.45× of vmap's step rate, and the sequential loop below all of them) because vmap's
-    convolution rule runs the same grouped convolution but in NCHW and adds a layout copy per
-    call; channels-last also makes the pooling layers several times faster.
+    A method's loss is written once (a :class:`~fedcp_dist.local_train.Phase`); here it runs on a
+    :class:`FusedStep`, whose operations take (k, B, ...) tensors. Layers with per-client
+    parameters run as grouped operations on the stacked parameters: ``Conv2d`` as one convolution
+    with ``groups = S·groups`` over a channels-last (batch, slot·channel, H, W) tensor, ``Linear``
+    as ``baddbmm``, ``LayerNorm`` as a plain normalisation followed by each slot's affine;
+    parameter-free per-channel or elementwise layers (pooling, activations) run unchanged on either
+    layout. Any other module runs through ``torch.vmap`` over ``torch.func.functional_call``
+    (correct for any module whose forward treats samples independently). Grouped channels-last
+    convolutions are used instead of vmap's convolution rule, which computes the same grouped
+    convolution in NCHW with a layout copy per call; channels-last also makes pooling faster
+    (the README's *Performance* section has the measurements).
 
 Unequal clients
     Clients run ``ceil``-many steps that differ widely (Dirichlet partitions). Instead of padding
@@ -36,7 +36,10 @@ The SGD step
     layers take their step inside the backward pass (:class:`_LinearSGD`): at B = 10 their large
     per-client matrices are bound by memory traffic, not arithmetic, and adding the gradient
     straight into the weight saves writing and re-reading a gradient tensor. All other
-    parameters get their gradient from the backward pass and step after it.
+    parameters get their gradient from the backward pass and step after it. A loss that reads
+    trained parameters itself (a proximal term: ``Phase.penalised``) gets plain gradients for
+    every parameter instead, since a weight stepped inside the backward pass cannot also be read
+    elsewhere in the graph.
 
 Randomness
     Each client's batch indices come from :func:`~fedcp_dist.local_train.batch_indices` on its own
@@ -51,8 +54,9 @@ Not fused
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +64,14 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedcp_dist.data.resident import channels_last
-from fedcp_dist.local_train import batch_indices, num_batches
+from fedcp_dist.local_train import Phase, PhaseOutcome, batch_indices, full_precision, num_batches, resolve
+from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
 
 Tensor = torch.Tensor
 
-#: at most this many clients train at once on a CPU. Measured on the 4-layer CNN (2 cores, 32 MiB
-#: L3): the step rate per client rises up to about 8 slots and falls beyond, when the slots'
-#: fully connected weights and gradients (2 MiB + 2 MiB per client each for the CNN's 1024→512
-#: layer and FedCP's CPN) no longer fit in the last-level cache.
+#: at most this many clients train at once on a CPU: beyond about 8 slots the slots' fully
+#: connected weights and gradients (2 MiB + 2 MiB per client each for the CNN's 1024→512 layer
+#: and FedCP's CPN) no longer fit in a typical last-level cache and the step rate per client falls
 CPU_SLOTS = 8
 #: at most this many clients train at once on a GPU (memory permitting): enough samples per step
 #: (S·B) to fill the device for the small models here.
@@ -228,12 +232,21 @@ def _conv(m: nn.Conv2d, p: Dict[str, Tensor], a: Act) -> Act:
     return Act(y, k, grouped=True)
 
 
-class _SGDInBackward:
-    """While a fused step builds its graph: the learning rate, and the parameters whose SGD step
-    their layer's backward takes itself (see :class:`_LinearSGD`)."""
+class InBackwardSGD:
+    """One fused step's SGD inside the backward pass: the learning rate, and the parameters whose
+    step their grouped Linear layer's backward has taken (see :class:`_LinearSGD`)."""
 
-    lr: Optional[float] = None
-    done: set = set()
+    def __init__(self, lr: float):
+        self.lr = lr
+        self.done: set = set()
+
+    def claim(self, *tensors: Optional[Tensor]) -> bool:
+        """True (and remembered) when none of ``tensors`` has been claimed in this step yet."""
+        ids = [id(t) for t in tensors if t is not None]
+        if any(i in self.done for i in ids):
+            return False
+        self.done.update(ids)
+        return True
 
 
 class _LinearSGD(torch.autograd.Function):
@@ -268,17 +281,14 @@ class _LinearSGD(torch.autograd.Function):
         return gx, None, None, None
 
 
-def _linear(m: nn.Linear, p: Dict[str, Tensor], a: Act) -> Act:
+def _linear(m: nn.Linear, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD]) -> Act:
     x = a.client_major()
     k = a.k
     x3 = x.reshape(k, -1, x.shape[-1])
     w, b = p["weight"], p.get("bias") if m.bias is not None else None
     trained = w.requires_grad and (b is None or b.requires_grad)
-    if _SGDInBackward.lr is not None and trained and w.is_leaf and id(w) not in _SGDInBackward.done:
-        _SGDInBackward.done.add(id(w))
-        if b is not None:
-            _SGDInBackward.done.add(id(b))
-        y = _LinearSGD.apply(x3, w, b, _SGDInBackward.lr)
+    if sgd is not None and trained and w.is_leaf and (b is None or b.is_leaf) and sgd.claim(w, b):
+        y = _LinearSGD.apply(x3, w, b, sgd.lr)
     elif b is not None:
         y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
     else:
@@ -311,17 +321,19 @@ def _vmapped(m: nn.Module, p: Dict[str, Tensor], a: Act) -> Act:
     return Act(vmap(one)(p, a.client_major()), a.k)
 
 
-def grouped_forward(module: nn.Module, params: Dict[str, Tensor], x, k: int) -> Tensor:
+def grouped_forward(module: nn.Module, params: Dict[str, Tensor], x, k: int,
+                    sgd: Optional[InBackwardSGD] = None) -> Tensor:
     """``module`` applied to each slot's batch with that slot's parameters.
 
     ``params``: {name: (k, *shape)} for the module's parameters (names as ``named_parameters``);
-    ``x``: a (k, B, ...) tensor or an :class:`Act`. Returns the client-major (k, B, ...) output.
+    ``x``: a (k, B, ...) tensor or an :class:`Act`; ``sgd``: grouped Linear layers of trained
+    leaves take their SGD step in the backward pass. Returns the client-major (k, B, ...) output.
     """
     a = x if isinstance(x, Act) else Act(x, k)
-    return _run(module, params, a).client_major()
+    return _run(module, params, a, sgd).client_major()
 
 
-def _run(m: nn.Module, p: Dict[str, Tensor], a: Act) -> Act:
+def _run(m: nn.Module, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD]) -> Act:
     if type(m) is nn.Sequential:
         children = list(m.named_children())
         i = 0
@@ -334,13 +346,13 @@ def _run(m: nn.Module, p: Dict[str, Tensor], a: Act) -> Act:
                 a = Act(torch.relu(a.t), a.k, a.grouped)
                 i += 2
                 continue
-            a = _run(child, sub_params(p, f"{name}."), a)
+            a = _run(child, sub_params(p, f"{name}."), a, sgd)
             i += 1
         return a
     if type(m) is nn.Conv2d and m.padding_mode == "zeros":
         return _conv(m, p, a)
     if type(m) is nn.Linear:
-        return _linear(m, p, a)
+        return _linear(m, p, a, sgd)
     if type(m) is nn.LayerNorm:
         return _layer_norm(m, p, a)
     if type(m) in _ELEMENTWISE:
@@ -354,23 +366,7 @@ def _run(m: nn.Module, p: Dict[str, Tensor], a: Act) -> Act:
 
 
 # ----------------------------------------------------------------------------------------------
-# losses over padded batches
-
-
-def masked_mean(values: Tensor, mask: Tensor, count: Tensor) -> Tensor:
-    """(k,) means over each slot's real samples of a (k, B) tensor."""
-    return (values * mask).sum(1) / count
-
-
-def masked_cross_entropy(logits: Tensor, y: Tensor, mask: Tensor, count: Tensor) -> Tensor:
-    """(k,) mean cross-entropy over each slot's real samples; logits (k, B, C), y (k, B)."""
-    k, b = y.shape
-    ce = F.cross_entropy(logits.reshape(k * b, -1), y.reshape(-1), reduction="none").view(k, b)
-    return masked_mean(ce, mask, count)
-
-
-# ----------------------------------------------------------------------------------------------
-# the slot trainer
+# the step a phase's loss is computed on, for a group of clients
 
 
 @dataclass
@@ -386,20 +382,99 @@ class Batch:
     k: int
 
 
+_SPLIT_CACHE: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+class FusedStep:
+    """The :class:`~fedcp_dist.local_train.Step` operations for ``k`` clients' padded batches.
+
+    Activations are client-major (k, B, ...); per-client values are the stacked ``views``
+    (k, *shape); losses come back as (k,) per-client means over the real rows.
+    """
+
+    def __init__(self, views: Dict[str, Tensor], batch: Batch, modules: Mapping[str, nn.Module],
+                 sgd: Optional[InBackwardSGD], shared_params: dict):
+        self.views, self.batch, self.modules, self.sgd = views, batch, modules, sgd
+        self.x, self.y, self.k = batch.x, batch.y, batch.k
+        self._shared_params = shared_params
+
+    def _forward(self, module: nn.Module, params: Dict[str, Tensor], x, k: int, sgd) -> Tensor:
+        split = _SPLIT_CACHE.get(module)
+        if split is None and type(module) is not nn.Sequential:
+            split = computes_head_of_features(module, self.x[0, :1])
+            _SPLIT_CACHE[module] = split
+        if split:  # a model computing head(features(x)): each part with the grouped layers
+            h = grouped_forward(module.features, sub_params(params, "features."), x, k, sgd)
+            return grouped_forward(module.head, sub_params(params, "head."), h, k, sgd)
+        return grouped_forward(module, params, x, k, sgd)
+
+    def run(self, name: str, x, *, grad: bool = True, batch_stats: bool = False) -> Tensor:
+        module, prefix = resolve(self.modules, name)
+        params = {n: self.views[prefix + n] for n, _ in module.named_parameters()}
+        if grad:
+            return self._forward(module, params, x, self.k, self.sgd)
+        with torch.no_grad():
+            return self._forward(module, params, x, self.k, None)
+
+    def shared(self, module: nn.Module, x, *, grad: bool = True, batch_stats: bool = False) -> Tensor:
+        k, b = x.shape[:2]
+        if not any(isinstance(m, nn.Conv2d) for m in module.modules()):
+            y = module(x.reshape(k * b, *x.shape[2:]))
+            return y.view(k, b, *y.shape[1:])
+        # convolutions: all k·B samples as one slot of the grouped (channels-last) layers
+        if module not in self._shared_params:
+            self._shared_params[module] = stack_once(dict(module.named_parameters()))
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            y = grouped_forward(module, self._shared_params[module], x.reshape(1, k * b, *x.shape[2:]), 1)
+        return y.view(k, b, *y.shape[2:])
+
+    def value(self, name: str) -> Tensor:
+        t = self.views[name]
+        return t.view(t.shape[0], 1, *t.shape[1:])
+
+    def proximal(self, anchor_prefix: str, prefix: str = "") -> Tensor:
+        module = self.modules[prefix]
+        total = 0.0
+        for n, _ in module.named_parameters():
+            d = self.views[prefix + n] - self.views[anchor_prefix + n]
+            total = total + (d * d).flatten(1).sum(1)
+        return total
+
+    def cross_entropy(self, logits: Tensor, y: Optional[Tensor] = None) -> Tensor:
+        b = self.batch
+        return masked_cross_entropy(logits, b.y if y is None else y, b.mask, b.count)
+
+    def mean(self, per_sample: Tensor) -> Tensor:
+        return masked_mean(per_sample, self.batch.mask, self.batch.count)
+
+    def mmd2(self, a: Tensor, b: Tensor, bandwidths=MMD_BANDWIDTHS) -> Tensor:
+        with full_precision(a.device):
+            return grouped_mmd2(at_least_fp32(a), at_least_fp32(b), self.batch.mask, self.batch.count, bandwidths)
+
+    def gumbel_like(self, logits: Tensor) -> Tensor:
+        # each client's noise from its own stream, the same draws as alone; padding: −log 1 = 0
+        e = torch.ones_like(logits)
+        for j, (n, g) in enumerate(zip(self.batch.sizes, self.batch.generators)):
+            e[j, :n].exponential_(generator=g)
+        return e.log_().neg_()
+
+
+# ----------------------------------------------------------------------------------------------
+# the slot trainer
+
+
 @dataclass
 class ClientRun:
-    """One client of a fused group: its data, generator and starting values."""
+    """One client of a fused group: its data, generator, starting values and training rows."""
 
     data: object  # ClientData
     generator: torch.Generator
     start: Dict[str, Tensor]  # {name: per-client tensor} for every stacked name
+    index: Optional[Tensor] = None  # the training rows it uses (None: all)
 
-
-@dataclass
-class ClientOutcome:
-    values: Dict[str, Tensor]  # the final per-client tensors (own copies)
-    loss_sum: float  # Σ over steps of mean loss · real batch size
-    samples: int
+    @property
+    def n(self) -> int:
+        return self.data.n_train if self.index is None else int(self.index.numel())
 
 
 class _Active:
@@ -430,33 +505,29 @@ def stack_once(params: Dict[str, Tensor]) -> Dict[str, Tensor]:
 
 def train_fused(
     clients: Sequence[ClientRun],
+    phase: Phase,
     *,
-    trainable: Sequence[str],
-    step_loss: Callable[[Dict[str, Tensor], Batch], Tensor],
     slots: int,
     batch_size: int,
-    epochs: int,
     drop_last: bool,
     lr: float,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> List[ClientOutcome]:
-    """Plain SGD for every client of ``clients``, up to ``slots`` of them at a time.
+) -> List[PhaseOutcome]:
+    """Plain SGD on ``phase.loss`` for every client of ``clients``, up to ``slots`` at a time.
 
-    ``step_loss(views, batch)`` returns the (k,) per-client mean losses of one step, ``views``
-    being {name: (k, *shape)} slices of the stacked tensors (the ``trainable`` ones are leaves
-    that require grad). Each client's step is ``w ← w − lr·∇(its loss)``, its batches come from
-    ``batch_indices(n, batch_size, epochs, drop_last, its generator)``. Returns one outcome per
-    client, in order.
+    Each client's step is ``w ← w − lr·∇(its loss)`` on its ``phase.trainable`` values, its batches
+    come from ``batch_indices(n, batch_size, phase.epochs, drop_last, its generator)``. Returns one
+    outcome per client, in order, with every stacked name's final value.
     """
     if not clients:
         return []
     names = list(clients[0].start)
-    trainable = [n for n in names if n in set(trainable)]
-    outcomes: List[Optional[ClientOutcome]] = [None] * len(clients)
-    steps = [num_batches(c.data.n_train, batch_size, epochs, drop_last) for c in clients]
+    trainable = [n for n in names if n in set(phase.trainable)]
+    outcomes: List[Optional[PhaseOutcome]] = [None] * len(clients)
+    steps = [num_batches(c.n, batch_size, phase.epochs, drop_last) for c in clients]
     for i, c in enumerate(clients):
         if steps[i] == 0:
-            outcomes[i] = ClientOutcome({n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in c.start.items()}, 0.0, 0)
+            outcomes[i] = PhaseOutcome({n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in c.start.items()}, 0.0, 0)
     queue = sorted((i for i in range(len(clients)) if steps[i] > 0), key=lambda i: (-steps[i], i))
     if not queue:
         return outcomes  # type: ignore[return-value]
@@ -465,6 +536,7 @@ def train_fused(
     stacked = {n: _stacked_like(first[n], slots) for n in names}
     loss_acc = torch.zeros(slots, dtype=torch.float32, device=first[names[0]].device)
     active: List[Optional[_Active]] = []
+    shared_params: dict = {}
 
     @torch.no_grad()
     def load(slot: int, i: int) -> _Active:
@@ -472,7 +544,7 @@ def train_fused(
             stacked[n][slot].copy_(clients[i].start[n])
         loss_acc[slot] = 0.0
         c = clients[i]
-        return _Active(i, batch_indices(c.data.n_train, batch_size, epochs, drop_last, c.generator), steps[i])
+        return _Active(i, batch_indices(c.n, batch_size, phase.epochs, drop_last, c.generator), steps[i])
 
     @torch.no_grad()
     def move(src: int, dst: int) -> None:
@@ -491,7 +563,8 @@ def train_fused(
             b = int(idx.shape[0])
             if b < batch_size:
                 idx = torch.cat([idx, idx[:1].expand(batch_size - b)])
-            x, y = clients[a.index].data.train_batch(idx)
+            c = clients[a.index]
+            x, y = c.data.train_batch(idx if c.index is None else c.index[idx])
             xs.append(x)
             ys.append(y)
             sizes.append(b)
@@ -509,32 +582,30 @@ def train_fused(
         for n in trainable:
             views[n] = views[n].detach().requires_grad_(True)
             leaves.append(views[n])
-        _SGDInBackward.lr, _SGDInBackward.done = lr, set()
-        try:
-            with autocast():
-                losses = step_loss(views, batch)
-        finally:
-            _SGDInBackward.lr = None
+        sgd = None if phase.penalised else InBackwardSGD(lr)
+        with autocast():
+            losses = phase.loss(FusedStep(views, batch, phase.modules, sgd, shared_params))
         # the backward pass takes the grouped Linear layers' steps itself; the rest step here
         if losses.requires_grad:
             losses.sum().backward()
-        rest = [t for t in leaves if id(t) not in _SGDInBackward.done and t.grad is not None]
+        done = sgd.done if sgd is not None else ()
+        rest = [t for t in leaves if id(t) not in done and t.grad is not None]
         with torch.no_grad():
             if rest:
                 torch._foreach_add_(rest, [t.grad for t in rest], alpha=-lr)
             loss_acc[:k] += losses.detach().float() * count
 
         # finished clients leave; waiting ones take their slots; the rest close up to a prefix
-        done = False
+        finished = False
         for j, a in enumerate(active):
             a.left -= 1
             a.seen += sizes[j]
             if a.left == 0:
-                done = True
+                finished = True
                 values = {n: stacked[n][j].clone(memory_format=torch.contiguous_format) for n in names}
-                outcomes[a.index] = ClientOutcome(values, float(loss_acc[j]), a.seen)
+                outcomes[a.index] = PhaseOutcome(values, float(loss_acc[j]), a.seen)
                 active[j] = load(j, queue.pop(0)) if queue else None
-        if done:
+        if finished:
             j = 0
             while j < len(active):
                 if active[j] is None:
@@ -549,14 +620,6 @@ def train_fused(
 
 # ----------------------------------------------------------------------------------------------
 # helpers the algorithms share
-
-
-def note_once(owner: object, message: str) -> None:
-    """Print ``message`` the first time ``owner`` (an algorithm instance) says it."""
-    said = owner.__dict__.setdefault("_fused_notes", set())
-    if message not in said:
-        said.add(message)
-        print(f"fedcp_dist: {message}", flush=True)
 
 
 def probe_input(datas: Sequence) -> Optional[Tensor]:

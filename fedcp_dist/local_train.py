@@ -1,10 +1,22 @@
-"""The shared local SGD loop: epochs of shuffled mini-batches drawn from resident tensors."""
+"""Local training: the shared SGD loop over resident tensors, and how a method declares its objective.
+
+A method whose local training is SGD on a loss declares it once as :class:`Phase` s: the loss is
+written with the operations of a :class:`Step` (run a client's module, apply a shared one, read
+a per-client constant, cross-entropy, MMD², Gumbel noise, a proximal term). The sequential path
+(:func:`train_sequential`) computes it for one client's batch on the working modules; the fused
+path (:mod:`fedcp_dist.fused`) computes the same code for a group of clients on stacked values.
+"""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, mmd2
 
 
 def num_batches(n: int, batch_size: int, epochs: int, drop_last: bool) -> int:
@@ -93,3 +105,173 @@ def sgd(
         contrib = loss.detach().float() * b
         loss_sum = contrib if loss_sum is None else loss_sum + contrib
     return (float(loss_sum) if loss_sum is not None else 0.0), seen
+
+
+# ----------------------------------------------------------------------------------------------
+# a method's local objective, written once: phases and the step it is computed on
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of local SGD on one loss, declared once by a method (the same for every client).
+
+    * ``loss(step)`` — the mean loss of the step's batch: a scalar on the sequential path, one
+      value per client of a fused group; written with the :class:`Step` operations only, so the
+      same code serves both paths;
+    * ``modules`` — the working modules whose values are per client, by key prefix: a module
+      registered under ``"head."`` holds the values ``head.<parameter name>`` (parameters and
+      floating buffers, as :func:`~fedcp_dist.algorithms.base.module_state` names them);
+    * ``trainable`` — the parameter names that SGD moves (the others are constants);
+    * ``shared`` — modules the loss applies identically to every client (``step.shared``), listed
+      so that the fused path can check them;
+    * ``penalised`` — the loss reads trained parameters directly (``step.proximal``).
+    """
+
+    name: str
+    loss: Callable[["Step"], torch.Tensor]
+    modules: Mapping[str, nn.Module]
+    trainable: tuple
+    epochs: int
+    shared: tuple = ()
+    penalised: bool = False
+
+
+@dataclass
+class ClientPhase:
+    """One client's part of a phase: its starting values (every name the loss reads) and the
+    training rows it uses (None: all of them)."""
+
+    start: Dict[str, torch.Tensor]
+    index: Optional[torch.Tensor] = None
+    #: anything the method's ``finish`` needs besides the trained values (handed to the outcome)
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class PhaseOutcome:
+    values: Dict[str, torch.Tensor]  # the client's values after the phase (modules' and constants)
+    loss_sum: float  # Σ over steps of the mean batch loss · real batch size
+    samples: int
+    info: dict = field(default_factory=dict)  # the ClientPhase's info
+
+
+def split_policy(logits: torch.Tensor, feature_dim: int, tau: float, noise=None):
+    """(s, r), each (..., K), from a CPN output (..., 2K): a softmax over the pair at temperature τ,
+    after adding ``noise(pair_logits)`` (Gumbel noise) when given."""
+    logits = logits.view(*logits.shape[:-1], 2, feature_dim)
+    if noise is not None:
+        logits = logits + noise(logits)
+    p = torch.softmax(logits / tau, dim=-2)
+    return p[..., 0, :], p[..., 1, :]
+
+
+def resolve(modules: Mapping[str, nn.Module], name: str) -> tuple[nn.Module, str]:
+    """(module, key prefix of its values) for a dotted ``name`` under the registered prefixes:
+    with ``{"": model}``, ``"features"`` is ``model.features`` with values ``features.*``."""
+    best = None
+    for prefix in modules:
+        if f"{name}.".startswith(prefix) and (best is None or len(prefix) > len(best)):
+            best = prefix
+    if best is None:
+        raise KeyError(f"no module registered for {name!r}")
+    rest = f"{name}."[len(best):].rstrip(".")
+    module = modules[best].get_submodule(rest) if rest else modules[best]
+    return module, (f"{name}." if name else "")
+
+
+class Step:
+    """One client's batch on the sequential path: the operations a :class:`Phase` loss uses.
+
+    Tensors are (B, ...) here; the fused path's step (:class:`fedcp_dist.fused.FusedStep`) offers
+    the same operations on (k, B, ...) tensors, so a loss written with them (and with dimensions
+    counted from the end) runs on both.
+    """
+
+    def __init__(self, x, y, modules: Mapping[str, nn.Module], values: Mapping[str, torch.Tensor], generator):
+        self.x, self.y = x, y
+        self.modules, self.values, self.generator = modules, values, generator
+
+    def run(self, name: str, x, *, grad: bool = True, batch_stats: bool = False):
+        """The client's module ``name`` (e.g. ``"features"``, ``"cpn.net"``, ``""``) applied to ``x``."""
+        module, _ = resolve(self.modules, name)
+        return self.shared(module, x, grad=grad, batch_stats=batch_stats)
+
+    def shared(self, module: nn.Module, x, *, grad: bool = True, batch_stats: bool = False):
+        """A module with the same parameters for every client applied to ``x``; ``grad=False``:
+        no graph; ``batch_stats``: BatchNorm normalises by the batch's own statistics and leaves
+        its running statistics as they were."""
+        if grad:
+            return module(x)
+        with torch.no_grad():
+            if batch_stats:
+                from fedcp_dist.models import forward_batch_stats
+
+                return forward_batch_stats(module, x)
+            return module(x)
+
+    def value(self, name: str) -> torch.Tensor:
+        """A per-client constant (e.g. FedCP's client vector), broadcastable over the batch."""
+        return self.values[name]
+
+    def proximal(self, anchor_prefix: str, prefix: str = "") -> torch.Tensor:
+        """Σ ‖p − a‖² over the parameters p of the module registered under ``prefix``, each against
+        the constant ``anchor_prefix + name``."""
+        module = self.modules[prefix]
+        return sum(((p - self.values[anchor_prefix + n]) ** 2).sum() for n, p in module.named_parameters())
+
+    def cross_entropy(self, logits: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.cross_entropy(logits, self.y if y is None else y)
+
+    def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """The mean over the batch of a (B,) tensor."""
+        return per_sample.mean()
+
+    def mmd2(self, a: torch.Tensor, b: torch.Tensor, bandwidths=MMD_BANDWIDTHS) -> torch.Tensor:
+        """Biased MMD² between the rows of ``a`` and ``b``, in full precision (bf16 would cancel
+        the distances away)."""
+        with full_precision(a.device):
+            return mmd2(at_least_fp32(a), at_least_fp32(b), bandwidths)
+
+    def gumbel_like(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gumbel(0, 1) noise shaped like ``logits``, as −log Exp(1), from the client's stream."""
+        return torch.empty_like(logits).exponential_(generator=self.generator).log_().neg_()
+
+
+def module_keys(phase: Phase) -> set:
+    """The value names held by the phase's modules (parameters and floating buffers)."""
+    keys = set()
+    for prefix, m in phase.modules.items():
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if t.is_floating_point():
+                keys.add(prefix + name)
+    return keys
+
+
+def trained_parameters(phase: Phase) -> list:
+    return [p for prefix, m in phase.modules.items() for n, p in m.named_parameters() if prefix + n in phase.trainable]
+
+
+def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.Generator, *, batch_size: int,
+                     drop_last: bool, lr: float, amp: str = "none") -> PhaseOutcome:
+    """One client's phase on the working modules: load its values, SGD over its batches, read them back."""
+    from fedcp_dist.algorithms.base import load_module, module_state
+
+    names = module_keys(phase)
+    for prefix, m in phase.modules.items():
+        load_module(m, client.start, prefix)
+        if any(prefix + n in phase.trainable for n, _ in m.named_parameters()):
+            m.train()
+    constants = {k: v for k, v in client.start.items() if k not in names}
+    index = client.index
+
+    def loss_fn(idx):
+        x, y = data.train_batch(idx if index is None else index[idx])
+        return phase.loss(Step(x, y, phase.modules, constants, generator))
+
+    n = data.n_train if index is None else int(index.numel())
+    batches = batch_indices(n, batch_size, phase.epochs, drop_last, generator)
+    loss_sum, seen = sgd(trained_parameters(phase), batches, loss_fn, lr, amp=amp)
+    values = dict(constants)
+    for prefix, m in phase.modules.items():
+        values.update(module_state(prefix, m))
+    return PhaseOutcome(values, loss_sum, seen, client.info)

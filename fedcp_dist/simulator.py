@@ -307,16 +307,12 @@ class Simulator:
     def _train_owned(self, t: int, cids: list[int]):
         """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
         items = [(self.client_state(c), self.data[c], Context(t, c, self._generator(STREAM_TRAIN, t, c))) for c in cids]
-        if not self.cfg.fused or self.bn_keys:
-            for c, (state, d, ctx) in zip(cids, items):
-                self._use_client_bn(c)
-                yield c, self.algo.local_train(state, d, ctx)
+        if self.cfg.fused and not self.bn_keys and self.algo.fused_reason() is None:
+            yield from zip(cids, self.algo.train_fused(items))
             return
-        size = self.cfg.fused_group or self.algo.fused_group_size([d for _, d, _ in items])
-        for start in range(0, len(items), size):
-            group = items[start : start + size]
-            for c, res in zip(cids[start : start + size], self.algo.local_train_group(group)):
-                yield c, res
+        for c, (state, d, ctx) in zip(cids, items):
+            self._use_client_bn(c)
+            yield c, self.algo.local_train(state, d, ctx)
 
     def _exchange_peers(self, t: int, cohort, payloads: dict) -> float:
         """One all-gather of the participants' peer payloads; the algorithm updates the global state."""

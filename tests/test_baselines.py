@@ -28,7 +28,7 @@ from fedcp_dist.algorithms.pfedme import PFedMe
 from fedcp_dist.config import METHODS, Config, load_config
 from fedcp_dist.data.resident import to_device
 from fedcp_dist.errors import UserError
-from fedcp_dist.local_train import batch_indices
+from fedcp_dist.local_train import Step, batch_indices
 from fedcp_dist.models import build_model
 
 CPU = torch.device("cpu")
@@ -318,7 +318,7 @@ def test_fedrep_extractor_frozen_during_head_epochs_head_frozen_after():
     data = _data(n=8)
     algo, gs = _algo(FedRep, fedrep_head_epochs=3)
     state = algo.init_client_state(0)
-    algo._receive(state)
+    load_module(algo.model, {**algo.gs, **state}, "")
     fe0, hd0 = module_state("", algo.model.features), module_state("", algo.model.head)
     loss, seen = algo._train_head(data, _ctx())
     assert seen == 3 * 8
@@ -330,7 +330,7 @@ def test_fedrep_extractor_frozen_during_head_epochs_head_frozen_after():
     _equal(module_state("", algo.model.head), hd1)
     assert not torch.equal(algo.model.features[1].weight, fe0["1.weight"])
     # the cached features of the head epochs are the extractor's
-    algo._receive(state)
+    load_module(algo.model, {**algo.gs, **state}, "")
     x, _ = data.train_batch()
     assert torch.allclose(algo._features(data), algo.model.features(x), atol=1e-6)
     res = algo.local_train(state, data, _ctx())
@@ -347,11 +347,12 @@ def test_balanced_softmax_on_a_hand_example():
     assert torch.allclose(log_prior.exp(), torch.tensor([0.5, 0.25, 0.25]))
     e = math.e
     expected = -math.log(0.5 * e / (0.5 * e + 0.25 * e**2 + 0.25))
-    assert balanced_softmax_loss(z, torch.tensor([0]), log_prior).item() == pytest.approx(expected, rel=1e-6)
+    step = Step(None, torch.tensor([0]), {}, {}, None)
+    assert balanced_softmax_loss(step, z, log_prior).item() == pytest.approx(expected, rel=1e-6)
     # a class the client lacks (π = 0) drops out of the softmax; gradients stay finite
     log_prior = label_log_prior(torch.tensor([0, 1, 1]), 3)
     zz = z.clone().requires_grad_(True)
-    loss = balanced_softmax_loss(zz, torch.tensor([0]), log_prior)
+    loss = balanced_softmax_loss(step, zz, log_prior)
     expected = -math.log((1 / 3) * e / ((1 / 3) * e + (2 / 3) * e**2))
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     loss.backward()
@@ -475,13 +476,14 @@ def test_cpn_input_without_the_sample_gives_one_policy_for_all_samples(mode):
     algo, _ = _algo(FedCPVariant, model="cnn", cpn_input=mode)
     h = torch.rand(5, algo.K)
     v = torch.rand(algo.K)
-    s, r = algo.cpn(algo._policy_input(v, h))
+    step = Step(None, None, {}, {"v": v}, None)
+    s, r = algo.cpn(algo.policy_input(step, h))
     assert torch.allclose(s, s[:1].expand_as(s)) and torch.allclose(s + r, torch.ones_like(s))
-    c = algo._policy_input(v, h)
+    c = algo.policy_input(step, h)
     expected = F.normalize(v, dim=0) if mode == "client" else algo._fixed_input
     assert torch.allclose(c, expected.expand_as(h))
     algo_sample, _ = _algo(FedCPVariant, model="cnn", cpn_input="sample")
-    assert torch.equal(algo_sample._policy_input(v, h), h)
+    assert torch.equal(algo_sample.policy_input(step, h), h)
 
 
 @pytest.mark.parametrize("layers,norm,act", [(1, "none", "sigmoid"), (2, "batchnorm", "tanh"), (4, "groupnorm", "relu")])

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from fedcp_dist.algorithms.base import Context
-from fedcp_dist.algorithms.fedcp import CPN, FedCP, mmd2
+from fedcp_dist.algorithms.fedcp import CPN, FedCP
+from fedcp_dist.local_train import Step
+from fedcp_dist.losses import mmd2
 from fedcp_dist.config import Config
 from fedcp_dist.data.resident import to_device
 from fedcp_dist.models import build_model
@@ -84,7 +86,9 @@ def test_gradients_reach_only_the_trainable_parts():
     algo, gs, data = _fedcp()
     state = algo.init_client_state(0)
     x, y = data.train_batch()
-    out, h = algo.forward(algo.fe, algo.cpn, algo.head_p, state["v"], x, True, torch.Generator().manual_seed(0))
+    step = Step(x, y, algo.train_phase.modules, {"v": state["v"]}, torch.Generator().manual_seed(0))
+    personal, glob, h = algo.heads(step, gumbel=True)
+    out = personal + glob
     with torch.no_grad():
         h_g = algo.fe_g(x)
     loss = torch.nn.functional.cross_entropy(out, y) + 5.0 * mmd2(h, h_g + 0.1)

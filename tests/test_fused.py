@@ -19,12 +19,19 @@ from torch import nn
 from fedcp_dist import fused
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedavg import FedAvg
-from fedcp_dist.algorithms.fedcp import FedCP, grouped_mmd2, mmd2
+from fedcp_dist.algorithms.ditto import Ditto
+from fedcp_dist.algorithms.fedamp import FedAMP
+from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.algorithms.fedcp_variants import FedCPVariant
+from fedcp_dist.algorithms.fedfomo import FedFomo
+from fedcp_dist.algorithms.fedper import FedPer
+from fedcp_dist.algorithms.fedphp import FedPHP
 from fedcp_dist.algorithms.fedprox import FedProx
+from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.local_train import batch_indices, num_batches
+from fedcp_dist.losses import grouped_mmd2, mmd2
 from fedcp_dist.models import build_model
 from fedcp_dist.runtime import init_runtime
 from fedcp_dist.simulator import Simulator
@@ -77,6 +84,20 @@ def _algo(cls, net=None, shape=(1, 28, 28), **kw):
     return algo, gs
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many clients fused.train_fused trained, per phase name: proof that the fused path ran."""
+    calls = {}
+    real = fused.train_fused
+
+    def spy(clients, phase, **kw):
+        calls[phase.name] = calls.get(phase.name, 0) + len(clients)
+        return real(clients, phase, **kw)
+
+    monkeypatch.setattr(fused, "train_fused", spy)
+    return calls
+
+
 def _items(algo, datas, seed=11):
     """(client_state, data, ctx) per client, each with a fresh generator seeded per client."""
     items = []
@@ -126,12 +147,13 @@ def test_step_counts_match_batch_indices():
 
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("slots", [1, 2, 8])
-def test_fedavg_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots):
+def test_fedavg_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots, fused_calls):
     monkeypatch.setattr(fused, "CPU_SLOTS", slots)
     algo, gs = _algo(FedAvg, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2)
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     fus = algo.local_train_group(items)
+    assert fused_calls == {"train": len(SIZES)}
     seq = _sequential(algo, items)
     _assert_same_results(seq, fus, gs, atol=1e-12)
     assert [r.samples for r in seq] == [2 * (n - n % 10 if drop_last and n >= 10 else n) for n in SIZES]
@@ -139,7 +161,7 @@ def test_fedavg_fused_equals_sequential_in_float64(monkeypatch, float64, drop_la
 
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("slots", [1, 2, 8])
-def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots):
+def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots, fused_calls):
     """Gumbel noise, MMD and two epochs: each client's generator is consumed as in the sequential loop."""
     monkeypatch.setattr(fused, "CPU_SLOTS", slots)
     algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2, lam=5.0, lr=0.01,
@@ -147,6 +169,7 @@ def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_las
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     fus = algo.local_train_group(items)
+    assert fused_calls == {"train": len(SIZES)}
     seq = _sequential(algo, items)
     _assert_same_results(seq, fus, gs, atol=1e-12)
     for r in fus:
@@ -193,25 +216,67 @@ def test_grouped_mmd_is_the_mmd_of_the_real_rows():
     assert got[1] != pytest.approx(float(mmd2(x[1], y[1])), abs=1e-3)  # the padding is really left out
 
 
-def test_fedprox_with_fused_keeps_its_own_local_training():
-    algo, gs = _algo(FedProx, prox_mu=1.0, fused=True)
-    datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
+@pytest.mark.parametrize("cls, kw, phases", [
+    (FedProx, {"prox_mu": 1.0}, {"prox"}),
+    (Ditto, {"ditto_lam": 0.5, "ditto_epochs": 2}, {"train", "personal"}),
+    (FedPer, {}, {"train"}),
+    (FedRoD, {}, {"rod"}),
+    (FedPHP, {"fedphp_lam": 0.5}, {"php"}),
+    (FedCPVariant, {"cpn_input": "sample"}, {"train"}),
+    (FedCPVariant, {"fedcp_cpn": False, "fedcp_global_head": False}, {"train"}),
+])
+def test_every_sgd_method_trains_fused_as_sequentially(float64, cls, kw, phases, fused_calls):
+    """Methods whose objective adds terms (proximal, balanced softmax, MMD to a per-client frozen
+    model, policy variants) train through the fused path and give the sequential results."""
+    algo, gs = _algo(cls, shape=(1, 16, 16), local_epochs=2, **kw)
+    assert algo.fused_reason() is None
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES[:3])]
     items = _items(algo, datas)
     got = algo.local_train_group(items)
-    _assert_same_results(_sequential(algo, items), got, gs)
-    plain, _ = _algo(FedAvg, fused=True)
+    assert set(fused_calls) == phases and all(n == 3 for n in fused_calls.values())
+    _assert_same_results(_sequential(algo, items), got, gs, atol=1e-12)
+
+
+def test_fedprox_term_changes_the_fused_result(fused_calls):
+    algo, gs = _algo(FedProx, prox_mu=1.0)
+    datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
+    got = algo.local_train_group(_items(algo, datas))
+    plain, _ = _algo(FedAvg)
     fedavg = plain.local_train_group(_items(plain, datas))
-    # the proximal term changes the result: FedAvg's fused path was not used
+    # the proximal term changes the result: FedProx's own objective was trained fused
     assert any((got[0].upload[k] - fedavg[0].upload[k]).abs().max() > 1e-4 for k in got[0].upload)
+    assert fused_calls == {"prox": 3, "train": 3}
 
 
-def test_fedcp_variant_keeps_its_own_local_training():
-    algo, gs = _algo(FedCPVariant, cpn_input="sample", fused=True)
+def test_peer_methods_train_fused_as_sequentially(float64, fused_calls):
+    """FedAMP's anchor u_i and FedFomo's mixed start and held-out rows are per client."""
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES[:3])]
+    for cls in (FedAMP, FedFomo):
+        torch.manual_seed(0)
+        cfg = Config(lr=0.05, batch_size=10, fedamp_sigma=50.0, fedfomo_eps=0.0)
+        cfg.data.num_clients = len(datas)
+        algo = cls(cfg, build_model("cnn", (1, 16, 16), 10), CPU)
+        algo.num_clients = len(datas)
+        gs = algo.init_global_state()
+        peers = {c: algo.flat(algo.init_client_state(c)) + 0.01 * (c + 1) for c in range(len(datas))}
+        gs = algo.receive_peers(0, gs, {c: torch.cat([p, torch.zeros(algo.peer_dim - p.numel())]) for c, p in peers.items()})
+        algo.set_global(gs)
+        items = _items(algo, datas)
+        got = algo.local_train_group(items)
+        seq = _sequential(algo, items)
+        for s_, f in zip(seq, got):
+            _assert_close(s_.client_state, f.client_state, 1e-12)
+            assert torch.allclose(s_.extra["peer"], f.extra["peer"], atol=1e-12, rtol=0)
+    assert fused_calls == {"attentive": 3, "train": 3}
+
+
+def test_fedcp_variant_trains_its_own_objective_fused():
+    algo, gs = _algo(FedCPVariant, cpn_input="sample")
     datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
     items = _items(algo, datas)
     got = algo.local_train_group(items)
     _assert_same_results(_sequential(algo, items), got, gs)
-    plain, _ = _algo(FedCP, fused=True)
+    plain, _ = _algo(FedCP)
     fedcp = plain.local_train_group(_items(plain, datas))
     assert (got[0].upload["cpn.net.0.weight"] - fedcp[0].upload["cpn.net.0.weight"]).abs().max() > 1e-4
 
@@ -248,7 +313,7 @@ def test_vmapped_modules_and_unsplit_models_match_sequential():
     datas = [_client(i, n, classes=6) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     got = algo.local_train_group(items)
-    assert algo._fused_split is False  # the whole model ran through vmap
+    assert fused._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
     _assert_same_results(_sequential(algo, items), got, gs)
 
     algo, gs = _algo(FedCP, net=Odd(), fused=True)  # FedCP uses features and head separately
@@ -256,36 +321,39 @@ def test_vmapped_modules_and_unsplit_models_match_sequential():
     _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
 
 
-def test_batchnorm_falls_back_to_one_client_at_a_time(capsys):
-    algo, gs = _algo(FedAvg, net=Odd(with_bn=True), fused=True)
-    datas = [_client(i, n, classes=6) for i, n in enumerate(SIZES)]
-    items = _items(algo, datas)
-    got = algo.local_train_group(items)
-    assert "BatchNorm1d layers are not fused" in capsys.readouterr().out
-    assert algo.fused_group_size(datas) == len(datas)
-    seq = _sequential(algo, items)
-    for s, f in zip(seq, got):  # the very same sequential computation
-        assert f.loss_sum == s.loss_sum
-        for k in s.upload:
-            assert torch.equal(s.upload[k], f.upload[k])
+def test_batchnorm_is_not_fused_and_says_why():
+    algo, _ = _algo(FedAvg, net=Odd(with_bn=True), fused=True)
+    assert algo.fused_reason() == "BatchNorm1d layers are not fused"
+    plain, _ = _algo(FedAvg, net=Odd(), fused=True)
+    assert plain.fused_reason() is None
 
 
-def test_group_size_and_slots_follow_memory(monkeypatch):
+def test_group_size_and_slots_follow_memory(monkeypatch, fused_calls):
     algo, _ = _algo(FedCP)
     datas = [_client(i, n) for i, n in enumerate(SIZES)]
-    plan = algo._fused_memory(datas)
+    items = _items(algo, datas)
+    plan = algo.memory_plan(algo.phases(*items[0]), datas)
     params = fused.param_count(algo.fe, algo.cpn, algo.head_p)
-    assert plan.per_slot > 8 * params  # stacked parameters and gradients, plus activations
-    assert plan.per_result == 4 * (params + fused.param_count(algo.head_p) + algo.K)
+    act = algo._fused_act["train"]
+    # stacked parameters and their gradients, the client vector, and the activations of B samples
+    assert plan.per_slot == 4 * (2 * params + algo.K) + fused.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act
+    assert plan.per_result == 4 * (params + algo.K)
+    # one sample through the CNN, the CPN and the head: conv 32·24·24, relu, pool 32·12·12, conv 64·8·8,
+    # relu, pool 64·4·4, flatten 1024, linear 512, relu 512 | linear 1024, layernorm 1024, relu 1024 | head 10
+    assert act == 2 * 32 * 24 * 24 + 32 * 12 * 12 + 2 * 64 * 8 * 8 + 64 * 4 * 4 + 1024 + 2 * 512 + 3 * 1024 + 10
     monkeypatch.setattr(fused, "available_memory", lambda device: 1 << 40)
-    assert algo.fused_group_size(datas) == len(datas)
     assert plan.slots(CPU, 100) == fused.CPU_SLOTS
+    assert plan.group_size(CPU, len(datas)) == len(datas)
     tight = int((3 * plan.per_slot + 3 * plan.per_result) / fused.MEMORY_FRACTION) + 16
     monkeypatch.setattr(fused, "available_memory", lambda device: tight)
     assert plan.slots(CPU, 100) == 3
-    assert algo.fused_group_size(datas) == 3
+    assert plan.group_size(CPU, len(datas)) == 3
+    # the engine's entry trains groups of that size, in order, with the same results
+    got = list(algo.train_fused(items))
+    assert fused_calls == {"train": len(datas)}
+    _assert_same_results(_sequential(algo, items), got)
     monkeypatch.setattr(fused, "available_memory", lambda device: 1024)
-    assert algo.fused_group_size(datas) == 1
+    assert plan.group_size(CPU, len(datas)) == 1
 
 
 @pytest.mark.parametrize("cls", [FedAvg, FedCP])

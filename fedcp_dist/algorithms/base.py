@@ -13,10 +13,14 @@ State is kept as flat ``{name: tensor}`` dicts:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
+
+from fedcp_dist import fused
+from fedcp_dist.local_train import (ClientPhase, Phase, PhaseOutcome, Step, amp_autocast, module_keys,
+                                    train_sequential)
 
 State = Dict[str, torch.Tensor]
 
@@ -95,18 +99,13 @@ class Algorithm:
     def local_train(self, client_state: Optional[State], data, ctx: Context) -> LocalResult:
         raise NotImplementedError
 
-    def local_train_group(self, items: list) -> list:
-        """Train several clients, ``items`` = [(client_state, data, ctx), ...]; one LocalResult each.
+    #: why this method trains its clients one at a time whatever ``fused`` says (None: it can fuse)
+    own_loop: Optional[str] = None
 
-        The engine calls this instead of ``local_train`` when ``fused=true``. The default trains
-        them one after another; a method with a fused path trains the group at once and must give
-        the same results within float tolerance.
-        """
-        return [self.local_train(state, data, ctx) for state, data, ctx in items]
-
-    def fused_group_size(self, datas: list) -> int:
-        """Clients per fused group when ``fused_group=0`` (default: all of them at once)."""
-        return max(1, len(datas))
+    def fused_reason(self) -> Optional[str]:
+        """Why this method's clients cannot train fused here (None: they can, through
+        :meth:`SGDAlgorithm.train_fused`)."""
+        return self.own_loop or f"{self.name} has its own local training loop"
 
     # -- the peer exchange (methods that need other clients' models: FedAMP, FedFomo) ------------
     #: length of the flat float32 vector each participant shares with every rank (0: no exchange)
@@ -143,3 +142,97 @@ class Algorithm:
     def predict(self, client_state: Optional[State], x: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Logits of the client's personalized model (the global one for FedAvg) on ``x``."""
         raise NotImplementedError
+
+
+class SGDAlgorithm(Algorithm):
+    """A method whose local training is plain SGD on losses it declares once as phases.
+
+    Subclasses set ``self.training_phases`` (the :class:`~fedcp_dist.local_train.Phase` s they
+    train, in order) and implement :meth:`phases` (each client's starting values per phase) and
+    :meth:`finish` (upload and new client state from the phases' outcomes). The sequential path
+    (:meth:`local_train`) and the fused path (:meth:`local_train_group`) then run the very same
+    loss code, under ``amp`` alike.
+    """
+
+    training_phases: List[Phase] = []
+
+    def phases(self, client_state: Optional[State], data, ctx: Context) -> List[Tuple[Phase, ClientPhase]]:
+        raise NotImplementedError
+
+    def finish(self, client_state: Optional[State], outcomes: List[PhaseOutcome], ctx: Context) -> LocalResult:
+        raise NotImplementedError
+
+    def _sgd_kwargs(self) -> dict:
+        cfg = self.cfg
+        return dict(batch_size=cfg.batch_size, drop_last=cfg.drop_last, lr=cfg.lr)
+
+    def local_train(self, client_state, data, ctx):
+        outcomes = [train_sequential(phase, cp, data, ctx.generator, amp=self.cfg.amp, **self._sgd_kwargs())
+                    for phase, cp in self.phases(client_state, data, ctx)]
+        return self.finish(client_state, outcomes, ctx)
+
+    # -- fused training -----------------------------------------------------------------------
+    def fused_reason(self) -> Optional[str]:
+        if self.own_loop is not None:
+            return self.own_loop
+        modules = [m for phase in self.training_phases for m in (*phase.modules.values(), *phase.shared)]
+        return fused.unsupported_reason(*modules)
+
+    def memory_plan(self, plans: list, datas: list) -> "fused.MemoryPlan":
+        """Per-client memory of fused training (the largest over the phases), from one client's
+        phases ``plans`` = [(phase, ClientPhase)]: 4 bytes per stacked value, twice for trained
+        ones (their gradient), plus activations counted on a one-sample forward of the loss."""
+        per_slot = per_result = 0
+        x = fused.probe_input(datas)
+        for phase, cp in plans:
+            trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
+            total = sum(t.numel() for t in cp.start.values())
+            act = self._activations(phase, cp, datas) if x is not None else 0
+            per_slot = max(per_slot, 4 * (trained + total) + fused.ACTIVATION_COPIES * 4 * self.cfg.batch_size * act)
+            per_result = max(per_result, 4 * total)
+        return fused.MemoryPlan(per_slot=per_slot, per_result=per_result)
+
+    def _activations(self, phase: Phase, cp: ClientPhase, datas: list) -> int:
+        """Output elements of the phase's modules' layers for one sample (counted once per phase)."""
+        counted = self.__dict__.setdefault("_fused_act", {})
+        if phase.name not in counted:
+            d = next(d for d in datas if d.n_train > 0)
+            x, y = d.train_batch(torch.zeros(1, dtype=torch.long, device=d.train_y.device))
+            names = module_keys(phase)
+            consts = {k: v for k, v in cp.start.items() if k not in names}
+            step = Step(x, y, phase.modules, consts, torch.Generator(device=y.device).manual_seed(0))
+            counted[phase.name] = fused.activation_elements(lambda: phase.loss(step), list(phase.modules.values()))
+        return counted[phase.name]
+
+    def local_train_group(self, items: list, plans: Optional[list] = None) -> List[LocalResult]:
+        """Train ``items`` = [(client_state, data, ctx), ...] at once, as many at a time as memory
+        allows (same results as :meth:`local_train` within float rounding)."""
+        if not items:
+            return []
+        plans = plans or [self.phases(state, data, ctx) for state, data, ctx in items]
+        datas = [d for _, d, _ in items]
+        slots = self.memory_plan(plans[0], datas).slots(self.device, len(items))
+        cfg = self.cfg
+        outcomes = [[] for _ in items]
+        for j, phase in enumerate(p for p, _ in plans[0]):
+            runs = [fused.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
+                    for (_, d, ctx), plan in zip(items, plans)]
+            done = fused.train_fused(runs, phase, slots=slots, autocast=lambda: amp_autocast(cfg.amp, self.device),
+                                     **self._sgd_kwargs())
+            for out, o, plan in zip(outcomes, done, plans):
+                o.info = plan[j][1].info
+                out.append(o)
+        return [self.finish(state, out, ctx) for (state, _, ctx), out in zip(items, outcomes)]
+
+    def train_fused(self, items: list) -> Iterator[LocalResult]:
+        """One LocalResult per ``(client_state, data, ctx)`` of ``items``, in order, trained in
+        groups as large as memory allows (``fused_group`` sets the size); only when
+        :meth:`fused_reason` is None."""
+        pending = list(items)
+        while pending:
+            first = self.phases(*pending[0])
+            size = self.cfg.fused_group or self.memory_plan(first, [d for _, d, _ in pending]).group_size(
+                self.device, len(pending))
+            group, pending = pending[:size], pending[size:]
+            plans = [first] + [self.phases(*item) for item in group[1:]]
+            yield from self.local_train_group(group, plans)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import copy
 
-import torch.nn.functional as F
-
-from fedcp_dist.algorithms.base import LocalResult, load_module, module_state
+from fedcp_dist.algorithms.base import LocalResult
 from fedcp_dist.algorithms.fedavg import FedAvgWithPersonalModel
-from fedcp_dist.algorithms.fedprox import proximal_term
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.algorithms.fedprox import ANCHOR, with_anchors
+from fedcp_dist.local_train import ClientPhase, Phase
 
 
 class Ditto(FedAvgWithPersonalModel):
@@ -24,29 +22,29 @@ class Ditto(FedAvgWithPersonalModel):
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         self.personal = copy.deepcopy(self.model)  # v, trained
+        self.lam = float(cfg.ditto_lam)
+        self.personal_phase = Phase("personal", self.personal_loss, {"": self.personal},
+                                    trainable=self.train_phase.trainable, epochs=cfg.ditto_epochs,
+                                    penalised=self.lam > 0)
+        self.training_phases = [self.train_phase, self.personal_phase]
 
-    def local_train(self, client_state, data, ctx):
-        cfg = self.cfg
-        res = super().local_train(None, data, ctx)  # the global model's update, as FedAvg
-        v = self.personal
-        load_module(v, client_state, "")
-        v.train()
-        params = list(v.parameters())
-        anchors = list(self.global_model.parameters())  # w^t as received
-        lam = float(cfg.ditto_lam)
+    def personal_loss(self, step):
+        """Cross-entropy of v plus (λ/2)·‖v − w^t‖²."""
+        loss = step.cross_entropy(step.run("", step.x))
+        if self.lam > 0:
+            loss = loss + (0.5 * self.lam) * step.proximal(ANCHOR)
+        return loss
 
-        def loss_fn(idx):
-            x, y = data.train_batch(idx)
-            loss = F.cross_entropy(v(x), y)
-            if lam > 0:
-                loss = loss + (0.5 * lam) * proximal_term(params, anchors)
-            return loss
+    def phases(self, client_state, data, ctx):
+        personal = with_anchors(client_state, self.gs, self.param_names) if self.lam > 0 else client_state
+        return [*super().phases(client_state, data, ctx), (self.personal_phase, ClientPhase(personal))]
 
-        batches = batch_indices(data.n_train, cfg.batch_size, cfg.ditto_epochs, cfg.drop_last, ctx.generator)
-        p_loss, p_seen = sgd(params, batches, loss_fn, cfg.lr)
+    def finish(self, client_state, outcomes, ctx):
+        res = super().finish(client_state, outcomes[:1], ctx)  # the global model's update, as FedAvg
+        p = outcomes[1]
         return LocalResult(
             upload=res.upload,
-            client_state=module_state("", v),
-            loss_sum=res.loss_sum + p_loss,
-            samples=res.samples + p_seen,
+            client_state={k: p.values[k] for k in client_state},
+            loss_sum=res.loss_sum + p.loss_sum,
+            samples=res.samples + p.samples,
         )

@@ -13,19 +13,31 @@ models' parameters; BatchNorm running statistics stay with their client.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
-from fedcp_dist.algorithms.base import LocalResult, load_module, module_state
-from fedcp_dist.algorithms.fedprox import proximal_term
+from fedcp_dist.algorithms.base import LocalResult
+from fedcp_dist.algorithms.fedprox import ANCHOR, with_anchors
 from fedcp_dist.algorithms.peers import PeerBankMethod
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.local_train import ClientPhase
 
 
 class FedAMP(PeerBankMethod):
     name = "fedamp"
+
+    def __init__(self, cfg, model, device):
+        super().__init__(cfg, model, device)
+        self.coef = cfg.fedamp_lam / cfg.fedamp_alpha_k
+        if self.coef > 0:
+            self.train_phase = dataclasses.replace(self.train_phase, name="attentive", loss=self.attentive_loss,
+                                                   penalised=True)
+            self.training_phases = [self.train_phase]
+
+    def attentive_loss(self, step):
+        """Cross-entropy plus (λ/(2·α_K))·‖w − u_i‖²."""
+        return self.loss(step) + (0.5 * self.coef) * step.proximal(ANCHOR)
 
     def attention_weights(self, client: int, w: torch.Tensor) -> torch.Tensor:
         """ξ_i· over all N clients (0 for clients without a fresh model); ξ_ii = 1 − the rest."""
@@ -46,28 +58,17 @@ class FedAMP(PeerBankMethod):
         others[client] = 0.0
         u = float(xi[client]) * w
         if bool((others != 0).any()):
-            u = u + torch.mv(self.gs["bank"].t(), others.to(torch.float32))
+            u = u + torch.mv(self.gs["bank"].t(), others.to(self.gs["bank"].dtype))
         return u
 
-    def local_train(self, client_state, data, ctx):
-        cfg = self.cfg
+    def phases(self, client_state, data, ctx):
+        if self.coef <= 0:
+            return [(self.train_phase, ClientPhase(client_state))]
         u = self.unflat(self.aggregated_model(ctx.client, self.flat(client_state)))
-        model = self.model
-        load_module(model, client_state, "")
-        model.train()
-        params = [p for _, p in model.named_parameters()]
-        anchors = [u[n] for n in self.param_names]
-        coef = cfg.fedamp_lam / cfg.fedamp_alpha_k
+        return [(self.train_phase, ClientPhase(with_anchors(client_state, u, self.param_names)))]
 
-        def loss_fn(idx):
-            x, y = data.train_batch(idx)
-            loss = F.cross_entropy(model(x), y)
-            if coef > 0:
-                loss = loss + (0.5 * coef) * proximal_term(params, anchors)
-            return loss
-
-        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        loss_sum, seen = sgd(params, batches, loss_fn, cfg.lr)
-        new_state = module_state("", model)
-        return LocalResult(upload={}, client_state=new_state, loss_sum=loss_sum, samples=seen,
+    def finish(self, client_state, outcomes, ctx):
+        o = outcomes[0]
+        new_state = self.own_state(o.values)
+        return LocalResult(upload={}, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples,
                            extra={"peer": self.flat(new_state)})

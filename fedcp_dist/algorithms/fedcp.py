@@ -15,65 +15,19 @@ Upload: W_i^fe, (W^hd + W_i^hd) / 2 and Θ_i. Persistent client state: W_i^hd an
 from __future__ import annotations
 
 import copy
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedcp_dist import fused
-from fedcp_dist.algorithms.base import Algorithm, LocalResult, copy_module, freeze, load_module, module_state
-from fedcp_dist.models import forward_batch_stats
-from fedcp_dist.local_train import amp_autocast, batch_indices, full_precision, sgd
+from fedcp_dist.algorithms.base import LocalResult, SGDAlgorithm, freeze, load_module, module_state
+from fedcp_dist.local_train import ClientPhase, Phase, Step, split_policy
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
-MMD_BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)
 
-
-def _sq_dists(a: torch.Tensor, b: torch.Tensor, a_sq: torch.Tensor, b_sq: torch.Tensor) -> torch.Tensor:
-    return (a_sq[:, None] + b_sq[None, :] - 2.0 * (a @ b.T)).clamp_min(0.0)
-
-
-def mmd2(x: torch.Tensor, y: torch.Tensor, bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> torch.Tensor:
-    """Biased MMD² between the rows of ``x`` and ``y`` (all pairs, diagonal included).
-
-    Kernel: Σ_a exp(−d / (2a)) over the bandwidths a, d the squared Euclidean distance.
-    """
-    x_sq, y_sq = (x * x).sum(1), (y * y).sum(1)
-    dxx, dyy, dxy = _sq_dists(x, x, x_sq, x_sq), _sq_dists(y, y, y_sq, y_sq), _sq_dists(x, y, x_sq, y_sq)
-    k = 0.0
-    for a in bandwidths:
-        c = -0.5 / a
-        k = k + (dxx * c).exp().mean() + (dyy * c).exp().mean() - 2.0 * (dxy * c).exp().mean()
-    return k
-
-
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32, or as it is if wider (bf16 activations under autocast are widened)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def grouped_mmd2(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
-                 bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> torch.Tensor:
-    """:func:`mmd2` for each of k padded batches at once: x, y (k, B, K); mask (k, B) marks the
-    real rows and count (k,) their number. Returns (k,) MMD² over the real rows only."""
-    x_sq, y_sq = (x * x).sum(2), (y * y).sum(2)
-
-    def sq_dists(a, b, a_sq, b_sq):
-        return (a_sq[:, :, None] + b_sq[:, None, :] - 2.0 * torch.bmm(a, b.transpose(1, 2))).clamp_min(0.0)
-
-    dxx, dyy, dxy = sq_dists(x, x, x_sq, x_sq), sq_dists(y, y, y_sq, y_sq), sq_dists(x, y, x_sq, y_sq)
-    pairs = mask[:, :, None] * mask[:, None, :]
-    n2 = count * count
-
-    def mean(t):
-        return (t * pairs).sum((1, 2)) / n2
-
-    k = 0.0
-    for a in bandwidths:
-        c = -0.5 / a
-        k = k + mean((dxx * c).exp()) + mean((dyy * c).exp()) - 2.0 * mean((dxy * c).exp())
-    return k
+def gumbel_noise(generator):
+    """Gumbel(0, 1) noise shaped like its argument, as −log Exp(1), from ``generator``."""
+    return lambda t: torch.empty_like(t).exponential_(generator=generator).log_().neg_()
 
 
 class CPN(nn.Module):
@@ -85,16 +39,10 @@ class CPN(nn.Module):
         self.net = nn.Sequential(nn.Linear(feature_dim, 2 * feature_dim), nn.LayerNorm(2 * feature_dim), nn.ReLU())
 
     def forward(self, c: torch.Tensor, tau: float = 1.0, gumbel: bool = False, generator=None):
-        logits = self.net(c).view(-1, 2, self.feature_dim)
-        if gumbel:
-            # Gumbel(0, 1) noise as −log(Exp(1)), drawn from the client's own stream
-            noise = torch.empty_like(logits).exponential_(generator=generator).log_().neg_()
-            logits = logits + noise
-        p = torch.softmax(logits / tau, dim=1)
-        return p[:, 0], p[:, 1]
+        return split_policy(self.net(c), self.feature_dim, tau, gumbel_noise(generator) if gumbel else None)
 
 
-class FedCP(Algorithm):
+class FedCP(SGDAlgorithm):
     name = "fedcp"
 
     def __init__(self, cfg, model, device):
@@ -110,6 +58,19 @@ class FedCP(Algorithm):
         self._init_head = module_state("head.", self.head_p)
         gen = torch.Generator().manual_seed(stream_seed(cfg.seed, STREAM_INIT))
         self._init_v = torch.rand(self.K, generator=gen).to(device)
+        self.gs = self.init_global_state()
+        self._declare_phases()
+
+    def _declare_phases(self) -> None:
+        """The training phase and the evaluated model's modules (again after a subclass swaps the CPN)."""
+        modules = {"features.": self.fe, "cpn.": self.cpn, "head.": self.head_p}
+        self.train_phase = Phase(
+            "train", self.loss, modules,
+            trainable=tuple(p + n for p, m in modules.items() for n, t in m.named_parameters() if t.requires_grad),
+            epochs=self.cfg.local_epochs, shared=(self.fe_g, self.head_g))
+        self.training_phases = [self.train_phase]
+        self.eval_modules = {"features.": self.fe_g, "cpn.": self.cpn_g, "head.": self.head_p}
+        self.keys = {p: list(module_state(p, m)) for p, m in modules.items()}
 
     # -- state ------------------------------------------------------------
     def init_global_state(self):
@@ -119,167 +80,67 @@ class FedCP(Algorithm):
         load_module(self.fe_g, global_state, "features.")
         load_module(self.head_g, global_state, "head.")
         load_module(self.cpn_g, global_state, "cpn.")
+        self.gs = global_state
 
     def init_client_state(self, client):
         """A copy of the initial global head, and one random client vector from the run seed."""
         return {**{k: v.clone() for k, v in self._init_head.items()}, "v": self._init_v.clone()}
 
-    # -- model ------------------------------------------------------------
-    def forward(self, fe, cpn, head_p, v, x, gumbel, generator):
-        """(logits, h) of the personalized model: head_p(s ⊙ h) + head_g(r ⊙ h)."""
-        h = fe(x)
-        s, r = cpn(F.normalize(v, dim=0) * h, tau=self.cfg.tau, gumbel=gumbel, generator=generator)
-        return head_p(s * h) + self.head_g(r * h), h
+    # -- the personalized model and its loss, written once for training, fused training and evaluation
+    def policy_input(self, step, h):
+        """C = v̂ ⊙ h: the client vector, L2-normalised, times the sample's feature."""
+        return F.normalize(step.value("v"), dim=-1) * h
 
-    def local_train(self, client_state, data, ctx):
+    def heads(self, step, gumbel: bool):
+        """(g(s ⊙ h; W_i^hd), g(r ⊙ h; W^hd), h) on the step's batch: the personal head on the
+        personal part, the frozen global head on the global part."""
+        h = step.run("features", step.x)
+        noise = step.gumbel_like if gumbel else None
+        s, r = split_policy(step.run("cpn.net", self.policy_input(step, h)), self.K, self.cfg.tau, noise)
+        return step.run("head", s * h), step.shared(self.head_g, r * h), h
+
+    def loss(self, step):
+        """CE(personalized output) + λ·MMD²(h, h of the frozen received extractor, batch statistics)."""
         cfg = self.cfg
-        copy_module(self.fe, self.fe_g)
-        copy_module(self.cpn, self.cpn_g)
+        personal, glob, h = self.heads(step, cfg.cpn_train_gumbel)
+        loss = step.cross_entropy(personal if glob is None else personal + glob)
+        if cfg.lam > 0:
+            h_g = step.shared(self.fe_g, step.x, grad=False, batch_stats=True)
+            loss = loss + cfg.lam * step.mmd2(h, h_g)
+        return loss
+
+    # -- local training ---------------------------------------------------
+    def phases(self, client_state, data, ctx):
+        k = self.keys
+        start = {**{n: self.gs[n] for n in (*k["features."], *k["cpn."])}, **{n: client_state[n] for n in k["head."]},
+                 "v": client_state["v"]}
+        return [(self.train_phase, ClientPhase(start))]
+
+    def finish(self, client_state, outcomes, ctx):
+        """Upload W_i^fe, (W^hd + W_i^hd)/2 and Θ_i; keep W_i^hd and v_i = its weight's column sums."""
+        o, k = outcomes[0], self.keys
+        v = o.values
+        with torch.no_grad():
+            upload = {**{n: v[n] for n in k["features."]}, **{n: 0.5 * (self.gs[n] + v[n]) for n in k["head."]},
+                      **{n: v[n] for n in k["cpn."]}}
+            new_state = {**{n: v[n] for n in k["head."]}, "v": v["head.weight"].sum(dim=0)}
+        return LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples)
+
+    # -- evaluation -------------------------------------------------------
+    def _eval_heads(self, client_state, x, ctx):
         load_module(self.head_p, client_state, "head.")
-        v = client_state["v"]
-        for m in (self.fe, self.cpn, self.head_p):
-            m.train()
-
-        def loss_fn(idx):
-            x, y = data.train_batch(idx)
-            out, h = self.forward(self.fe, self.cpn, self.head_p, v, x, cfg.cpn_train_gumbel, ctx.generator)
-            loss = F.cross_entropy(out, y)
-            if cfg.lam > 0:
-                h_g = forward_batch_stats(self.fe_g, x)  # batch statistics, as the reference; no buffer moves
-                with full_precision(x.device):  # bf16 would cancel the distances away
-                    loss = loss + cfg.lam * mmd2(_at_least_fp32(h), _at_least_fp32(h_g))
-            return loss
-
-        params = [*self.fe.parameters(), *self.cpn.parameters(), *self.head_p.parameters()]
-        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        loss_sum, seen = sgd(params, batches, loss_fn, cfg.lr, amp=cfg.amp)
-
-        with torch.no_grad():
-            new_head = module_state("head.", self.head_p)
-            upload = {
-                **module_state("features.", self.fe),
-                **{k: 0.5 * (g + new_head[k]) for k, g in module_state("head.", self.head_g).items()},
-                **module_state("cpn.", self.cpn),
-            }
-            new_state = {**new_head, "v": self.head_p.weight.detach().sum(dim=0).clone()}
-        return LocalResult(upload=upload, client_state=new_state, loss_sum=loss_sum, samples=seen)
-
-    # -- fused training (fused=true): local_train for a group of clients at once ----------------
-    def _fused_ok(self) -> bool:
-        """Only FedCP's own local_train, forward and CPN are fused; a subclass changing any keeps its own."""
-        if (type(self).local_train is not FedCP.local_train or type(self).forward is not FedCP.forward
-                or type(self.cpn).forward is not CPN.forward):
-            return False
-        reason = fused.unsupported_reason(self.fe, self.cpn, self.head_p, self.fe_g, self.head_g)
-        if reason is not None:
-            fused.note_once(self, f"fused=true: {reason}; clients train one at a time")
-            return False
-        return True
-
-    def _fused_memory(self, datas) -> "fused.MemoryPlan":
-        """Per slot: W^fe, Θ, W^hd and their gradients, v, and the activations of f, the CPN and g;
-        per result: the upload and the new client state (4 bytes per element)."""
-        x = fused.probe_input(datas)
-        if "_fused_act" not in self.__dict__ and x is not None:
-            def run():
-                h = self.fe(x)
-                self.cpn.net(h)
-                self.head_p(h)
-
-            self._fused_act = fused.activation_elements(run, [self.fe, self.cpn, self.head_p])
-        act = self.__dict__.get("_fused_act", 0)
-        trained = fused.param_count(self.fe, self.cpn, self.head_p)
-        head = fused.param_count(self.head_p)
-        per_slot = 4 * (2 * trained + self.K) + fused.ACTIVATION_COPIES * 4 * self.cfg.batch_size * act
-        return fused.MemoryPlan(per_slot=per_slot, per_result=4 * (trained + head + self.K))
-
-    def fused_group_size(self, datas):
-        if not self._fused_ok():
-            return super().fused_group_size(datas)
-        return self._fused_memory(datas).group_size(self.device, len(datas))
-
-    def local_train_group(self, items):
-        if not items or not self._fused_ok():
-            return super().local_train_group(items)
-        cfg, K, device = self.cfg, self.K, self.device
-        fe, cpn, head_p = self.fe, self.cpn, self.head_p
-        for m in (fe, cpn, head_p):
-            m.train()
-        shared = {**module_state("features.", self.fe_g), **module_state("cpn.", self.cpn_g)}
-        head_keys = list(module_state("head.", head_p))
-        trainable = [*(f"features.{n}" for n, p in fe.named_parameters() if p.requires_grad),
-                     *(f"cpn.{n}" for n, p in cpn.named_parameters() if p.requires_grad),
-                     *(f"head.{n}" for n, p in head_p.named_parameters() if p.requires_grad)]
-
-        fe_g_params = fused.stack_once(dict(self.fe_g.named_parameters()))
-
-        def step_loss(views, batch):
-            k, x = batch.k, batch.x
-            b = x.shape[1]
-            h = fused.grouped_forward(fe, fused.sub_params(views, "features."), x, k)  # (k, B, K)
-            c = F.normalize(views["v"], dim=1)[:, None, :] * h
-            logits = fused.grouped_forward(cpn.net, fused.sub_params(views, "cpn.net."), c, k).reshape(k, b, 2, K)
-            if cfg.cpn_train_gumbel:
-                # each client's Gumbel noise from its own stream, the same draws as alone; padding: log 1 = 0
-                e = torch.ones_like(logits)
-                for j, (n, g) in enumerate(zip(batch.sizes, batch.generators)):
-                    e[j, :n].exponential_(generator=g)
-                logits = logits + e.log_().neg_()
-            p = torch.softmax(logits / cfg.tau, dim=2)
-            s, r = p[:, :, 0], p[:, :, 1]
-            out = fused.grouped_forward(head_p, fused.sub_params(views, "head."), s * h, k)
-            out = out + self.head_g((r * h).reshape(k * b, K)).view(k, b, -1)
-            loss = fused.masked_cross_entropy(out, batch.y, batch.mask, batch.count)
-            if cfg.lam > 0:
-                with torch.no_grad():  # the frozen extractor on all k·B samples at once, channels-last
-                    h_g = fused.grouped_forward(self.fe_g, fe_g_params, x.reshape(1, k * b, *x.shape[2:]), 1).view(k, b, -1)
-                with full_precision(device):
-                    loss = loss + cfg.lam * grouped_mmd2(_at_least_fp32(h), _at_least_fp32(h_g), batch.mask, batch.count)
-            return loss
-
-        datas = [d for _, d, _ in items]
-        runs = [fused.ClientRun(d, ctx.generator, {**shared, **{k: state[k] for k in head_keys}, "v": state["v"]})
-                for state, d, ctx in items]
-        outcomes = fused.train_fused(
-            runs,
-            trainable=trainable,
-            step_loss=step_loss,
-            slots=self._fused_memory(datas).slots(device, len(items)),
-            batch_size=cfg.batch_size,
-            epochs=cfg.local_epochs,
-            drop_last=cfg.drop_last,
-            lr=cfg.lr,
-            autocast=lambda: amp_autocast(cfg.amp, device),
-        )
-        head_g = module_state("head.", self.head_g)
-        results = []
-        with torch.no_grad():
-            for o in outcomes:
-                v = o.values
-                new_head = {k: v[k] for k in head_keys}
-                upload = {
-                    **{k: t for k, t in v.items() if k.startswith("features.")},
-                    **{k: 0.5 * (g + new_head[k]) for k, g in head_g.items()},
-                    **{k: t for k, t in v.items() if k.startswith("cpn.")},
-                }
-                new_state = {**new_head, "v": new_head["head.weight"].sum(dim=0)}
-                results.append(LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples))
-        return results
+        self.head_p.eval()
+        step = Step(x, None, self.eval_modules, {"v": client_state["v"]}, ctx.generator)
+        return self.heads(step, self.cfg.cpn_eval_gumbel)
 
     def head_outputs(self, client_state, x, ctx):
         """(g(s ⊙ h; W_i^hd), g(r ⊙ h; W^hd)): the personal and the global head's logits of the
         client's personalized model as evaluated (received extractor and CPN, the client's head);
         their sum is :meth:`predict`'s output. Runs with gradients enabled (for Grad-CAM)."""
-        load_module(self.head_p, client_state, "head.")
-        self.head_p.eval()
-        h = self.fe_g(x)
-        s, r = self.cpn_g(F.normalize(client_state["v"], dim=0) * h, tau=self.cfg.tau,
-                          gumbel=self.cfg.cpn_eval_gumbel, generator=ctx.generator)
-        return self.head_p(s * h), self.head_g(r * h)
+        personal, glob, _ = self._eval_heads(client_state, x, ctx)
+        return personal, glob
 
     @torch.no_grad()
     def predict(self, client_state, x, ctx):
-        load_module(self.head_p, client_state, "head.")
-        self.head_p.eval()
-        out, _ = self.forward(self.fe_g, self.cpn_g, self.head_p, client_state["v"], x, self.cfg.cpn_eval_gumbel, ctx.generator)
-        return out
+        personal, glob, _ = self._eval_heads(client_state, x, ctx)
+        return personal if glob is None else personal + glob

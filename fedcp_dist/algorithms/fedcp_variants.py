@@ -102,31 +102,31 @@ class FedCPVariant(FedCP):
         self.cpn_g = freeze(copy.deepcopy(self.cpn)).eval()  # batchnorm: running statistics at evaluation
         gen = torch.Generator().manual_seed(stream_seed(cfg.seed, STREAM_INIT, _FIXED_INPUT_STREAM))
         self._fixed_input = F.normalize(torch.rand(self.K, generator=gen), dim=0).to(device)
+        self.gs = self.init_global_state()
+        self._declare_phases()
 
     def upload_keys(self, global_state):
         if self.use_global_head:
             return list(global_state)
         return [k for k in global_state if k.startswith("features.")]
 
-    def _policy_input(self, v, h):
+    def policy_input(self, step, h):
         if self.cpn_input == "both":
-            return F.normalize(v, dim=0) * h
+            return super().policy_input(step, h)
         if self.cpn_input == "sample":
             return h
         if self.cpn_input == "client":
-            return F.normalize(v, dim=0).expand_as(h)
+            return F.normalize(step.value("v"), dim=-1).expand_as(h)
         return self._fixed_input.expand_as(h)
 
-    def forward(self, fe, cpn, head_p, v, x, gumbel, generator):
-        h = fe(x)
-        if not self.use_cpn:
-            out = head_p(h)
-            return (out + self.head_g(h) if self.use_global_head else out), h
-        s, r = cpn(self._policy_input(v, h), tau=self.cfg.tau, gumbel=gumbel, generator=generator)
-        return head_p(s * h) + self.head_g(r * h), h
+    def heads(self, step, gumbel):
+        if self.use_cpn:
+            return super().heads(step, gumbel)
+        h = step.run("features", step.x)
+        return step.run("head", h), (step.shared(self.head_g, h) if self.use_global_head else None), h
 
-    def local_train(self, client_state, data, ctx):
-        res = super().local_train(client_state, data, ctx)
+    def finish(self, client_state, outcomes, ctx):
+        res = super().finish(client_state, outcomes, ctx)
         if not self.use_global_head:
             res.upload = {k: t for k, t in res.upload.items() if k.startswith("features.")}
         return res

@@ -17,11 +17,10 @@ P[i, j] += w_ij. θ_i is what is evaluated. Memory per rank: the bank (N·P floa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from fedcp_dist.algorithms.base import LocalResult, load_module, module_state
+from fedcp_dist.algorithms.base import LocalResult
 from fedcp_dist.algorithms.peers import PeerBankMethod
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.local_train import ClientPhase
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
 SPLIT_TAG = 17  # keeps the validation-split stream apart from other STREAM_INIT draws
@@ -70,9 +69,8 @@ class FedFomo(PeerBankMethod):
         row = self.gs["affinity"][client]
         return sorted(sorted(cands, key=lambda j: (-float(row[j]), j))[:m])
 
-    def local_train(self, client_state, data, ctx):
-        cfg = self.cfg
-        val_idx, train_idx = self.split(ctx.client, data.n_train)
+    def mix(self, client_state, data, ctx, val_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(θ_i after the weighted move toward the chosen models, the row of weights w_i·)."""
         theta = self.flat(client_state)
         weights = torch.zeros(self.num_clients, device=theta.device)
         chosen = self.choose(ctx.client, ctx.round, ctx.generator)
@@ -91,16 +89,16 @@ class FedFomo(PeerBankMethod):
                     if pos[j] > 0:
                         step.add_(bank[j] - theta, alpha=float(pos[j] / pos.sum()))
                 theta = theta + step
-        model = self.model
-        load_module(model, {**client_state, **self.unflat(theta)}, "")
-        model.train()
+        return theta, weights
 
-        def loss_fn(idx):
-            x, y = data.train_batch(train_idx[idx])
-            return F.cross_entropy(model(x), y)
+    def phases(self, client_state, data, ctx):
+        val_idx, train_idx = self.split(ctx.client, data.n_train)
+        theta, weights = self.mix(client_state, data, ctx, val_idx)
+        start = {**client_state, **self.unflat(theta)}
+        return [(self.train_phase, ClientPhase(start, index=train_idx, info={"weights": weights}))]
 
-        batches = batch_indices(int(train_idx.numel()), cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        loss_sum, seen = sgd(model.parameters(), batches, loss_fn, cfg.lr)
-        new_state = module_state("", model)
-        return LocalResult(upload={}, client_state=new_state, loss_sum=loss_sum, samples=seen,
-                           extra={"peer": torch.cat([self.flat(new_state), weights])})
+    def finish(self, client_state, outcomes, ctx):
+        o = outcomes[0]
+        new_state = self.own_state(o.values)
+        return LocalResult(upload={}, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples,
+                           extra={"peer": torch.cat([self.flat(new_state), o.info["weights"]])})

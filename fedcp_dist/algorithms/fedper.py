@@ -11,11 +11,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
-from fedcp_dist.algorithms.base import LocalResult, copy_module, freeze, load_module, module_state
+from fedcp_dist.algorithms.base import LocalResult, freeze, load_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvg
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.local_train import ClientPhase
 
 SHARED = "features."
 PERSONAL = "head."
@@ -35,31 +34,18 @@ class FedPer(FedAvg):
     def init_client_state(self, client):
         return {k: v.clone() for k, v in self._init_head.items()}
 
-    def _receive(self, client_state):
-        """The working model = global extractor + the client's head, in training mode."""
-        copy_module(self.model, self.global_model)
-        load_module(self.model.head, client_state, PERSONAL)
-        self.model.train()
+    def phases(self, client_state, data, ctx):
+        """The working model = global extractor + the client's head."""
+        return [(self.train_phase, ClientPhase({**self.gs, **client_state}))]
 
-    def _result(self, loss_sum, seen):
+    def finish(self, client_state, outcomes, ctx):
+        o = outcomes[0]
         return LocalResult(
-            upload=module_state(SHARED, self.model.features),
-            client_state=module_state(PERSONAL, self.model.head),
-            loss_sum=loss_sum,
-            samples=seen,
+            upload={k: v for k, v in o.values.items() if k.startswith(SHARED)},
+            client_state={k: o.values[k] for k in client_state},
+            loss_sum=o.loss_sum,
+            samples=o.samples,
         )
-
-    def local_train(self, client_state, data, ctx):
-        cfg = self.cfg
-        self._receive(client_state)
-        model = self.model
-
-        def loss_fn(idx):
-            x, y = data.train_batch(idx)
-            return F.cross_entropy(model(x), y)
-
-        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        return self._result(*sgd(model.parameters(), batches, loss_fn, cfg.lr))
 
     @torch.no_grad()
     def predict(self, client_state, x, ctx):

@@ -21,13 +21,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
-from fedcp_dist.algorithms.base import LocalResult, copy_module, freeze, load_module, module_state
+from fedcp_dist.algorithms.base import LocalResult, freeze, load_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvg
-from fedcp_dist.algorithms.fedcp import mmd2
-from fedcp_dist.local_train import batch_indices, sgd
-from fedcp_dist.models import forward_batch_stats
+from fedcp_dist.local_train import ClientPhase, Phase
 
 HPM = "hpm."
 COUNT = "participations"
@@ -46,6 +43,10 @@ class FedPHP(FedAvg):
         super().__init__(cfg, model, device)
         self.hpm = freeze(copy.deepcopy(self.model)).eval()
         self._init_state = module_state(HPM, self.model)
+        self.lam = float(cfg.fedphp_lam)
+        self.train_phase = Phase("php", self.php_loss, {"": self.model, HPM: self.hpm},
+                                 trainable=self.train_phase.trainable, epochs=cfg.local_epochs)
+        self.training_phases = [self.train_phase]
 
     def init_client_state(self, client):
         state = {k: v.clone() for k, v in self._init_state.items()}
@@ -56,33 +57,28 @@ class FedPHP(FedAvg):
         r = self.cfg.participation_range
         return float(self.cfg.participation) if r is None else 0.5 * (float(r[0]) + float(r[1]))
 
-    def local_train(self, client_state, data, ctx):
-        cfg = self.cfg
-        lam = float(cfg.fedphp_lam)
-        model = self.model
-        copy_module(model, self.global_model)
-        model.train()
-        load_module(self.hpm, client_state, HPM)
+    def php_loss(self, step):
+        """(1 − λ)·CE + λ·MMD²(features, the HPM's features with batch statistics, no gradient)."""
+        h = step.run("features", step.x)
+        loss = step.cross_entropy(step.run("head", h))
+        if self.lam > 0:
+            h_hpm = step.run("hpm.features", step.x, grad=False, batch_stats=True)
+            loss = (1.0 - self.lam) * loss + self.lam * step.mmd2(h, h_hpm)
+        return loss
 
-        def loss_fn(idx):
-            x, y = data.train_batch(idx)
-            h = model.features(x)
-            loss = F.cross_entropy(model.head(h), y)
-            if lam > 0:
-                h_hpm = forward_batch_stats(self.hpm.features, x)
-                loss = (1.0 - lam) * loss + lam * mmd2(h, h_hpm)
-            return loss
+    def phases(self, client_state, data, ctx):
+        hpm = {k: v for k, v in client_state.items() if k.startswith(HPM)}
+        return [(self.train_phase, ClientPhase({**self.gs, **hpm}))]
 
-        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        loss_sum, seen = sgd(model.parameters(), batches, loss_fn, cfg.lr)
-
+    def finish(self, client_state, outcomes, ctx):
+        o = outcomes[0]
         k = int(client_state[COUNT].item())
-        mu = hpm_momentum(float(cfg.fedphp_mu), k, self._participation(), int(cfg.rounds))
-        local = module_state(HPM, model)
+        mu = hpm_momentum(float(self.cfg.fedphp_mu), k, self._participation(), int(self.cfg.rounds))
         with torch.no_grad():
-            new_state = {key: mu * client_state[key] + (1.0 - mu) * local[key] for key in local}
+            new_state = {HPM + key: mu * client_state[HPM + key] + (1.0 - mu) * o.values[key] for key in self.gs}
         new_state[COUNT] = client_state[COUNT] + 1
-        return LocalResult(upload=module_state("", model), client_state=new_state, loss_sum=loss_sum, samples=seen)
+        return LocalResult(upload={key: o.values[key] for key in self.gs}, client_state=new_state,
+                           loss_sum=o.loss_sum, samples=o.samples)
 
     @torch.no_grad()
     def predict(self, client_state, x, ctx):

@@ -6,37 +6,34 @@ FedAvg, bit for bit (the term is then not built at all).
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import dataclasses
 
-from fedcp_dist.algorithms.base import LocalResult, copy_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvg
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.local_train import ClientPhase
+
+ANCHOR = "anchor."
 
 
-def proximal_term(params, anchors) -> torch.Tensor:
-    """‖w − w^t‖² summed over every parameter tensor."""
-    return sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
+def with_anchors(start: dict, anchors: dict, names) -> dict:
+    """``start`` plus the constants ``anchor.<name>`` = ``anchors[name]`` a proximal term reads."""
+    return {**start, **{ANCHOR + n: anchors[n] for n in names}}
 
 
 class FedProx(FedAvg):
     name = "fedprox"
 
-    def local_train(self, client_state, data, ctx):
-        cfg = self.cfg
-        mu = float(cfg.prox_mu)
-        if mu == 0.0:
-            return super().local_train(client_state, data, ctx)
-        model = self.model
-        copy_module(model, self.global_model)
-        model.train()
-        params = list(model.parameters())
-        anchors = list(self.global_model.parameters())
+    def __init__(self, cfg, model, device):
+        super().__init__(cfg, model, device)
+        self.mu = float(cfg.prox_mu)
+        if self.mu != 0.0:
+            self.train_phase = dataclasses.replace(self.train_phase, name="prox", loss=self.prox_loss, penalised=True)
+            self.training_phases = [self.train_phase]
 
-        def loss_fn(idx):
-            x, y = data.train_batch(idx)
-            return F.cross_entropy(model(x), y) + (0.5 * mu) * proximal_term(params, anchors)
+    def prox_loss(self, step):
+        """Cross-entropy plus (μ/2)·‖w − w^t‖² over every parameter."""
+        return self.loss(step) + (0.5 * self.mu) * step.proximal(ANCHOR)
 
-        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        loss_sum, seen = sgd(params, batches, loss_fn, cfg.lr)
-        return LocalResult(upload=module_state("", model), client_state=None, loss_sum=loss_sum, samples=seen)
+    def phases(self, client_state, data, ctx):
+        if self.mu == 0.0:
+            return super().phases(client_state, data, ctx)
+        return [(self.train_phase, ClientPhase(with_anchors(self.gs, self.gs, self.param_names)))]

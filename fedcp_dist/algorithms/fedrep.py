@@ -18,13 +18,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fedcp_dist.algorithms.base import load_module, module_state
 from fedcp_dist.algorithms.fedper import FedPer
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.local_train import PhaseOutcome, batch_indices, sgd
 from fedcp_dist.models import mode_dependent
 
 
 class FedRep(FedPer):
     name = "fedrep"
+    own_loop = "FedRep trains its head on features computed once per round, then its extractor alone"
 
     @torch.no_grad()
     def _features(self, data) -> torch.Tensor:
@@ -53,7 +55,7 @@ class FedRep(FedPer):
                 return F.cross_entropy(head(h[idx]), y[idx])
 
         batches = batch_indices(data.n_train, cfg.batch_size, cfg.fedrep_head_epochs, cfg.drop_last, ctx.generator)
-        return sgd(head.parameters(), batches, loss_fn, cfg.lr)
+        return sgd(head.parameters(), batches, loss_fn, cfg.lr, amp=cfg.amp)
 
     def _train_extractor(self, data, ctx):
         """Extractor epochs with the head frozen (only the extractor's parameters step)."""
@@ -65,10 +67,12 @@ class FedRep(FedPer):
             return F.cross_entropy(model(x), y)
 
         batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        return sgd(model.features.parameters(), batches, loss_fn, cfg.lr)
+        return sgd(model.features.parameters(), batches, loss_fn, cfg.lr, amp=cfg.amp)
 
     def local_train(self, client_state, data, ctx):
-        self._receive(client_state)
+        load_module(self.model, {**self.gs, **client_state}, "")  # global extractor + the client's head
+        self.model.train()
         l_head, n_head = self._train_head(data, ctx)
         l_fe, n_fe = self._train_extractor(data, ctx)
-        return self._result(l_head + l_fe, n_head + n_fe)
+        outcome = PhaseOutcome(module_state("", self.model), l_head + l_fe, n_head + n_fe)
+        return self.finish(client_state, [outcome], ctx)

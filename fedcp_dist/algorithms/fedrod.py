@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedcp_dist.algorithms.base import LocalResult, copy_module, load_module, module_state
+from fedcp_dist.algorithms.base import LocalResult, load_module
 from fedcp_dist.algorithms.fedavg import FedAvg
-from fedcp_dist.local_train import batch_indices, sgd
+from fedcp_dist.local_train import ClientPhase, Phase
 
 PERSONAL = "phead."
+LOG_PRIOR = "log_prior"  # the client's log label prior, a constant of its local training
 
 
 def label_log_prior(y: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -30,9 +31,9 @@ def label_log_prior(y: torch.Tensor, num_classes: int) -> torch.Tensor:
     return torch.log(counts / counts.sum())
 
 
-def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, log_prior: torch.Tensor) -> torch.Tensor:
-    """Mean of −log( π_y e^{z_y} / Σ_c π_c e^{z_c} ) over the batch."""
-    return F.cross_entropy(logits + log_prior, y)
+def balanced_softmax_loss(step, logits: torch.Tensor, log_prior: torch.Tensor) -> torch.Tensor:
+    """Mean of −log( π_y e^{z_y} / Σ_c π_c e^{z_c} ) over the step's batch: CE(z + log π, y)."""
+    return step.cross_entropy(logits + log_prior)
 
 
 class FedRoD(FedAvg):
@@ -46,36 +47,34 @@ class FedRoD(FedAvg):
         self.eval_phead = nn.Linear(head.in_features, head.out_features).to(device)
         for p in self.eval_phead.parameters():
             p.requires_grad_(False)
+        self.train_phase = Phase("rod", self.rod_loss, {"": self.model, PERSONAL: self.phead},
+                                 trainable=(*self.train_phase.trainable, *(PERSONAL + n for n, _ in self.phead.named_parameters())),
+                                 epochs=cfg.local_epochs)
+        self.training_phases = [self.train_phase]
 
     def init_client_state(self, client):
         return {f"{PERSONAL}weight": torch.zeros_like(self.phead.weight.detach()),
                 f"{PERSONAL}bias": torch.zeros_like(self.phead.bias.detach())}
 
-    def local_train(self, client_state, data, ctx):
-        cfg = self.cfg
-        model, phead = self.model, self.phead
-        copy_module(model, self.global_model)
-        load_module(phead, client_state, PERSONAL)
-        model.train()
-        phead.train()
-        log_prior = label_log_prior(data.train_y, self.num_classes)
+    def rod_loss(self, step):
+        """Balanced softmax of the generic predictor plus CE of the personalised one on detached inputs."""
+        h = step.run("features", step.x)
+        z = step.run("head", h)
+        generic = balanced_softmax_loss(step, z, step.value(LOG_PRIOR))
+        personal = step.cross_entropy(z.detach() + step.run("phead", h.detach()))
+        return generic + personal
 
-        def loss_fn(idx):
-            x, y = data.train_batch(idx)
-            h = model.features(x)
-            z = model.head(h)
-            generic = balanced_softmax_loss(z, y, log_prior)
-            personal = F.cross_entropy(z.detach() + phead(h.detach()), y)
-            return generic + personal
+    def phases(self, client_state, data, ctx):
+        start = {**self.gs, **client_state, LOG_PRIOR: label_log_prior(data.train_y, self.num_classes)}
+        return [(self.train_phase, ClientPhase(start))]
 
-        params = [*model.parameters(), *phead.parameters()]
-        batches = batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator)
-        loss_sum, seen = sgd(params, batches, loss_fn, cfg.lr)
+    def finish(self, client_state, outcomes, ctx):
+        o = outcomes[0]
         return LocalResult(
-            upload=module_state("", model),
-            client_state=module_state(PERSONAL, phead),
-            loss_sum=loss_sum,
-            samples=seen,
+            upload={k: o.values[k] for k in self.gs},
+            client_state={k: o.values[k] for k in client_state},
+            loss_sum=o.loss_sum,
+            samples=o.samples,
         )
 
     @torch.no_grad()

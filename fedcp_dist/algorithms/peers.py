@@ -23,10 +23,11 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-from fedcp_dist.algorithms.base import Algorithm, State, freeze, load_module, module_state
+from fedcp_dist.algorithms.base import SGDAlgorithm, State, freeze, load_module, module_state
+from fedcp_dist.local_train import Phase
 
 
-class PeerBankMethod(Algorithm):
+class PeerBankMethod(SGDAlgorithm):
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         self.model = model.to(device)  # working copy, trained by each participant in turn
@@ -36,6 +37,18 @@ class PeerBankMethod(Algorithm):
         self.shapes = {k: self._init_state[k].shape for k in self.param_names}
         self.model_dim = sum(s.numel() for s in self.shapes.values())
         self.gs: State = {}
+        self.train_phase = Phase("train", self.loss, {"": self.model},
+                                 trainable=tuple(n for n, p in self.model.named_parameters() if p.requires_grad),
+                                 epochs=cfg.local_epochs)
+        self.training_phases = [self.train_phase]
+
+    def loss(self, step):
+        """Cross-entropy of the client's model on the batch."""
+        return step.cross_entropy(step.run("", step.x))
+
+    def own_state(self, values: State) -> State:
+        """The client's new model state (parameters and buffers) from a phase's values."""
+        return {k: values[k] for k in self._init_state}
 
     @property
     def peer_dim(self) -> int:
@@ -44,7 +57,7 @@ class PeerBankMethod(Algorithm):
     # -- flat views of a model's parameters --------------------------------------
     def flat(self, state: State) -> torch.Tensor:
         """The parameters of a model state, flat (buffers left out)."""
-        return torch.cat([state[k].reshape(-1).to(torch.float32) for k in self.param_names])
+        return torch.cat([state[k].reshape(-1) for k in self.param_names])
 
     def unflat(self, vec: torch.Tensor) -> State:
         """``{parameter name: view}`` of a flat parameter vector."""

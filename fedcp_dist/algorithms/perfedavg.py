@@ -17,15 +17,17 @@ import torch.nn.functional as F
 
 from fedcp_dist.algorithms.base import LocalResult, copy_module, load_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvg
-from fedcp_dist.local_train import batch_indices
+from fedcp_dist.local_train import amp_autocast, batch_indices
 
 
 class PerFedAvg(FedAvg):
     name = "perfedavg"
+    own_loop = "Per-FedAvg's meta step takes two gradients per update (inner and outer)"
 
-    def _grads(self, params, data, idx):
+    def _grads(self, params, data, idx, amp: bool = True):
         x, y = data.train_batch(idx)
-        loss = F.cross_entropy(self.model(x), y)
+        with amp_autocast(self.cfg.amp if amp else "none", self.device):
+            loss = F.cross_entropy(self.model(x), y)
         return loss, torch.autograd.grad(loss, params)
 
     def local_train(self, client_state, data, ctx):
@@ -73,7 +75,7 @@ class PerFedAvg(FedAvg):
         g = ctx.generator
         idx = torch.randperm(data.n_train, generator=g, device=g.device)[: self.cfg.batch_size]
         with torch.enable_grad():  # the engine evaluates under no_grad
-            _, grads = self._grads(params, data, idx)
+            _, grads = self._grads(params, data, idx, amp=False)  # evaluation stays float32
         with torch.no_grad():
             torch._foreach_add_(params, grads, alpha=-self.cfg.perfedavg_alpha)
         return module_state("", model)

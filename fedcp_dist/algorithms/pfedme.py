@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 from fedcp_dist.algorithms.base import LocalResult, copy_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvgWithPersonalModel
-from fedcp_dist.local_train import batch_indices
+from fedcp_dist.local_train import amp_autocast, batch_indices
 
 
 class PFedMe(FedAvgWithPersonalModel):
     name = "pfedme"
+    own_loop = "pFedMe solves an inner problem of K steps on each batch before its local step"
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
@@ -43,7 +44,8 @@ class PFedMe(FedAvgWithPersonalModel):
         for idx in batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator):
             x, y = data.train_batch(idx)
             for _ in range(cfg.pfedme_k):
-                loss = F.cross_entropy(self.theta(x), y)
+                with amp_autocast(cfg.amp, self.device):
+                    loss = F.cross_entropy(self.theta(x), y)
                 grads = list(torch.autograd.grad(loss, th))
                 with torch.no_grad():
                     torch._foreach_add_(grads, torch._foreach_sub(th, w), alpha=lam)  # ∇f + λ(θ − w)
