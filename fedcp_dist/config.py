@@ -16,13 +16,11 @@ from typing import Any, Optional
 
 import yaml
 
+from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
 from fedcp_dist.errors import UserError
+from fedcp_dist.models import MODELS
 
-METHODS = (
-    "fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep", "fedrod", "fedfomo",
-    "fedphp",
-)
-MODELS = ("cnn", "resnet18", "fasttext")
+METHODS = tuple(ALGORITHMS)
 AMP_MODES = ("none", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 # SIGUSR1 is left alone: NCCL may use it
@@ -51,8 +49,8 @@ class DataConfig:
 
 
 @dataclass
-class Config:
-    """A whole run. Defaults are the paper's for the 4-layer CNN."""
+class _Experiment:
+    """The keys every run has, before the methods' own options (the config file's order)."""
 
     #: federated method: fedcp | fedavg | fedprox | perfedavg | pfedme | fedamp | ditto | fedper | fedrep | fedrod | fedfomo | fedphp
     method: str = "fedcp"
@@ -79,76 +77,19 @@ class Config:
     local_epochs: int = 1
     #: drop a last incomplete batch each epoch (the reference's data loader does)
     drop_last: bool = True
-    #: FedCP: weight λ of the MMD term
-    lam: float = 5.0
-    #: FedCP: Gumbel-softmax temperature τ of the policy during training
-    tau: float = 1.0
-    #: FedCP: add Gumbel noise to the policy during training (the reference does)
-    cpn_train_gumbel: bool = True
-    #: FedCP: add Gumbel noise at evaluation too (the reference's stochastic evaluation)
-    cpn_eval_gumbel: bool = False
-    # -- baselines' hyperparameters (names and defaults from each method's paper)
-    #: FedProx: weight μ of the proximal term (μ/2)·‖w − w_global‖² (0 reproduces FedAvg exactly)
-    prox_mu: float = 1.0
-    #: Per-FedAvg: step size α of the inner (adaptation) step, also used for the one-step adaptation at evaluation
-    perfedavg_alpha: float = 0.005
-    #: Per-FedAvg: step size β of the outer (meta) step (first-order variant)
-    perfedavg_beta: float = 0.001
-    #: pFedMe: weight λ of (λ/2)·‖θ − w‖² in the personalized problem; also scales the local step w ← w − η·λ·(w − θ)
-    pfedme_lam: float = 15.0
-    #: pFedMe: K, steps that approximately solve the personalized problem on each batch
-    pfedme_k: int = 5
-    #: pFedMe: personal learning rate of those K steps (η, the local rate of w, is `lr`)
-    pfedme_lr: float = 0.09
-    #: pFedMe: server mixing β: new global = (1 − β)·old + β·average of the local w (1: plain averaging)
-    pfedme_beta: float = 1.0
-    #: Ditto: weight λ of (λ/2)·‖v − w_global‖² on the personal model v
-    ditto_lam: float = 0.1
-    #: Ditto: local epochs of the personal model v each round (the global model trains `local_epochs`)
-    ditto_epochs: int = 1
-    #: FedRep: local epochs of the personal head (extractor frozen) before the extractor's `local_epochs`
-    fedrep_head_epochs: int = 10
-    #: FedPHP: λ: local loss = (1 − λ)·CE + λ·MMD²(local features, inherited private model's features)
-    fedphp_lam: float = 0.1
-    #: FedPHP: μ̄: the inherited model's moving-average weight μ rises from 0 to μ̄ over a client's expected participations
-    fedphp_mu: float = 0.9
-    #: FedAMP: α_K, step size of the attention update; the local proximal weight is fedamp_lam / α_K
-    fedamp_alpha_k: float = 1.0
-    #: FedAMP: λ, weight of the proximal term (λ / (2·α_K))·‖w − u_i‖² toward the client's aggregated model u_i
-    fedamp_lam: float = 1.0
-    #: FedAMP: σ of the attention function: ξ_ij = α_K · exp(−‖w_i − w_j‖² / σ) / σ for j ≠ i
-    fedamp_sigma: float = 1.0
-    #: FedFomo: M, other clients' models each participant downloads and weighs every round
-    fedfomo_m: int = 5
-    #: FedFomo: fraction of each client's training samples held out as its validation split
-    fedfomo_val_ratio: float = 0.2
-    #: FedFomo: ε of the ε-greedy choice of models (random with probability ε, else the highest affinity)
-    fedfomo_eps: float = 0.3
-    #: FedFomo: ε falls by this much every round (not below 0)
-    fedfomo_eps_decay: float = 0.05
-    #: FedAMP/FedFomo: MiB per rank that the models exchanged between clients may use; a run above it is refused
-    peer_memory_mb: float = 4096.0
-    #: FedCP variant: CPN input: both (v̂ ⊙ h, the paper's) | sample (h) | client (v̂) | none (a fixed random vector)
-    cpn_input: str = "both"
-    #: FedCP variant: fully connected layers in the CPN, 1–4 (each Linear → norm → activation; 1 is the paper's)
-    cpn_layers: int = 1
-    #: FedCP variant: normalisation in the CPN: layernorm (the paper's) | batchnorm | groupnorm (2 groups) | none
-    cpn_norm: str = "layernorm"
-    #: FedCP variant: activation in the CPN: relu (the paper's) | tanh | sigmoid
-    cpn_act: str = "relu"
-    #: FedCP ablation: false drops the frozen global feature extractor module and its MMD term (λ ignored)
-    fedcp_gfm: bool = True
-    #: FedCP ablation: false drops the CPN: the whole feature goes to both heads
-    fedcp_cpn: bool = True
-    #: FedCP ablation: false drops the frozen global head (needs fedcp_cpn=false; only the extractor is shared)
-    fedcp_global_head: bool = True
+
+
+@dataclass
+class _Execution:
+    """The keys of how and where a run executes and what it writes (after the methods' options)."""
+
     #: samples per forward pass at evaluation
     eval_batch_size: int = 1000
-    #: train a group of a rank's clients at once (stacked parameters, one vmapped forward/backward)
+    #: train a group of a rank's clients at once (stacked parameters, one forward/backward) where the method can
     fused: bool = False
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
-    #: mixed precision of FedAvg's and FedCP's local training: none | bf16 (autocast; evaluation stays float32)
+    #: mixed precision of local training: none | bf16 (autocast; evaluation stays float32)
     amp: str = "none"
     #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
     out_dir: str = "runs/default"
@@ -172,7 +113,12 @@ class Config:
     collective_timeout: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
 
-    # ------------------------------------------------------------------
+
+class _ConfigMethods:
+    """What every Config does; the class itself is assembled below from the keys of the run, the
+    options the methods declare next to their code (``options`` of each method class) and the keys
+    of execution."""
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -203,15 +149,13 @@ class Config:
             bad("preempt_signal", f"must be one of {', '.join(PREEMPT_SIGNALS)}, got {self.preempt_signal!r}")
         if self.threads < 0:
             bad("threads", f"must be >= 0, got {self.threads}")
-        for key in ("lr", "lam", "tau", "participation", "collective_timeout"):
+        if self.fused_group < 0:
+            bad("fused_group", f"must be >= 0, got {self.fused_group}")
+        for key in ("lr", "participation", "collective_timeout"):
             if not math.isfinite(getattr(self, key)):
                 bad(key, f"must be a finite number, got {getattr(self, key)}")
         if self.lr <= 0:
             bad("lr", f"must be > 0, got {self.lr}")
-        if self.lam < 0:
-            bad("lam", f"must be >= 0, got {self.lam}")
-        if self.tau <= 0:
-            bad("tau", f"must be > 0, got {self.tau}")
         if not 0 < self.participation <= 1:
             bad("participation", f"must lie in (0, 1], got {self.participation}")
         if self.collective_timeout <= 0:
@@ -224,58 +168,50 @@ class Config:
                 or not 0 < r[0] <= r[1] <= 1
             ):
                 bad("participation_range", f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}")
+        if self.amp not in AMP_MODES:
+            bad("amp", f"must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         if not self.out_dir:
             bad("out_dir", "must not be empty")
+        # the methods' own options: each its own check, then each class's checks across its keys
+        for opt in method_options():
+            value = getattr(self, opt.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                bad(opt.name, f"must be a finite number, got {value}")
+            why = opt.check(value) if opt.check is not None else None
+            if why:
+                bad(opt.name, why)
+        for cls in option_classes():
+            problem = cls.check_config(self)
+            if problem:
+                bad(*problem)
+        # the data set last: a mistyped value is named even where the shard is not made yet
+        if self.data.num_clients < 0:
+            bad("data.num_clients", f"must be >= 0, got {self.data.num_clients}")
         if not self.data.path:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
         if not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
-        if self.data.num_clients < 0:
-            bad("data.num_clients", f"must be >= 0, got {self.data.num_clients}")
-        # -- baselines' hyperparameters
-        for key in ("prox_mu", "perfedavg_alpha", "perfedavg_beta", "pfedme_lam", "pfedme_lr", "pfedme_beta",
-                    "ditto_lam", "fedphp_lam", "fedphp_mu"):
-            if not math.isfinite(getattr(self, key)):
-                bad(key, f"must be a finite number, got {getattr(self, key)}")
-        for key in ("prox_mu", "pfedme_lam", "ditto_lam"):
-            if getattr(self, key) < 0:
-                bad(key, f"must be >= 0, got {getattr(self, key)}")
-        for key in ("perfedavg_alpha", "perfedavg_beta", "pfedme_lr", "pfedme_k", "ditto_epochs", "fedrep_head_epochs"):
-            if getattr(self, key) <= 0:
-                bad(key, f"must be > 0, got {getattr(self, key)}")
-        if self.pfedme_beta <= 0:
-            bad("pfedme_beta", f"must be > 0, got {self.pfedme_beta}")
-        if not 0 <= self.fedphp_lam <= 1:
-            bad("fedphp_lam", f"must lie in [0, 1], got {self.fedphp_lam}")
-        if not 0 <= self.fedphp_mu < 1:
-            bad("fedphp_mu", f"must lie in [0, 1), got {self.fedphp_mu}")
-        for key in ("fedamp_alpha_k", "fedamp_lam", "fedamp_sigma", "fedfomo_val_ratio", "fedfomo_eps",
-                    "fedfomo_eps_decay", "peer_memory_mb"):
-            if not math.isfinite(getattr(self, key)):
-                bad(key, f"must be a finite number, got {getattr(self, key)}")
-        for key in ("fedamp_alpha_k", "fedamp_sigma", "fedfomo_m", "peer_memory_mb"):
-            if getattr(self, key) <= 0:
-                bad(key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("fedamp_lam", "fedfomo_eps_decay", "fused_group"):
-            if getattr(self, key) < 0:
-                bad(key, f"must be >= 0, got {getattr(self, key)}")
-        if not 0 < self.fedfomo_val_ratio < 1:
-            bad("fedfomo_val_ratio", f"must lie in (0, 1), got {self.fedfomo_val_ratio}")
-        if not 0 <= self.fedfomo_eps <= 1:
-            bad("fedfomo_eps", f"must lie in [0, 1], got {self.fedfomo_eps}")
-        if self.amp not in AMP_MODES:
-            bad("amp", f"must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
-        if self.cpn_input not in ("both", "sample", "client", "none"):
-            bad("cpn_input", f"must be one of both, sample, client, none, got {self.cpn_input!r}")
-        if not 1 <= self.cpn_layers <= 4:
-            bad("cpn_layers", f"must lie in 1..4, got {self.cpn_layers}")
-        if self.cpn_norm not in ("layernorm", "batchnorm", "groupnorm", "none"):
-            bad("cpn_norm", f"must be one of layernorm, batchnorm, groupnorm, none, got {self.cpn_norm!r}")
-        if self.cpn_act not in ("relu", "tanh", "sigmoid"):
-            bad("cpn_act", f"must be one of relu, tanh, sigmoid, got {self.cpn_act!r}")
-        if not self.fedcp_global_head and self.fedcp_cpn:
-            bad("fedcp_global_head", "false needs fedcp_cpn=false too: the CPN splits features between the two heads")
         return self
+
+
+def _assemble_config():
+    parts = []
+    for cls in (_Experiment, None, _Execution):
+        if cls is None:
+            parts += [(o.name, o.type, field(default=o.default, metadata={"help": o.help})) for o in method_options()]
+            continue
+        hints = typing.get_type_hints(cls)
+        parts += [(f.name, hints[f.name], f) for f in dataclasses.fields(cls)]
+    return dataclasses.make_dataclass("Config", parts, bases=(_ConfigMethods,))
+
+
+Config = _assemble_config()
+Config.__module__ = __name__
+Config.__doc__ = """A whole run: the keys of the run, every method's options, the keys of execution.
+
+Defaults are the paper's for the 4-layer CNN. Flat keys (``method``, ``rounds``, ``lam`` ...) and
+the data set under ``data.`` (``data.path``). A method's options are listed with its code
+(``options`` of its class, :mod:`fedcp_dist.options`)."""
 
 
 # ----------------------------------------------------------------------

@@ -53,13 +53,12 @@ def test_bad_values_name_the_key(override, key, capsys, digits6):
     assert f"'{key}'" in err
 
 
-def test_amp_is_refused_for_methods_that_would_ignore_it(capsys, digits6):
-    """Only FedAvg's and FedCP's local training runs under amp; elsewhere it would silently be float32."""
-    with pytest.raises(SystemExit) as exc:
-        main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6}", "method=fedprox", "amp=bf16"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'amp'" in err and "fedprox" in err
+def test_amp_is_accepted_for_every_method(digits6):
+    """Every method's local training honours amp (tests/test_fused.py checks that it changes the numbers)."""
+    from fedcp_dist.config import METHODS
+
+    for method in METHODS:
+        assert load_config("configs/digits_fedcp.yaml", [f"data.path={digits6}", f"method={method}", "amp=bf16"]).amp == "bf16"
 
 
 def test_unknown_key_suggests(digits6):
@@ -101,3 +100,37 @@ def test_command_line_error_has_no_traceback(tmp_path):
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "'lam'" in r.stderr
+
+
+def test_method_options_are_config_keys_with_their_checks():
+    import dataclasses
+
+    from fedcp_dist.algorithms import method_options
+    from fedcp_dist.algorithms.fedprox import FedProx
+    from fedcp_dist.config import Config
+
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for opt in method_options():
+        assert fields[opt.name].default == opt.default and fields[opt.name].metadata["help"] == opt.help
+    assert FedProx.options[0].name == "prox_mu" and FedProx.options[0].check(-1.0) == "must be >= 0, got -1.0"
+
+
+def test_a_method_adds_its_keys_in_its_own_file(monkeypatch, digits6):
+    """A new class with options: the config gains its keys, defaults, type checks and value checks."""
+    import fedcp_dist.algorithms as algorithms
+    from fedcp_dist import config
+    from fedcp_dist.algorithms.fedavg import FedAvg
+    from fedcp_dist.options import Option, above
+
+    class Extra(FedAvg):
+        name = "extra"
+        options = (Option("extra_gain", 2.0, "Extra: a gain", above(0)),)
+
+    monkeypatch.setattr(algorithms, "OPTION_CLASSES", (*algorithms.OPTION_CLASSES, Extra))
+    monkeypatch.setattr(config, "Config", config._assemble_config())
+    assert config.load_config(None, [f"data.path={digits6}"]).extra_gain == 2.0
+    assert config.load_config(None, [f"data.path={digits6}", "extra_gain=3"]).extra_gain == 3.0
+    with pytest.raises(UserError, match="'extra_gain': must be > 0"):
+        config.load_config(None, [f"data.path={digits6}", "extra_gain=0"])
+    with pytest.raises(UserError, match="'extra_gain': expected float"):
+        config.load_config(None, [f"data.path={digits6}", "extra_gain=high"])

@@ -356,7 +356,7 @@ def test_group_size_and_slots_follow_memory(monkeypatch, fused_calls):
     assert plan.group_size(CPU, len(datas)) == 1
 
 
-@pytest.mark.parametrize("cls", [FedAvg, FedCP])
+@pytest.mark.parametrize("cls", [FedAvg, FedCP, FedProx])
 def test_amp_bf16_on_cpu(cls, capsys):
     """amp=bf16 autocasts on a CPU too: results move by bf16 rounding (not bit-equal to float32,
     but close), parameters stay float32, fused and sequential agree to the same tolerance, and a
@@ -420,3 +420,20 @@ def test_end_to_end_fused_run_equals_sequential_run(digits6, tmp_path, method):
         if "acc" in ra:
             assert rb["acc"] == pytest.approx(ra["acc"], abs=0.01)
     assert fus["final_acc"] == pytest.approx(seq["final_acc"], abs=0.01)
+
+
+@pytest.mark.parametrize("name", ["perfedavg", "pfedme", "fedrep"])
+def test_amp_bf16_reaches_the_methods_with_their_own_loop(name):
+    """Per-FedAvg's meta step, pFedMe's inner steps and FedRep's two phases run under amp too:
+    bf16 moves the result by rounding, not by a different computation."""
+    from fedcp_dist.algorithms import ALGORITHMS
+
+    datas = [_client(i, n) for i, n in enumerate(SIZES[:2])]
+    a16, _ = _algo(ALGORITHMS[name], amp="bf16", pfedme_k=2, fedrep_head_epochs=1)
+    a32, gs = _algo(ALGORITHMS[name], pfedme_k=2, fedrep_head_epochs=1)
+    assert a16.fused_reason() == a16.own_loop and a16.own_loop
+    for r16, r32 in zip(_sequential(a16, _items(a16, datas)), _sequential(a32, _items(a32, datas))):
+        assert r16.loss_sum != r32.loss_sum
+        assert r16.loss_sum == pytest.approx(r32.loss_sum, rel=2e-2)
+        moved = max((r32.upload[k] - gs[k]).abs().max() for k in r32.upload)
+        assert max((r16.upload[k] - r32.upload[k]).abs().max() for k in r32.upload) < 0.5 * moved

@@ -22,6 +22,31 @@ ALGORITHMS = {
 }
 
 
+#: every class whose options are config keys (FedCP's variants add theirs to plain FedCP's)
+OPTION_CLASSES = (*ALGORITHMS.values(), FedCPVariant)
+
+
+def option_classes() -> list:
+    """The classes that declare options, each once, bases before subclasses."""
+    seen = []
+    for cls in OPTION_CLASSES:
+        for c in reversed(cls.__mro__):
+            if "options" in c.__dict__ and c not in seen:
+                seen.append(c)
+    return seen
+
+
+def method_options() -> list:
+    """Every registered method's config options, in declaration order; a name declared twice is an error."""
+    out, names = [], set()
+    for cls in option_classes():
+        for opt in cls.__dict__["options"]:
+            assert opt.name not in names, f"config key {opt.name!r} is declared twice"
+            names.add(opt.name)
+            out.append(opt)
+    return out
+
+
 def make_algorithm(name: str, cfg, model, device) -> Algorithm:
     """The method ``name``; FedCP with any ablation or CPN-design key off its default is FedCPVariant."""
     if name == "fedcp" and is_variant(cfg):

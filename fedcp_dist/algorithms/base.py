@@ -12,6 +12,7 @@ State is kept as flat ``{name: tensor}`` dicts:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -41,6 +42,13 @@ class LocalResult:
     loss_sum: float  # Σ over local batches of (mean batch loss · batch size)
     samples: int  # samples seen in local training
     extra: dict = field(default_factory=dict)
+
+    def is_finite(self) -> bool:
+        """The loss, the upload and the new client state (a personal-only method uploads nothing) are finite."""
+        if not math.isfinite(self.loss_sum):
+            return False
+        tensors = [*self.upload.values(), *(self.client_state or {}).values()]
+        return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def module_state(prefix: str, module: nn.Module) -> State:
@@ -101,6 +109,13 @@ class Algorithm:
 
     #: why this method trains its clients one at a time whatever ``fused`` says (None: it can fuse)
     own_loop: Optional[str] = None
+    #: the config keys this class adds (:class:`fedcp_dist.options.Option`), gathered by the config loader
+    options: tuple = ()
+
+    @classmethod
+    def check_config(cls, cfg) -> Optional[Tuple[str, str]]:
+        """(key, why) when the options of this class contradict each other in ``cfg``, else None."""
+        return None
 
     def fused_reason(self) -> Optional[str]:
         """Why this method's clients cannot train fused here (None: they can, through

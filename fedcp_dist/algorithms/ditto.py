@@ -14,10 +14,16 @@ from fedcp_dist.algorithms.base import LocalResult
 from fedcp_dist.algorithms.fedavg import FedAvgWithPersonalModel
 from fedcp_dist.algorithms.fedprox import ANCHOR, with_anchors
 from fedcp_dist.local_train import ClientPhase, Phase
+from fedcp_dist.options import Option, above, at_least
 
 
 class Ditto(FedAvgWithPersonalModel):
     name = "ditto"
+    options = (
+        Option("ditto_lam", 0.1, "Ditto: weight λ of (λ/2)·‖v − w_global‖² on the personal model v", at_least(0)),
+        Option("ditto_epochs", 1, "Ditto: local epochs of the personal model v each round (the global model trains "
+               "`local_epochs`)", above(0)),
+    )
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)

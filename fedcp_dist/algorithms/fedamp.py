@@ -22,10 +22,19 @@ from fedcp_dist.algorithms.base import LocalResult
 from fedcp_dist.algorithms.fedprox import ANCHOR, with_anchors
 from fedcp_dist.algorithms.peers import PeerBankMethod
 from fedcp_dist.local_train import ClientPhase
+from fedcp_dist.options import Option, above, at_least
 
 
 class FedAMP(PeerBankMethod):
     name = "fedamp"
+    options = (
+        Option("fedamp_alpha_k", 1.0, "FedAMP: α_K, step size of the attention update; the local proximal weight is "
+               "fedamp_lam / α_K", above(0)),
+        Option("fedamp_lam", 1.0, "FedAMP: λ, weight of the proximal term (λ / (2·α_K))·‖w − u_i‖² toward the "
+               "client's aggregated model u_i", at_least(0)),
+        Option("fedamp_sigma", 1.0, "FedAMP: σ of the attention function: ξ_ij = α_K · exp(−‖w_i − w_j‖² / σ) / σ "
+               "for j ≠ i", above(0)),
+    )
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)

@@ -22,6 +22,7 @@ from torch import nn
 
 from fedcp_dist.algorithms.base import LocalResult, SGDAlgorithm, freeze, load_module, module_state
 from fedcp_dist.local_train import ClientPhase, Phase, Step, split_policy
+from fedcp_dist.options import Option, above, at_least
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
 
@@ -44,6 +45,12 @@ class CPN(nn.Module):
 
 class FedCP(SGDAlgorithm):
     name = "fedcp"
+    options = (
+        Option("lam", 5.0, "FedCP: weight λ of the MMD term", at_least(0)),
+        Option("tau", 1.0, "FedCP: Gumbel-softmax temperature τ of the policy", above(0)),
+        Option("cpn_train_gumbel", True, "FedCP: add Gumbel noise to the policy during training (the reference does)"),
+        Option("cpn_eval_gumbel", False, "FedCP: add Gumbel noise at evaluation too (the reference's stochastic evaluation)"),
+    )
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)

@@ -26,24 +26,16 @@ from torch import nn
 
 from fedcp_dist.algorithms.base import freeze
 from fedcp_dist.algorithms.fedcp import CPN, FedCP
+from fedcp_dist.options import Option, one_of, within
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
-DEFAULTS = {
-    "cpn_input": "both",
-    "cpn_layers": 1,
-    "cpn_norm": "layernorm",
-    "cpn_act": "relu",
-    "fedcp_gfm": True,
-    "fedcp_cpn": True,
-    "fedcp_global_head": True,
-}
 #: sub-stream of STREAM_INIT for the fixed CPN input of cpn_input=none (0 is the client vector's)
 _FIXED_INPUT_STREAM = 1
 
 
 def is_variant(cfg) -> bool:
     """True when the config asks FedCP for anything but the paper's design."""
-    return any(getattr(cfg, k, v) != v for k, v in DEFAULTS.items())
+    return any(getattr(cfg, o.name, o.default) != o.default for o in FedCPVariant.options)
 
 
 def _norm(kind: str, dim: int) -> nn.Module:
@@ -80,6 +72,27 @@ class VariantCPN(CPN):
 
 class FedCPVariant(FedCP):
     name = "fedcp"
+    options = (
+        Option("cpn_input", "both", "FedCP variant: CPN input: both (v̂ ⊙ h, the paper's) | sample (h) | client (v̂) | "
+               "none (a fixed random vector)", one_of("both", "sample", "client", "none")),
+        Option("cpn_layers", 1, "FedCP variant: fully connected layers in the CPN, 1–4 (each Linear → norm → "
+               "activation; 1 is the paper's)", within(1, 4)),
+        Option("cpn_norm", "layernorm", "FedCP variant: normalisation in the CPN: layernorm (the paper's) | batchnorm | "
+               "groupnorm (2 groups) | none", one_of("layernorm", "batchnorm", "groupnorm", "none")),
+        Option("cpn_act", "relu", "FedCP variant: activation in the CPN: relu (the paper's) | tanh | sigmoid",
+               one_of("relu", "tanh", "sigmoid")),
+        Option("fedcp_gfm", True, "FedCP ablation: false drops the frozen global feature extractor module and its "
+               "MMD term (λ ignored)"),
+        Option("fedcp_cpn", True, "FedCP ablation: false drops the CPN: the whole feature goes to both heads"),
+        Option("fedcp_global_head", True, "FedCP ablation: false drops the frozen global head (needs fedcp_cpn=false; "
+               "only the extractor is shared)"),
+    )
+
+    @classmethod
+    def check_config(cls, cfg):
+        if not cfg.fedcp_global_head and cfg.fedcp_cpn:
+            return "fedcp_global_head", "false needs fedcp_cpn=false too: the CPN splits features between the two heads"
+        return None
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)

@@ -21,6 +21,7 @@ import torch
 from fedcp_dist.algorithms.base import LocalResult
 from fedcp_dist.algorithms.peers import PeerBankMethod
 from fedcp_dist.local_train import ClientPhase
+from fedcp_dist.options import Option, above, at_least, within
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
 SPLIT_TAG = 17  # keeps the validation-split stream apart from other STREAM_INIT draws
@@ -28,6 +29,15 @@ SPLIT_TAG = 17  # keeps the validation-split stream apart from other STREAM_INIT
 
 class FedFomo(PeerBankMethod):
     name = "fedfomo"
+    options = (
+        Option("fedfomo_m", 5, "FedFomo: M, other clients' models each participant downloads and weighs every round",
+               above(0)),
+        Option("fedfomo_val_ratio", 0.2, "FedFomo: fraction of each client's training samples held out as its "
+               "validation split", within(0, 1, low_open=True, high_open=True)),
+        Option("fedfomo_eps", 0.3, "FedFomo: ε of the ε-greedy choice of models (random with probability ε, else the "
+               "highest affinity)", within(0, 1)),
+        Option("fedfomo_eps_decay", 0.05, "FedFomo: ε falls by this much every round (not below 0)", at_least(0)),
+    )
 
     def extra_peer_dim(self):
         return self.num_clients  # the client's row of weights w_i·

@@ -25,6 +25,7 @@ import torch
 from fedcp_dist.algorithms.base import LocalResult, freeze, load_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.local_train import ClientPhase, Phase
+from fedcp_dist.options import Option, within
 
 HPM = "hpm."
 COUNT = "participations"
@@ -38,6 +39,12 @@ def hpm_momentum(mu_max: float, participations: int, participation: float, round
 
 class FedPHP(FedAvg):
     name = "fedphp"
+    options = (
+        Option("fedphp_lam", 0.1, "FedPHP: λ: local loss = (1 − λ)·CE + λ·MMD²(local features, inherited private "
+               "model's features)", within(0, 1)),
+        Option("fedphp_mu", 0.9, "FedPHP: μ̄: the inherited model's moving-average weight μ rises from 0 to μ̄ over a "
+               "client's expected participations", within(0, 1, high_open=True)),
+    )
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)

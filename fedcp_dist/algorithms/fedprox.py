@@ -10,6 +10,7 @@ import dataclasses
 
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.local_train import ClientPhase
+from fedcp_dist.options import Option, at_least
 
 ANCHOR = "anchor."
 
@@ -21,6 +22,10 @@ def with_anchors(start: dict, anchors: dict, names) -> dict:
 
 class FedProx(FedAvg):
     name = "fedprox"
+    options = (
+        Option("prox_mu", 1.0, "FedProx: weight μ of the proximal term (μ/2)·‖w − w_global‖² (0 reproduces FedAvg exactly)",
+               at_least(0)),
+    )
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)

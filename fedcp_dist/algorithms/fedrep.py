@@ -21,12 +21,17 @@ import torch.nn.functional as F
 from fedcp_dist.algorithms.base import load_module, module_state
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.local_train import PhaseOutcome, batch_indices, sgd
+from fedcp_dist.options import Option, above
 from fedcp_dist.models import mode_dependent
 
 
 class FedRep(FedPer):
     name = "fedrep"
     own_loop = "FedRep trains its head on features computed once per round, then its extractor alone"
+    options = (
+        Option("fedrep_head_epochs", 10, "FedRep: local epochs of the personal head (extractor frozen) before the "
+               "extractor's `local_epochs`", above(0)),
+    )
 
     @torch.no_grad()
     def _features(self, data) -> torch.Tensor:

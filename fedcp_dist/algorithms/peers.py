@@ -25,9 +25,15 @@ import torch.nn.functional as F
 
 from fedcp_dist.algorithms.base import SGDAlgorithm, State, freeze, load_module, module_state
 from fedcp_dist.local_train import Phase
+from fedcp_dist.options import Option, above
 
 
 class PeerBankMethod(SGDAlgorithm):
+    options = (
+        Option("peer_memory_mb", 4096.0, "FedAMP/FedFomo: MiB per rank that the models exchanged between clients may "
+               "use; a run above it is refused", above(0)),
+    )
+
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         self.model = model.to(device)  # working copy, trained by each participant in turn

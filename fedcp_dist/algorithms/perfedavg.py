@@ -18,11 +18,17 @@ import torch.nn.functional as F
 from fedcp_dist.algorithms.base import LocalResult, copy_module, load_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.local_train import amp_autocast, batch_indices
+from fedcp_dist.options import Option, above
 
 
 class PerFedAvg(FedAvg):
     name = "perfedavg"
     own_loop = "Per-FedAvg's meta step takes two gradients per update (inner and outer)"
+    options = (
+        Option("perfedavg_alpha", 0.005, "Per-FedAvg: step size α of the inner (adaptation) step, also used for the "
+               "one-step adaptation at evaluation", above(0)),
+        Option("perfedavg_beta", 0.001, "Per-FedAvg: step size β of the outer (meta) step (first-order variant)", above(0)),
+    )
 
     def _grads(self, params, data, idx, amp: bool = True):
         x, y = data.train_batch(idx)

@@ -1,0 +1,48 @@
+"""Config options that a method declares next to its code.
+
+A method class lists its own keys in ``options`` (name, default, one line of help, a check); the
+config loader gathers every registered method's options into the flat ``Config``, so adding a
+method (or a switch of one) touches that method's file only. A check returns why a value is
+impossible (``None``: it is fine); the loader turns that into a one-line error naming the key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+Check = Callable[[Any], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    default: Any
+    help: str
+    check: Optional[Check] = None
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+
+def at_least(lo: float) -> Check:
+    return lambda v: None if v >= lo else f"must be >= {lo}, got {v}"
+
+
+def above(lo: float) -> Check:
+    return lambda v: None if v > lo else f"must be > {lo}, got {v}"
+
+
+def within(lo: float, hi: float, *, low_open: bool = False, high_open: bool = False) -> Check:
+    """lo ≤ v ≤ hi, with either end open on request."""
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+
+    def check(v):
+        ok = (v > lo if low_open else v >= lo) and (v < hi if high_open else v <= hi)
+        return None if ok else f"must lie in {left}{lo}, {hi}{right}, got {v}"
+
+    return check
+
+
+def one_of(*values) -> Check:
+    return lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}"
