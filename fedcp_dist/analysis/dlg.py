@@ -36,6 +36,7 @@ a batch paired by an optimal assignment.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -108,7 +109,8 @@ def reconstruct(grad_fn: GradFn, observed: dict, shape: tuple, num_classes: int,
         zy = torch.randn((shape[0], num_classes), generator=gen).to(device).requires_grad_(labels is None)
         fixed = None if labels is None else F.one_hot(labels.to(device), num_classes).to(z.dtype)
         variables = [z] if labels is not None else [z, zy]
-        opt = torch.optim.LBFGS(variables, lr=1.0, max_iter=1, history_size=100, line_search_fn="strong_wolfe",
+        # one iteration per call (for the progress bar); max_eval leaves the line search its 25 evaluations
+        opt = torch.optim.LBFGS(variables, lr=1.0, max_iter=1, max_eval=26, history_size=100, line_search_fn="strong_wolfe",
                                 tolerance_grad=1e-12, tolerance_change=1e-14)
 
         def distance():
@@ -447,7 +449,7 @@ def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None,
     setup.check()
     per_run = len(setup.clients) * setup.batches * len(setup.attacks) * setup.restarts * setup.steps
     results = []
-    with tqdm(total=per_run * len(runs), disable=not progress, desc="DLG", unit="it", dynamic_ncols=True) as bar:
+    with tqdm(total=per_run * len(runs), disable=not progress, desc="DLG", unit="it", mininterval=1.0) as bar:
         for run_dir, label in runs:
             state = load_run_state(run_dir, data_path, device, changes=state_changes(setup), warn=warn)
             if state.cfg.method not in METHODS:
@@ -459,15 +461,17 @@ def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None,
                 self_check(state, cid, datas[cid].train_batch()[0][:16])
                 for b in range(setup.batches):
                     up = client_upload(state, datas[cid], cid, b, setup)
+                    done: dict = {}
                     for attack in setup.attacks:
                         bar.set_postfix_str(f"{label} client {cid} batch {b} {attack}")
                         start = bar.n
-
-                        def step(loss):
-                            bar.update(1)
-
-                        res = attack_upload(up, setup, attack, state.info.num_classes, label, state.cfg.method, step)
+                        if attack == "idlg" and "head.weight" not in up.observed and "dlg" in done:
+                            res = dataclasses.replace(done["dlg"], attack="idlg")  # no labels to read: iDLG is DLG
+                        else:
+                            res = attack_upload(up, setup, attack, state.info.num_classes, label, state.cfg.method,
+                                                lambda loss: bar.update(1))
                         bar.update(start + setup.restarts * setup.steps - bar.n)  # restarts that stopped early
+                        done[attack] = res
                         results.append(res)
     return results
 
