@@ -271,7 +271,7 @@ def test_fedcp_analyze_end_to_end(runs, tmp_path, capsys):
     assert summary["loss_last_round"] == {"round": 2, "before": pytest.approx(1.0), "after": pytest.approx(0.5)}
     assert "after 1 of 2 rounds" in report["gradcam"]["note"]
     (row,) = report["dlg"]["rows"]
-    assert row["method"] == "fedcp" and row["batches"] == 1 and 0 < row["psnr_mean"] < 100
+    assert row["method"] == "fedcp" and row["uploads"] == 1 and 0 < row["psnr_mean"] < 100
     md = (out / "report.md").read_text()
     assert "![PIR against rounds](pir.png)" in md and "| fedcp | fedcp | DLG |" in md
     uploads = json.loads((out / "dlg.json").read_text())["uploads"]

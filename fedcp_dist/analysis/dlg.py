@@ -477,8 +477,8 @@ def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None,
 
 
 def summarise(results: list) -> list:
-    """One row per (run, attack): PSNR and SSIM mean ± population std over the attacked batches
-    (each batch's value the mean over its images), the share of labels recovered."""
+    """One row per (run, attack): PSNR and SSIM mean ± population std over the attacked uploads
+    (each upload's value the mean over its B·S images), the share of labels recovered."""
     groups: dict = {}
     for r in results:
         groups.setdefault((r.run, r.attack), []).append(r)
@@ -486,7 +486,7 @@ def summarise(results: list) -> list:
     for (run, attack), rs in groups.items():
         p = np.array([r.psnr for r in rs])
         s = np.array([r.ssim for r in rs])
-        rows.append({"run": run, "method": rs[0].method, "attack": attack, "batches": len(rs),
+        rows.append({"run": run, "method": rs[0].method, "attack": attack, "uploads": len(rs),
                      "psnr_mean": float(p.mean()), "psnr_std": float(p.std()),
                      "ssim_mean": float(s.mean()), "ssim_std": float(s.std()),
                      "label_acc": float(np.mean([r.label_acc for r in rs])),
@@ -495,14 +495,14 @@ def summarise(results: list) -> list:
 
 
 def markdown_table(rows: list) -> str:
-    lines = ["| run | method | attack | PSNR (dB) | SSIM | labels recovered | batches |",
+    lines = ["| run | method | attack | PSNR (dB) | SSIM | labels recovered | uploads |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         attack = r["attack"].upper().replace("IDLG", "iDLG")
         if r["attack"] == "idlg" and not r["labels_inferred"]:
             attack += " (labels not in the upload: as DLG)"
         lines.append(f"| {r['run']} | {r['method']} | {attack} | {r['psnr_mean']:.2f} ± {r['psnr_std']:.2f} | "
-                     f"{r['ssim_mean']:.3f} ± {r['ssim_std']:.3f} | {100 * r['label_acc']:.0f} % | {r['batches']} |")
+                     f"{r['ssim_mean']:.3f} ± {r['ssim_std']:.3f} | {100 * r['label_acc']:.0f} % | {r['uploads']} |")
     return "\n".join(lines) + "\n"
 
 
