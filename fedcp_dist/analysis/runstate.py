@@ -12,7 +12,6 @@ the round used is always reported instead.
 """
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,10 +129,3 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     algo.set_global(global_state)
     return state
 
-
-def with_changes(cfg, **changes):
-    """A copy of ``cfg`` with attributes replaced (the run's own config is left as it is)."""
-    out = copy.deepcopy(cfg)
-    for key, value in changes.items():
-        setattr(out, key, value)
-    return out
