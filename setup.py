@@ -27,6 +27,8 @@ setup(
             "fedcp-partition=fedcp_dist.cli.partition:main",
             "fedcp-sweep=fedcp_dist.cli.sweep:main",
             "fedcp-report=fedcp_dist.cli.report:main",
+            "fedcp-analyze=fedcp_dist.cli.analyze:main",
+            "fedcp-dlg=fedcp_dist.cli.analyze:main_dlg",
         ]
     },
 )

@@ -1,0 +1,535 @@
+"""Deep Leakage from Gradients (DLG) and iDLG: how much a semi-honest server sees in an upload.
+
+The threat model (the protocol FedCG uses and FedCP's paper follows): the server runs the protocol
+honestly but tries to reconstruct a client's training images from what that client uploads in one
+round. It knows what it sent (the global state), the upload, the learning rate η, the batch size B
+and the number of local steps S, and the architecture. It treats (sent − uploaded) / (η·S) of every
+uploaded parameter as the gradient of the round's loss (exact for S = 1 and plain SGD), and looks for
+dummy images x' (and, for DLG, soft labels y') whose gradient matches it:
+
+    min over x', y'   Σ_k ‖ĝ_k(x', y') − g_k‖² / Σ_k ‖g_k‖²
+
+with L-BFGS (DLG, Zhu et al. 2019). iDLG (Zhao et al. 2020) first reads the labels off the
+classification layer's gradient (the row of the true class is the only one with a negative sum,
+since ∂CE/∂W_c = (p_c − y_c)·hᵀ and h ≥ 0) and optimises the images only.
+
+What each method uploads, and so what the server matches:
+
+* FedAvg — the whole model: the gradient of every parameter.
+* FedPer — the extractor only; the personal head never leaves the client, so the server computes its
+  gradients through the head it knows (the initial one it keeps), not the client's.
+* FedCP — the extractor, the CPN and the mixed head Ŵ_i = (W^hd + W_i^hd)/2. The personal head
+  W_i^hd the client started from is unknown to the server, so (W^hd − Ŵ_i)/(η·S) carries
+  (W^hd − W_i^hd)/(2η·S) besides half the head's gradient; the server's copy uses its own W^hd for
+  W_i^hd (and the column sums of W^hd for the client vector v_i) and the expected policy (no Gumbel
+  noise). The MMD term has a zero gradient at the start of local training (it is minimal when
+  the trained and the frozen extractor agree), so it does not enter the server's copy.
+
+``knowledge="oracle"`` gives the server the client's private state as well (an upper bound on
+leakage). The upload itself always comes from the method's real ``local_train`` on the attacked
+samples, starting from the run's checkpointed states; before attacking, the server's copy of the
+method is checked against the method's own ``predict``.
+
+Reconstructions live in pixel space, x' = sigmoid(z) ∈ [0, 1], normalised as the run normalises its
+images before the model sees them; scores are PSNR and SSIM against the true pixels, the images of
+a batch paired by an optimal assignment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from fedcp_dist.analysis.imaging import match_images, psnr, ssim
+from fedcp_dist.errors import UserError
+
+ATTACKS = ("dlg", "idlg")
+METHODS = ("fedavg", "fedper", "fedcp")
+KNOWLEDGE = ("server", "oracle")
+#: largest difference allowed between the server's copy of a method and the method's own predictions
+SELF_CHECK_TOL = 1e-4
+#: images per attacked batch shown in a grid, at most
+GRID_MAX_IMAGES = 8
+
+GradFn = Callable[[torch.Tensor, torch.Tensor], dict]
+
+
+# ----------------------------------------------------------------------------- the attack
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch of −Σ_c target_c · log softmax(logits)_c (one-hot target: plain CE)."""
+    return -(target * F.log_softmax(logits, dim=1)).sum(1).mean()
+
+
+def infer_labels(head_grad: torch.Tensor, n: int) -> torch.Tensor:
+    """Labels read off the classification layer's weight gradient (C, K): the n classes whose rows
+    sum lowest. For one image this is iDLG's rule (the true class's row is the only negative one);
+    for a batch it is exact when the batch's labels are distinct; beyond C images the classes repeat."""
+    order = torch.argsort(head_grad.detach().double().sum(1))
+    reps = -(-n // order.numel())
+    return order.repeat(reps)[:n].clone()
+
+
+@dataclass
+class Reconstruction:
+    images: torch.Tensor  # (n, C, H, W) in [0, 1]
+    labels: torch.Tensor  # (n,) argmax of the dummy labels (or the inferred ones)
+    loss: float  # the relative gradient distance reached
+    restart: int
+
+
+def reconstruct(grad_fn: GradFn, observed: dict, shape: tuple, num_classes: int, *, labels: Optional[torch.Tensor] = None,
+                steps: int = 100, restarts: int = 1, seed: int = 0, on_step: Optional[Callable[[float], None]] = None
+                ) -> Reconstruction:
+    """Dummy images (and labels unless ``labels`` is given) whose gradient under ``grad_fn`` matches
+    ``observed``: L-BFGS (strong-Wolfe line search) for ``steps`` iterations from each of
+    ``restarts`` random starts; the start that ends with the smallest gradient distance wins (the
+    attacker cannot see the true images, only that distance).
+
+    ``grad_fn(x, y)`` takes images in [0, 1] (n, C, H, W) and label distributions (n, classes) and
+    returns differentiable tensors keyed like ``observed``. ``on_step(loss)`` is called after every
+    iteration (the progress bar).
+    """
+    device = next(iter(observed.values())).device
+    target = {k: v.detach() for k, v in observed.items()}
+    scale = sum(float((v.double() ** 2).sum()) for v in target.values())
+    if not scale > 0:
+        raise UserError("the upload carries no gradient (the client's update is zero): nothing to attack")
+    best: Optional[Reconstruction] = None
+    for r in range(restarts):
+        gen = torch.Generator().manual_seed(int(seed) * 1009 + r)
+        z = torch.randn(shape, generator=gen).to(device).requires_grad_(True)
+        zy = torch.randn((shape[0], num_classes), generator=gen).to(device).requires_grad_(labels is None)
+        fixed = None if labels is None else F.one_hot(labels.to(device), num_classes).to(z.dtype)
+        variables = [z] if labels is not None else [z, zy]
+        # one iteration per call (for the progress bar); max_eval leaves the line search its 25 evaluations
+        opt = torch.optim.LBFGS(variables, lr=1.0, max_iter=1, max_eval=26, history_size=100, line_search_fn="strong_wolfe",
+                                tolerance_grad=1e-12, tolerance_change=1e-14)
+
+        def distance():
+            y = fixed if fixed is not None else torch.softmax(zy, dim=1)
+            grads = grad_fn(torch.sigmoid(z), y)
+            return sum(((grads[k] - target[k]) ** 2).sum() for k in target) / scale
+
+        def closure():
+            opt.zero_grad()
+            loss = distance()
+            loss.backward()
+            return loss
+
+        current = (z.detach().clone(), zy.detach().clone())
+        best_here, best_loss = current, math.inf
+        for _ in range(steps):
+            loss = float(opt.step(closure).detach())  # the distance at `current`, the iterate before this step
+            if math.isfinite(loss) and loss < best_loss:
+                best_here, best_loss = current, loss
+            if not math.isfinite(loss) or not bool(torch.isfinite(z).all()):
+                break  # the line search left the finite region: the best iterate so far is kept
+            current = (z.detach().clone(), zy.detach().clone())
+            if on_step is not None:
+                on_step(loss)
+        with torch.no_grad():
+            z.copy_(current[0])
+            zy.copy_(current[1])
+        last = float(distance().detach())
+        if math.isfinite(last) and last < best_loss:
+            best_here, best_loss = current, last
+        kept = best_here
+        got_labels = labels.clone() if labels is not None else kept[1].argmax(1)
+        cand = Reconstruction(torch.sigmoid(kept[0]).detach(), got_labels.cpu(), best_loss, r)
+        if best is None or cand.loss < best.loss or not math.isfinite(best.loss):
+            best = cand
+    return best
+
+
+# ----------------------------------------------------------------------------- the server's copy of a method
+
+
+class ServerCopy:
+    """The server's differentiable copy of one client's local training, as far as it can know it.
+
+    ``pseudo_gradient(x, y)`` is what the server would read from the upload if the client had
+    trained on (x, y): (sent − uploaded)/(η·S) for each matched key, to first order in η (one step on
+    the whole attacked sample set).
+    """
+
+    def __init__(self, method: str, model: torch.nn.Module, sent: dict, private: Optional[dict], lr_steps: float,
+                 mean, std, tau: float = 1.0):
+        if method not in METHODS:
+            raise UserError(f"DLG attacks {', '.join(METHODS)}; this run's method is {method}")
+        self.method = method
+        self.model = model
+        self.lr_steps = float(lr_steps)
+        self.tau = float(tau)
+        dev = next(iter(sent.values())).device
+        channels = len(mean)
+        self.mean = torch.as_tensor(np.asarray(mean, np.float32)).view(1, channels, 1, 1).to(dev)
+        self.std = torch.as_tensor(np.asarray(std, np.float32)).view(1, channels, 1, 1).to(dev)
+        feat = {n for n, _ in model.features.named_parameters()}
+        head = {n for n, _ in model.head.named_parameters()}
+        self.fe = {n: sent[f"features.{n}"] for n in feat}
+        self.fe_buffers = {n: b.clone() for n, b in model.features.named_buffers()}
+        for n in self.fe_buffers:
+            if f"features.{n}" in sent:
+                self.fe_buffers[n] = sent[f"features.{n}"].clone()
+        self.head_sent = {n: sent[f"head.{n}"] for n in head}
+        # the head the client trained from: its own (oracle) or the server's stand-in
+        if method == "fedavg":
+            self.head = dict(self.head_sent)
+        else:
+            own = private if private is not None else {f"head.{n}": t for n, t in self.head_sent.items()}
+            self.head = {n: own[f"head.{n}"] for n in head}
+        if method == "fedcp":
+            self.cpn = {k[len("cpn."):]: v for k, v in sent.items() if k.startswith("cpn.")}
+            expected = {"net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias"}
+            if set(self.cpn) != expected:
+                raise UserError("DLG models FedCP's CPN as the paper's Linear → LayerNorm → ReLU; this run's CPN "
+                                f"has the parameters {sorted(self.cpn)}")
+            v = private["v"] if private is not None else self.head["weight"].sum(0)
+            self.v = F.normalize(v.detach(), dim=0)
+
+    # -- forward passes ----------------------------------------------------------
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+    def features(self, fe: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model.features, ({**fe, **{k: b.clone() for k, b in self.fe_buffers.items()}},), (x,))
+
+    def policy(self, cpn: dict, h: torch.Tensor):
+        """FedCP's CPN: (s, r) = softmax over the pair of ReLU(LayerNorm(Linear(v̂ ⊙ h))), viewed (B, 2, K)."""
+        k = h.shape[1]
+        z = F.linear(self.v * h, cpn["net.0.weight"], cpn["net.0.bias"])
+        z = F.relu(F.layer_norm(z, (2 * k,), cpn["net.1.weight"], cpn["net.1.bias"]))
+        p = torch.softmax(z.view(-1, 2, k) / self.tau, dim=1)
+        return p[:, 0], p[:, 1]
+
+    def logits(self, params: dict, x_norm: torch.Tensor) -> torch.Tensor:
+        h = self.features(params["fe"], x_norm)
+        if self.method != "fedcp":
+            return functional_call(self.model.head, (params["head"],), (h,))
+        s, r = self.policy(params["cpn"], h)
+        return (functional_call(self.model.head, (params["head"],), (s * h,))
+                + functional_call(self.model.head, (self.head_sent,), (r * h,)))
+
+    def start(self, requires_grad: bool) -> dict:
+        """The parameters the client starts local training from (as the server knows them)."""
+        def leaf(d):
+            return {k: v.detach().clone().requires_grad_(requires_grad) for k, v in d.items()}
+
+        params = {"fe": leaf(self.fe), "head": leaf(self.head)}
+        if self.method == "fedcp":
+            params["cpn"] = leaf(self.cpn)
+        return params
+
+    @torch.no_grad()
+    def predict(self, x_norm: torch.Tensor) -> torch.Tensor:
+        """Evaluation-mode logits (for the check against the method's own ``predict``)."""
+        was = self.model.features.training
+        self.model.features.eval()
+        try:
+            return self.logits(self.start(False), x_norm)
+        finally:
+            self.model.features.train(was)
+
+    # -- what the server reads -----------------------------------------------------
+    def matched_keys(self) -> list:
+        keys = [f"features.{n}" for n in self.fe]
+        if self.method in ("fedavg", "fedcp"):
+            keys += [f"head.{n}" for n in self.head]
+        if self.method == "fedcp":
+            keys += [f"cpn.{n}" for n in self.cpn]
+        return sorted(keys)
+
+    def pseudo_gradient(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        self.model.features.train()  # the client trains in training mode (BatchNorm: batch statistics)
+        params = self.start(True)
+        loss = soft_cross_entropy(self.logits(params, self.normalise(x)), y)
+        groups = [("features.", params["fe"]), ("head.", params["head"])]
+        if self.method == "fedcp":
+            groups.append(("cpn.", params["cpn"]))
+        if self.method == "fedper":
+            groups = groups[:1]
+        flat = [(prefix + n, t) for prefix, d in groups for n, t in d.items()]
+        grads = torch.autograd.grad(loss, [t for _, t in flat], create_graph=True)
+        out = dict(zip([k for k, _ in flat], grads))
+        if self.method == "fedcp":
+            # the mixed head: (W^hd − (W^hd + W_i − η·S·∇)/2)/(η·S) = (W^hd − W_i)/(2η·S) + ∇/2
+            for n in self.head:
+                offset = (self.head_sent[n] - self.head[n]).detach() / (2.0 * self.lr_steps)
+                out[f"head.{n}"] = offset + 0.5 * out[f"head.{n}"]
+        return out
+
+
+def observed_gradient(sent: dict, upload: dict, keys: list, lr_steps: float) -> dict:
+    """(sent − uploaded)/(η·S) of each key, the difference taken in float64."""
+    missing = [k for k in keys if k not in upload]
+    if missing:
+        raise UserError(f"the method's upload has no '{missing[0]}'; the server's copy of it expects "
+                        f"{', '.join(keys)}")
+    return {k: ((sent[k].double() - upload[k].double()) / lr_steps).to(sent[k].dtype) for k in keys}
+
+
+# ----------------------------------------------------------------------------- attacking a run
+
+
+@dataclass
+class AttackSetup:
+    """How the attacked client trains and how hard the server tries."""
+
+    clients: list
+    batches: int = 2  # attacked uploads per client
+    batch_size: int = 1  # B
+    local_steps: int = 1  # S: the client trains S steps of B samples, on B·S samples
+    attacks: tuple = ATTACKS
+    steps: int = 100  # L-BFGS iterations per restart
+    restarts: int = 1
+    knowledge: str = "server"
+    seed: int = 0
+
+    def check(self) -> None:
+        if not self.clients:
+            raise UserError("--clients: name at least one client to attack")
+        for key in ("batches", "batch_size", "local_steps", "steps", "restarts"):
+            if getattr(self, key) < 1:
+                raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        bad = [a for a in self.attacks if a not in ATTACKS]
+        if bad or not self.attacks:
+            raise UserError(f"--attacks: choose from {', '.join(ATTACKS)}, got {','.join(self.attacks) or 'none'}")
+        if self.knowledge not in KNOWLEDGE:
+            raise UserError(f"--knowledge must be one of {', '.join(KNOWLEDGE)}, got {self.knowledge!r}")
+
+    @property
+    def samples(self) -> int:
+        return self.batch_size * self.local_steps
+
+
+@dataclass
+class AttackResult:
+    run: str
+    method: str
+    client: int
+    batch: int
+    attack: str
+    psnr: float  # mean over the batch's images, dB
+    ssim: float
+    label_acc: float  # fraction of the batch's labels recovered (after pairing)
+    labels_inferred: bool  # iDLG could read the labels off the upload
+    distance: float  # relative gradient distance reached
+    truth: torch.Tensor = field(repr=False)
+    guess: torch.Tensor = field(repr=False)
+
+    def row(self) -> dict:
+        return {k: getattr(self, k) for k in ("run", "method", "client", "batch", "attack", "psnr", "ssim", "label_acc",
+                                               "labels_inferred", "distance")}
+
+
+def attacked_samples(n_train: int, count: int, seed: int, client: int, batch: int) -> np.ndarray:
+    """Which of a client's training samples an attacked upload trains on: ``count`` distinct rows
+    drawn from (seed, client, batch), the same in every run on the same shard."""
+    rng = np.random.default_rng([int(seed), int(client), int(batch)])
+    return np.sort(rng.choice(n_train, size=count, replace=False))
+
+
+def server_copy(state, cid: int, knowledge: str, local_steps: int) -> ServerCopy:
+    """The server's copy of client ``cid``'s local training in the run ``state``: the method's model
+    built afresh, the global state the server sent (with the client's own BatchNorm statistics,
+    which the client does not upload), and the client's private state only with ``oracle``."""
+    from fedcp_dist.models import build_model
+
+    cfg, info = state.cfg, state.info
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size).to(state.device)
+    sent = {**state.global_state, **state.client_bn.get(cid, {})}
+    private = None
+    if knowledge == "oracle" and cfg.method != "fedavg":
+        private = state.use_client(cid)
+    return ServerCopy(cfg.method, model, sent, private, cfg.lr * local_steps, info.mean, info.std, cfg.tau)
+
+
+def self_check(state, cid: int, x_norm: torch.Tensor) -> None:
+    """The server's copy, given the client's true state, must predict what the method predicts:
+    a guard against the copy drifting from the method's code."""
+    from fedcp_dist.algorithms.base import Context
+
+    copy_ = server_copy(state, cid, "oracle", 1)
+    client_state = state.use_client(cid)
+    ctx = Context(state.rounds_done, cid, torch.Generator(device=state.device).manual_seed(0))
+    expected = state.algo.predict(client_state, x_norm, ctx)
+    got = copy_.predict(x_norm)
+    diff = float((expected - got).abs().max())
+    if not diff <= SELF_CHECK_TOL:
+        raise UserError(f"the DLG attacker's copy of {state.cfg.method} does not reproduce the method's own "
+                        f"predictions in {state.run_dir} (max difference {diff:.3g}); the method has changed")
+
+
+@dataclass
+class Upload:
+    """One client's round as the server sees it, with the truth kept for scoring."""
+
+    client: int
+    batch: int
+    truth: torch.Tensor  # (n, C, H, W) the attacked images, pixels in [0, 1]
+    labels: torch.Tensor  # (n,)
+    observed: dict  # (sent − uploaded)/(η·S) of each matched key
+    copy: ServerCopy
+
+
+def client_upload(state, data, cid: int, b: int, setup: AttackSetup) -> Upload:
+    """Client ``cid`` trains one round on its ``b``-th attacked sample set with the method's own
+    ``local_train`` (B per step, S steps) from the run's states; the server reads the upload.
+
+    ``state`` must have been loaded with ``batch_size=B``, ``local_epochs=1``, ``drop_last=True``
+    (see :data:`STATE_CHANGES`)."""
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.data.resident import ClientData
+
+    cfg = state.cfg
+    n = setup.samples
+    if data.n_train < n:
+        raise UserError(f"client {cid} of {state.run_dir} has {data.n_train} training samples, fewer than "
+                        f"--batch-size × --local-steps = {n}")
+    idx = torch.as_tensor(attacked_samples(data.n_train, n, setup.seed, cid, b), device=data.train_x.device)
+    victim = ClientData(cid, data.train_x[idx], data.train_y[idx], data.test_x[:0], data.test_y[:0], data.mean,
+                        data.inv_std, data.kind)
+    client_state = state.use_client(cid)
+    sent = {**state.global_state, **state.client_bn.get(cid, {})}
+    gen = torch.Generator(device=state.device).manual_seed(int(setup.seed) * 7919 + cid * 101 + b)
+    result = state.algo.local_train(client_state, victim, Context(state.rounds_done, cid, gen))
+    copy_ = server_copy(state, cid, setup.knowledge, setup.local_steps)
+    observed = observed_gradient(sent, result.upload, copy_.matched_keys(), cfg.lr * setup.local_steps)
+    return Upload(cid, b, victim.train_x.float() / 255.0, victim.train_y, observed, copy_)
+
+
+#: config changes for attacking: the client trains B samples per step for S steps, once; evaluation
+#: (the self-check) without Gumbel noise
+def state_changes(setup: AttackSetup) -> dict:
+    return {"batch_size": setup.batch_size, "local_epochs": 1, "drop_last": True, "cpn_eval_gumbel": False,
+            "amp": "none", "fused": False}
+
+
+def attack_upload(up: Upload, setup: AttackSetup, attack: str, num_classes: int, label: str, method: str,
+                  on_step: Optional[Callable[[float], None]] = None) -> AttackResult:
+    """Run ``attack`` (dlg or idlg) on one upload and score it against the true images."""
+    n = up.truth.shape[0]
+    inferred = attack == "idlg" and "head.weight" in up.observed
+    fixed = infer_labels(up.observed["head.weight"], n) if inferred else None
+    rec = reconstruct(up.copy.pseudo_gradient, up.observed, tuple(up.truth.shape), num_classes, labels=fixed,
+                      steps=setup.steps, restarts=setup.restarts, seed=setup.seed * 31 + up.batch, on_step=on_step)
+    guess = rec.images.to(up.truth.device)
+    order = match_images(up.truth, guess)
+    guess = guess[order]
+    got = rec.labels.to(up.labels.device)[order]
+    return AttackResult(
+        run=label, method=method, client=up.client, batch=up.batch, attack=attack,
+        psnr=float(np.mean([psnr(up.truth[i], guess[i]) for i in range(n)])),
+        ssim=float(np.mean([ssim(up.truth[i], guess[i]) for i in range(n)])),
+        label_acc=float((got == up.labels).float().mean()),
+        labels_inferred=inferred, distance=rec.loss,
+        truth=up.truth.cpu(), guess=guess.cpu(),
+    )
+
+
+# ----------------------------------------------------------------------------- several runs, one table
+
+
+def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None, device: str = "cpu",
+                progress: bool = True, warn: Callable[[str], None] = print) -> list:
+    """Attack the same clients' same samples in each run of ``runs`` = [(run directory, label)];
+    every :class:`AttackResult`, in order. A tqdm bar counts L-BFGS iterations."""
+    from tqdm import tqdm
+
+    from fedcp_dist.analysis.runstate import load_run_state
+
+    setup.check()
+    per_run = len(setup.clients) * setup.batches * len(setup.attacks) * setup.restarts * setup.steps
+    results = []
+    with tqdm(total=per_run * len(runs), disable=not progress, desc="DLG", unit="it", mininterval=1.0) as bar:
+        for run_dir, label in runs:
+            state = load_run_state(run_dir, data_path, device, changes=state_changes(setup), warn=warn)
+            if state.cfg.method not in METHODS:
+                raise UserError(f"DLG attacks {', '.join(METHODS)}; {run_dir} ran {state.cfg.method}")
+            if state.info.kind != "image":
+                raise UserError(f"DLG reconstructs images; {run_dir} trained on {state.info.kind}")
+            datas = state.load_data(list(setup.clients))
+            for cid in setup.clients:
+                self_check(state, cid, datas[cid].train_batch()[0][:16])
+                for b in range(setup.batches):
+                    up = client_upload(state, datas[cid], cid, b, setup)
+                    done: dict = {}
+                    for attack in setup.attacks:
+                        bar.set_postfix_str(f"{label} client {cid} batch {b} {attack}")
+                        start = bar.n
+                        if attack == "idlg" and "head.weight" not in up.observed and "dlg" in done:
+                            res = dataclasses.replace(done["dlg"], attack="idlg")  # no labels to read: iDLG is DLG
+                        else:
+                            res = attack_upload(up, setup, attack, state.info.num_classes, label, state.cfg.method,
+                                                lambda loss: bar.update(1))
+                        bar.update(start + setup.restarts * setup.steps - bar.n)  # restarts that stopped early
+                        done[attack] = res
+                        results.append(res)
+    return results
+
+
+def summarise(results: list) -> list:
+    """One row per (run, attack): PSNR and SSIM mean ± population std over the attacked uploads
+    (each upload's value the mean over its B·S images), the share of labels recovered."""
+    groups: dict = {}
+    for r in results:
+        groups.setdefault((r.run, r.attack), []).append(r)
+    rows = []
+    for (run, attack), rs in groups.items():
+        p = np.array([r.psnr for r in rs])
+        s = np.array([r.ssim for r in rs])
+        rows.append({"run": run, "method": rs[0].method, "attack": attack, "uploads": len(rs),
+                     "psnr_mean": float(p.mean()), "psnr_std": float(p.std()),
+                     "ssim_mean": float(s.mean()), "ssim_std": float(s.std()),
+                     "label_acc": float(np.mean([r.label_acc for r in rs])),
+                     "labels_inferred": all(r.labels_inferred for r in rs)})
+    return rows
+
+
+def markdown_table(rows: list) -> str:
+    lines = ["| run | method | attack | PSNR (dB) | SSIM | labels recovered | uploads |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        attack = r["attack"].upper().replace("IDLG", "iDLG")
+        if r["attack"] == "idlg" and not r["labels_inferred"]:
+            attack += " (labels not in the upload: as DLG)"
+        lines.append(f"| {r['run']} | {r['method']} | {attack} | {r['psnr_mean']:.2f} ± {r['psnr_std']:.2f} | "
+                     f"{r['ssim_mean']:.3f} ± {r['ssim_std']:.3f} | {100 * r['label_acc']:.0f} % | {r['uploads']} |")
+    return "\n".join(lines) + "\n"
+
+
+def grid_rows(results: list, attack: str) -> list:
+    """Rows for :func:`fedcp_dist.analysis.plots.dlg_grid`: the true images once (a row per run if
+    the runs attacked different images), then each run's reconstructions, at most
+    :data:`GRID_MAX_IMAGES` images per attacked batch."""
+    chosen = [r for r in results if r.attack == attack]
+    runs = list(dict.fromkeys(r.run for r in chosen))
+    rows = []
+
+    def images(rs, what):
+        return [img for r in rs for img in getattr(r, what)[:GRID_MAX_IMAGES]]
+
+    def captions(rs):
+        return [f"{ps:.1f} dB" for r in rs for ps in
+                [psnr(r.truth[i], r.guess[i]) for i in range(min(len(r.truth), GRID_MAX_IMAGES))]]
+
+    first = [r for r in chosen if r.run == runs[0]]
+    same = all(len([r for r in chosen if r.run == run]) == len(first) and all(
+        torch.equal(a.truth, b.truth) for a, b in zip(first, [r for r in chosen if r.run == run])) for run in runs)
+    if same:
+        rows.append(("truth", images(first, "truth"), [f"c{r.client} b{r.batch}" for r in first
+                                                        for _ in range(min(len(r.truth), GRID_MAX_IMAGES))]))
+    for run in runs:
+        rs = [r for r in chosen if r.run == run]
+        if not same:
+            rows.append((f"{run}\ntruth", images(rs, "truth"), None))
+        rows.append((f"{run}\n({rs[0].method})", images(rs, "guess"), captions(rs)))
+    return rows

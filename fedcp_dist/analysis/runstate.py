@@ -1,0 +1,131 @@
+"""A finished (or checkpointed) run, rebuilt in memory: its config, shard, method and states.
+
+Grad-CAM and the DLG attack both need the models a run actually had, so they rebuild the run's
+method exactly as the engine does (the config's seed, then ``build_model`` and ``make_algorithm``)
+and load the newest complete checkpoint into it.
+
+Which states: the global state *and* the clients' states of the newest checkpoint, a pair that
+existed together (the personalized models as evaluated after that many rounds). The final global
+state (``final_global.pt``) is newer than any checkpoint (none is written after the last round), so
+pairing it with a checkpoint's client states would make personalized models that never existed;
+the round used is always reported instead.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from fedcp_dist.errors import UserError
+
+#: prefix of a client's own BatchNorm statistics inside its checkpointed state (the engine's)
+BN_PREFIX = "__bn__/"
+
+
+@dataclass
+class RunState:
+    """A run's method with the states of its newest checkpoint loaded."""
+
+    run_dir: Path
+    cfg: object  # fedcp_dist.config.Config
+    info: object  # fedcp_dist.data.shards.ShardInfo
+    algo: object  # fedcp_dist.algorithms.base.Algorithm
+    device: torch.device
+    #: rounds trained when the checkpoint was written
+    rounds_done: int
+    global_state: dict
+    client_states: dict = field(default_factory=dict)
+    #: each client's own BatchNorm statistics (models with BatchNorm, aggregate_bn_stats=false)
+    client_bn: dict = field(default_factory=dict)
+
+    def use_client(self, cid: int) -> Optional[dict]:
+        """Hand the method the global state (with ``cid``'s own BatchNorm statistics, if any) and
+        return ``cid``'s persistent state (the method's initial one if the client never trained)."""
+        self.algo.set_global({**self.global_state, **self.client_bn.get(cid, {})})
+        if cid not in self.client_states:
+            self.client_states[cid] = self.algo.init_client_state(cid)
+        return self.client_states[cid]
+
+    def load_data(self, cids) -> dict:
+        """``{cid: ClientData}`` of the given clients, on the run's device."""
+        from fedcp_dist.data.resident import to_device
+        from fedcp_dist.data.shards import load_clients
+
+        bad = [c for c in cids if not 0 <= c < self.info.num_clients]
+        if bad:
+            raise UserError(f"client {bad[0]} is not in {self.run_dir} (clients 0..{self.info.num_clients - 1})")
+        arrays = load_clients(self.cfg.data.path, cids)
+        return {c: to_device(c, arrays[c], self.info.mean, self.info.std, self.device) for c in cids}
+
+
+def run_config(run_dir: Path, data_path: Optional[str] = None, changes: Optional[dict] = None):
+    """The run's resolved config (``config.yaml``), with ``data.path`` replaced by ``data_path`` if
+    given and attributes set from ``changes``; a missing shard is a one-line error."""
+    from fedcp_dist.config import load_config
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = load_config(str(path), validate=False)
+    if data_path is not None:
+        cfg.data.path = data_path
+    if not os.path.isfile(cfg.data.path):
+        raise UserError(f"{run_dir}: the run's shard {cfg.data.path} is not found from {os.getcwd()}; "
+                        f"give its path with --data")
+    for key, value in (changes or {}).items():
+        setattr(cfg, key, value)
+    cfg.validate()
+    return cfg
+
+
+def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu",
+                   changes: Optional[dict] = None, warn: Callable[[str], None] = print) -> RunState:
+    """Rebuild the run in ``run_dir`` with the states of its newest complete checkpoint.
+
+    ``changes`` sets config attributes before the method is built (evaluation without Gumbel
+    noise, a batch size of the attacked client's, ...). A run without a checkpoint is a one-line
+    error that says how to get one.
+    """
+    from fedcp_dist.algorithms import make_algorithm
+    from fedcp_dist.checkpoint import Checkpointer
+    from fedcp_dist.data.shards import read_info
+    from fedcp_dist.models import build_model
+
+    run_dir = Path(run_dir)
+    cfg = run_config(run_dir, data_path, changes)
+    ckpt = Checkpointer(str(run_dir), 0, 1, max(1, cfg.keep_checkpoints)).latest(warn=warn)
+    if ckpt is None:
+        k = max(1, cfg.rounds - 1)
+        raise UserError(
+            f"{run_dir} has no complete checkpoint, and the clients' states are kept only in checkpoints: "
+            f"run it again with checkpoint_every=K for some 0 < K < rounds (checkpoint_every={k} keeps "
+            f"the models after {k} of its {cfg.rounds} rounds)"
+        )
+    dev = torch.device(device)
+    info = read_info(cfg.data.path)
+    if info.num_clients != (cfg.data.num_clients or info.num_clients):
+        raise UserError(f"{run_dir}: the shard {cfg.data.path} holds {info.num_clients} clients, the run "
+                        f"had {cfg.data.num_clients}")
+    torch.manual_seed(cfg.seed)  # the run's initial model, as the engine builds it
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size)
+    algo = make_algorithm(cfg.method, cfg, model, dev)
+    algo.num_clients = info.num_clients
+    rounds_done, global_state, clients, _ = Checkpointer(str(run_dir), 0, 1, 1).load(
+        ckpt, range(info.num_clients), dev)
+    template = algo.init_global_state()
+    if set(template) - set(global_state):
+        missing = sorted(set(template) - set(global_state))[0]
+        raise UserError(f"checkpoint {ckpt} does not fit the run's {cfg.method} model (no '{missing}')")
+    client_states, client_bn = {}, {}
+    for cid, state in clients.items():
+        client_bn[cid] = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
+        own = {k: v for k, v in state.items() if not k.startswith(BN_PREFIX)}
+        if own:
+            client_states[cid] = own
+    state = RunState(run_dir, cfg, info, algo, dev, rounds_done, global_state, client_states, client_bn)
+    algo.set_global(global_state)
+    return state
+

@@ -1,0 +1,303 @@
+"""fedcp-analyze / fedcp-dlg: PSNR, SSIM, Grad-CAM and DLG against hand computations; probes read
+from hand-made analysis.jsonl files; the server's copy of each method against the method's upload;
+one end-to-end CLI call on a 2-round digits run with a checkpoint."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedcp_dist.analysis import dlg
+from fedcp_dist.analysis.gradcam import grad_cam, last_conv
+from fedcp_dist.analysis.imaging import match_images, psnr, ssim
+from fedcp_dist.analysis.records import hist_stats, loss_by_round, pir_by_round, read_probes
+from fedcp_dist.errors import UserError
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- PSNR, SSIM
+
+
+def test_psnr_matches_hand_values():
+    a = torch.zeros(1, 4, 4)
+    assert psnr(a, a + 0.1) == pytest.approx(20.0)  # MSE 0.01: 10·log10(1/0.01)
+    b = a.clone()
+    b[:, :2] = 0.5  # half the pixels off by 0.5: MSE 0.125, 10·log10(8)
+    assert psnr(a, b) == pytest.approx(10 * math.log10(8))
+    assert psnr(a, b, peak=255.0) == pytest.approx(10 * math.log10(255.0 ** 2 / 0.125))
+    assert psnr(a, a) == 100.0
+
+
+def test_ssim_hand_values_and_scikit_image():
+    x = torch.rand(1, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert ssim(x, x) == pytest.approx(1.0)
+    # constant images: variances and covariance vanish, SSIM = (2ab + C1) / (a² + b² + C1)
+    c1 = 0.01 ** 2
+    a, b = torch.full((1, 12, 12), 0.2), torch.full((1, 12, 12), 0.4)
+    assert ssim(a, b) == pytest.approx((2 * 0.2 * 0.4 + c1) / (0.2 ** 2 + 0.4 ** 2 + c1))
+    assert ssim(x, 1 - x) < 0
+    metrics = pytest.importorskip("skimage.metrics")
+    y = (x + 0.2 * torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
+    ref = metrics.structural_similarity(x[0].numpy().astype(np.float64), y[0].numpy().astype(np.float64),
+                                        gaussian_weights=True, sigma=1.5, use_sample_covariance=False, data_range=1.0)
+    assert ssim(x, y) == pytest.approx(ref, abs=1e-6)
+
+
+def test_match_images_pairs_by_psnr():
+    t = torch.stack([torch.full((1, 3, 3), v) for v in (0.0, 0.5, 1.0)])
+    guess = t[[2, 0, 1]] + 0.01
+    assert match_images(t, guess) == [1, 2, 0]
+
+
+# ----------------------------------------------------------------------------- Grad-CAM
+
+
+class TinyNet(nn.Module):
+    """A 1×1 convolution to two maps (x and 0.5 − x), then a linear layer on the flattened maps."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, kernel_size=1)
+        self.fc = nn.Linear(18, 2)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.tensor([1.0, -1.0]).view(2, 1, 1, 1))
+            self.conv.bias.copy_(torch.tensor([0.0, 0.5]))
+            w = torch.zeros(2, 2, 3, 3)
+            w[1, 0, 0, 0] = 3.0  # class 1: channel 0's gradient averages to 3/9
+            w[1, 1] = -1.0  # channel 1's to −1
+            w[0, 0] = 1.0
+            self.fc.weight.copy_(w.view(2, 18))
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        return self.fc(self.conv(x).flatten(1))
+
+
+def test_grad_cam_equals_hand_computed_map():
+    net = TinyNet()
+    x = (torch.arange(9.0) / 8).view(1, 1, 3, 3)
+    cam = grad_cam(net, net.conv, x, torch.tensor([1]))
+    # α = (1/3, −1); L = ReLU(x/3 − (0.5 − x)) = ReLU(4x/3 − 0.5) = ReLU(i/6 − 0.5) for x = i/8;
+    # divided by its maximum 5/6
+    expected = torch.tensor([[0, 0, 0], [0, 0.2, 0.4], [0.6, 0.8, 1.0]])
+    assert torch.allclose(cam[0], expected, atol=1e-6)
+    # class 0: α = (1, 0), L = x / max(x); each input of a batch keeps its own class
+    both = grad_cam(net, net.conv, torch.cat([x, x]), torch.tensor([0, 1]))
+    assert torch.allclose(both[0], x[0, 0], atol=1e-6)
+    assert torch.allclose(both[1], expected, atol=1e-6)
+    # up-sampled to the input's size, still in [0, 1]; an all-negative map stays zero
+    up = grad_cam(net, net.conv, x, torch.tensor([1]), size=(6, 6))
+    assert up.shape == (1, 6, 6) and float(up.min()) >= 0 and float(up.max()) <= 1
+    assert float(grad_cam(net, net.conv, torch.zeros_like(x), torch.tensor([1])).abs().max()) == 0.0
+    assert last_conv(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Conv2d(2, 3, 3))).out_channels == 3
+
+
+# ----------------------------------------------------------------------------- DLG on a plain linear model
+
+
+def _linear_case(num_classes=4, side=6, label=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(side * side, num_classes)
+    with torch.no_grad():
+        lin.weight.copy_(0.1 * torch.randn(lin.weight.shape, generator=gen))
+        lin.bias.zero_()
+    truth = torch.rand(1, 1, side, side, generator=gen)
+
+    def grad_fn(x, y):
+        params = [lin.weight, lin.bias]
+        loss = dlg.soft_cross_entropy(lin(x.flatten(1)), y)
+        gw, gb = torch.autograd.grad(loss, params, create_graph=True)
+        return {"head.weight": gw, "head.bias": gb}
+
+    y = F.one_hot(torch.tensor([label]), num_classes).float()
+    observed = {k: v.detach() for k, v in grad_fn(truth, y).items()}
+    return truth, grad_fn, observed
+
+
+def test_dlg_recovers_one_image_from_a_linear_models_gradient():
+    truth, grad_fn, observed = _linear_case()
+    for labels in (None, dlg.infer_labels(observed["head.weight"], 1)):  # DLG, then iDLG
+        rec = dlg.reconstruct(grad_fn, observed, tuple(truth.shape), 4, labels=labels, steps=60, seed=0)
+        assert int(rec.labels[0]) == 2
+        assert psnr(truth[0], rec.images[0]) > 40.0, psnr(truth[0], rec.images[0])
+        assert rec.loss < 1e-5
+
+
+def test_infer_labels_and_soft_cross_entropy():
+    g = torch.tensor([[0.3, 0.1], [-0.5, -0.2], [0.2, 0.0]])
+    assert dlg.infer_labels(g, 1).tolist() == [1]
+    assert dlg.infer_labels(g, 2).tolist() == [1, 2]
+    assert dlg.infer_labels(g, 4).tolist() == [1, 2, 0, 1]
+    logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]])
+    target = torch.tensor([1, 2])
+    assert float(dlg.soft_cross_entropy(logits, F.one_hot(target, 3).float())) == pytest.approx(
+        float(F.cross_entropy(logits, target)))
+
+
+# ----------------------------------------------------------------------------- the probes
+
+
+def _write(path, records, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def _hist(bins):
+    h = [0] * 50
+    for b, n in bins.items():
+        h[b] = n
+    return h
+
+
+def test_probes_are_read_and_averaged_by_samples(tmp_path):
+    path = _write(tmp_path / "analysis.jsonl", [
+        {"kind": "train", "round": 1, "client": 0, "samples": 10, "pir": 0.2, "loss_bef": 2.0, "loss_aft": 1.0},
+        {"kind": "train", "round": 1, "client": 1, "samples": 30, "pir": 0.6, "loss_bef": 1.0, "loss_aft": 0.5},
+        {"kind": "eval", "evaluated_after": 1, "client": 0, "samples": 5, "pir": 0.4, "s_hist": _hist({10: 4, 20: 4})},
+    ], tail='{"kind": "train", "rou')  # a last line cut short by a run still writing
+    train, evals = read_probes(path)
+    assert len(train) == 2 and len(evals) == 1
+    assert pir_by_round(train) == {1: pytest.approx((10 * 0.2 + 30 * 0.6) / 40)}
+    assert loss_by_round(train) == {1: (pytest.approx(1.25), pytest.approx(0.625))}
+    st = hist_stats(evals[0].s_hist)
+    # bin centres 10.5/50 and 20.5/50, four each; the median ends bin 10; range [10/50, 21/50]
+    assert (st.mean, st.median, st.lo, st.hi) == (pytest.approx(0.31), pytest.approx(0.22), 0.2, 0.42)
+
+
+@pytest.mark.parametrize("bad, what", [
+    ({"kind": "train", "round": 1, "client": 0, "samples": 3, "pir": 1.5, "loss_bef": 1, "loss_aft": 1}, "'pir'"),
+    ({"kind": "train", "round": 0, "client": 0, "samples": 3, "pir": 0.5, "loss_bef": 1, "loss_aft": 1}, "'round'"),
+    ({"kind": "eval", "evaluated_after": 1, "client": 0, "samples": 3, "pir": 0.5, "s_hist": [1] * 49}, "'s_hist'"),
+    ({"kind": "probe"}, "'kind'"),
+])
+def test_bad_probe_lines_are_named(tmp_path, bad, what):
+    good = {"kind": "train", "round": 1, "client": 0, "samples": 3, "pir": 0.5, "loss_bef": 1.0, "loss_aft": 0.9}
+    path = _write(tmp_path / "analysis.jsonl", [good, bad, good])
+    with pytest.raises(UserError, match=f"analysis.jsonl:2: {what}" if what != "'kind'" else "analysis.jsonl:2"):
+        read_probes(path)
+
+
+# ----------------------------------------------------------------------------- runs with a checkpoint
+
+
+def _run(shard, out, method, **over):
+    from fedcp_dist.config import load_config
+    from fedcp_dist.runtime import init_runtime
+    from fedcp_dist.simulator import Simulator
+
+    args = [f"method={method}", "rounds=2", "eval_every=1", "checkpoint_every=1", f"data.path={shard}",
+            f"out_dir={out}", "threads=1", *[f"{k}={v}" for k, v in over.items()]]
+    cfg = load_config("configs/digits_fedcp.yaml", args)
+    rt = init_runtime("cpu", 1, env={})
+    try:
+        Simulator(cfg, rt, echo=lambda *_: None).run()
+    finally:
+        rt.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(digits6, tmp_path_factory):
+    """2-round digits runs (6 clients) with a checkpoint after round 1; FedCP without training Gumbel
+    noise, so that its upload is a deterministic function of the attacked images."""
+    root = tmp_path_factory.mktemp("analysis_runs")
+    return {m: _run(digits6, root / m, m, **({"cpn_train_gumbel": "false"} if m == "fedcp" else {}))
+            for m in ("fedcp", "fedavg", "fedper")}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedper", "fedcp"])
+def test_server_copy_reproduces_the_methods_upload(runs, method):
+    """Given the client's private state and the true images, the server's copy of one local step
+    gives exactly what the method's own local_train uploads; with what a server knows, FedPer's and
+    FedCP's uploads no longer match it."""
+    from fedcp_dist.analysis.runstate import load_run_state
+
+    setup = dlg.AttackSetup(clients=[1], batch_size=2, local_steps=1, knowledge="oracle")
+    state = load_run_state(runs[method], changes=dlg.state_changes(setup))
+    assert state.rounds_done == 1
+    data = state.load_data([1])[1]
+    dlg.self_check(state, 1, data.train_batch()[0][:8])
+    up = dlg.client_upload(state, data, 1, 0, setup)
+    assert up.truth.shape == (2, 1, 28, 28)
+    y = F.one_hot(up.labels, state.info.num_classes).float()
+    for knowledge, close in (("oracle", True), ("server", method == "fedavg")):
+        copy_ = dlg.server_copy(state, 1, knowledge, 1)
+        got = copy_.pseudo_gradient(up.truth, y)
+        assert sorted(got) == sorted(up.observed)
+        err = max(float((got[k].detach() - up.observed[k]).norm() / up.observed[k].norm()) for k in got)
+        # float32 uploads over η: a few 1e-4 relative on the CPN's LayerNorm weight; a wrong copy is O(1) off
+        assert err < 1e-2 if close else err > 0.1, (knowledge, err)
+
+
+def test_self_check_catches_a_drifted_copy(runs, monkeypatch):
+    from fedcp_dist.analysis.runstate import load_run_state
+
+    state = load_run_state(runs["fedcp"], changes={"cpn_eval_gumbel": False})
+    x = state.load_data([0])[0].train_batch()[0][:4]
+    dlg.self_check(state, 0, x)
+    monkeypatch.setattr(dlg.ServerCopy, "policy", lambda self, cpn, h: (torch.ones_like(h), torch.zeros_like(h)))
+    with pytest.raises(UserError, match="does not reproduce"):
+        dlg.self_check(state, 0, x)
+
+
+def _main(argv):
+    from fedcp_dist.cli.analyze import main
+
+    main([str(a) for a in argv])
+
+
+def test_fedcp_analyze_end_to_end(runs, tmp_path, capsys):
+    run = runs["fedcp"]
+    probes = [{"kind": "train", "round": r, "client": c, "samples": 10 + c, "pir": 0.1 * c + 0.05 * r,
+               "loss_bef": 2.0 / r, "loss_aft": 1.0 / r} for r in (1, 2) for c in range(6)]
+    probes += [{"kind": "eval", "evaluated_after": e, "client": c, "samples": 4 + c, "pir": 0.1 * c,
+                "s_hist": _hist({5 * c: 4 + c})} for e in (0, 1, 2) for c in range(6)]
+    _write(run / "analysis.jsonl", probes)
+    out = tmp_path / "out"
+    _main([run, "--out", out, "--gradcam", "--clients", "0,3", "--samples", "2"])
+    _main(["--no-progress", run, "--out", out, "--dlg", "--clients", "1", "--batches", "1", "--steps", "3",
+           "--attacks", "dlg"])
+    report = json.loads((out / "report.json").read_text())
+    for name in ("accuracy", "pir", "s_distribution", "loss_before_after", "gradcam", "dlg_dlg"):
+        assert (out / report["figures"][name]["file"]).read_bytes()[:8] == PNG, name
+    summary = report["runs"][0]
+    assert summary["rounds_recorded"] == 2 and summary["method"] == "fedcp"
+    # last evaluation's PIR weighted by test samples: Σ (4 + c)·0.1c / Σ (4 + c)
+    assert summary["pir_eval"]["mean"] == pytest.approx(sum((4 + c) * 0.1 * c for c in range(6)) / sum(4 + c for c in range(6)))
+    assert summary["loss_last_round"] == {"round": 2, "before": pytest.approx(1.0), "after": pytest.approx(0.5)}
+    assert "after 1 of 2 rounds" in report["gradcam"]["note"]
+    (row,) = report["dlg"]["rows"]
+    assert row["method"] == "fedcp" and row["uploads"] == 1 and 0 < row["psnr_mean"] < 100
+    md = (out / "report.md").read_text()
+    assert "![PIR against rounds](pir.png)" in md and "| fedcp | fedcp | DLG |" in md
+    uploads = json.loads((out / "dlg.json").read_text())["uploads"]
+    assert [(u["client"], u["attack"]) for u in uploads] == [(1, "dlg")]
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        _main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: ")
+    return err
+
+
+def test_one_line_errors(runs, tmp_path, capsys, digits6):
+    assert "not a run directory" in _error(capsys, [tmp_path])
+    no_ckpt = _run(digits6, tmp_path / "nockpt", "fedcp", checkpoint_every=0)
+    assert "checkpoint_every=1" in _error(capsys, [no_ckpt, "--gradcam", "--out", tmp_path / "o"])
+    assert "ran fedavg" in _error(capsys, [runs["fedavg"], "--gradcam", "--out", tmp_path / "o"])
+    assert "--clients" in _error(capsys, [runs["fedcp"], "--clients", "a,b", "--out", tmp_path / "o"])
+    assert "client 9" in _error(capsys, [runs["fedcp"], "--gradcam", "--clients", "9", "--out", tmp_path / "o"])
+    assert "--attacks" in _error(capsys, [runs["fedcp"], "--dlg", "--attacks", "gan", "--out", tmp_path / "o"])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("config.yaml", "metrics.jsonl"):
+        (bad / f).write_bytes((runs["fedcp"] / f).read_bytes())
+    (bad / "analysis.jsonl").write_text('{"kind": "eval"}\n')
+    assert "analysis.jsonl:1" in _error(capsys, [bad])
