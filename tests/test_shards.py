@@ -363,8 +363,17 @@ def test_cli_digits_dir(tmp_path, capsys):
     assert info.num_clients == 10 and info.source == "digits" and info.partition == "dir"
     assert info.input_shape == (1, 28, 28) and info.num_classes == 10
     assert int(info.train_counts.sum() + info.test_counts.sum()) == 1797
-    assert (info.train_counts + info.test_counts).min() >= 40  # least_samples
+    sizes = info.train_counts + info.test_counts
+    assert sizes.min() >= 40  # least_samples
     assert info.partition_params["beta"] == 0.5 and info.seed == 1
+    # what the redrawing did: in the output and in the file
+    params = info.partition_params
+    assert (params["least_samples"], params["topped_up_clients"], params["moved_samples"]) == \
+        (40, 0, 0)
+    i = int(np.argmin(sizes))
+    assert (f"  dir: draw {params['draws']} gave every client >= 40 samples (least_samples); "
+            f"smallest client {sizes[i]} samples ({info.train_counts[i]} train, "
+            f"{info.test_counts[i]} test)") in res.out.splitlines()
 
     res = run_cli(capsys, "--describe", out)
     lines = res.out.splitlines()
@@ -376,6 +385,49 @@ def test_cli_digits_dir(tmp_path, capsys):
         assert int(fields[1]) == info.train_counts[i] and int(fields[2]) == info.test_counts[i]
     assert lines[header + 11].split()[:3] == ["total", str(info.train_counts.sum()),
                                               str(info.test_counts.sum())]
+
+
+def describe_shard(path):
+    """60 clients: client i has i + 1 training samples of labels 0, 1, 2, 3, 0, ... and one
+    test sample of label 0, except client 7, which has none."""
+    clients = []
+    for i in range(60):
+        n_test = 0 if i == 7 else 1
+        clients.append((np.zeros((i + 1,) + SHAPE, np.uint8), np.arange(i + 1) % 4,
+                        np.zeros((n_test,) + SHAPE, np.uint8), np.zeros(n_test, np.int64)))
+    write(path, clients)
+    return path
+
+
+def test_describe_summarises_many_clients(tmp_path, capsys):
+    path = describe_shard(tmp_path / "d.h5")
+    assert DESCRIBE_ROWS == 50
+    lines = describe_lines(read_info(path))
+    assert len(lines) == 23
+    at = next(k for k, line in enumerate(lines) if line.startswith("per client"))
+    assert lines[at].split()[2:] == ["min", "5%", "25%", "median", "75%", "95%", "max", "mean"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[at + 1:at + 5]}
+    # percentiles are sample values ("lower"): index floor(q / 100 * 59) of the sorted values
+    assert rows["train"] == ["1", "3", "15", "30", "45", "57", "60", "30.50"]
+    assert rows["test"] == ["0", "1", "1", "1", "1", "1", "1", "0.98"]
+    # train + test: 2, 3, ..., 61 with client 7's 9 replaced by 8
+    assert rows["samples"] == ["2", "4", "16", "31", "46", "58", "61", "31.48"]
+    assert rows["classes"] == ["1", "3", "4", "4", "4", "4", "4", "3.90"]
+    assert lines[at + 5] == "clients without train samples: 0, without test samples: 1"
+    assert "--describe FILE --all" in lines[at + 7]
+    assert [line.split()[:4] for line in lines[at + 9:at + 14]] == \
+        [[str(i), str(i + 1), "1", str(min(i + 1, 4))] for i in range(5)]
+    assert lines[-1].split() == ["total", "1830", "59", "4", "0-3"]
+
+    res = run_cli(capsys, "--describe", path, "--all")
+    lines = res.out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["client", "train"])
+    assert [line.split()[0] for line in lines[header + 1:]] == [str(i) for i in range(60)] + \
+        ["total"]
+    assert lines[header + 8].split()[:3] == ["7", "8", "0"]
+    assert run_cli(capsys, "--describe", path).out.splitlines() == describe_lines(read_info(path))
+    expect_user_error(capsys, ["--all", "--num-clients", 3, "--out", tmp_path / "x.h5"],
+                      "--all applies to --describe only")
 
 
 def test_cli_pat_iid_same_seed_reproducible(tmp_path, capsys):
@@ -494,7 +546,7 @@ def test_npz_import_bad_layout(tmp_path, capsys):
 # ----------------------------------------------------------------------------- real MNIST
 
 
-def test_cli_real_mnist(tmp_path, capsys):
+def test_cli_real_mnist_thousand_clients(tmp_path, capsys):
     if not MNIST_DIR.is_dir():
         pytest.skip(f"real MNIST not found at {MNIST_DIR}")
     raw = tmp_path / "root" / "MNIST" / "raw"
@@ -503,12 +555,22 @@ def test_cli_real_mnist(tmp_path, capsys):
         with gzip.open(gz, "rb") as src, open(raw / gz.name[:-3], "wb") as dst:
             shutil.copyfileobj(src, dst)
     out = tmp_path / "mnist.h5"
-    run_cli(capsys, "--source", "mnist", "--root", tmp_path / "root", "--partition", "dir",
-            "--num-clients", 20, "--out", out)
+    res = run_cli(capsys, "--source", "mnist", "--root", tmp_path / "root", "--partition", "dir",
+                  "--beta", 1.0, "--num-clients", 1000, "--out", out)
     info = read_info(out)
-    assert info.source == "mnist" and info.num_clients == 20
+    assert info.source == "mnist" and info.num_clients == 1000
     assert info.input_shape == (1, 28, 28) and info.num_classes == 10
     assert int(info.train_counts.sum() + info.test_counts.sum()) == 70_000
     assert info.train_label_counts.sum() + info.test_label_counts.sum() == 70_000
-    client = load_clients(out, [0])[0]
-    assert client["train_x"].shape[1:] == (1, 28, 28) and client["train_x"].dtype == np.uint8
+    # least_samples = int(min(10 / 0.25, 70,000 / 1,000 / 2)) = 35, reached by a top-up
+    assert (info.train_counts + info.test_counts).min() == 35
+    assert info.train_counts.min() >= 1 and info.test_counts.min() >= 1
+    params = info.partition_params
+    assert params["least_samples"] == 35 and params["moved_samples"] > 0
+    assert f"topped up with {params['moved_samples']} samples" in res.out
+    clients = load_clients(out, range(0, 1000, 8))
+    for cid, client in clients.items():
+        assert client["train_x"].shape == (info.train_counts[cid], 1, 28, 28)
+        assert client["train_x"].dtype == np.uint8
+        assert np.bincount(client["test_y"], minlength=10).tolist() == \
+            info.test_label_counts[cid].tolist()
