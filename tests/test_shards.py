@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from fedcp_dist.data.shards import (DESCRIBE_ROWS, FORMAT_VERSION, IMAGE_FORMAT_
                                     TEXT_FORMAT_VERSION, WRITE_SAMPLES, describe_lines,
                                     load_clients, read_info, read_vocab, write_shard)
 from fedcp_dist.errors import UserError
+from fedcp_dist.placement import place_clients
 
 REPO = Path(__file__).resolve().parents[1]
 #: real MNIST: beside the main checkout (../shared) or, from a worktree in ../wt/, two levels up
@@ -574,3 +576,31 @@ def test_cli_real_mnist_thousand_clients(tmp_path, capsys):
         assert client["train_x"].dtype == np.uint8
         assert np.bincount(client["test_y"], minlength=10).tolist() == \
             info.test_label_counts[cid].tolist()
+
+
+# ----------------------------------------------------------------------------- bench/scale.py
+
+
+def test_scale_bench_runs(tmp_path):
+    out = tmp_path / "scale.json"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--source", "digits",
+                          "--clients", "300", "--world-sizes", "1", "2", "--json", out,
+                          "--work", tmp_path / "work", "--keep"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["partition"], r["num_clients"]) for r in rows] == [("iid", 300), ("dir", 300)]
+    assert len(res.stdout.splitlines()) == 2 + len(rows)
+    for r in rows:
+        info = read_info(tmp_path / "work" / f"digits_{r['partition']}_n300.h5")
+        sizes = info.train_counts + info.test_counts
+        assert r["smallest_client"] == sizes.min() and sizes.sum() == 1797
+        assert (r["min_train"], r["min_test"]) == (info.train_counts.min(), info.test_counts.min())
+        one, two = r["loads"]
+        assert (one["world_size"], one["clients"], one["samples"]) == (1, 300, 1797)
+        owned = place_clients(info.train_counts, 2) == 0
+        assert (two["clients"], two["samples"]) == (owned.sum(), sizes[owned].sum())
+        assert r["file_mb"] > 0 and one["peak_rss_mb"] >= one["rss_before_mb"] > 0
+    assert rows[0]["draws"] is None and rows[1]["draws"] >= 1
+    assert rows[1]["moved_samples"] == read_info(
+        tmp_path / "work" / "digits_dir_n300.h5").partition_params["moved_samples"]
