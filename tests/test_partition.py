@@ -49,7 +49,8 @@ def test_split_train_test_sizes(n, ratio, n_train, n_test):
     assert tr.dtype == np.int64 and te.dtype == np.int64
 
 
-@pytest.mark.parametrize("ratio, n", [(0.75, 2), (0.5, 2), (0.9, 2), (0.3, 4), (0.25, 4), (0.1, 10)])
+@pytest.mark.parametrize("ratio, n", [(0.75, 2), (0.5, 2), (0.9, 2), (0.3, 4), (0.25, 4),
+                                      (0.1, 10)])
 def test_min_split_samples(ratio, n):
     # 0.3: 3 samples cut into 0 train + ceil(2.1) = 3 test; 4 into 1 + ceil(2.8) = 3
     assert min_split_samples(ratio) == n

@@ -252,7 +252,7 @@ def partition_iid(n: int, num_clients: int, rng: np.random.Generator) -> list[np
 
 def split_train_test(indices: np.ndarray, train_ratio: float,
                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffle one client's indices and cut them into (train, test) (sizes: :func:`_split_sizes`)."""
+    """Shuffle one client's indices and cut them into (train, test) (see :func:`_split_sizes`)."""
     indices = rng.permutation(np.asarray(indices, dtype=np.int64))
     n_train = _split_sizes(len(indices), train_ratio)[0]
     return indices[:n_train], indices[n_train:]
@@ -260,7 +260,7 @@ def split_train_test(indices: np.ndarray, train_ratio: float,
 
 @dataclass
 class PartitionReport:
-    """What :func:`partition_clients` did: printed by ``fedcp-partition``, partly kept in the shard."""
+    """What :func:`partition_clients` did: for the command's output and the shard's record."""
 
     kind: str
     num_clients: int
