@@ -27,8 +27,9 @@ from conftest import run_cmd
 from fedcp_dist.cli.partition import main
 from fedcp_dist.data.partition import client_rows, make_partition
 from fedcp_dist.data.resident import to_device
-from fedcp_dist.data.shards import (FORMAT_VERSION, TEXT_FORMAT_VERSION, WRITE_SAMPLES, Rows,
-                                    load_clients, read_info, read_vocab, write_shard)
+from fedcp_dist.data.shards import (FORMAT_VERSION, IMAGE_FORMAT_VERSION, TEXT_FORMAT_VERSION,
+                                    WRITE_SAMPLES, Rows, load_clients, read_info, read_vocab,
+                                    write_shard)
 from fedcp_dist.data.sources import load_source, read_agnews_csv, source_kind
 from fedcp_dist.data.text import build_vocab, encode, encode_texts, tokenize
 from fedcp_dist.errors import UserError
@@ -167,7 +168,8 @@ def test_cifar10_partition_round_trip(tmp_path, capsys):
                   "iid", "--num-clients", 3, "--seed", 4, "--out", out)
     assert "60 samples, input (3, 32, 32), 10 classes" in res.out
     info, clients, got = shard_samples(out)
-    assert info.source == "cifar10" and info.kind == "image" and info.format_version == 1
+    assert info.source == "cifar10" and info.kind == "image"
+    assert info.format_version == FORMAT_VERSION
     assert info.num_clients == 3 and info.num_classes == 10 and info.vocab_size == 0
     assert info.input_shape == (3, 32, 32)
     assert info.train_counts.tolist() == [15, 15, 15] and info.test_counts.tolist() == [5, 5, 5]
@@ -503,9 +505,10 @@ VOCAB9 = ["<pad>", "<unk>", "the", "cat", "a", "bird", "dog", "ran", "sat"]
 
 
 def write_text(path, clients, vocab=VOCAB9, max_len=5):
+    """A version-2 text shard, as earlier versions wrote them (version 3: tests/test_shards.py)."""
     write_shard(path, clients, source="agnews", num_classes=4, input_shape=(max_len,), mean=(),
                 std=(), partition="iid", partition_params={"max_len": max_len}, seed=3,
-                kind="text", vocab=vocab)
+                kind="text", vocab=vocab, format_version=TEXT_FORMAT_VERSION)
 
 
 def test_text_shard_round_trip(tmp_path):
@@ -533,9 +536,9 @@ def test_image_shards_stay_version_1(tmp_path):
     path = tmp_path / "i.h5"
     write_shard(path, [(x[:3], np.array([0, 1, 2]), x[3:], np.array([1, 1]))], source="s",
                 num_classes=3, input_shape=(1, 2, 2), mean=(0.5,), std=(0.5,), partition="iid",
-                partition_params={}, seed=0)
+                partition_params={}, seed=0, format_version=IMAGE_FORMAT_VERSION)
     with h5py.File(path, "r") as f:
-        assert int(f.attrs["format_version"]) == FORMAT_VERSION == 1
+        assert int(f.attrs["format_version"]) == IMAGE_FORMAT_VERSION == 1
         assert "vocab_size" not in f.attrs and "vocab" not in f
         assert sorted(f["clients/0"]) == ["test_x", "test_y", "train_x", "train_y"]
     info = read_info(path)
@@ -681,7 +684,7 @@ def test_agnews_partition_round_trip(tmp_path, capsys):
     assert "input (8,)" in res.out and "vocabulary of" in res.out
     info, clients, got = shard_samples(out)
     assert info.kind == "text" and info.source == "agnews" and info.num_classes == 4
-    assert info.input_shape == (8,) and info.format_version == 2
+    assert info.input_shape == (8,) and info.format_version == FORMAT_VERSION
     assert info.partition_params["max_len"] == 8 and info.partition_params["min_freq"] == 1
     assert info.partition_params["vocab_size_cap"] == 50000
     vocab = read_vocab(out)

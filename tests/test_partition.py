@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from fedcp_dist.data.partition import (least_samples, make_partition, partition_dir,
+from fedcp_dist.data.partition import (PROBE_DRAWS, _top_up, least_samples, make_partition,
+                                       min_split_samples, partition_clients, partition_dir,
                                        partition_iid, partition_pat, split_train_test)
 from fedcp_dist.data.sources import SOURCE_NAMES, load_source
 from fedcp_dist.errors import UserError
@@ -46,6 +47,18 @@ def test_split_train_test_sizes(n, ratio, n_train, n_test):
     assert (len(tr), len(te)) == (n_train, n_test)
     assert np.array_equal(np.sort(np.concatenate([tr, te])), idx)
     assert tr.dtype == np.int64 and te.dtype == np.int64
+
+
+@pytest.mark.parametrize("ratio, n", [(0.75, 2), (0.5, 2), (0.9, 2), (0.3, 4), (0.25, 4),
+                                      (0.1, 10)])
+def test_min_split_samples(ratio, n):
+    # 0.3: 3 samples cut into 0 train + ceil(2.1) = 3 test; 4 into 1 + ceil(2.8) = 3
+    assert min_split_samples(ratio) == n
+    rng = np.random.default_rng(0)
+    tr, te = split_train_test(np.arange(n), ratio, rng)
+    assert len(tr) >= 1 and len(te) >= 1
+    tr, te = split_train_test(np.arange(n - 1), ratio, rng)
+    assert len(tr) == 0 or len(te) == 0
 
 
 # ----------------------------------------------------------------------------- exact cover
@@ -113,24 +126,112 @@ def test_iid_near_equal():
 def test_dir_honours_least_samples():
     labels = synthetic_labels()
     least = least_samples(10, 0.75, len(labels), 20)
-    shares = partition_dir(labels, 20, 10, 0.3, least, np.random.default_rng(1))
+    shares, draws = partition_dir(labels, 20, 10, 0.3, least, np.random.default_rng(1))
     assert_exact_cover(shares, len(labels))
     assert min(len(s) for s in shares) >= least == 40
+    assert draws.stop == "met" and draws.moved_samples == 0 and draws.short_clients == 0
+    assert draws.smallest_drawn == min(len(s) for s in shares)
 
 
 def test_dir_is_label_skewed_for_small_beta():
     labels = synthetic_labels()
-    shares = partition_dir(labels, 10, 10, 0.1, 1, np.random.default_rng(2))
+    shares, _ = partition_dir(labels, 10, 10, 0.1, 1, np.random.default_rng(2))
     per_client = [len(np.unique(labels[s])) for s in shares if len(s)]
     assert np.mean(per_client) < 9
 
 
-def test_dir_max_tries_exhausted():
+def test_dir_impossible_least_names_the_option():
     labels = synthetic_labels(n=100)
-    with pytest.raises(UserError, match=r"after 5 tries.*--beta"):
+    with pytest.raises(UserError, match=r"each of 20 clients 10 samples .* at most 10 clients "
+                                        r"\(--num-clients\)"):
         partition_dir(labels, 20, 10, 0.1, 10, np.random.default_rng(0), max_tries=5)
-    with pytest.raises(UserError, match="after 3 tries"):
-        make_partition(labels, 10, "dir", 20, seed=0, beta=0.01, batch_size=100, max_tries=3)
+    # iid and dir need 2 samples per client (one train, one test) at train_ratio 0.75
+    for kind in ("iid", "dir"):
+        with pytest.raises(UserError, match=r"at most 50 clients \(--num-clients\)"):
+            make_partition(labels, 10, kind, 51, seed=0)
+
+
+def test_dir_tops_up_after_max_tries():
+    labels = synthetic_labels(n=100)
+    # least_samples = int(min(100 / 0.25, 100 / 20 / 2)) = 2: Dir(0.01) leaves clients empty
+    part = partition_clients(labels, 10, "dir", 20, seed=0, beta=0.01, batch_size=100,
+                             max_tries=3)
+    d = part.report.draws
+    assert (d.least, d.draws, d.stop) == (2, 3, "max_tries")
+    assert d.short_clients > 0 and d.moved_samples >= d.short_clients and d.smallest_drawn < 2
+    assert_exact_cover(flatten_pairs(part.shares), 100)
+    assert min(len(tr) for tr, _ in part.shares) >= 1 and min(len(te) for _, te in part.shares) >= 1
+    assert part.report.smallest == 2 and (part.report.min_train, part.report.min_test) == (1, 1)
+    assert part.report.params() == {"least_samples": 2, "draws": 3,
+                                    "topped_up_clients": d.short_clients,
+                                    "moved_samples": d.moved_samples}
+    summary = part.report.summary()
+    assert "none of 3 draws" in summary and "--max-tries reached" in summary
+    assert f"topped up with {d.moved_samples} samples" in summary
+    again = make_partition(labels, 10, "dir", 20, seed=0, beta=0.01, batch_size=100, max_tries=3)
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+               for a, b in zip(part.shares, again))
+
+
+def test_top_up_takes_from_the_largest():
+    # sizes 5, 0, 1, 4 and least 2: client 1 needs 2, client 2 needs 1; the largest gives first
+    # (5 -> 4, then 4 and 4 tie: the lower id, 0 -> 3, then client 3: 4 -> 3)
+    owner = np.array([0, 0, 0, 0, 0, 2, 3, 3, 3, 3])
+    new = _top_up(owner, np.bincount(owner, minlength=4), 2, np.random.default_rng(0))
+    assert np.bincount(new, minlength=4).tolist() == [3, 2, 2, 3]
+    moved = np.flatnonzero(new != owner)
+    assert len(moved) == 3
+    assert sorted(owner[moved].tolist()) == [0, 0, 3]  # from the donors only
+    assert sorted(new[moved].tolist()) == [1, 1, 2]
+
+
+def test_dir_gives_up_early_at_ten_thousand_clients():
+    # MNIST-sized: 70,000 labels; least_samples = int(min(40, 3.5)) = 3; Dir(1.0) leaves dozens
+    # of clients short in every draw, so after PROBE_DRAWS draws the rest are judged hopeless
+    labels = synthetic_labels(n=70_000)
+    start = time.perf_counter()
+    part = partition_clients(labels, 10, "dir", 10_000, seed=1, beta=1.0)
+    elapsed = time.perf_counter() - start
+    d = part.report.draws
+    assert (d.least, d.draws, d.stop) == (3, PROBE_DRAWS, "unlikely")
+    assert d.short_clients > 10
+    assert_exact_cover(flatten_pairs(part.shares), 70_000)
+    sizes = [len(tr) + len(te) for tr, te in part.shares]
+    assert min(sizes) == 3 and part.report.smallest == 3
+    assert part.report.min_train >= 2 and part.report.min_test >= 1
+    assert "the rest were judged unlikely" in part.report.summary()
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+
+
+def test_dir_keeps_drawing_while_success_is_likely():
+    # the embedded digits, 40 clients, Dir(0.3), seed 2: least_samples = int(min(40, 22.46)) = 22,
+    # met at draw 77 (as the unbounded redrawing finds it), well past the PROBE_DRAWS first ones
+    labels = load_source("digits").y
+    part = partition_clients(labels, 10, "dir", 40, seed=2, beta=0.3)
+    d = part.report.draws
+    assert (d.least, d.draws, d.stop, d.moved_samples) == (22, 77, "met", 0)
+    assert part.report.smallest >= 22
+    assert part.report.summary().startswith("dir: draw 77 gave every client >= 22 samples")
+
+
+def test_dir_redrawing_is_bounded_in_time():
+    labels = synthetic_labels()
+    with pytest.raises(UserError, match=r"drew 1 allocations in 0 s .*lower --max-tries"):
+        partition_dir(labels, 20, 10, 0.1, 100, np.random.default_rng(0), max_seconds=0)
+    # a first draw that meets the rule is kept whatever the clock says
+    _, draws = partition_dir(labels, 20, 10, 100.0, 100, np.random.default_rng(0), max_seconds=0)
+    assert (draws.draws, draws.stop) == (1, "met")
+
+
+def test_iid_and_pat_reports():
+    labels = synthetic_labels(n=1003)
+    part = partition_clients(labels, 10, "iid", 10, seed=0)
+    # 100 samples: 75 train + 25 test
+    assert (part.report.smallest, part.report.smallest_train, part.report.smallest_test) == \
+        (100, 75, 25)
+    assert part.report.summary() == "iid: smallest client 100 samples (75 train, 25 test)"
+    assert part.report.params() == {} and part.report.draws is None
+    assert part.report.least_samples == 0
 
 
 def test_no_global_rng_use():

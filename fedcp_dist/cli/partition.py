@@ -34,6 +34,9 @@ def _build_parser() -> argparse.ArgumentParser:
                            "cifar100, tinyimagenet, agnews (text); with --from-npz, the name "
                            "recorded in the file")
     mode.add_argument("--describe", metavar="FILE", help="summarise an existing shard file")
+    p.add_argument("--all", action="store_true",
+                   help="--describe: one row per client however many there are (default: a "
+                        "summary beyond 50 clients)")
     mode.add_argument("--from-npz", metavar="DIR",
                       help="import DIR/train/{i}.npz and DIR/test/{i}.npz client files")
     p.add_argument("--root", help="directory holding the source's files (torchvision's layout for "
@@ -130,7 +133,7 @@ def _text_options(args, kind: str, source_name: str) -> dict:
 
 
 def _partition(args) -> None:
-    from fedcp_dist.data.partition import client_rows, least_samples, make_partition
+    from fedcp_dist.data.partition import client_rows, least_samples, partition_clients
     from fedcp_dist.data.shards import write_shard
     from fedcp_dist.data.sources import load_source, source_kind
 
@@ -159,10 +162,12 @@ def _partition(args) -> None:
     _say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")
 
     _say(f"partitioning: {args.partition}, {args.num_clients} clients, seed {args.seed}")
-    shares = make_partition(src.y, src.num_classes, args.partition, args.num_clients, args.seed,
-                            beta=args.beta, classes_per_client=args.classes_per_client,
-                            balance=not args.unbalanced, batch_size=args.batch_size,
-                            train_ratio=args.train_ratio, max_tries=args.max_tries)
+    part = partition_clients(src.y, src.num_classes, args.partition, args.num_clients, args.seed,
+                             beta=args.beta, classes_per_client=args.classes_per_client,
+                             balance=not args.unbalanced, batch_size=args.batch_size,
+                             train_ratio=args.train_ratio, max_tries=args.max_tries)
+    shares = part.shares
+    _say(f"  {part.report.summary()}")
     params = {"train_ratio": args.train_ratio, "batch_size": args.batch_size,
               "least_samples": least_samples(args.batch_size, args.train_ratio, len(src.y),
                                              args.num_clients)}
@@ -170,6 +175,7 @@ def _partition(args) -> None:
         params.update(beta=args.beta, max_tries=args.max_tries)
     elif args.partition == "pat":
         params.update(classes_per_client=args.classes_per_client, balance=not args.unbalanced)
+    params.update(part.report.params())
     params.update(src.params)
     if args.root:
         params["root"] = os.path.abspath(args.root)
@@ -315,46 +321,11 @@ def _from_npz(args) -> None:
 # ----------------------------------------------------------------------------- describe
 
 
-def _compact_labels(labels) -> str:
-    """Render sorted ints compactly: [0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    labels = [int(v) for v in labels]
-    parts, i = [], 0
-    while i < len(labels):
-        j = i
-        while j + 1 < len(labels) and labels[j + 1] == labels[j] + 1:
-            j += 1
-        parts.append(str(labels[i]) if i == j else f"{labels[i]}-{labels[j]}")
-        i = j + 1
-    return ",".join(parts) or "-"
+def _describe(path: str, all_clients: bool) -> None:
+    from fedcp_dist.data.shards import describe_lines, read_info
 
-
-def _describe(path: str) -> None:
-    import json
-
-    from fedcp_dist.data.shards import read_info
-
-    info = read_info(path)
-    _say(f"file:             {info.path}")
-    _say(f"format_version:   {info.format_version}")
-    _say(f"source:           {info.source} ({info.kind}, input {info.input_shape}, "
-         f"{info.num_classes} classes)")
-    if info.kind == "text":
-        _say(f"vocabulary:       {info.vocab_size} token ids (0 = padding, 1 = unknown)")
-    else:
-        _say(f"mean / std:       {info.mean} / {info.std}")
-    _say(f"partition:        {info.partition} {json.dumps(info.partition_params, sort_keys=True)}")
-    _say(f"seed:             {info.seed}")
-    _say(f"clients:          {info.num_clients}")
-    _say("")
-    _say(f"{'client':>7} {'train':>8} {'test':>8} {'classes':>7}  labels")
-    label_counts = info.train_label_counts + info.test_label_counts
-    for i in range(info.num_clients):
-        present = np.flatnonzero(label_counts[i])
-        _say(f"{i:>7} {int(info.train_counts[i]):>8} {int(info.test_counts[i]):>8} "
-             f"{len(present):>7}  {_compact_labels(present)}")
-    present = np.flatnonzero(label_counts.sum(axis=0))
-    _say(f"{'total':>7} {int(info.train_counts.sum()):>8} {int(info.test_counts.sum()):>8} "
-         f"{len(present):>7}  {_compact_labels(present)}")
+    for line in describe_lines(read_info(path), all_clients):
+        _say(line)
 
 
 @cli_main
@@ -365,8 +336,10 @@ def main(argv=None) -> None:
         raise UserError("--describe and --from-npz cannot be used together")
     if args.describe or args.from_npz:
         _text_options(args, "image", "--describe" if args.describe else "--from-npz")
+    if args.all and not args.describe:
+        raise UserError("--all applies to --describe only")
     if args.describe:
-        _describe(args.describe)
+        _describe(args.describe, args.all)
     elif args.from_npz:
         _from_npz(args)
     else:

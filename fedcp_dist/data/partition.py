@@ -4,7 +4,7 @@ Three schemes, all deterministic in a seed (every random draw goes through one
 ``np.random.default_rng(seed)``):
 
 * ``dir``: per class, Dirichlet(beta) proportions over the clients, redrawn until every client
-  holds at least ``least_samples`` samples;
+  holds at least ``least_samples`` samples (bounded: see :func:`partition_dir`);
 * ``pat`` (pathological): every client sees at most ``classes_per_client`` classes;
 * ``iid``: a random permutation cut into near-equal parts.
 
@@ -17,7 +17,10 @@ time, so writing never holds a second copy of the data set.
 """
 from __future__ import annotations
 
+import heapq
 import math
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,11 +28,40 @@ from fedcp_dist.data.shards import Rows
 from fedcp_dist.errors import UserError
 
 PARTITION_KINDS = ("dir", "pat", "iid")
+#: draws the Dirichlet partitioner always makes before it may judge the rule out of reach
+PROBE_DRAWS = 20
+#: redrawing stops once the estimated chance that the remaining draws meet the rule is below this
+GIVE_UP_CHANCE = 0.01
+#: redrawing for longer than this is an error (stopping on the clock would make the partition
+#: depend on the machine's speed)
+MAX_REDRAW_SECONDS = 60.0
 
 
 def least_samples(batch_size: int, train_ratio: float, total: int, num_clients: int) -> int:
     """Fewest samples a client should hold: one train batch, capped at half the mean share."""
     return int(min(batch_size / (1 - train_ratio), total / num_clients / 2))
+
+
+def _split_sizes(n: int, train_ratio: float) -> tuple[int, int]:
+    """(n_train, n_test) of a client with ``n`` samples, as :func:`split_train_test` cuts them.
+
+    Sizes follow scikit-learn's ``train_test_split``: n_test = ceil((1 - train_ratio) * n)
+    (computed with a tiny tolerance so that e.g. 0.3 * 10 gives 3, not 4).
+    """
+    n_test = min(n, int(math.ceil(round((1 - train_ratio) * n, 9))))
+    return n - n_test, n_test
+
+
+def min_split_samples(train_ratio: float) -> int:
+    """Fewest samples that :func:`split_train_test` cuts into >= 1 train and >= 1 test sample.
+
+    2 for any ``train_ratio`` >= 0.5; more below (4 for 0.3).  A client with fewer samples would
+    have nothing to train on or nothing to be evaluated on.
+    """
+    n = 2
+    while _split_sizes(n, train_ratio)[0] < 1:
+        n += 1
+    return n
 
 
 def _group_by_owner(indices: np.ndarray, owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
@@ -39,22 +71,62 @@ def _group_by_owner(indices: np.ndarray, owner: np.ndarray, num_clients: int) ->
     return np.split(indices[order], np.cumsum(counts)[:-1])
 
 
-def partition_dir(labels: np.ndarray, num_clients: int, num_classes: int, beta: float,
-                  least: int, rng: np.random.Generator, max_tries: int = 10000) -> list[np.ndarray]:
-    """Dirichlet label-skew partition; returns the sample indices of each client.
+@dataclass
+class DirDraws:
+    """What :func:`partition_dir` did to meet its ``least`` rule."""
 
-    The whole allocation is redrawn until the smallest client holds ``least`` samples.
+    least: int
+    #: allocations drawn (1: the first one met the rule)
+    draws: int
+    #: why drawing stopped: "met" (the last draw met the rule), "max_tries" (no draw met it),
+    #: "unlikely" (the draws so far showed the remaining ones would not meet it either)
+    stop: str
+    #: clients below ``least`` in the kept draw (0 when met)
+    short_clients: int
+    #: the kept draw's smallest client, before any top-up
+    smallest_drawn: int
+    #: samples moved from the largest clients to the short ones (0 when met)
+    moved_samples: int
+
+
+def partition_dir(labels: np.ndarray, num_clients: int, num_classes: int, beta: float,
+                  least: int, rng: np.random.Generator, max_tries: int = 10000,
+                  max_seconds: float = MAX_REDRAW_SECONDS) -> tuple[list[np.ndarray], DirDraws]:
+    """Dirichlet label-skew partition; returns the sample indices of each client, and what it did.
+
+    The whole allocation is redrawn until the smallest client holds ``least`` samples, as the
+    reference protocol does.  With many clients that may never happen (over 1,000 MNIST clients,
+    Dir(1.0) leaves a dozen clients short in every draw), so drawing is bounded:
+
+    * at most ``max_tries`` draws;
+    * after :data:`PROBE_DRAWS` draws, drawing stops when the remaining ones are unlikely to
+      succeed: with m the mean number of short clients per draw so far, a draw meets the rule
+      with probability about exp(-m) (short clients are rare, nearly independent events), so
+      drawing stops once ``remaining · exp(-m)`` < :data:`GIVE_UP_CHANCE`;
+    * drawing for longer than ``max_seconds`` is a :class:`UserError` naming the options to change.
+
+    When no draw met the rule, the draw that missed it by the fewest samples is kept and topped
+    up: each short client receives the samples it lacks, taken at random from the clients that
+    hold the most (see :func:`_top_up`).  All of this depends on the draws only, never on the
+    clock, so a seed always gives the same partition or the same error.
     """
     labels = np.asarray(labels)
     total = len(labels)
+    if least * num_clients > total:
+        raise UserError(
+            f"the dir partition cannot give each of {num_clients} clients {least} samples "
+            f"(least_samples) from {total} samples; use at most {total // max(least, 1)} clients "
+            f"(--num-clients)")
     cap = total / num_clients
     class_idx = [np.flatnonzero(labels == k) for k in range(num_classes)]
     alpha = np.full(num_clients, float(beta))
     clients = np.arange(num_clients)
-    best = -1
-    for _ in range(max_tries):
+    start = time.perf_counter()
+    best = None  # (deficit, permuted class indices, per-class counts, sizes) of the best draw
+    short_sum, stop, draw = 0, "max_tries", 0
+    for draw in range(1, max_tries + 1):
         sizes = np.zeros(num_clients, dtype=np.int64)
-        pieces, owners = [], []
+        perms, class_counts = [], []
         for idx_k in class_idx:
             idx_k = rng.permutation(idx_k)
             n_k = len(idx_k)
@@ -67,18 +139,68 @@ def partition_dir(labels: np.ndarray, num_clients: int, num_classes: int, beta: 
             cuts = np.clip(cuts, 0, n_k)
             counts = np.diff(np.concatenate(([0], cuts, [n_k])))
             sizes += counts
-            pieces.append(idx_k)
-            owners.append(np.repeat(clients, counts))
-        smallest = int(sizes.min())
-        best = max(best, smallest)
-        if smallest >= least:
-            if not pieces:
-                return [np.zeros(0, dtype=np.int64) for _ in range(num_clients)]
-            return _group_by_owner(np.concatenate(pieces), np.concatenate(owners), num_clients)
-    raise UserError(
-        f"the dir partition could not give every one of {num_clients} clients >= {least} samples "
-        f"after {max_tries} tries (best smallest client: {best}); use fewer clients, a larger "
-        f"--beta or a larger --max-tries")
+            perms.append(idx_k)
+            class_counts.append(counts)
+        short = sizes < least
+        deficit = int((least - sizes[short]).sum())
+        if best is None or deficit < best[0]:
+            best = (deficit, perms, class_counts, sizes)
+        if deficit == 0:
+            stop = "met"
+            break
+        short_sum += int(short.sum())
+        remaining = max_tries - draw
+        if draw >= PROBE_DRAWS and remaining * math.exp(-short_sum / draw) < GIVE_UP_CHANCE:
+            stop = "unlikely"
+            break
+        if remaining and time.perf_counter() - start > max_seconds:
+            raise UserError(
+                f"the dir partition drew {draw} allocations in {max_seconds:g} s and none gave "
+                f"each of {num_clients} clients {least} samples (the best left "
+                f"{int((best[3] < least).sum())} short); lower --max-tries (the best draw is then "
+                f"topped up), raise --beta or use fewer --num-clients")
+    deficit, perms, class_counts, sizes = best
+    report = DirDraws(least=least, draws=draw, stop=stop,
+                      short_clients=int((sizes < least).sum()),
+                      smallest_drawn=int(sizes.min()) if num_clients else 0,
+                      moved_samples=deficit)
+    if not perms:
+        return [np.zeros(0, dtype=np.int64) for _ in range(num_clients)], report
+    index = np.concatenate(perms)
+    owner = np.concatenate([np.repeat(clients, counts) for counts in class_counts])
+    if deficit:
+        owner = _top_up(owner, sizes, least, rng)
+    return _group_by_owner(index, owner, num_clients), report
+
+
+def _top_up(owner: np.ndarray, sizes: np.ndarray, least: int,
+            rng: np.random.Generator) -> np.ndarray:
+    """Move samples so that every client holds ``least``; returns the new owner of each sample.
+
+    ``owner[j]`` is the client of sample j and ``sizes`` its bincount (whose sum must be at least
+    ``least · len(sizes)``).  The samples a short client lacks are taken one at a time from the
+    client that holds the most at that moment (ties: the lower id), which moves as few samples
+    as possible and only from the largest shares; which of a donor's samples move, and to which
+    short client, is random.
+    """
+    num_clients = len(sizes)
+    need = np.maximum(least - sizes, 0)
+    give = np.zeros(num_clients, dtype=np.int64)
+    heap = [(-int(s), c) for c, s in enumerate(sizes) if s > least]
+    heapq.heapify(heap)
+    for _ in range(int(need.sum())):
+        neg, c = heapq.heappop(heap)
+        give[c] += 1
+        if -neg - 1 > least:
+            heapq.heappush(heap, (neg + 1, c))
+    order = rng.permutation(len(owner))
+    grouped = order[np.argsort(owner[order], kind="stable")]  # by client, random within one
+    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    rank = np.arange(len(owner)) - first[owner[grouped]]
+    moved = rng.permutation(grouped[rank < give[owner[grouped]]])
+    owner = owner.copy()
+    owner[moved] = np.repeat(np.arange(num_clients), need)
+    return owner
 
 
 def partition_pat(labels: np.ndarray, num_clients: int, num_classes: int, classes_per_client: int,
@@ -130,25 +252,79 @@ def partition_iid(n: int, num_clients: int, rng: np.random.Generator) -> list[np
 
 def split_train_test(indices: np.ndarray, train_ratio: float,
                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffle one client's indices and cut them into (train, test).
-
-    Sizes follow scikit-learn's ``train_test_split``: n_test = ceil((1 - train_ratio) * n)
-    (computed with a tiny tolerance so that e.g. 0.3 * 10 gives 3, not 4).
-    """
+    """Shuffle one client's indices and cut them into (train, test) (see :func:`_split_sizes`)."""
     indices = rng.permutation(np.asarray(indices, dtype=np.int64))
-    n = len(indices)
-    n_test = min(n, int(math.ceil(round((1 - train_ratio) * n, 9))))
-    n_train = n - n_test
+    n_train = _split_sizes(len(indices), train_ratio)[0]
     return indices[:n_train], indices[n_train:]
 
 
-def make_partition(labels: np.ndarray, num_classes: int, kind: str, num_clients: int, seed: int,
-                   beta: float = 0.1, classes_per_client: int = 2, balance: bool = True,
-                   batch_size: int = 10, train_ratio: float = 0.75,
-                   max_tries: int = 10000) -> list[tuple[np.ndarray, np.ndarray]]:
+@dataclass
+class PartitionReport:
+    """What :func:`partition_clients` did: for the command's output and the shard's record."""
+
+    kind: str
+    num_clients: int
+    #: dir: the fewest samples every client must hold (``least_samples``, at least
+    #: :func:`min_split_samples`); 0 for the other kinds
+    least_samples: int
+    #: the smallest client (train + test samples) and its split; the fewest train and test
+    #: samples of any client
+    smallest: int
+    smallest_train: int
+    smallest_test: int
+    min_train: int
+    min_test: int
+    seconds: float
+    #: dir only: what the redrawing did
+    draws: DirDraws = None
+
+    def summary(self) -> str:
+        """One line for the partition's output."""
+        smallest = (f"smallest client {self.smallest} samples ({self.smallest_train} train, "
+                    f"{self.smallest_test} test)")
+        empty = ""
+        if self.min_train == 0 or self.min_test == 0:
+            empty = "; some clients have no train or no test samples"
+        d = self.draws
+        if d is None:
+            return f"{self.kind}: {smallest}{empty}"
+        if d.stop == "met":
+            return (f"dir: draw {d.draws} gave every client >= {d.least} samples (least_samples); "
+                    f"{smallest}")
+        why = ("--max-tries reached" if d.stop == "max_tries" else
+               "the rest were judged unlikely to meet it")
+        return (f"dir: none of {d.draws} draws gave every client >= {d.least} samples "
+                f"(least_samples; {why}); the best left {d.short_clients} clients short "
+                f"(smallest {d.smallest_drawn}), topped up with {d.moved_samples} samples from "
+                f"the largest clients; {smallest}")
+
+    def params(self) -> dict:
+        """What the shard records of it (``partition_params``): deterministic facts only."""
+        d = self.draws
+        if d is None:
+            return {}
+        return {"least_samples": d.least, "draws": d.draws, "topped_up_clients": d.short_clients,
+                "moved_samples": d.moved_samples}
+
+
+@dataclass
+class Partition:
+    #: one ``(train_idx, test_idx)`` pair of int64 index arrays per client
+    shares: list
+    report: PartitionReport
+
+
+def partition_clients(labels: np.ndarray, num_classes: int, kind: str, num_clients: int,
+                      seed: int, beta: float = 0.1, classes_per_client: int = 2,
+                      balance: bool = True, batch_size: int = 10, train_ratio: float = 0.75,
+                      max_tries: int = 10000,
+                      max_seconds: float = MAX_REDRAW_SECONDS) -> Partition:
     """Partition ``labels`` among ``num_clients`` clients and split each share into train/test.
 
-    Returns one ``(train_idx, test_idx)`` pair of int64 index arrays per client.
+    ``dir`` and ``iid`` give every client at least :func:`min_split_samples` samples (one train
+    and one test sample), or stop with a :class:`UserError` naming ``--num-clients`` when the
+    data set is too small for that; ``dir`` also enforces ``least_samples`` (bounded redraws,
+    then a top-up: :func:`partition_dir`).
     """
     labels = np.asarray(labels)
     if kind not in PARTITION_KINDS:
@@ -178,17 +354,41 @@ def make_partition(labels: np.ndarray, num_classes: int, kind: str, num_clients:
     if total and (labels.min() < 0 or labels.max() >= num_classes):
         raise UserError(f"labels must lie in [0, {num_classes}), found "
                         f"[{labels.min()}, {labels.max()}]")
+    floor = min_split_samples(train_ratio)
+    if kind != "pat" and total < floor * num_clients:
+        raise UserError(f"{total} samples cannot give each of {num_clients} clients the {floor} "
+                        f"samples that one train and one test sample need (train_ratio "
+                        f"{train_ratio:g}): use at most {total // floor} clients (--num-clients)")
 
+    start = time.perf_counter()
     rng = np.random.default_rng(seed)
     least = least_samples(batch_size, train_ratio, total, num_clients)
+    draws = None
     if kind == "dir":
-        shares = partition_dir(labels, num_clients, num_classes, beta, least, rng, max_tries)
+        shares, draws = partition_dir(labels, num_clients, num_classes, beta, max(least, floor),
+                                      rng, max_tries, max_seconds)
     elif kind == "pat":
         shares = partition_pat(labels, num_clients, num_classes, classes_per_client, balance,
                                least, rng)
     else:
         shares = partition_iid(total, num_clients, rng)
-    return [split_train_test(share, train_ratio, rng) for share in shares]
+    pairs = [split_train_test(share, train_ratio, rng) for share in shares]
+    n_train = np.array([len(tr) for tr, _ in pairs], dtype=np.int64)
+    n_test = np.array([len(te) for _, te in pairs], dtype=np.int64)
+    i = int(np.argmin(n_train + n_test))
+    report = PartitionReport(kind=kind, num_clients=num_clients,
+                             least_samples=draws.least if draws else 0,
+                             smallest=int(n_train[i] + n_test[i]), smallest_train=int(n_train[i]),
+                             smallest_test=int(n_test[i]), min_train=int(n_train.min()),
+                             min_test=int(n_test.min()), seconds=time.perf_counter() - start,
+                             draws=draws)
+    return Partition(shares=pairs, report=report)
+
+
+def make_partition(labels: np.ndarray, num_classes: int, kind: str, num_clients: int, seed: int,
+                   **options) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ``(train_idx, test_idx)`` pairs of :func:`partition_clients` (same arguments)."""
+    return partition_clients(labels, num_classes, kind, num_clients, seed, **options).shares
 
 
 def client_rows(x: np.ndarray, y: np.ndarray, shares, lengths: np.ndarray = None):

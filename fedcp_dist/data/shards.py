@@ -1,31 +1,51 @@
 """The partitioned-data file: one HDF5 file holding every client's train and test samples.
 
-Layout (no pickled objects anywhere)::
+Format version 3, the one written (no pickled objects anywhere)::
 
-    /                       attributes: format_version, kind, source, num_classes, num_clients,
-                            input_shape, mean, std, partition, partition_params (JSON), seed,
-                            train_counts, test_counts, train_label_counts, test_label_counts
-                            and, for text, vocab_size
-    /clients/{i}/train_x    images: uint8 (n, C, H, W); text: int32 token ids (n, max_len);
-                            chunked by whole samples, gzip 4 + shuffle
-    /clients/{i}/train_y    int64 (n,)
-    /clients/{i}/test_x     as train_x, (m, ...)
-    /clients/{i}/test_y     int64 (m,)
-    /clients/{i}/train_len  text only: int32 (n,) real (non-padding) tokens per row
-    /clients/{i}/test_len   text only: int32 (m,)
-    /vocab                  text only: UTF-8 strings, the tokens in id order (0 = padding)
+    /                     attributes: format_version (3), kind, source, num_classes, num_clients,
+                          input_shape, mean, std, partition, partition_params (JSON), seed and,
+                          for text, vocab_size
+    /train_x              every client's training samples, client 0's first: images uint8
+                          (n, C, H, W), text int32 token ids (n, max_len); chunks of 256 samples,
+                          gzip 4 + shuffle
+    /train_y              int64 (n,)
+    /train_len            text only: int32 (n,) real (non-padding) tokens per row
+    /train_offsets        int64 (N + 1,): client i's training rows are [off[i], off[i + 1])
+    /train_label_counts   int64 (N, num_classes): each client's training samples per class
+    /test_x, /test_y, /test_len, /test_offsets, /test_label_counts: the same for the test split
+    /vocab                text only: UTF-8 strings, the tokens in id order (0 = padding)
 
-Versions: ``format_version`` 1 is the image layout (``kind`` "image"); image shards are still
-written as version 1, byte for byte as before, so older readers keep reading them.  Version 2
-adds ``kind`` "text" (``input_shape`` = [max_len], empty ``mean`` / ``std``, the ``vocab_size``
-attribute, the ``*_len`` datasets and ``/vocab``); text shards are written as version 2, which a
-version-1 reader refuses with a clear message instead of misreading.  This reader reads both.
+Nothing whose size grows with the number of clients N is an attribute: HDF5 keeps attributes in
+the object header, whose messages hold at most 64 KiB, which is what kept versions 1 and 2 (with
+the per-client counts among the attributes) from being written for more than about 800 clients
+of 10 classes.  One array per split instead of a group per client also keeps the file small and
+writing and loading fast at thousands of clients: each group costs four chunked datasets, each
+with its own header and chunk index.
+
+Versions 1 and 2 put one group per client (still read, and written with ``format_version=1`` or
+``2`` for older readers, up to the attribute limit)::
+
+    /                       the attributes above plus train_counts, test_counts (int64 (N,)),
+                            train_label_counts, test_label_counts (int64 (N, num_classes))
+    /clients/{i}/train_x    client i's rows of /train_x above; likewise train_y, test_x, test_y
+                            and, for text, train_len, test_len
+    /vocab                  text only
+
+Version 1 is the image layout (``kind`` "image"); version 2 adds ``kind`` "text" (``input_shape``
+= [max_len], empty ``mean`` / ``std``, the ``vocab_size`` attribute, the ``*_len`` datasets and
+``/vocab``).  Every version keeps ``format_version`` where version 1 had it, so a reader refuses
+a version it does not know by that number, with a clear message, instead of misreading it: a
+version-1 reader refuses text shards, readers of versions 1 and 2 refuse version 3.  This
+reader reads all three.
 
 Files are written atomically (temporary file in the same directory, then ``os.replace``), so
-a reader never sees a half-written shard and an existing file survives a failed write.
+a reader never sees a half-written shard and an existing file survives a failed write.  Writing
+and loading go a block of :data:`WRITE_SAMPLES` rows at a time, so memory stays at the data
+handed in (or loaded) plus a block or two.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -36,28 +56,39 @@ import numpy as np
 
 from fedcp_dist.errors import UserError
 
-#: version written for image shards (and the oldest one read)
-FORMAT_VERSION = 1
-#: version written for text shards
+#: the version written: one array per split, per-client offsets
+FORMAT_VERSION = 3
+#: the group-per-client versions, still read: images, and images or text
+IMAGE_FORMAT_VERSION = 1
 TEXT_FORMAT_VERSION = 2
-READABLE_VERSIONS = (FORMAT_VERSION, TEXT_FORMAT_VERSION)
+READABLE_VERSIONS = (IMAGE_FORMAT_VERSION, TEXT_FORMAT_VERSION, FORMAT_VERSION)
 KIND = "image"
 TEXT_KIND = "text"
 KINDS = (KIND, TEXT_KIND)
+#: the group-per-client version that holds each kind
+GROUP_VERSIONS = {KIND: IMAGE_FORMAT_VERSION, TEXT_KIND: TEXT_FORMAT_VERSION}
 CHUNK_SAMPLES = 256
-#: samples copied per write: a whole number of chunks, so no chunk is compressed twice
+#: samples copied per write and per read: a whole number of chunks, so no chunk is compressed
+#: twice, and the chunk length of the label and length arrays
 WRITE_SAMPLES = CHUNK_SAMPLES * 16
 SPLITS = ("train_x", "train_y", "test_x", "test_y")
 TEXT_SPLITS = SPLITS + ("train_len", "test_len")
+#: the largest attribute versions 1 and 2 write (HDF5 refuses object-header messages over 64 KiB)
+ATTRIBUTE_BYTES = 65_000
 
 _REQUIRED_ATTRS = ("kind", "source", "num_classes", "num_clients", "input_shape", "mean", "std",
-                   "partition", "partition_params", "seed", "train_counts", "test_counts",
-                   "train_label_counts", "test_label_counts")
+                   "partition", "partition_params", "seed")
+#: clients up to which :func:`describe_lines` prints one row per client (more: a summary)
+DESCRIBE_ROWS = 50
+#: the smallest clients the summary shows
+DESCRIBE_SMALLEST = 5
+#: attributes of versions 1 and 2 only (datasets in version 3)
+_COUNT_ATTRS = ("train_counts", "test_counts", "train_label_counts", "test_label_counts")
 
 
 @dataclass
 class ShardInfo:
-    """The attributes of a shard file."""
+    """The attributes of a shard file and its per-client counts."""
 
     path: str
     format_version: int
@@ -198,79 +229,138 @@ def _check_client(i: int, arrays, input_shape: tuple, num_classes: int, kind: st
     return out
 
 
-def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input_shape,
-                mean, std, partition: str, partition_params: dict, seed: int,
-                kind: str = KIND, vocab=None) -> None:
-    """Write ``clients`` to ``path``.
+class _Counts:
+    """Each client's train and test sample counts and per-class counts, as they are written."""
 
-    Images: each client is ``(train_x, train_y, test_x, test_y)``.  Text (``kind="text"``, with
-    ``vocab`` the tokens in id order): ``(train_x, train_y, test_x, test_y, train_len,
-    test_len)``.  Any ``*_x`` may be a :class:`Rows` view, copied a block at a time.
+    def __init__(self, num_classes: int):
+        self.num_classes = num_classes
+        self.train, self.test, self.train_labels, self.test_labels = [], [], [], []
 
-    The file appears at ``path`` only once it is complete; on any failure the temporary file is
-    removed and whatever was at ``path`` before is left as it was.
+    def add(self, train_y: np.ndarray, test_y: np.ndarray) -> None:
+        self.train.append(len(train_y))
+        self.test.append(len(test_y))
+        self.train_labels.append(np.bincount(train_y, minlength=self.num_classes))
+        self.test_labels.append(np.bincount(test_y, minlength=self.num_classes))
+
+    def __len__(self) -> int:
+        return len(self.train)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """``train_counts``, ``test_counts`` (N,) and ``*_label_counts`` (N, C), all int64."""
+        return {"train_counts": np.asarray(self.train, dtype=np.int64),
+                "test_counts": np.asarray(self.test, dtype=np.int64),
+                "train_label_counts": np.stack(self.train_labels).astype(np.int64),
+                "test_label_counts": np.stack(self.test_labels).astype(np.int64)}
+
+
+class _Appender:
+    """A growing dataset written a block of :data:`WRITE_SAMPLES` rows at a time.
+
+    Rows are gathered in one block-sized buffer and written when it is full (and at
+    :meth:`close`), so every chunk is compressed once however small the clients are.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if kind == TEXT_KIND:
-        if vocab is None or len(vocab) < 2:
-            raise ValueError("a text shard needs its vocabulary (at least <pad> and <unk>)")
-        vocab = [str(token) for token in vocab]
-    elif vocab is not None:
-        raise ValueError("an image shard has no vocabulary")
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    input_shape = tuple(int(d) for d in input_shape)
-    if kind == TEXT_KIND and len(input_shape) != 1:
-        raise ValueError(f"a text shard's input_shape is (max_len,), got {input_shape}")
-    num_classes = int(num_classes)
-    ids = _IdRange(len(vocab)) if kind == TEXT_KIND else None
-    try:
-        with h5py.File(tmp, "w") as f:
-            root = f.create_group("clients")
-            train_counts, test_counts, train_labels, test_labels = [], [], [], []
-            for i, arrays in enumerate(clients):
-                checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
-                train_x, train_y, test_x, test_y = checked[:4]
-                g = root.create_group(str(i))
-                _write_x(g, "train_x", train_x)
-                g.create_dataset("train_y", data=train_y)
-                _write_x(g, "test_x", test_x)
-                g.create_dataset("test_y", data=test_y)
-                if kind == TEXT_KIND:
-                    g.create_dataset("train_len", data=checked[4])
-                    g.create_dataset("test_len", data=checked[5])
-                train_counts.append(len(train_y))
-                test_counts.append(len(test_y))
-                train_labels.append(np.bincount(train_y, minlength=num_classes))
-                test_labels.append(np.bincount(test_y, minlength=num_classes))
-            n = len(train_counts)
-            if n == 0:
-                raise ValueError("write_shard needs at least one client")
-            a = f.attrs
-            if kind == TEXT_KIND:
-                a["format_version"] = np.int64(TEXT_FORMAT_VERSION)
-                a["vocab_size"] = np.int64(len(vocab))
-                f.create_dataset("vocab", data=vocab, dtype=h5py.string_dtype("utf-8"))
+
+    def __init__(self, f: h5py.File, name: str, dtype, row_shape: tuple, chunk_rows: int):
+        self.ds = f.create_dataset(name, shape=(0,) + row_shape, maxshape=(None,) + row_shape,
+                                   dtype=dtype, chunks=(chunk_rows,) + row_shape,
+                                   compression="gzip", compression_opts=4, shuffle=True)
+        self.buf = np.empty((WRITE_SAMPLES,) + row_shape, dtype=dtype)
+        self.fill = 0
+
+    def append(self, x) -> None:
+        """Append the rows of ``x`` (an array or :class:`Rows`)."""
+        done = 0
+        while done < len(x):
+            k = min(len(x) - done, WRITE_SAMPLES - self.fill)
+            target = self.buf[self.fill:self.fill + k]
+            if isinstance(x, Rows):  # gather straight into the buffer
+                np.take(x.base, x.index[done:done + k], axis=0, out=target)
             else:
-                a["format_version"] = np.int64(FORMAT_VERSION)
-            a["kind"] = kind
-            a["source"] = str(source)
-            a["num_classes"] = np.int64(num_classes)
-            a["num_clients"] = np.int64(n)
-            a["input_shape"] = np.asarray(input_shape, dtype=np.int64)
-            a["mean"] = np.asarray(mean, dtype=np.float64)
-            a["std"] = np.asarray(std, dtype=np.float64)
-            a["partition"] = str(partition)
-            a["partition_params"] = json.dumps(partition_params, sort_keys=True)
-            a["seed"] = np.int64(seed)
-            a["train_counts"] = np.asarray(train_counts, dtype=np.int64)
-            a["test_counts"] = np.asarray(test_counts, dtype=np.int64)
-            a["train_label_counts"] = np.stack(train_labels).astype(np.int64)
-            a["test_label_counts"] = np.stack(test_labels).astype(np.int64)
-            f.flush()
+                target[...] = x[done:done + k]
+            self.fill += k
+            done += k
+            if self.fill == WRITE_SAMPLES:
+                self.close()
+
+    def close(self) -> None:
+        """Write what the buffer holds."""
+        if self.fill:
+            rows = self.ds.shape[0]
+            self.ds.resize(rows + self.fill, axis=0)
+            self.ds[rows:rows + self.fill] = self.buf[:self.fill]
+            self.fill = 0
+
+
+class _SplitWriter:
+    """Version 3: every client's rows appended to one dataset per split and array."""
+
+    def __init__(self, f: h5py.File, kind: str, input_shape: tuple):
+        self.f = f
+        self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+        x_dtype = np.uint8 if kind == KIND else np.int32
+        self.columns = {}
+        for name in self.names:
+            if name.endswith("_x"):
+                self.columns[name] = _Appender(f, name, x_dtype, input_shape, CHUNK_SAMPLES)
+            else:
+                dtype = np.int64 if name.endswith("_y") else np.int32
+                self.columns[name] = _Appender(f, name, dtype, (), WRITE_SAMPLES)
+
+    def add(self, i: int, checked: list) -> None:
+        for name, arr in zip(self.names, checked):
+            self.columns[name].append(arr)
+
+    def finish(self, counts: _Counts) -> None:
+        for column in self.columns.values():
+            column.close()
+        arrays = counts.arrays()
+        for split in ("train", "test"):
+            sizes = arrays[f"{split}_counts"]
+            offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+            self.f.create_dataset(f"{split}_offsets", data=offsets)
+            self.f.create_dataset(f"{split}_label_counts", data=arrays[f"{split}_label_counts"],
+                                  chunks=True, compression="gzip", compression_opts=4,
+                                  shuffle=True)
+
+
+class _GroupWriter:
+    """Versions 1 and 2: a group per client, the counts among the root attributes."""
+
+    def __init__(self, f: h5py.File, kind: str, version: int):
+        self.f, self.version = f, version
+        self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+        self.root = f.create_group("clients")
+
+    def add(self, i: int, checked: list) -> None:
+        g = self.root.create_group(str(i))
+        for name, arr in zip(self.names, checked):
+            if name.endswith("_x"):
+                _write_x(g, name, arr)
+            else:
+                g.create_dataset(name, data=arr)
+
+    def finish(self, counts: _Counts) -> None:
+        arrays = counts.arrays()
+        largest = max(a.nbytes for a in arrays.values())
+        if largest > ATTRIBUTE_BYTES:
+            raise ValueError(
+                f"format_version {self.version} keeps the per-client counts in attributes, which "
+                f"HDF5 limits to 64 KiB: {len(counts)} clients of {counts.num_classes} classes "
+                f"need {largest} bytes; write format_version {FORMAT_VERSION}")
+        for key, value in arrays.items():
+            self.f.attrs[key] = value
+
+
+@contextlib.contextmanager
+def _atomic_file(path: str):
+    """Yield a temporary name beside ``path``; renamed over ``path`` (after an fsync) on success.
+
+    On any failure the temporary file is removed and whatever was at ``path`` is left as it was.
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        yield tmp
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -283,6 +373,68 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         except FileNotFoundError:
             pass
         raise
+
+
+def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input_shape,
+                mean, std, partition: str, partition_params: dict, seed: int,
+                kind: str = KIND, vocab=None, format_version: int = FORMAT_VERSION) -> None:
+    """Write ``clients`` to ``path``.
+
+    Images: each client is ``(train_x, train_y, test_x, test_y)``.  Text (``kind="text"``, with
+    ``vocab`` the tokens in id order): ``(train_x, train_y, test_x, test_y, train_len,
+    test_len)``.  Any ``*_x`` may be a :class:`Rows` view, copied a block at a time.
+    ``format_version`` is :data:`FORMAT_VERSION`, or the group-per-client version of the kind
+    (1 for images, 2 for text) for readers that know no other.
+
+    The file appears at ``path`` only once it is complete; on any failure the temporary file is
+    removed and whatever was at ``path`` before is left as it was.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if format_version not in (FORMAT_VERSION, GROUP_VERSIONS[kind]):
+        raise ValueError(f"a {kind} shard is written as format_version {FORMAT_VERSION} or "
+                         f"{GROUP_VERSIONS[kind]}, not {format_version!r}")
+    if kind == TEXT_KIND:
+        if vocab is None or len(vocab) < 2:
+            raise ValueError("a text shard needs its vocabulary (at least <pad> and <unk>)")
+        vocab = [str(token) for token in vocab]
+    elif vocab is not None:
+        raise ValueError("an image shard has no vocabulary")
+    path = os.fspath(path)
+    input_shape = tuple(int(d) for d in input_shape)
+    if kind == TEXT_KIND and len(input_shape) != 1:
+        raise ValueError(f"a text shard's input_shape is (max_len,), got {input_shape}")
+    num_classes = int(num_classes)
+    ids = _IdRange(len(vocab)) if kind == TEXT_KIND else None
+    with _atomic_file(path) as tmp, h5py.File(tmp, "w") as f:
+        if format_version == FORMAT_VERSION:
+            body = _SplitWriter(f, kind, input_shape)
+        else:
+            body = _GroupWriter(f, kind, format_version)
+        counts = _Counts(num_classes)
+        for i, arrays in enumerate(clients):
+            checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
+            body.add(i, checked)
+            counts.add(checked[1], checked[3])
+        if len(counts) == 0:
+            raise ValueError("write_shard needs at least one client")
+        a = f.attrs
+        a["format_version"] = np.int64(format_version)
+        if kind == TEXT_KIND:
+            a["vocab_size"] = np.int64(len(vocab))
+            f.create_dataset("vocab", data=vocab, dtype=h5py.string_dtype("utf-8"))
+        a["kind"] = kind
+        a["source"] = str(source)
+        a["num_classes"] = np.int64(num_classes)
+        a["num_clients"] = np.int64(len(counts))
+        a["input_shape"] = np.asarray(input_shape, dtype=np.int64)
+        a["mean"] = np.asarray(mean, dtype=np.float64)
+        a["std"] = np.asarray(std, dtype=np.float64)
+        a["partition"] = str(partition)
+        a["partition_params"] = json.dumps(partition_params, sort_keys=True)
+        a["seed"] = np.int64(seed)
+        body.finish(counts)
+        f.flush()
 
 
 def _open(path) -> h5py.File:
@@ -305,9 +457,9 @@ def _check_version(f: h5py.File, path) -> int:
     version = int(f.attrs["format_version"])
     if version not in READABLE_VERSIONS:
         raise UserError(f"shard file {path} has format_version {version}, this version of "
-                        f"fedcp-dist reads format_version {FORMAT_VERSION} (images) and "
-                        f"format_version {TEXT_FORMAT_VERSION} (images or text); re-create it "
-                        f"with fedcp-partition")
+                        f"fedcp-dist reads format_version {IMAGE_FORMAT_VERSION} (images), "
+                        f"{TEXT_FORMAT_VERSION} (images or text) and {FORMAT_VERSION} (images or "
+                        f"text, one array per split); re-create it with fedcp-partition")
     return version
 
 
@@ -324,14 +476,60 @@ def _check_kind(path, kind: str, version: int) -> None:
                         f"shards are format_version {TEXT_FORMAT_VERSION}")
 
 
+def _offsets(f: h5py.File, path, split: str, num_clients: int, names) -> np.ndarray:
+    """The checked ``{split}_offsets`` of a version-3 shard: (N + 1,), from 0, non-decreasing,
+    ending at the length of each of the split's datasets among ``names``."""
+    key = f"{split}_offsets"
+    if key not in f or not isinstance(f[key], h5py.Dataset):
+        raise UserError(f"shard file {path} lacks the dataset '{key}'")
+    offsets = np.asarray(f[key][()])
+    if offsets.shape != (num_clients + 1,) or not np.issubdtype(offsets.dtype, np.integer):
+        raise UserError(f"shard file {path}: dataset '{key}' is {offsets.dtype} of shape "
+                        f"{offsets.shape}, expected ({num_clients + 1},) integers")
+    offsets = offsets.astype(np.int64)
+    if offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        raise UserError(f"shard file {path}: dataset '{key}' must start at 0 and never decrease")
+    for name in names:
+        if not name.startswith(split):
+            continue
+        if name not in f or not isinstance(f[name], h5py.Dataset):
+            raise UserError(f"shard file {path} lacks the dataset '{name}'")
+        if f[name].ndim < 1 or f[name].shape[0] != offsets[-1]:
+            raise UserError(f"shard file {path}: dataset '{name}' has {f[name].shape[:1]} rows "
+                            f"but '{key}' ends at {offsets[-1]} (truncated or corrupt?)")
+    return offsets
+
+
+def _split_counts(f: h5py.File, path, num_clients: int, num_classes: int, kind: str) -> dict:
+    """The per-client counts of a version-3 shard (ShardInfo's fields), checked together."""
+    names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+    out = {}
+    for split in ("train", "test"):
+        counts = np.diff(_offsets(f, path, split, num_clients, names))
+        key = f"{split}_label_counts"
+        if key not in f or not isinstance(f[key], h5py.Dataset):
+            raise UserError(f"shard file {path} lacks the dataset '{key}'")
+        labels = np.asarray(f[key][()], dtype=np.int64)
+        if labels.shape != (num_clients, num_classes):
+            raise UserError(f"shard file {path}: dataset '{key}' has shape {labels.shape}, "
+                            f"expected ({num_clients}, {num_classes})")
+        if not np.array_equal(labels.sum(axis=1), counts):
+            raise UserError(f"shard file {path}: dataset '{key}' does not add up to the client "
+                            f"sizes of '{split}_offsets' (corrupt file?)")
+        out[f"{split}_counts"], out[key] = counts, labels
+    return out
+
+
 def read_info(path) -> ShardInfo:
-    """Read and check the attributes of the shard at ``path``."""
+    """Read and check the attributes (and, from version 3 on, the per-client counts) of the
+    shard at ``path``."""
     f = _open(path)
     try:
         with f:
             version = _check_version(f, path)
             attrs = f.attrs
-            for key in _REQUIRED_ATTRS:
+            required = _REQUIRED_ATTRS + (_COUNT_ATTRS if version < FORMAT_VERSION else ())
+            for key in required:
                 if key not in attrs:
                     raise UserError(f"shard file {path} lacks the attribute '{key}'")
             kind = _as_str(attrs["kind"])
@@ -352,29 +550,32 @@ def read_info(path) -> ShardInfo:
             except ValueError:
                 raise UserError(f"shard file {path}: attribute 'partition_params' "
                                 f"is not valid JSON") from None
+            n, c = int(attrs["num_clients"]), int(attrs["num_classes"])
+            if version >= FORMAT_VERSION:
+                counts = _split_counts(f, path, n, c, kind)
+            else:
+                counts = {key: np.asarray(attrs[key], dtype=np.int64) for key in _COUNT_ATTRS}
+                for key in ("train_counts", "test_counts"):
+                    counts[key] = counts[key].reshape(-1)
             info = ShardInfo(
                 path=os.fspath(path),
                 format_version=version,
                 kind=kind,
                 source=_as_str(attrs["source"]),
-                num_classes=int(attrs["num_classes"]),
-                num_clients=int(attrs["num_clients"]),
+                num_classes=c,
+                num_clients=n,
                 input_shape=tuple(int(d) for d in np.atleast_1d(attrs["input_shape"])),
                 mean=tuple(float(v) for v in np.atleast_1d(attrs["mean"])),
                 std=tuple(float(v) for v in np.atleast_1d(attrs["std"])),
                 partition=_as_str(attrs["partition"]),
                 partition_params=params,
                 seed=int(attrs["seed"]),
-                train_counts=np.asarray(attrs["train_counts"], dtype=np.int64).reshape(-1),
-                test_counts=np.asarray(attrs["test_counts"], dtype=np.int64).reshape(-1),
-                train_label_counts=np.asarray(attrs["train_label_counts"], dtype=np.int64),
-                test_label_counts=np.asarray(attrs["test_label_counts"], dtype=np.int64),
                 vocab_size=vocab_size,
+                **counts,
             )
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
         raise UserError(f"shard file {path} could not be read (truncated or corrupt?): "
                         f"{' '.join(str(exc).split())}") from None
-    n, c = info.num_clients, info.num_classes
     for key in ("train_counts", "test_counts"):
         if getattr(info, key).shape != (n,):
             raise UserError(f"shard file {path}: attribute '{key}' has shape "
@@ -397,6 +598,76 @@ def read_info(path) -> ShardInfo:
         raise UserError(f"shard file {path}: an image shard's 'input_shape' must be [C, H, W], "
                         f"found {list(info.input_shape)}")
     return info
+
+
+def _compact_labels(labels) -> str:
+    """Render sorted ints compactly: [0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    labels = [int(v) for v in labels]
+    parts, i = [], 0
+    while i < len(labels):
+        j = i
+        while j + 1 < len(labels) and labels[j + 1] == labels[j] + 1:
+            j += 1
+        parts.append(str(labels[i]) if i == j else f"{labels[i]}-{labels[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
+
+
+def describe_lines(info: ShardInfo, all_clients: bool = False) -> list[str]:
+    """The text of ``fedcp-partition --describe``: the shard's attributes, then its clients.
+
+    Up to :data:`DESCRIBE_ROWS` clients (or with ``all_clients``) one row per client: train and
+    test samples and the classes present.  Beyond that, so that 10,000 clients do not print
+    10,000 lines: percentiles of those figures over the clients, the number of clients without
+    train or test samples, and the rows of the :data:`DESCRIBE_SMALLEST` smallest clients.  Both
+    end with the total row.
+    """
+    lines = [f"file:             {info.path}",
+             f"format_version:   {info.format_version}",
+             f"source:           {info.source} ({info.kind}, input {info.input_shape}, "
+             f"{info.num_classes} classes)"]
+    if info.kind == TEXT_KIND:
+        lines.append(f"vocabulary:       {info.vocab_size} token ids (0 = padding, 1 = unknown)")
+    else:
+        lines.append(f"mean / std:       {info.mean} / {info.std}")
+    lines += [f"partition:        {info.partition} "
+              f"{json.dumps(info.partition_params, sort_keys=True)}",
+              f"seed:             {info.seed}",
+              f"clients:          {info.num_clients}",
+              ""]
+    label_counts = info.train_label_counts + info.test_label_counts
+    header = f"{'client':>7} {'train':>8} {'test':>8} {'classes':>7}  labels"
+
+    def row(i: int) -> str:
+        present = np.flatnonzero(label_counts[i])
+        return (f"{i:>7} {int(info.train_counts[i]):>8} {int(info.test_counts[i]):>8} "
+                f"{len(present):>7}  {_compact_labels(present)}")
+
+    if all_clients or info.num_clients <= DESCRIBE_ROWS:
+        lines += [header] + [row(i) for i in range(info.num_clients)]
+    else:
+        sizes = info.train_counts + info.test_counts
+        quantiles = (0, 5, 25, 50, 75, 95, 100)
+        names = ("min", "5%", "25%", "median", "75%", "95%", "max")
+        lines.append(f"{'per client':<10}" + "".join(f"{q:>8}" for q in names) + f"{'mean':>10}")
+        for name, values in (("train", info.train_counts), ("test", info.test_counts),
+                             ("samples", sizes), ("classes", (label_counts > 0).sum(axis=1))):
+            q = np.percentile(values, quantiles, method="lower")
+            lines.append(f"{name:<10}" + "".join(f"{int(v):>8}" for v in q)
+                         + f"{float(np.mean(values)):>10.2f}")
+        lines += [f"clients without train samples: {int((info.train_counts == 0).sum())}, "
+                  f"without test samples: {int((info.test_counts == 0).sum())}",
+                  "",
+                  f"the {DESCRIBE_SMALLEST} smallest of {info.num_clients} clients "
+                  f"(every client: --describe FILE --all)",
+                  header]
+        smallest = np.argsort(sizes, kind="stable")[:DESCRIBE_SMALLEST]
+        lines += [row(int(i)) for i in smallest]
+    present = np.flatnonzero(label_counts.sum(axis=0))
+    lines.append(f"{'total':>7} {int(info.train_counts.sum()):>8} "
+                 f"{int(info.test_counts.sum()):>8} {len(present):>7}  "
+                 f"{_compact_labels(present)}")
+    return lines
 
 
 def read_vocab(path) -> list[str]:
@@ -430,14 +701,73 @@ def _check_text_arrays(path, cid: int, arrays: dict, max_len: int, vocab_size: i
                             f"outside [0, {max_len}]")
 
 
+def _row_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The rows [starts[k], starts[k] + lengths[k]) of every k, concatenated."""
+    before = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _gather_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
+    """``ds[rows]`` for sorted ``rows``, read a block of :data:`WRITE_SAMPLES` rows at a time.
+
+    Blocks are whole chunks, so each chunk is decompressed at most once whatever the chunk cache
+    holds, and only blocks that hold a wanted row are read.
+    """
+    out = np.empty((len(rows),) + ds.shape[1:], dtype=ds.dtype)
+    if not len(rows):
+        return out
+    cuts = np.flatnonzero(np.diff(rows // WRITE_SAMPLES)) + 1
+    for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(rows)]))):
+        first, last = int(rows[lo]), int(rows[hi - 1])
+        if last - first + 1 == hi - lo:  # contiguous rows: read straight into place
+            ds.read_direct(out, np.s_[first:last + 1], np.s_[lo:hi])
+        else:
+            out[lo:hi] = ds[first:last + 1][rows[lo:hi] - first]
+    return out
+
+
+def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int) -> dict:
+    """Version 3: each client's rows of every dataset in ``names`` (views of one array each)."""
+    order = np.unique(np.asarray(ids, dtype=np.int64))
+    out: dict[int, dict[str, np.ndarray]] = {int(c): {} for c in order}
+    for split in ("train", "test"):
+        offsets = _offsets(f, path, split, num_clients, names)
+        lengths = offsets[order + 1] - offsets[order]
+        rows = _row_ranges(offsets[order], lengths)
+        bounds = np.concatenate(([0], np.cumsum(lengths)))
+        for name in names:
+            if name.startswith(split):
+                data = _gather_rows(f[name], rows)
+                for k, cid in enumerate(order):
+                    out[int(cid)][name] = data[bounds[k]:bounds[k + 1]]
+    return out
+
+
+def _load_groups(f: h5py.File, path, ids: list[int], names, num_clients: int) -> dict:
+    """Versions 1 and 2: each client's datasets from its group."""
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for cid in ids:
+        key = f"clients/{cid}"
+        if key not in f:
+            raise UserError(f"shard file {path} has no client {cid} "
+                            f"(it holds {num_clients} clients)")
+        group = f[key]
+        arrays = {}
+        for name in names:
+            if name not in group:
+                raise UserError(f"shard file {path}: client {cid} lacks dataset '{name}'")
+            arrays[name] = group[name][()]
+        out[cid] = arrays
+    return out
+
+
 def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
     """Read the arrays of the given clients, opening the file once.
 
     Returns ``{client_id: {"train_x", "train_y", "test_x", "test_y"}}``; text shards add
-    ``"train_len"`` and ``"test_len"``.
+    ``"train_len"`` and ``"test_len"``.  Memory: the clients' arrays plus one block of rows.
     """
     f = _open(path)
-    out: dict[int, dict[str, np.ndarray]] = {}
     try:
         with f:
             version = _check_version(f, path)
@@ -451,25 +781,24 @@ def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
                         raise UserError(f"shard file {path} lacks the attribute '{key}'")
                 vocab_size = int(f.attrs["vocab_size"])
                 max_len = int(np.atleast_1d(f.attrs["input_shape"])[0])
-            for cid in client_ids:
-                cid = int(cid)
-                key = f"clients/{cid}"
-                if key not in f:
-                    raise UserError(f"shard file {path} has no client {cid} "
-                                    f"(it holds {num_clients} clients)")
-                group = f[key]
-                arrays = {}
-                for name in names:
-                    if name not in group:
-                        raise UserError(f"shard file {path}: client {cid} lacks dataset '{name}'")
-                    arrays[name] = group[name][()]
+            ids = [int(cid) for cid in client_ids]
+            if version >= FORMAT_VERSION:
+                if "num_clients" not in f.attrs:
+                    raise UserError(f"shard file {path} lacks the attribute 'num_clients'")
+                for cid in ids:
+                    if not 0 <= cid < num_clients:
+                        raise UserError(f"shard file {path} has no client {cid} "
+                                        f"(it holds {num_clients} clients)")
+                out = _load_split_rows(f, path, ids, names, num_clients)
+            else:
+                out = _load_groups(f, path, ids, names, num_clients)
+            for cid, arrays in out.items():
                 if len(arrays["train_x"]) != len(arrays["train_y"]) or \
                         len(arrays["test_x"]) != len(arrays["test_y"]):
                     raise UserError(f"shard file {path}: client {cid} has samples and labels "
                                     f"of different lengths")
                 if kind == TEXT_KIND:
                     _check_text_arrays(path, cid, arrays, max_len, vocab_size)
-                out[cid] = arrays
     except (OSError, RuntimeError, KeyError) as exc:
         raise UserError(f"shard file {path}: could not read client data (corrupt file?): "
                         f"{' '.join(str(exc).split())}") from None
