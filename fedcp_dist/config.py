@@ -25,14 +25,6 @@ AMP_MODES = ("none", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 # SIGUSR1 is left alone: NCCL may use it
 PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
-#: keys that may change when a run is resumed; any other change is refused
-RESUMABLE_CHANGES = (
-    "rounds", "eval_every", "eval_batch_size", "out_dir", "overwrite", "resume", "checkpoint_every",
-    "keep_checkpoints", "preempt_signal", "device", "threads", "collective_timeout", "on_nonfinite",
-    "peer_memory_mb", "fused", "fused_group",
-    # checks of the shard against the config, not part of the run's trajectory
-    "data.num_clients", "data.source", "data.input_shape",
-)
 
 
 @dataclass

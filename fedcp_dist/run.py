@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional, Sequence
 
 from fedcp_dist.config import dump_config, load_config
 from fedcp_dist.errors import ArgumentParser, Preempted, cli_main
@@ -26,20 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@cli_main
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        print(dump_config(cfg), end="")
-        return None
+def run_config(config_path: Optional[str], overrides: Sequence[str] = ()) -> dict:
+    """Run the experiment of ``config_path`` (None: the defaults) with ``key=value`` overrides on
+    every rank of this job; returns its summary (on every rank).
+
+    Raises :class:`~fedcp_dist.errors.UserError` for a bad config or out_dir, ``RunFailure`` when the
+    run cannot go on and ``Preempted`` once a preemption signal's checkpoint is written.
+    """
+    cfg = load_config(config_path, list(overrides))
     # imported here so that --help and config errors stay fast
     from fedcp_dist.runtime import init_runtime
     from fedcp_dist.simulator import Simulator
 
     rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
     try:
-        Simulator(cfg, rt).run()
+        return Simulator(cfg, rt).run()
     except Preempted:
         # torchrun turns a worker's exit status into its own: job scripts read this file instead
         status_file = os.environ.get("FEDCP_STATUS_FILE")
@@ -49,6 +51,16 @@ def main(argv=None):
         raise
     finally:
         rt.close()
+
+
+@cli_main
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.print_config:
+        print(dump_config(load_config(args.config, args.overrides)), end="")
+        return None
+    run_config(args.config, args.overrides)
+    return None
 
 
 if __name__ == "__main__":

@@ -26,18 +26,17 @@ from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.config import RESUMABLE_CHANGES, Config, dump_config, flatten
+from fedcp_dist.config import Config, dump_config, flatten
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import load_clients, read_info
 from fedcp_dist.errors import Preempted, RunFailure, UserError
-from fedcp_dist.metrics import RunWriter
 from fedcp_dist.models import build_model
 from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, place_clients, sample_cohort, stream_seed
+from fedcp_dist.rundir import RESUMABLE_CHANGES, RUN_FILES, RunWriter, result_table  # noqa: F401 (RUN_FILES: kept importable here)
 from fedcp_dist.runtime import Runtime
 
 TRAIN_METRICS = ("train_loss_sum", "train_samples", "stop_requests", "nonfinite_clients", "nonfinite_client_id_sum")
 EVAL_METRICS = ("correct", "test_samples", "acc_client_sum", "clients", "auc_weighted_sum", "loss_sum")
-RUN_FILES = ("metrics.jsonl", "summary.json", "final_global.pt", "config.yaml")
 BN_STAT_SUFFIXES = (".running_mean", ".running_var")
 BN_PREFIX = "__bn__/"  # a client's own BatchNorm statistics, inside its checkpointed state
 
@@ -467,20 +466,3 @@ class Simulator:
             f"[eval after {t:>4}/{self.cfg.rounds} rounds] acc {e['acc']:.4f}  client-mean {e['acc_client_mean']:.4f}  "
             f"auc {e['auc']:.4f}{tail}"
         )
-
-
-def result_table(s: dict) -> str:
-    rows = [
-        ("method", s["method"]),
-        ("data", f"{s['source']}, {s['num_clients']} clients"),
-        ("ranks", f"{s['world_size']} ({s['launcher']}, {s['device']})"),
-        ("rounds", s["rounds"]),
-        ("best accuracy", f"{100 * s['best_acc']:.2f} %  (after {s['best_after_rounds']} rounds)"),
-        ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
-        ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),
-        ("final micro AUC", f"{s['final_auc']:.4f}"),
-        ("seconds per round", f"{s['seconds_per_round']:.3f}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    line = "-" * (width + 32)
-    return "\n".join([line, *[f"{k:<{width}}  {v}" for k, v in rows], line])

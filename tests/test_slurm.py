@@ -16,6 +16,8 @@ import uuid
 import pytest
 
 from conftest import BIN, REPO
+from fedcp_dist.cli import report
+from fedcp_dist.cli import sweep as sweep_cli
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
 TRAIN = REPO / "slurm" / "train.sbatch"
@@ -208,9 +210,10 @@ def test_other_exit_status_passes_through(cluster, tmp_path):
     assert (_field(record, "JobState"), _field(record, "ExitCode"), _field(record, "Restarts")) == ("FAILED", "3:0", "0")
 
 
-def test_submitit_sweep_completes_reports_and_is_not_resubmitted(cluster, digits6, tmp_path):
+def test_submitit_sweep_completes_reports_and_is_not_resubmitted(cluster, digits6, tmp_path, capsys, monkeypatch):
     """fedcp-sweep's SLURM executor: one submitit array job of 2 tasks on the real cluster, the
-    report has both rows, and a second invocation over the finished sweep submits nothing."""
+    report has both rows, and a second invocation over the finished sweep submits nothing (the
+    report and the second invocation run in this process: neither starts a run)."""
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(json.dumps({
         "name": "two", "root": str(tmp_path / "sweeps"), "base": str(CONFIG),
@@ -227,13 +230,14 @@ def test_submitit_sweep_completes_reports_and_is_not_resubmitted(cluster, digits
     rows = list((tmp_path / "sweeps" / "two" / "runs").glob("*/summary.json"))
     assert len(rows) == 2
     assert {json.loads(r.read_text())["launcher"] for r in rows} == {"slurm"}
-    r = subprocess.run([str(BIN / "fedcp-report"), str(tmp_path / "sweeps" / "two")], cwd=REPO, env=_env(),
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    report.main([str(tmp_path / "sweeps" / "two"), "--no-plots"])
     table = (tmp_path / "sweeps" / "two" / "report.md").read_text()
     assert re.search(r"\| fedcp \|.*±", table) and re.search(r"\| fedavg \|.*±", table), table
-    again = run("--wait")
-    assert again.returncode == 0 and "nothing to submit" in again.stdout and "submitted" not in again.stdout
+    capsys.readouterr()
+    monkeypatch.setenv("PATH", _env()["PATH"])
+    sweep_cli.main([str(sweep), "--wait"])
+    again = capsys.readouterr().out
+    assert "nothing to submit" in again and "submitted" not in again and "warning" not in again
 
 
 def _rank_pids(out_dir):

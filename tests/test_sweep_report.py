@@ -1,12 +1,14 @@
 """fedcp-sweep and fedcp-report: grid expansion, refusals, the local executor, shared partitions, the table.
 
 One real sweep (FedCP and FedAvg × 2 seeds, 2 rounds of 3 out of 6 digits clients, about 6 s a run on
-an idle 2-core machine) runs once for the module; everything else reads its directory or hand-written runs.
+an idle 2-core machine) runs once for the module through the fedcp-sweep command; everything else reads its
+directory or hand-written runs, or calls the library in this process (one more 1-round run).
 """
 import csv
 import json
 import pickle
 import shutil
+import signal
 import statistics
 from pathlib import Path
 
@@ -14,9 +16,15 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, run_cmd
-from fedcp_dist.cli import report, sweep
+from fedcp_dist import run as fedcp_run
+from fedcp_dist import sweep
+from fedcp_dist.cli import report
+from fedcp_dist.cli import sweep as sweep_cli
+from fedcp_dist.cli.partition import main as partition_main
 from fedcp_dist.config import Config, dump_config, parse_overrides
-from fedcp_dist.errors import UserError
+from fedcp_dist.data.make import PartitionSpec, make_shard
+from fedcp_dist.data.shards import read_info
+from fedcp_dist.errors import Preempted, UserError
 
 BASE = str(REPO / "configs" / "digits_fedcp.yaml")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -88,23 +96,24 @@ def test_grid_expansion_and_stable_names(tmp_path, digits6):
     ({"executor": {"slurm": {"gpus": 1}}}, "executor.slurm.gpus"),
     ({"partition": {"betaa": 0.1, "num_clients": 6}}, "partition.betaa"),
     ({"partition": {"beta": "x", "num_clients": 6}}, "partition.beta"),
+    ({"partition": {"beta": 0, "num_clients": 6}}, "--beta must be > 0"),  # refused before anything is made
     ({"base": "configs/none.yaml"}, "'base'"),
     ({"name": "a/b"}, "'name'"),
 ])
 def test_bad_sweeps_name_the_key(fields, key, tmp_path, capsys):
-    err = cli_error(capsys, sweep.main, [str(write_sweep(tmp_path, **fields)), "--dry-run"])
+    err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path, **fields)), "--dry-run"])
     assert key in err
     assert not (tmp_path / "sweeps").exists()
 
 
 def test_unknown_grid_key_suggests(tmp_path, capsys):
-    err = cli_error(capsys, sweep.main, [str(write_sweep(tmp_path, grid={"lamb": [1, 5]}))])
+    err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path, grid={"lamb": [1, 5]}))])
     assert "sweep grid key 'lamb'" in err and "did you mean 'lam'" in err
 
 
 def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
     path = write_sweep(tmp_path, grid={"method": ["fedcp", "fedavg"], "seed": [1, 2, 3]}, partition=DIGITS6)
-    sweep.main([str(path), "--dry-run"])
+    sweep_cli.main([str(path), "--dry-run"])
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("[")]
     assert len(lines) == 6 and all(" pending " in ln and "-m fedcp_dist.run --config" in ln for ln in lines)
@@ -140,6 +149,31 @@ def test_partitions_are_made_once_per_distinct_setting(tmp_path):
     assert sweep.make_partitions(sw, say=lambda *_: None) == []  # already there
 
 
+def test_make_shard_is_the_partition_command_as_a_function(tmp_path, capsys):
+    spec = PartitionSpec.from_dict({"num_clients": 4, "beta": 1, "seed": 3})
+    assert spec.beta == 1.0 and isinstance(spec.beta, float) and spec.source == "digits"
+    assert sweep.partition_file_name(spec) == "digits_dir1.0_n4_s3.h5"
+    out = make_shard(spec, tmp_path / "a.h5", say=lambda *_: None)
+    partition_main(["--num-clients", "4", "--beta", "1", "--seed", "3", "--out", str(tmp_path / "b.h5")])
+    a, b = read_info(out), read_info(tmp_path / "b.h5")
+    assert a.num_clients == 4 and a.seed == 3 and a.partition_params["beta"] == 1.0
+    assert a.train_counts.tolist() == b.train_counts.tolist() and a.partition_params == b.partition_params
+    assert (a.train_label_counts == b.train_label_counts).all()
+    with pytest.raises(UserError, match="already exists; pass --force"):
+        make_shard(spec, out)
+    make_shard(PartitionSpec(num_clients=5), out, force=True, say=lambda *_: None)
+    assert read_info(out).num_clients == 5
+    with pytest.raises(UserError, match="--beta must be > 0, got 0.0"):
+        make_shard(PartitionSpec(num_clients=4, beta=0), tmp_path / "c.h5")
+    with pytest.raises(UserError, match="--num-clients is required"):
+        make_shard(PartitionSpec(), tmp_path / "c.h5")
+    assert not (tmp_path / "c.h5").exists()
+    with pytest.raises(UserError, match="'betta' is not a fedcp-partition option"):
+        PartitionSpec.from_dict({"betta": 1})
+    with pytest.raises(UserError, match="expected float, got 'x'"):
+        PartitionSpec.from_dict({"beta": "x"})
+
+
 # ----------------------------------------------------------------------------- a real sweep
 
 
@@ -152,7 +186,7 @@ def finished_sweep(tmp_path_factory):
     return path, folder / "sweeps" / "real", res
 
 
-def test_local_executor_runs_the_points_then_skips_them(finished_sweep):
+def test_local_executor_runs_the_points_then_skips_them(finished_sweep, capsys):
     path, sweep_dir, first = finished_sweep
     assert first.returncode == 0, first.stdout + first.stderr
     assert "4 to run" in first.stdout and "[4/4] running" in first.stdout
@@ -171,14 +205,16 @@ def test_local_executor_runs_the_points_then_skips_them(finished_sweep):
 
     stamps = {f: f.stat().st_mtime_ns for r in runs for f in (r / "summary.json", r / "metrics.jsonl")}
     logs = {f: f.read_text() for f in (sweep_dir / "logs").iterdir()}
-    again = run_cmd([str(BIN / "fedcp-sweep"), str(path)], timeout=120)
-    assert again.returncode == 0, again.stderr
-    assert "4 finished, 0 to run" in again.stdout and again.stdout.count("(skipped)") == 4
-    assert "running" not in again.stdout
+    capsys.readouterr()
+    sweep_cli.main([str(path)])  # again, in this process: nothing runs, so nothing needs a process of its own
+    again = capsys.readouterr().out
+    assert "4 finished, 0 to run" in again and again.count("(skipped)") == 4
+    assert "running" not in again and "warning" not in again
     assert stamps == {f: f.stat().st_mtime_ns for f in stamps}
     assert logs == {f: f.read_text() for f in (sweep_dir / "logs").iterdir()}
-    dry = run_cmd([str(BIN / "fedcp-sweep"), str(path), "--dry-run"], timeout=120)
-    assert dry.stdout.count(" finished ") == 4 and "pending" not in dry.stdout
+    sweep_cli.main([str(path), "--dry-run"])
+    dry = capsys.readouterr().out
+    assert dry.count(" finished ") == 4 and "pending" not in dry and "config differs" not in dry
 
 
 def _summaries(sweep_dir: Path) -> dict:
@@ -266,7 +302,7 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     fake_run(tmp_path / "runs" / "b" / "fedavg", "fedavg", 1, 0.1, 0.5)
     report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| method | lam=0.1 | lam=1 |" in md
+    assert "| method | lam=0.1 | lam=1.0 |" in md
     m, s = statistics.mean([90, 92, 95]), statistics.pstdev([90, 92, 95])
     assert f"| fedcp | {m:.2f} ± {s:.2f} | 82.00 ± 2.00 (2/3) |" in md
     assert "| fedavg | 50.00 ± 0.00 (n=1) |  |" in md
@@ -299,9 +335,38 @@ def test_slurm_callable_pickles_and_requeues_itself(tmp_path):
     path = write_sweep(tmp_path, executor={"kind": "slurm", "nproc": 2, "slurm": {
         "partition": "debug", "gpus_per_task": 1, "cpus_per_task": 4, "time_min": 30, "array_parallelism": 8}},
         overrides={"rounds": 2, "data": {"path": BASE}})
-    params = sweep._slurm_parameters(sweep.load_sweep(path))
+    params = sweep.slurm_parameters(sweep.load_sweep(path))
     assert params == {"name": "fedcp-t", "timeout_min": 30, "tasks_per_node": 2, "nodes": 1, "gpus_per_node": 2,
                       "slurm_partition": "debug", "cpus_per_task": 4, "slurm_array_parallelism": 8,
                       "slurm_signal_delay_s": 120}
     with pytest.raises(UserError, match="tasks_per_node"):
         sweep.load_sweep(write_sweep(tmp_path, executor={"nproc": 2, "slurm": {"tasks_per_node": 4}}))
+
+
+def test_slurm_task_of_several_ranks_runs_the_config_in_process(digits6, tmp_path, monkeypatch):
+    """Every task of a multi-task run calls fedcp_dist.run.run_config; a preempted run requeues through
+    submitit's handler when it is installed, and is an error otherwise."""
+    monkeypatch.chdir(REPO)  # the task changes to the submit directory
+    out = tmp_path / "run"
+    args = ["--config", BASE, f"data.path={digits6}", "rounds=1", "threads=1", f"out_dir={out}"]
+    task = sweep.SweepRun(cwd=str(REPO), in_process=True)
+    summary = task("p", args)
+    assert summary["rounds"] == 1 and summary == json.loads((out / "summary.json").read_text())
+
+    def preempted(*_):
+        raise Preempted("checkpointed after 1 rounds")
+
+    monkeypatch.setattr(fedcp_run, "run_config", preempted)
+    with pytest.raises(Preempted):
+        task("p", args)
+    calls = []
+
+    def checkpoint_and_try_requeue(signum, frame):  # the name submitit's handler has
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGUSR2, checkpoint_and_try_requeue)
+    try:
+        assert task("p", args) is None
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert calls == [signal.SIGUSR2]

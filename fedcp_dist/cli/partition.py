@@ -12,6 +12,7 @@ Three modes::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedcp_dist.data.make import PartitionSpec, check_out, make_shard, say_written, text_options, with_progress
 from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_VOCAB_SIZE
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 
@@ -82,111 +84,16 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _check_out(args) -> Path:
+def _out_arg(args) -> str:
     if not args.out:
         raise UserError("--out FILE is required (or use --describe FILE)")
-    out = Path(args.out)
-    if out.is_dir():
-        raise UserError(f"--out {out} is a directory; give a file name")
-    if out.exists() and not args.force:
-        raise UserError(f"--out {out} already exists; pass --force to overwrite it")
-    return out
-
-
-def _with_progress(clients, total: int):
-    """Yield ``clients`` unchanged under a progress bar (shown once writing takes 2 s)."""
-    from fedcp_dist.data.sources import progress
-
-    return progress(clients, total=total, desc="writing clients", unit="client")
-
-
-def _summary(path: Path) -> None:
-    from fedcp_dist.data.shards import read_info
-
-    info = read_info(path)
-    vocab = f", vocabulary of {info.vocab_size} tokens" if info.kind == "text" else ""
-    _say(f"wrote {path}: {info.num_clients} clients, {int(info.train_counts.sum())} train / "
-         f"{int(info.test_counts.sum())} test samples, input {info.input_shape}, "
-         f"{info.num_classes} classes{vocab}")
-
-
-def _text_options(args, kind: str, source_name: str) -> dict:
-    """The text options given (defaults filled in); an error if given for an image source."""
-    given = {"max_len": args.max_len, "vocab_size": args.vocab_size, "min_freq": args.min_freq}
-    if kind != "text":
-        for key, value in given.items():
-            if value is not None:
-                raise UserError(f"--{key.replace('_', '-')} applies to text sources (agnews) "
-                                f"only, not to '{source_name}'")
-        return {}
-    defaults = {"max_len": DEFAULT_MAX_LEN, "vocab_size": DEFAULT_VOCAB_SIZE,
-                "min_freq": DEFAULT_MIN_FREQ}
-    opts = {k: (defaults[k] if v is None else v) for k, v in given.items()}
-    if opts["max_len"] < 1:
-        raise UserError(f"--max-len must be >= 1, got {opts['max_len']}")
-    if opts["vocab_size"] < 3:
-        raise UserError(f"--vocab-size must be >= 3 (it counts the padding and unknown ids), "
-                        f"got {opts['vocab_size']}")
-    if opts["min_freq"] < 1:
-        raise UserError(f"--min-freq must be >= 1, got {opts['min_freq']}")
-    return opts
+    return args.out
 
 
 def _partition(args) -> None:
-    from fedcp_dist.data.partition import client_rows, least_samples, partition_clients
-    from fedcp_dist.data.shards import write_shard
-    from fedcp_dist.data.sources import load_source, source_kind
-
-    source_name = args.source or "digits"
-    kind = source_kind(source_name)
-    text_opts = _text_options(args, kind, source_name)
-    if args.num_clients is None:
-        raise UserError("--num-clients is required")
-    if args.num_clients < 1:
-        raise UserError(f"--num-clients must be >= 1, got {args.num_clients}")
-    if not args.beta > 0:
-        raise UserError(f"--beta must be > 0, got {args.beta}")
-    if not 0 < args.train_ratio < 1:
-        raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {args.train_ratio}")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_tries < 1:
-        raise UserError(f"--max-tries must be >= 1, got {args.max_tries}")
-    if args.classes_per_client < 1:
-        raise UserError(f"--classes-per-client must be >= 1, got {args.classes_per_client}")
-    out = _check_out(args)
-
-    _say(f"loading source {source_name}" + (f" from {args.root}" if args.root else ""))
-    src = load_source(source_name, root=args.root, download=args.download, **text_opts)
-    vocab = f", vocabulary of {src.vocab_size} tokens" if src.kind == "text" else ""
-    _say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")
-
-    _say(f"partitioning: {args.partition}, {args.num_clients} clients, seed {args.seed}")
-    part = partition_clients(src.y, src.num_classes, args.partition, args.num_clients, args.seed,
-                             beta=args.beta, classes_per_client=args.classes_per_client,
-                             balance=not args.unbalanced, batch_size=args.batch_size,
-                             train_ratio=args.train_ratio, max_tries=args.max_tries)
-    shares = part.shares
-    _say(f"  {part.report.summary()}")
-    params = {"train_ratio": args.train_ratio, "batch_size": args.batch_size,
-              "least_samples": least_samples(args.batch_size, args.train_ratio, len(src.y),
-                                             args.num_clients)}
-    if args.partition == "dir":
-        params.update(beta=args.beta, max_tries=args.max_tries)
-    elif args.partition == "pat":
-        params.update(classes_per_client=args.classes_per_client, balance=not args.unbalanced)
-    params.update(part.report.params())
-    params.update(src.params)
-    if args.root:
-        params["root"] = os.path.abspath(args.root)
-
-    clients = client_rows(src.x, src.y, shares, src.lengths)
-    _say(f"writing {len(shares)} clients to {out}")
-    write_shard(out, _with_progress(clients, len(shares)), source=src.name,
-                num_classes=src.num_classes, input_shape=src.input_shape, mean=src.mean,
-                std=src.std, partition=args.partition, partition_params=params, seed=args.seed,
-                kind=src.kind, vocab=src.vocab)
-    _summary(out)
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(PartitionSpec)}
+    spec = PartitionSpec(**{**options, "source": args.source or "digits"})
+    make_shard(spec, _out_arg(args), force=args.force, say=_say)
 
 
 # ----------------------------------------------------------------------------- npz import
@@ -278,7 +185,7 @@ def _from_npz(args) -> None:
     from fedcp_dist.data.shards import write_shard
 
     folder = Path(args.from_npz)
-    out = _check_out(args)
+    out = check_out(_out_arg(args), args.force)
     if args.num_classes is not None and args.num_classes < 1:
         raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
     ids = _npz_ids(folder / "train")
@@ -311,11 +218,11 @@ def _from_npz(args) -> None:
     channels = int(shape[0])
     clients = (_load_npz_client(folder, i, args.allow_pickle) for i in ids)
     _say(f"writing {n} clients to {out}")
-    write_shard(out, _with_progress(clients, n), source=args.source or "npz",
+    write_shard(out, with_progress(clients, n), source=args.source or "npz",
                 num_classes=num_classes, input_shape=shape, mean=(0.5,) * channels,
                 std=(0.5,) * channels, partition="npz",
                 partition_params={"dir": str(folder.resolve())}, seed=-1)
-    _summary(out)
+    say_written(out, _say)
 
 
 # ----------------------------------------------------------------------------- describe
@@ -335,7 +242,8 @@ def main(argv=None) -> None:
     if args.describe and args.from_npz:
         raise UserError("--describe and --from-npz cannot be used together")
     if args.describe or args.from_npz:
-        _text_options(args, "image", "--describe" if args.describe else "--from-npz")
+        text_options(args.max_len, args.vocab_size, args.min_freq, "image",
+                     "--describe" if args.describe else "--from-npz")
     if args.all and not args.describe:
         raise UserError("--all applies to --describe only")
     if args.describe:

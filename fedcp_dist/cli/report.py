@@ -26,18 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
-from fedcp_dist.config import flatten
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
+from fedcp_dist.rundir import CHECKPOINTS, CONFIG, NOT_DEFINING, SUMMARY, RunDir, format_value
+from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
-MANIFEST = "sweep.json"
-#: config keys that say where or how a run was written, not what was run
-NOT_SETTINGS = ("out_dir", "overwrite", "resume", "checkpoint_every", "keep_checkpoints", "preempt_signal",
-                "device", "threads", "collective_timeout")
-#: keys that are never columns: a row is a method, a cell pools the seeds
+#: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not
+#: define an experiment, fedcp_dist.rundir.NOT_DEFINING, never are either)
 ROW_KEYS = ("method", "seed")
-SKIP_DIRS = ("submitit", "logs", "data", "checkpoints", "__pycache__")
+SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
 MISSING_CELL = "–"
 
 
@@ -74,55 +70,24 @@ class Run:
     def curve(self) -> list:
         """[(evaluated_after, acc)] from metrics.jsonl, the last record of each evaluation point."""
         if self._curve is None:
-            points: dict = {}
             try:
-                with open(self.path / "metrics.jsonl", encoding="utf-8") as f:
-                    for line in f:
-                        try:
-                            rec = json.loads(line)
-                        except ValueError:
-                            continue
-                        if isinstance(rec, dict) and "acc" in rec and "evaluated_after" in rec:
-                            points[int(rec["evaluated_after"])] = float(rec["acc"])
-            except OSError:
-                pass
+                records = RunDir(self.path).read_metrics()
+            except UserError as exc:
+                print(f"warning: {exc}; its curve is left out", file=sys.stderr)
+                records = []
+            points = {int(r["evaluated_after"]): float(r["acc"]) for r in records if "acc" in r and "evaluated_after" in r}
             self._curve = sorted(points.items())
         return self._curve
 
 
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return {}
-    return flatten(data) if isinstance(data, dict) else {}
-
-
-def _fmt_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt_value(v) for v in value) + "]"
-    if value is None:
-        return "null"
-    return str(value)
+def _read(path: Path) -> tuple:
+    """(flat config, summary) of the run in ``path``; {} and None for what it lacks."""
+    run = RunDir(path)
+    return run.read_config() or {}, run.read_summary()
 
 
 def _label(params: dict, keys) -> str:
-    return ",".join(f"{k}={_fmt_value(params.get(k))}" for k in keys) or "run"
+    return ",".join(f"{k}={format_value(params.get(k))}" for k in keys) or "run"
 
 
 def _sort_key(value: Any):
@@ -148,7 +113,7 @@ def _find(root: Path) -> tuple[list, list]:
         here = Path(dirpath)
         if MANIFEST in filenames:
             manifests.append(here / MANIFEST)
-        if "config.yaml" in filenames:
+        if CONFIG in filenames:
             runs.append(here)
             dirnames[:] = []  # a run holds no runs
             continue
@@ -180,8 +145,8 @@ def collect(root) -> Collection:
     sweeps: list = []
     expected = []  # (path, params, sweep name) from manifests
     for mpath in manifest_paths:
-        m = _read_json(mpath)
-        if not m or not isinstance(m.get("points"), list):
+        m = read_manifest(mpath)
+        if m is None:
             print(f"warning: {mpath} is not a sweep manifest; ignored", file=sys.stderr)
             continue
         rel = os.path.relpath(mpath.parent.resolve(), root.resolve())
@@ -208,22 +173,20 @@ def collect(root) -> Collection:
         if path in seen:
             continue
         seen.add(path)
-        config = _read_config(path / "config.yaml") if (path / "config.yaml").exists() else {}
-        summary = _read_json(path / "summary.json")
+        config, summary = _read(path)
         why = ""
         if summary is None:
-            why = "not started" if not path.exists() else "no summary.json: unfinished or failed"
+            why = "not started" if not path.exists() else f"no {SUMMARY}: unfinished or failed"
         runs.append(Run(path, params, config, summary, "", why, name))
     for path in run_dirs:
         path = path.resolve()
         if path in seen:
             continue
         seen.add(path)
-        config = _read_config(path / "config.yaml")
-        summary = _read_json(path / "summary.json")
-        runs.append(Run(path, {}, config, summary, "", "" if summary else "no summary.json: unfinished or failed"))
+        config, summary = _read(path)
+        runs.append(Run(path, {}, config, summary, "", "" if summary else f"no {SUMMARY}: unfinished or failed"))
     if not runs:
-        raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding config.yaml)")
+        raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
     return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps)
 
 
@@ -256,7 +219,7 @@ def _differing(runs) -> list:
                 keys.append(k)
     out = []
     for k in keys:
-        if k in ROW_KEYS or k in NOT_SETTINGS:
+        if k in ROW_KEYS or k in NOT_DEFINING:
             continue
         values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
         if len(values) > 1:
@@ -332,7 +295,7 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     finished = [r for r in runs if r.finished]
     if finished and not any(isinstance(r.summary.get(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-        raise UserError(f"fedcp-report: --metric '{metric}' is in no summary.json; numeric keys: {', '.join(known)}")
+        raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}")
     cells: dict = {}
     settings: dict = {}
     missing = []
@@ -345,7 +308,7 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         cell.runs.append(r)
         value = r.summary.get(metric) if r.finished else None
         if r.finished and not isinstance(value, (int, float)):
-            r.why = f"summary.json has no numeric '{metric}'"
+            r.why = f"{SUMMARY} has no numeric '{metric}'"
         if r.finished and isinstance(value, (int, float)) and math.isfinite(value):
             cell.values.append(scale * float(value))
             cell.seeds.append(r.seed)
@@ -548,7 +511,7 @@ def plot_against_keys(table: Table, out: Path) -> list:
             if min(xs) > 0 and max(xs) / min(xs) >= 50:
                 ax.set_xscale("log")
         else:
-            ax.set_xticks(range(len(order)), [_fmt_value(values[t]) for t in order], rotation=20, fontsize=8)
+            ax.set_xticks(range(len(order)), [format_value(values[t]) for t in order], rotation=20, fontsize=8)
         ax.set_xlabel(key)
         ax.set_ylabel(f"{table.metric} (%)" if _is_percent(table.metric) else table.metric)
         ax.set_title(f"{table.metric} against {key} (mean ± std over seeds)", fontsize=10)

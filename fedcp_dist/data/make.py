@@ -1,0 +1,230 @@
+"""Make a client shard from a partition spec: the library behind ``fedcp-partition`` and sweeps.
+
+    spec = PartitionSpec(source="digits", partition="dir", beta=0.1, num_clients=20, seed=1)
+    make_shard(spec, "data/digits_dir0.1_n20.h5")
+
+A :class:`PartitionSpec` holds the options of ``fedcp-partition``'s partition mode under the same
+names and with the same defaults; a sweep's ``partition`` block is one. Every mistake is a one-line
+:class:`~fedcp_dist.errors.UserError` that names the option as the command line spells it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from fedcp_dist.config import type_ok
+from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_VOCAB_SIZE
+from fedcp_dist.errors import UserError
+
+SCHEMES = ("dir", "pat", "iid")
+
+
+def flag(option: str) -> str:
+    """``num_clients`` → ``--num-clients``: an option as the command line spells it."""
+    return f"--{option.replace('_', '-')}"
+
+
+@dataclass
+class PartitionSpec:
+    """What to partition and how: the options of ``fedcp-partition`` (partition mode)."""
+
+    #: data source: digits (offline), mnist, fmnist, cifar10, cifar100, tinyimagenet, agnews (text)
+    source: str = "digits"
+    #: directory holding the source's files
+    root: Optional[str] = None
+    #: let torchvision download the source
+    download: bool = False
+    #: partition scheme: dir | pat | iid
+    partition: str = "dir"
+    #: number of clients (required)
+    num_clients: Optional[int] = None
+    #: Dirichlet concentration (dir)
+    beta: float = 0.1
+    #: classes per client (pat)
+    classes_per_client: int = 2
+    #: pat: draw unequal share sizes
+    unbalanced: bool = False
+    #: batch size, only used for the minimum client size
+    batch_size: int = 10
+    #: fraction of each client's samples used for training
+    train_ratio: float = 0.75
+    #: random seed of the partition
+    seed: int = 1
+    #: dir: redraws before giving up
+    max_tries: int = 10000
+    #: text sources: tokens kept per text (None: the default)
+    max_len: Optional[int] = None
+    #: text sources: most token ids, padding and unknown included (None: the default)
+    vocab_size: Optional[int] = None
+    #: text sources: fewest occurrences for a token to get its own id (None: the default)
+    min_freq: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # an integer given for a float option is that float (as the command line reads "1" as 1.0),
+        # so that the same partition always gets the same file name
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if option_types()[f.name] is float and type_ok(value, float):
+                setattr(self, f.name, float(value))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "PartitionSpec":
+        """A spec from ``{option: value}``; an unknown option or a value of the wrong type is a UserError."""
+        types = option_types()
+        for key, value in values.items():
+            if key not in types:
+                raise UserError(f"'{key}' is not a fedcp-partition option; known: {', '.join(types)}")
+            check_option(key, value)
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Refuse impossible values (before any data is loaded)."""
+        check_option_values(self)
+        if self.partition not in SCHEMES:
+            raise UserError(f"--partition must be one of {', '.join(SCHEMES)}, got {self.partition!r}")
+        if self.num_clients is None:
+            raise UserError("--num-clients is required")
+        if self.num_clients < 1:
+            raise UserError(f"--num-clients must be >= 1, got {self.num_clients}")
+        if not self.beta > 0:
+            raise UserError(f"--beta must be > 0, got {self.beta}")
+        if not 0 < self.train_ratio < 1:
+            raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {self.train_ratio}")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_tries < 1:
+            raise UserError(f"--max-tries must be >= 1, got {self.max_tries}")
+        if self.classes_per_client < 1:
+            raise UserError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
+
+
+def option_types() -> dict:
+    """option → the type its value must have (bool options are command-line flags)."""
+    hints = typing.get_type_hints(PartitionSpec)
+    return {f.name: hints[f.name] for f in dataclasses.fields(PartitionSpec)}
+
+
+def _type_name(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return (args[0] if args else tp).__name__
+
+
+def check_option(key: str, value) -> None:
+    """A UserError when ``value`` has the wrong type for option ``key``."""
+    tp = option_types()[key]
+    if not type_ok(value, tp):
+        raise UserError(f"expected {_type_name(tp)}, got {value!r}")
+
+
+def check_option_values(spec: PartitionSpec) -> None:
+    for key in option_types():
+        try:
+            check_option(key, getattr(spec, key))
+        except UserError as exc:
+            raise UserError(f"{flag(key)}: {exc}") from None
+
+
+def text_options(max_len: Optional[int], vocab_size: Optional[int], min_freq: Optional[int], kind: str,
+                 source_name: str) -> dict:
+    """The text options given, defaults filled in, for a text source; an error if given for another."""
+    given = {"max_len": max_len, "vocab_size": vocab_size, "min_freq": min_freq}
+    if kind != "text":
+        for key, value in given.items():
+            if value is not None:
+                raise UserError(f"{flag(key)} applies to text sources (agnews) only, not to '{source_name}'")
+        return {}
+    defaults = {"max_len": DEFAULT_MAX_LEN, "vocab_size": DEFAULT_VOCAB_SIZE, "min_freq": DEFAULT_MIN_FREQ}
+    opts = {k: (defaults[k] if v is None else v) for k, v in given.items()}
+    if opts["max_len"] < 1:
+        raise UserError(f"--max-len must be >= 1, got {opts['max_len']}")
+    if opts["vocab_size"] < 3:
+        raise UserError(f"--vocab-size must be >= 3 (it counts the padding and unknown ids), got {opts['vocab_size']}")
+    if opts["min_freq"] < 1:
+        raise UserError(f"--min-freq must be >= 1, got {opts['min_freq']}")
+    return opts
+
+
+def check_out(out, force: bool) -> Path:
+    """The shard file to write: not a directory, and not an existing file unless ``force``."""
+    out = Path(out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name")
+    if out.exists() and not force:
+        raise UserError(f"--out {out} already exists; pass --force to overwrite it")
+    return out
+
+
+def with_progress(clients, total: int):
+    """Yield ``clients`` unchanged under a progress bar (shown once writing takes 2 s)."""
+    from fedcp_dist.data.sources import progress
+
+    return progress(clients, total=total, desc="writing clients", unit="client")
+
+
+def say_written(path: Path, say: Callable[[str], None]) -> None:
+    """One line on what the shard at ``path`` holds."""
+    from fedcp_dist.data.shards import read_info
+
+    info = read_info(path)
+    vocab = f", vocabulary of {info.vocab_size} tokens" if info.kind == "text" else ""
+    say(f"wrote {path}: {info.num_clients} clients, {int(info.train_counts.sum())} train / "
+        f"{int(info.test_counts.sum())} test samples, input {info.input_shape}, "
+        f"{info.num_classes} classes{vocab}")
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[str], None] = _say) -> Path:
+    """Load ``spec.source``, partition it among ``spec.num_clients`` clients and write the shard ``out``.
+
+    The file appears only once it is complete (an existing one is replaced only with ``force``).
+    Progress goes to ``say``, one line at a time. Returns ``out`` as a Path.
+    """
+    from fedcp_dist.data.partition import client_rows, least_samples, partition_clients
+    from fedcp_dist.data.shards import write_shard
+    from fedcp_dist.data.sources import load_source, source_kind
+
+    spec.check()
+    text_opts = text_options(spec.max_len, spec.vocab_size, spec.min_freq, source_kind(spec.source), spec.source)
+    out = check_out(out, force)
+
+    say(f"loading source {spec.source}" + (f" from {spec.root}" if spec.root else ""))
+    src = load_source(spec.source, root=spec.root, download=spec.download, **text_opts)
+    vocab = f", vocabulary of {src.vocab_size} tokens" if src.kind == "text" else ""
+    say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")
+
+    say(f"partitioning: {spec.partition}, {spec.num_clients} clients, seed {spec.seed}")
+    part = partition_clients(src.y, src.num_classes, spec.partition, spec.num_clients, spec.seed,
+                             beta=spec.beta, classes_per_client=spec.classes_per_client,
+                             balance=not spec.unbalanced, batch_size=spec.batch_size,
+                             train_ratio=spec.train_ratio, max_tries=spec.max_tries)
+    shares = part.shares
+    say(f"  {part.report.summary()}")
+    params = {"train_ratio": spec.train_ratio, "batch_size": spec.batch_size,
+              "least_samples": least_samples(spec.batch_size, spec.train_ratio, len(src.y), spec.num_clients)}
+    if spec.partition == "dir":
+        params.update(beta=spec.beta, max_tries=spec.max_tries)
+    elif spec.partition == "pat":
+        params.update(classes_per_client=spec.classes_per_client, balance=not spec.unbalanced)
+    params.update(part.report.params())
+    params.update(src.params)
+    if spec.root:
+        params["root"] = os.path.abspath(spec.root)
+
+    clients = client_rows(src.x, src.y, shares, src.lengths)
+    say(f"writing {len(shares)} clients to {out}")
+    write_shard(out, with_progress(clients, len(shares)), source=src.name,
+                num_classes=src.num_classes, input_shape=src.input_shape, mean=src.mean,
+                std=src.std, partition=spec.partition, partition_params=params, seed=spec.seed,
+                kind=src.kind, vocab=src.vocab)
+    say_written(out, say)
+    return out

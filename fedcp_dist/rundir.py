@@ -1,0 +1,384 @@
+"""The run directory (``out_dir``): its file names, its writer, its lock and rules, and how to read it.
+
+One run writes one directory; rank 0 alone writes it::
+
+    config.yaml      the resolved config, written when the round loop starts
+    metrics.jsonl    one JSON object per round (and a ``final_eval`` one), appended and flushed
+    checkpoints/     round-R checkpoints (:mod:`fedcp_dist.checkpoint` owns what is inside)
+    final_global.pt  the global state after the last round (a plain tensor dict)
+    summary.json     written last: its presence marks a finished run
+    .lock            held with ``flock`` by the run that uses the directory
+
+Every other module names these files through this one: the engine (lock, overwrite and resume
+rules, the writer), ``fedcp-sweep`` (a point's status, config drift) and ``fedcp-report`` (reading
+runs). Nothing here imports torch at module level, so the command-line tools that only read run
+directories start fast.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import IO, Any, Optional
+
+import numpy as np
+import yaml
+
+from fedcp_dist.config import Config, flatten
+from fedcp_dist.errors import UserError
+from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+FINAL_GLOBAL = "final_global.pt"
+CHECKPOINTS = "checkpoints"
+LOCK = ".lock"
+#: the files of a run that ``overwrite=true`` removes (with ``checkpoints/``)
+RUN_FILES = (METRICS, SUMMARY, FINAL_GLOBAL, CONFIG)
+
+FINISHED, UNFINISHED, PENDING = "finished", "unfinished", "pending"
+
+
+# ----------------------------------------------------------------------------- which keys define a run
+#
+# One list says which config keys do not define an experiment. Two runs whose configs differ only
+# in these keys ran the same experiment, so:
+#   * a run may resume with any of them changed (the checks on resume),
+#   * a finished sweep point is not "made with a different config" when only they differ (drift),
+#   * fedcp-report never makes them a column, whatever values its runs hold (grouping).
+# The decisions, key by key (they reconcile three lists that disagreed: the resumable changes of
+# the engine, the sweep's drift exceptions and the report's non-settings):
+NOT_DEFINING: dict = {
+    # where the run is written, and what happens to what was there
+    "out_dir": "where the run is written",
+    "overwrite": "what happens to an earlier run in out_dir",
+    "resume": "whether an earlier run in out_dir is continued",
+    # checkpointing: the state saved is the state the run goes on from, bit for bit
+    "checkpoint_every": "how often the state is saved",
+    "keep_checkpoints": "how many saved states are kept",
+    "preempt_signal": "which signal asks for a checkpoint",
+    # execution: the same computation on other hardware or with another schedule of it; results are
+    # equal up to floating-point rounding (fused training is tested equal to the sequential path)
+    "device": "which hardware computes",
+    "threads": "how many CPU threads compute",
+    "collective_timeout": "how long a rank waits for a silent peer",
+    "fused": "whether a rank trains its clients one by one or in fused groups",
+    "fused_group": "how many clients a fused group holds",
+    "eval_batch_size": "how many test samples one forward pass takes",
+    "peer_memory_mb": "a memory budget that refuses a run, never changes one",
+    # failures: a run that meets no non-finite update runs the same under either policy, and one that
+    # meets it under 'error' has stopped; switching to 'skip' on resume is how such a run goes on
+    "on_nonfinite": "what a non-finite client update does to the run",
+    # checks of the shard against the config: data.path names the data, these only assert what the
+    # file holds (0, '' and null accept any)
+    "data.num_clients": "a check of the shard's client count",
+    "data.source": "a check of the shard's source",
+    "data.input_shape": "a check of the shard's input shape",
+}
+
+#: Keys that define what a run records but may still change when it resumes: ``rounds`` extends
+#: or shortens the same sequence of rounds (round t trains the same way whatever the total), and
+#: ``eval_every`` only chooses the rounds that are evaluated (evaluation has its own random streams
+#: and leaves the training state as it was). Both change the result a report shows (best_acc is
+#: the best evaluated accuracy, over the rounds run), so they are not in NOT_DEFINING: they are
+#: report columns and sweep drift like any defining key.
+RESUMABLE_DEFINING = ("rounds", "eval_every")
+#: every key that may change when a run resumes; any other change is refused
+RESUMABLE_CHANGES = (*NOT_DEFINING, *RESUMABLE_DEFINING)
+#: methods whose training depends on the total number of rounds, so that ``rounds`` must not change
+#: on resume: FedPHP's moving-average weight rises over a client's expected participations,
+#: participation · rounds
+ROUNDS_SCHEDULED_METHODS = ("fedphp",)
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    """Equal values; ``data.path`` is equal when both name the same file."""
+    if key == "data.path" and isinstance(a, str) and isinstance(b, str):
+        return a == b or os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+def _flat_with_defaults(config: dict) -> dict:
+    """A config (nested or flat) as a flat dict; keys it lacks (an older version's) take their defaults."""
+    return {**flatten(Config().to_dict()), **flatten(config)}
+
+
+def config_changes(before: dict, after: dict) -> list:
+    """Flat keys whose values differ between two configs (nested or flat dicts), sorted.
+
+    A key one side lacks (written by an older version) counts with its default value.
+    """
+    old, new = _flat_with_defaults(before), _flat_with_defaults(after)
+    return [k for k in sorted(set(old) | set(new)) if not _same(k, old.get(k), new.get(k))]
+
+
+def defining_changes(before: dict, after: dict) -> list:
+    """The keys of :func:`config_changes` that change the experiment (those not in NOT_DEFINING)."""
+    return [k for k in config_changes(before, after) if k not in NOT_DEFINING]
+
+
+def check_resume_config(checkpointed: dict, current: dict, out_dir) -> None:
+    """Refuse to resume the checkpointed run in ``out_dir`` under ``current``: a UserError naming the key.
+
+    Any change of a key outside RESUMABLE_CHANGES is refused, and so is a change of ``rounds`` for
+    a method whose training depends on it (ROUNDS_SCHEDULED_METHODS).
+    """
+    old, new = _flat_with_defaults(checkpointed), _flat_with_defaults(current)
+    for key in config_changes(old, new):
+        why = ""
+        if key == "rounds" and new.get("method") in ROUNDS_SCHEDULED_METHODS:
+            why = f"{new['method']}'s training depends on the total number of rounds; "
+        elif key in RESUMABLE_CHANGES:
+            continue
+        raise UserError(
+            f"config key '{key}' is {new.get(key)!r} but the checkpointed run in {out_dir} used "
+            f"{old.get(key)!r}; {why}use another out_dir, or overwrite=true to start afresh"
+        )
+
+
+# ----------------------------------------------------------------------------- reading a run
+
+
+class RunDir:
+    """The paths of one run directory and what can be read from it (whether or not it exists)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def summary(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def final_global(self) -> Path:
+        return self.path / FINAL_GLOBAL
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK
+
+    def status(self) -> str:
+        """finished (summary.json) | unfinished (a run was started there) | pending."""
+        if self.summary.exists():
+            return FINISHED
+        if any(p.exists() for p in (self.metrics, self.config, self.checkpoints)):
+            return UNFINISHED
+        return PENDING
+
+    def read_summary(self) -> Optional[dict]:
+        """summary.json, or None when it is missing or not a JSON object."""
+        try:
+            data = json.loads(self.summary.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def read_config(self) -> Optional[dict]:
+        """config.yaml as a flat dict (``data.path``, ...), or None when it is missing or unreadable."""
+        try:
+            with open(self.config, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            return None
+        return flatten(data) if isinstance(data, dict) else None
+
+    def read_metrics(self) -> list:
+        """The records of metrics.jsonl ([] when there is none).
+
+        A last line that is not a whole JSON object is dropped: the run was stopped while writing
+        it. Any other bad line means the file was damaged: a UserError naming the file and line.
+        """
+        try:
+            text = self.metrics.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return []
+        lines = text.splitlines()
+        records = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            elif i == len(lines):
+                break  # torn by a stop mid-write
+            else:
+                raise UserError(f"{self.metrics}: line {i} is not a JSON object; the file is damaged")
+        return records
+
+
+# ----------------------------------------------------------------------------- the lock and the rules
+
+
+def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
+    """Rank 0, before anything is written: lock ``out_dir``, then refuse, clear or leave it.
+
+    Creates ``out_dir`` and takes an exclusive, non-blocking ``flock`` on ``out_dir/.lock``; the
+    returned open file holds it, and closing it releases it (so does the process ending). Then:
+    ``overwrite`` removes ``checkpoints/`` and the run files (RUN_FILES) and nothing else;
+    otherwise a finished run (summary.json) is refused, and with ``resume='never'`` so is an
+    unfinished one (a complete checkpoint or metrics.jsonl). Every refusal is a UserError, and the
+    lock is released before it is raised.
+    """
+    from fedcp_dist.checkpoint import Checkpointer  # imports torch; only runs need it
+
+    run = RunDir(out_dir)
+    out = run.path
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(run.lock, "a+")
+    except OSError as exc:
+        raise UserError(f"out_dir {out} cannot be written: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"out_dir {out} is in use by another run (lock {run.lock} is held)") from None
+        if overwrite:
+            shutil.rmtree(run.checkpoints, ignore_errors=True)
+            for name in RUN_FILES:
+                (out / name).unlink(missing_ok=True)
+            return lock
+        if run.summary.exists():
+            raise UserError(
+                f"out_dir {out} holds a finished run ({SUMMARY}); choose another out_dir or pass overwrite=true"
+            )
+        if resume == "never" and (Checkpointer(str(out), 0, 1, 1).exists() or run.metrics.exists()):
+            raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+# ----------------------------------------------------------------------------- writing (rank 0)
+
+
+def _json_default(o: Any):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+class RunWriter:
+    """Rank 0 writes the run directory; on any other rank (``enabled=False``) every call does nothing.
+
+    Whole-file writes go to a temporary name and are renamed when complete; metrics.jsonl is
+    appended to and flushed one record at a time.
+    """
+
+    def __init__(self, out_dir, enabled: bool):
+        self.enabled = enabled
+        self.dir = Path(out_dir)
+        self._metrics: Optional[IO[str]] = None
+        if enabled:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def write_text(self, name: str, text: str) -> None:
+        if self.enabled:
+            atomic_write_bytes(self.dir / name, text.encode("utf-8"))
+
+    def write_json(self, name: str, obj: Any) -> None:
+        if self.enabled:
+            self.write_text(name, json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+    def save_tensors(self, name: str, state: dict) -> None:
+        if self.enabled:
+            atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self.dir / name)
+
+    def write_config(self, text: str) -> None:
+        """config.yaml: the resolved config."""
+        self.write_text(CONFIG, text)
+
+    def write_summary(self, summary: dict) -> None:
+        """summary.json; write it last, since its presence marks the run finished."""
+        self.write_json(SUMMARY, summary)
+
+    def save_final_global(self, state: dict) -> None:
+        """final_global.pt: the global state after the last round, on the CPU."""
+        self.save_tensors(FINAL_GLOBAL, state)
+
+    def start_metrics(self, records: list) -> None:
+        """Begin metrics.jsonl afresh with ``records`` (those of a resumed checkpoint, or none)."""
+        if not self.enabled:
+            return
+        self.close()
+        text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
+        atomic_write_bytes(self.dir / METRICS, text.encode("utf-8"))
+        self._metrics = open(self.dir / METRICS, "a", encoding="utf-8")
+
+    def log(self, record: dict) -> None:
+        """Append one line to metrics.jsonl and flush it."""
+        if not self.enabled:
+            return
+        if self._metrics is None:
+            self.start_metrics([])
+        self._metrics.write(json.dumps(record, default=_json_default) + "\n")
+        self._metrics.flush()
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+
+# ----------------------------------------------------------------------------- presenting
+
+
+def format_value(value: Any) -> str:
+    """A config value as a run directory name and a report label show it.
+
+    Exact and stable, since sweep directory and shard names are made of it: floats as Python's
+    shortest round-trip form (``0.1``, ``1e-05``, ``1.0``), lists joined by ``-`` (``0.1-0.2``;
+    ``empty``), booleans and null as YAML writes them.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "-".join(format_value(v) for v in value) or "empty"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def result_table(s: dict) -> str:
+    """The table a finished run prints: method, data, ranks, accuracies and time per round."""
+    rows = [
+        ("method", s["method"]),
+        ("data", f"{s['source']}, {s['num_clients']} clients"),
+        ("ranks", f"{s['world_size']} ({s['launcher']}, {s['device']})"),
+        ("rounds", s["rounds"]),
+        ("best accuracy", f"{100 * s['best_acc']:.2f} %  (after {s['best_after_rounds']} rounds)"),
+        ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
+        ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),
+        ("final micro AUC", f"{s['final_auc']:.4f}"),
+        ("seconds per round", f"{s['seconds_per_round']:.3f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 32)
+    return "\n".join([line, *[f"{k:<{width}}  {v}" for k, v in rows], line])

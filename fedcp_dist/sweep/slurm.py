@@ -1,0 +1,247 @@
+"""The SLURM executor: one submitit array job for the unfinished points, a task per point.
+
+Each task runs :class:`SweepRun`; a task that gets the warning signal before its time limit (or is
+preempted) lets its run checkpoint and requeues itself, and the next attempt resumes the run.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from fedcp_dist.errors import EXIT_REQUEUE, Preempted, UserError
+from fedcp_dist.rundir import FINISHED, SUMMARY, RunDir
+from fedcp_dist.sweep.local import pump, stderr_tail
+from fedcp_dist.sweep.manifest import make_partitions, write_manifest
+from fedcp_dist.sweep.spec import Sweep, display_path, drift_warning, now
+
+#: seconds between SLURM's warning signal and the kill, unless the sweep sets executor.slurm.signal_delay_s
+SIGNAL_DELAY_S = 120
+
+
+def slurm_parameters(sweep: Sweep) -> dict:
+    """submitit's parameters for the sweep's array job, from its executor.slurm block."""
+    s = sweep.slurm
+    tasks = s.get("tasks_per_node", sweep.nproc)
+    params: dict = {
+        "name": f"fedcp-{sweep.name}",
+        "timeout_min": s.get("time_min", 60),
+        "tasks_per_node": tasks,
+        "nodes": s.get("nodes", 1),
+        "slurm_signal_delay_s": s.get("signal_delay_s", SIGNAL_DELAY_S),
+    }
+    if s.get("gpus_per_task"):
+        params["gpus_per_node"] = s["gpus_per_task"] * tasks
+    for key, target in (("partition", "slurm_partition"), ("cpus_per_task", "cpus_per_task"),
+                        ("mem_gb", "mem_gb"), ("array_parallelism", "slurm_array_parallelism"),
+                        ("account", "slurm_account"), ("qos", "slurm_qos"),
+                        ("constraint", "slurm_constraint"), ("setup", "slurm_setup")):
+        if key in s:
+            params[target] = s[key]
+    return params
+
+
+# ----------------------------------------------------------------------------- one array task
+
+
+def _submitit_requeue() -> bool:
+    """Run submitit's own warning-signal handler (checkpoint, requeue, exit) if it is installed."""
+    handler = signal.getsignal(signal.SIGUSR2)
+    if callable(handler) and getattr(handler, "__name__", "") == "checkpoint_and_try_requeue":
+        handler(signal.SIGUSR2, None)  # the main task requeues the job and exits; the others return
+        return True
+    return False
+
+
+class SweepRun:
+    """The callable that one SLURM array task runs for one point (submitted by ``fedcp-sweep``).
+
+    ``__call__(name, args)`` runs ``fedcp_dist.run`` with ``args`` in a subprocess, so that the
+    job's environment and the runtime's launcher detection apply; with several tasks per run
+    (``in_process``) every task runs the config itself (:func:`fedcp_dist.run.run_config`) and the
+    runtime reads ``SLURM_PROCID``. A failed run raises with the tail of its stderr. On the warning
+    signal before a time limit or on preemption submitit calls :meth:`checkpoint`, which lets the
+    run write its own checkpoint and requeues the same call: the run resumes from it.
+    """
+
+    def __init__(self, cwd: str, in_process: bool = False, stop_wait_s: float = 100.0):
+        self.cwd = cwd
+        self.in_process = in_process
+        self.stop_wait_s = stop_wait_s
+        self._proc: Optional[subprocess.Popen] = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_proc"] = None  # a running child never travels
+        return state
+
+    def __call__(self, name: str, args: list):
+        if self.in_process:
+            return self._in_process(args)
+        out_dir = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("out_dir=")), None)
+        cmd = [sys.executable, "-m", "fedcp_dist.run", *args]
+        print(f"fedcp-sweep: {name}: {shlex.join(cmd)}", flush=True)
+        tail: collections.deque = collections.deque(maxlen=40)
+        self._proc = subprocess.Popen(cmd, cwd=self.cwd, stderr=subprocess.PIPE, text=True, errors="replace")
+        try:
+            pump(self._proc, sys.stderr, tail)
+            rc = self._proc.wait()
+        finally:
+            self._proc = None
+        if rc == EXIT_REQUEUE and _submitit_requeue():  # checkpointed on a signal: requeue
+            return None
+        summary = RunDir(out_dir).read_summary() if out_dir else None
+        if rc != 0 or summary is None:
+            why = f"exit status {rc}" if rc != 0 else f"no {SUMMARY} written"
+            raise RuntimeError(f"run {name} failed ({why}): {stderr_tail(tail)}")
+        return summary
+
+    def _in_process(self, args: list):
+        from fedcp_dist import run
+
+        os.chdir(self.cwd)
+        opts = run.build_parser().parse_args(list(args))
+        try:
+            return run.run_config(opts.config, opts.overrides)
+        except Preempted:
+            if _submitit_requeue():  # checkpointed: requeue
+                return None
+            raise
+
+    def checkpoint(self, *args):
+        """Called by submitit on the warning signal: let the run checkpoint, then requeue this call."""
+        import submitit
+
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:  # the run checkpoints on SIGTERM too and exits with status 75; a repeat is harmless
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=self.stop_wait_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            except OSError:
+                pass
+        return submitit.helpers.DelayedSubmission(self, *args)
+
+
+# ----------------------------------------------------------------------------- submitting and waiting
+
+
+def _file_tail(path, n: int = 3) -> str:
+    try:
+        lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"no log at {path}"
+    return " | ".join(lines[-n:]) or f"empty log {path}"
+
+
+def _in_queue(job_id: str) -> Optional[bool]:
+    """Whether squeue still lists any task of ``job_id`` (None: squeue did not answer)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return False if "Invalid job id" in out.stderr else None
+    return bool(out.stdout.strip())
+
+
+def _wait_for(pairs: list, array_id: str, poll_s: float = 5.0, grace_s: float = 30.0):
+    """Yield ``(job, point, gone)`` as each job's result appears, in completion order.
+
+    Polls the result files and ``squeue`` rather than ``sacct`` (which clusters without accounting
+    lack). A job still without a result ``grace_s`` after its array left the queue is yielded with
+    ``gone=True``.
+    """
+    left = list(pairs)
+    gone_since = None
+    while left:
+        for job, point in list(left):
+            tasks = getattr(job, "_sub_jobs", None) or [job]
+            if all(t.paths.result_pickle.exists() for t in tasks):
+                left.remove((job, point))
+                yield job, point, False
+        if not left:
+            return
+        if _in_queue(array_id) is False:
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > grace_s:
+                for job, point in left:
+                    yield job, point, True
+                return
+        else:
+            gone_since = None
+        time.sleep(poll_s)
+
+
+def run_slurm(sweep: Sweep, wait: bool) -> int:
+    """Submit one array job for the unfinished points; with ``wait``, the number of failed points."""
+    try:
+        import submitit
+    except ImportError:
+        raise UserError("--executor slurm needs submitit: pip install submitit") from None
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        raise UserError("--executor slurm needs sbatch and srun on PATH; this machine has no SLURM client "
+                        "(use --executor local)")
+    todo = [p for p in sweep.points if p.status() != FINISHED]
+    print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} finished, "
+          f"{len(todo)} to submit (slurm)", flush=True)
+    drift_warning(sweep)
+    if not todo:
+        write_manifest(sweep)
+        print("nothing to submit: every point is finished")
+        return 0
+    make_partitions(sweep, todo)
+    folder = sweep.dir.resolve() / "submitit"
+    params = slurm_parameters(sweep)
+    kwargs = {}
+    if "max_num_timeout" in sweep.slurm:
+        kwargs["slurm_max_num_timeout"] = sweep.slurm["max_num_timeout"]
+    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm", **kwargs)
+    try:
+        executor.update_parameters(**params)
+    except ValueError as exc:
+        raise UserError(f"sweep key 'executor.slurm': {str(exc).splitlines()[0]}") from None
+    runner = SweepRun(cwd=os.getcwd(), in_process=params["tasks_per_node"] * params["nodes"] > 1)
+    try:
+        jobs = executor.map_array(runner, [p.name for p in todo], [sweep.run_args(p) for p in todo])
+    except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError, OSError) as exc:
+        raise UserError(f"sbatch refused the array job: {' '.join(str(exc).split())[:500]}") from None
+    array_id = jobs[0].job_id.split("_")[0]
+    print(f"submitted {'array job' if len(jobs) > 1 else 'job'} {array_id}: {len(jobs)} task(s), "
+          f"logs in {display_path(folder)}", flush=True)
+    for job, p in zip(jobs, todo):
+        print(f"  {job.job_id}  {display_path(p.run_dir)}", flush=True)
+    write_manifest(sweep, {"time": now(), "executor": "slurm", "array_job": array_id,
+                           "jobs": {p.name: job.job_id for job, p in zip(jobs, todo)}})
+    if not wait:
+        print(f"not waiting: watch with `squeue -j {array_id}`; run this command again to resubmit what did not finish")
+        return 0
+    print("waiting for the jobs ...", flush=True)
+    failed = 0
+    for job, p, gone in _wait_for(list(zip(jobs, todo)), array_id):
+        if gone:  # left the queue without a result: killed, node failure, cancelled
+            failed += 1
+            print(f"  {job.job_id}  {p.name}: FAILED: left the queue without a result; "
+                  f"{_file_tail(job.paths.stderr)}", flush=True)
+            continue
+        try:
+            summary = job.results()[0]  # one result per task; the first is rank 0's
+        except Exception as exc:  # submitit re-raises the task's error with its traceback
+            failed += 1
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            print(f"  {job.job_id}  {p.name}: FAILED: {lines[-1] if lines else type(exc).__name__}", flush=True)
+            continue
+        acc = (summary or RunDir(p.run_dir).read_summary() or {}).get("best_acc")
+        acc_text = f"best_acc {acc:.4f}" if isinstance(acc, (int, float)) else "no summary"
+        print(f"  {job.job_id}  {p.name}: finished, {acc_text}", flush=True)
+    done = sum(p.status() == FINISHED for p in sweep.points)
+    print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, {failed} failed", flush=True)
+    return failed

@@ -1,0 +1,419 @@
+"""A sweep file, its grid, its points and their names.
+
+A sweep file names a base run config, overrides applied to every point and a grid (a cartesian
+product of config keys). Every point has a stable run directory named after its parameters,
+``<root>/<name>/runs/<key>=<value>,...``; an optional ``partition`` block makes the shards the grid
+needs, one file per distinct partition, under ``<root>/<name>/data/``.
+"""
+from __future__ import annotations
+
+import datetime
+import difflib
+import hashlib
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping, type_ok
+from fedcp_dist.data.make import PartitionSpec, check_option, option_types
+from fedcp_dist.errors import UserError
+from fedcp_dist.rundir import FINISHED, RunDir, defining_changes, format_value
+
+DEFAULT_ROOT = "runs/sweeps"
+TOP_KEYS = ("name", "root", "base", "overrides", "grid", "partition", "executor")
+EXECUTOR_KEYS = ("kind", "nproc", "slurm")
+EXECUTORS = ("local", "slurm")
+#: the slurm block: key -> (type, meaning)
+SLURM_KEYS = {
+    "partition": (str, "SLURM partition"),
+    "gpus_per_task": (int, "GPUs per rank"),
+    "tasks_per_node": (int, "tasks (ranks) per node; defaults to nproc"),
+    "cpus_per_task": (int, "CPUs per rank"),
+    "nodes": (int, "nodes per run"),
+    "time_min": (int, "time limit per run, minutes"),
+    "mem_gb": (float, "memory per node, GB"),
+    "array_parallelism": (int, "array tasks running at once"),
+    "account": (str, "SLURM account"),
+    "qos": (str, "quality of service"),
+    "constraint": (str, "node constraint"),
+    "setup": (list, "shell lines run before the job step (module load ...)"),
+    "max_num_timeout": (int, "requeues after a timeout (submitit's, default 3)"),
+    "signal_delay_s": (int, "seconds between the warning signal and the kill (default 120)"),
+}
+#: fedcp-partition options a partition block (or a grid key) may set: option -> type
+PARTITION_KEYS = option_types()
+#: partition options that do not change which samples a client gets (left out of the file name)
+PARTITION_LOCATION_KEYS = ("root", "download")
+#: config keys a sweep sets itself
+RESERVED = ("out_dir",)
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def yaml_value(value: Any) -> str:
+    """The text of ``value`` that ``key=value`` overrides read back as the same value."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip()
+    if text.endswith("\n..."):
+        text = text[: -len("\n...")].strip()
+    elif text.endswith("..."):
+        text = text[:-3].strip()
+    return text
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
+
+
+def point_name(params: dict) -> str:
+    """A stable, readable directory name from a point's parameters, keys sorted.
+
+    ``{"seed": 2, "method": "fedcp"}`` → ``method=fedcp,seed=2``. Characters outside
+    ``[A-Za-z0-9._+=,-]`` become ``_``; a name longer than 150 characters is cut and ends in a hash
+    of the full parameters.
+    """
+    if not params:
+        return "default"
+    name = ",".join(f"{k}={format_value(params[k])}" for k in sorted(params))
+    name = _UNSAFE.sub("_", name)
+    if len(name) > 150:
+        digest = hashlib.sha1(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        name = f"{name[:120]}-{digest}"
+    return name
+
+
+def partition_file_name(spec: PartitionSpec) -> str:
+    """A readable shard name from a partition spec: ``digits_dir0.1_n20_s1.h5``.
+
+    Options other than source, scheme, its parameter, clients and seed that differ from the
+    defaults add a short hash, so that different partitions never share a name.
+    """
+    scheme = spec.partition
+    if scheme == "dir":
+        scheme += format_value(spec.beta)
+    elif scheme == "pat":
+        scheme += f"{spec.classes_per_client}" + ("u" if spec.unbalanced else "")
+    name = f"{spec.source}_{scheme}_n{spec.num_clients}_s{spec.seed}"
+    named = {"source", "partition", "beta", "classes_per_client", "unbalanced", "num_clients", "seed",
+             *PARTITION_LOCATION_KEYS}
+    defaults = PartitionSpec().to_dict()
+    extra = {k: v for k, v in spec.to_dict().items() if k not in named and v != defaults[k]}
+    if extra:
+        name += "_" + hashlib.sha1(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8]
+    return _UNSAFE.sub("_", name) + ".h5"
+
+
+def display_path(path: Path) -> str:
+    """A path relative to the current directory when it lies below it, else absolute."""
+    try:
+        return os.path.relpath(os.path.abspath(path)) if Path(os.path.abspath(path)).is_relative_to(Path.cwd()) else str(path)
+    except ValueError:
+        return str(path)
+
+
+def did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def now() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+@dataclass
+class Point:
+    index: int
+    #: grid key -> value, in grid order
+    params: dict
+    name: str
+    run_dir: Path
+    #: key=value overrides of fedcp_dist.run for this point, out_dir last
+    overrides: list
+    #: the partition of the shard this point needs (None: the config's data.path)
+    partition: Optional[PartitionSpec] = None
+    data_path: Optional[Path] = None
+
+    def status(self) -> str:
+        """finished | unfinished (a run was started there) | pending: see :meth:`RunDir.status`."""
+        return RunDir(self.run_dir).status()
+
+
+@dataclass
+class Sweep:
+    file: Path
+    name: str
+    root: Path
+    base: Path
+    overrides: dict
+    grid: dict
+    partition: Optional[dict]
+    kind: str
+    nproc: int
+    slurm: dict
+    points: list = field(default_factory=list)
+    partition_keys: list = field(default_factory=list)
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.name
+
+    def run_args(self, point: Point) -> list:
+        """The arguments of ``fedcp_dist.run`` for one point (absolute paths)."""
+        return ["--config", str(self.base), *point.overrides]
+
+    def command(self, point: Point, nproc: Optional[int] = None) -> list:
+        nproc = self.nproc if nproc is None else nproc
+        if nproc > 1:
+            torchrun = Path(sys.executable).with_name("torchrun")
+            prefix = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+            prefix += ["--standalone", f"--nproc_per_node={nproc}", "-m", "fedcp_dist.run"]
+        else:
+            prefix = [sys.executable, "-m", "fedcp_dist.run"]
+        return prefix + self.run_args(point)
+
+    def display_command(self, point: Point) -> str:
+        words = []
+        for w in self.command(point):
+            if os.path.isabs(w):
+                w = display_path(Path(w))
+            elif "=" in w and os.path.isabs(w.split("=", 1)[1]):
+                k, v = w.split("=", 1)
+                w = f"{k}={display_path(Path(v))}"
+            words.append(w)
+        if shutil.which("python") == sys.executable:
+            words[0] = "python"
+        return shlex.join(words)
+
+    def point_line(self, k: int, point: Point, status: str) -> str:
+        """``[k/n] status  run_dir``: how both executors and --dry-run list a point."""
+        return f"[{k}/{len(self.points)}] {status:<10} {display_path(point.run_dir)}"
+
+
+def _check_mapping(value, what: str, known) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"sweep key '{what}' must be a mapping, got {value!r}")
+    for key in value:
+        if key not in known:
+            raise UserError(f"sweep key '{what}.{key}' is unknown{did_you_mean(key, known)}; "
+                            f"known: {', '.join(known)}")
+    return value
+
+
+def _check_partition_value(key: str, value, where: str) -> None:
+    try:
+        check_option(key, value)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
+
+
+def load_sweep(path, kind: Optional[str] = None) -> Sweep:
+    """Read and check a sweep file; expand its grid into points. Raises :class:`UserError`."""
+    path = Path(path)
+    raw = read_yaml_mapping(path, "sweep file")
+    if not raw:
+        raise UserError(f"sweep file {path} must hold a mapping (name, base, grid, ...)")
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise UserError(f"sweep file {path}: unknown key '{key}'{did_you_mean(key, TOP_KEYS)}; "
+                            f"known: {', '.join(TOP_KEYS)}")
+
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"sweep key 'name' is required: the sweep's directory under root ({path})")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise UserError(f"sweep key 'name': {name!r} must be a plain directory name (letters, digits, . _ -)")
+    root = raw.get("root", DEFAULT_ROOT)
+    if not isinstance(root, str) or not root:
+        raise UserError(f"sweep key 'root' must be a directory path, got {root!r}")
+    base = raw.get("base")
+    if not isinstance(base, str) or not base:
+        raise UserError("sweep key 'base' is required: the run config every point starts from")
+    if not Path(base).is_file():
+        raise UserError(f"sweep key 'base': config file not found: {base}")
+    base_path = Path(base).resolve()
+
+    # executor
+    executor = _check_mapping(raw.get("executor"), "executor", EXECUTOR_KEYS)
+    kind = kind or executor.get("kind", "local")
+    if kind not in EXECUTORS:
+        raise UserError(f"sweep key 'executor.kind': {kind!r} is not one of {', '.join(EXECUTORS)}")
+    nproc = executor.get("nproc", 1)
+    if not type_ok(nproc, int) or nproc < 1:
+        raise UserError(f"sweep key 'executor.nproc' must be an integer >= 1, got {nproc!r}")
+    slurm = dict(_check_mapping(executor.get("slurm"), "executor.slurm", SLURM_KEYS))
+    for key, value in slurm.items():
+        tp = SLURM_KEYS[key][0]
+        if not type_ok(value, tp) or (tp in (int, float) and value < 0):
+            raise UserError(f"sweep key 'executor.slurm.{key}': expected a {'non-negative ' if tp in (int, float) else ''}"
+                            f"{tp.__name__} ({SLURM_KEYS[key][1]}), got {value!r}")
+    tasks = slurm.get("tasks_per_node")
+    if tasks is not None and nproc > 1 and tasks != nproc:
+        raise UserError(f"sweep key 'executor.slurm.tasks_per_node' ({tasks}) must equal executor.nproc ({nproc}): "
+                        f"on SLURM each rank is one task")
+
+    # overrides: nested or dotted, applied to every point
+    overrides = raw.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise UserError(f"sweep key 'overrides' must be a mapping of config keys to values, got {overrides!r}")
+    overrides = flatten(overrides)
+    for key in overrides:
+        if key in RESERVED:
+            raise UserError(f"sweep key 'overrides.{key}': {key} is set by the sweep (one run directory per point)")
+    override_args = [f"{k}={yaml_value(v)}" for k, v in overrides.items()]
+    try:
+        load_config(str(base_path), override_args, validate=False)
+    except UserError as exc:
+        raise UserError(f"sweep key 'overrides': {exc}") from None
+
+    # grid
+    grid = raw.get("grid")
+    if not isinstance(grid, dict) or not grid:
+        raise UserError("sweep key 'grid' is required: a mapping of config keys to lists of values")
+    grid = flatten(grid)
+    config_keys = set(flatten(Config().to_dict()))
+    part_block = raw.get("partition")
+    if part_block is not None:
+        part_block = dict(_check_mapping(part_block, "partition", PARTITION_KEYS))
+        for key, value in part_block.items():
+            _check_partition_value(key, value, f"sweep key 'partition.{key}'")
+        if "data.path" in overrides:
+            raise UserError("sweep key 'overrides.data.path' conflicts with the partition block, which sets data.path")
+    partition_keys = []  # grid key -> partition option
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise UserError(f"sweep grid key '{key}': expected a non-empty list of values, got {values!r}")
+        seen = set()
+        for v in values:
+            token = json.dumps(v, sort_keys=True, default=str)
+            if token in seen:
+                raise UserError(f"sweep grid key '{key}': value {v!r} is listed twice")
+            seen.add(token)
+        if key in RESERVED:
+            raise UserError(f"sweep grid key '{key}': {key} is set by the sweep (one run directory per point)")
+        if key in overrides:
+            raise UserError(f"sweep grid key '{key}' is also set in overrides; keep it in one place")
+        opt = key[len("partition."):] if key.startswith("partition.") else key
+        is_partition = key.startswith("partition.") or (key not in config_keys and opt in PARTITION_KEYS)
+        if is_partition:
+            if opt not in PARTITION_KEYS:
+                raise UserError(f"sweep grid key '{key}': '{opt}' is not a fedcp-partition option"
+                                f"{did_you_mean(opt, PARTITION_KEYS)}")
+            if part_block is None:
+                raise UserError(f"sweep grid key '{key}' is a fedcp-partition option, but the sweep has no "
+                                f"partition block")
+            for v in values:
+                _check_partition_value(opt, v, f"sweep grid key '{key}'")
+            partition_keys.append(key)
+            continue
+        if key == "data.path" and part_block is not None:
+            raise UserError("sweep grid key 'data.path' conflicts with the partition block, which sets data.path")
+        for v in values:
+            try:
+                load_config(str(base_path), override_args + [f"{key}={yaml_value(v)}"], validate=False)
+            except UserError as exc:
+                raise UserError(f"sweep grid key '{key}': {exc}") from None
+
+    sweep = Sweep(file=path, name=name, root=Path(root), base=base_path, overrides=overrides, grid=grid,
+                  partition=part_block, kind=kind, nproc=nproc, slurm=slurm, partition_keys=partition_keys)
+    _expand(sweep, override_args)
+    return sweep
+
+
+def _point_partition(sweep: Sweep, params: dict) -> PartitionSpec:
+    """The partition of one point: the block, with the point's partition options and client count."""
+    part = dict(sweep.partition)
+    for k in sweep.partition_keys:
+        part[k.split(".", 1)[1] if k.startswith("partition.") else k] = params[k]
+    if "data.num_clients" in params:
+        part["num_clients"] = params["data.num_clients"]
+    if "num_clients" not in part:
+        raise UserError("sweep key 'partition.num_clients' is required (in the block or the grid)")
+    spec = PartitionSpec(**part)
+    try:
+        spec.check()
+    except UserError as exc:
+        raise UserError(f"sweep partition {partition_file_name(spec)}: {exc}") from None
+    return spec
+
+
+def _expand(sweep: Sweep, override_args: list) -> None:
+    keys = list(sweep.grid)
+    runs_dir = (sweep.dir / "runs").resolve()
+    data_dir = (sweep.dir / "data").resolve()
+    names: dict = {}
+    for index, combo in enumerate(itertools.product(*(sweep.grid[k] for k in keys))):
+        params = dict(zip(keys, combo))
+        name = point_name(params)
+        if name in names:
+            raise UserError(f"sweep points {names[name]} and {params} get the same directory name {name!r}; "
+                            f"make the grid values distinct")
+        names[name] = params
+        args = list(override_args)
+        args += [f"{k}={yaml_value(v)}" for k, v in params.items() if k not in sweep.partition_keys]
+        spec = data_path = None
+        if sweep.partition is not None:
+            spec = _point_partition(sweep, params)
+            data_path = data_dir / partition_file_name(spec)
+            args.append(f"data.path={data_path}")
+            if "data.num_clients" not in params:
+                args.append(f"data.num_clients={spec.num_clients}")
+        run_dir = runs_dir / name
+        args.append(f"out_dir={run_dir}")
+        point = Point(index, params, name, run_dir, args, spec, data_path)
+        _validate_point(sweep, point)
+        sweep.points.append(point)
+
+
+def point_config(sweep: Sweep, point: Point) -> Config:
+    try:
+        return load_config(str(sweep.base), point.overrides, validate=False)
+    except UserError as exc:
+        raise UserError(f"sweep point {point.name}: {exc}") from None
+
+
+def _validate_point(sweep: Sweep, point: Point) -> None:
+    """Full config validation; a shard the sweep makes later stands in as an existing file."""
+    cfg = point_config(sweep, point)
+    if point.data_path is not None:
+        cfg.data.path = str(sweep.base)
+    try:
+        cfg.validate()
+    except UserError as exc:
+        raise UserError(f"sweep point {point.name}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- finished points
+
+
+def config_drift(sweep: Sweep, point: Point) -> list:
+    """Keys that define the experiment whose value in a run's config.yaml differs from the point's.
+
+    Keys that do not define it (:data:`fedcp_dist.rundir.NOT_DEFINING`) never count; ``[]`` when the
+    run wrote no readable config.
+    """
+    have = RunDir(point.run_dir).read_config()
+    if have is None:
+        return []
+    return defining_changes(have, point_config(sweep, point).to_dict())
+
+
+def drift_warning(sweep: Sweep) -> None:
+    """Print one warning naming the keys of finished points whose runs were made with another config."""
+    stale = [(p, d) for p in sweep.points if p.status() == FINISHED and (d := config_drift(sweep, p))]
+    if stale:
+        keys = sorted({k for _, d in stale for k in d})
+        print(f"warning: {len(stale)} finished run(s) were made with a different config ({', '.join(keys)}) "
+              f"and were kept; remove their directories to run them again, e.g. {display_path(stale[0][0].run_dir)}")
