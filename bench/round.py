@@ -200,7 +200,7 @@ def train_flops_per_sample(sim, cfg, batches: int = 8) -> float:
     if getattr(d, "train_len", None) is not None:
         cut["train_len"] = d.train_len[:m]
     d = dataclasses.replace(d, **cut)
-    train_flops = count_flops(lambda: sim.algo.local_train(sim.client_state(big), d, Context(0, big, sim._generator(STREAM_TRAIN, 0, big))))
+    train_flops = count_flops(lambda: sim.algo.local_train(sim.store.get(big), d, Context(0, big, sim._generator(STREAM_TRAIN, 0, big))))
     return train_flops / num_batches_samples(d.n_train, cfg)
 
 
@@ -245,12 +245,11 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
         per_rank = mine[None]
     mean = lambda k: float(np.mean([r[k] for r in rounds]))  # noqa: E731
     tot_samples = per_rank[:, 0].sum().item()
-    group = (cfg.fused_group or sim.algo.fused_group_size([sim.data[c] for c in sim.owned])) if cfg.fused else None
     res = {
         "setting": f"{summary['source']} {summary['num_clients']} clients, {cfg.method}, B={cfg.batch_size}, E={cfg.local_epochs}",
-        "fused": bool(cfg.fused),
-        "fused_group": group,
-        "fused_slots": (fused.CUDA_SLOTS if rt.device.type == "cuda" else fused.CPU_SLOTS) if cfg.fused else None,
+        "fused": bool(sim.fused),
+        "training": sim.path,
+        "fused_slots": (fused.CUDA_SLOTS if rt.device.type == "cuda" else fused.CPU_SLOTS) if sim.fused else None,
         "world_size": rt.world_size,
         "launcher": rt.launcher,
         "device": str(rt.device),
@@ -281,8 +280,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
 
 
 def print_table(res: dict, warmup: int) -> None:
-    fused_row = (f"fused, groups of {res['fused_group']}, at most {res['fused_slots']} clients at once"
-                 if res["fused"] else "sequential (one client after another)")
+    fused_row = f"{res['training']}, at most {res['fused_slots']} clients at once" if res["fused"] else res["training"]
     rows = [
         ("setting", res["setting"]),
         ("local training", fused_row),

@@ -1,16 +1,42 @@
-"""Sample-weighted aggregation in one flat buffer and one all-reduce per round.
+"""Sample-weighted aggregation in one flat buffer and one all-reduce per round, and the packing
+of the per-round exchange of client models (FedAMP, FedFomo).
 
 Layout of the buffer: ``[Σ n_i·θ_i (every upload tensor, flattened) | Σ n_i | metric sums]``.
-The metric sums of the round ride in the same all-reduce as the parameters. The buffer is
-float64 by default: the sums are then exact enough that the order in which ranks add them (which
-changes with the world size) does not show in the float32 result.
+The metric sums of the round (named :class:`Sums`) ride in the same all-reduce as the
+parameters. The buffer is float64 by default: the sums are then exact enough that the order in
+which ranks add them (which changes with the world size) does not show in the float32 result.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Mapping, Sequence
+from typing import Dict, Mapping, Sequence, Type
 
+import numpy as np
 import torch
+
+
+@dataclasses.dataclass
+class Sums:
+    """Named float sums that are added over clients and ranks; a subclass lists them as fields
+    (in the order they sit in the all-reduce buffer)."""
+
+    @classmethod
+    def size(cls) -> int:
+        return len(dataclasses.fields(cls))
+
+    def values(self) -> list:
+        return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> "Sums":
+        assert len(values) == cls.size(), f"{cls.__name__} takes {cls.size()} values, got {len(values)}"
+        return cls(*[float(v) for v in values])
+
+    def __iadd__(self, other: "Sums") -> "Sums":
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
 
 
 class FlatAggregator:
@@ -61,3 +87,51 @@ class FlatAggregator:
                 off = self.offsets[k]
                 mean[k] = flat[off : off + self.shapes[k].numel()].view(self.shapes[k]).to(torch.float32)
         return mean, total, metrics
+
+
+def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums):
+    """Add ``sums`` to the aggregator's metrics, all-reduce once; (mean, Σ weights, reduced sums
+    of the same classes, in order)."""
+    values = [v for s in sums for v in s.values()]
+    aggregator.add_metrics(values)
+    mean, total, metrics = aggregator.reduce(runtime)
+    out, off = [], 0
+    for s in sums:
+        n = type(s).size()
+        out.append(type(s).from_values(metrics[off : off + n]))
+        off += n
+    return mean, total, out
+
+
+def sums_size(*classes: Type[Sums]) -> int:
+    return sum(c.size() for c in classes)
+
+
+# ----------------------------------------------------------------------------------------------
+# the per-round exchange of client models
+
+
+def pack_peers(payloads: Dict[int, torch.Tensor], rows: int, dim: int, device) -> torch.Tensor:
+    """This rank's participants' payloads as ``rows`` × (1 + dim): column 0 is the client id + 1
+    (0 marks an empty row: fewer participants here than the fullest rank has)."""
+    buf = torch.zeros(rows, dim + 1, dtype=torch.float32, device=device)
+    for i, cid in enumerate(sorted(payloads)):
+        buf[i, 0] = cid + 1
+        buf[i, 1:] = payloads[cid]
+    return buf
+
+
+def exchange_peers(runtime, owner, cohort, payloads: Dict[int, torch.Tensor], dim: int) -> Dict[int, torch.Tensor]:
+    """Every participant's payload on every rank (one all-gather): ``{client: payload}``.
+
+    ``owner`` is every client's rank; each rank sends as many rows as the fullest rank has
+    participants this round."""
+    rows = max(1, int(np.bincount(owner[np.asarray(cohort, dtype=np.int64)], minlength=runtime.world_size).max()))
+    return unpack_peers(runtime.all_gather(pack_peers(payloads, rows, dim, runtime.device)), dim)
+
+
+def unpack_peers(gathered: torch.Tensor, dim: int) -> Dict[int, torch.Tensor]:
+    """``{client: payload}`` from every rank's packed rows (gathered), in client order."""
+    rows = gathered.reshape(-1, dim + 1)
+    tags = rows[:, 0].long().tolist()
+    return {tag - 1: rows[i, 1:] for i, tag in sorted(enumerate(tags), key=lambda it: it[1]) if tag > 0}

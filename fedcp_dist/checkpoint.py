@@ -26,6 +26,7 @@ import torch
 
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
+from fedcp_dist.rundir import CHECKPOINTS
 
 _ROUND_DIR = re.compile(r"^round_(\d{7})$")
 MARKER = "COMPLETE"
@@ -53,7 +54,7 @@ def _cpu(state: dict) -> dict:
 
 class Checkpointer:
     def __init__(self, out_dir: str, rank: int, world_size: int, keep: int):
-        self.root = Path(out_dir) / "checkpoints"
+        self.root = Path(out_dir) / CHECKPOINTS
         self.rank = rank
         self.world_size = world_size
         self.keep = max(1, keep)

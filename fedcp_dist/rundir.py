@@ -11,8 +11,7 @@ One run writes one directory; rank 0 alone writes it::
 
 Every other module names these files through this one: the engine (lock, overwrite and resume
 rules, the writer), ``fedcp-sweep`` (a point's status, config drift) and ``fedcp-report`` (reading
-runs). Nothing here imports torch at module level, so the command-line tools that only read run
-directories start fast.
+runs).
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -206,6 +207,35 @@ class Runtime:
             f"launcher={self.launcher} world_size={self.world_size} device={self.device} "
             f"backend={self.backend or 'none'} threads={self.threads}"
         )
+
+
+class StopSignals:
+    """While active (a context), the signals that ask a run to stop after its round are noted
+    instead of ending the process: ``signum`` is the first one received (None: none yet)."""
+
+    def __init__(self, rank: int, names):
+        self.rank, self.names, self.signum = rank, sorted(set(names)), None
+        self._previous: dict = {}
+
+    def _note(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            print(f"rank {self.rank}: got {signal.Signals(signum).name}; finishing the round, then checkpointing",
+                  flush=True)
+
+    def __enter__(self) -> "StopSignals":
+        for name in self.names:
+            sig = getattr(signal, name)
+            try:
+                self._previous[sig] = signal.signal(sig, self._note)
+            except ValueError:  # not the main thread (embedded use): signals stay the caller's
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def _cpu_count() -> int:

@@ -202,7 +202,7 @@ def _run(shard, out, method, **over):
 
 @pytest.fixture(scope="module")
 def runs(digits6, tmp_path_factory):
-    """2-round digits runs (6 clients) with a checkpoint after round 1; FedCP without training Gumbel
+    """2-round digits runs (6 clients) with checkpoints after rounds 1 and 2; FedCP without training Gumbel
     noise, so that its upload is a deterministic function of the attacked images."""
     root = tmp_path_factory.mktemp("analysis_runs")
     return {m: _run(digits6, root / m, m, **({"cpn_train_gumbel": "false"} if m == "fedcp" else {}))
@@ -218,7 +218,7 @@ def test_server_copy_reproduces_the_methods_upload(runs, method):
 
     setup = dlg.AttackSetup(clients=[1], batch_size=2, local_steps=1, knowledge="oracle")
     state = load_run_state(runs[method], changes=dlg.state_changes(setup))
-    assert state.rounds_done == 1
+    assert state.rounds_done == 2  # the checkpoint after the last round: the final models
     data = state.load_data([1])[1]
     dlg.self_check(state, 1, data.train_batch()[0][:8])
     up = dlg.client_upload(state, data, 1, 0, setup)
@@ -269,7 +269,7 @@ def test_fedcp_analyze_end_to_end(runs, tmp_path, capsys):
     # last evaluation's PIR weighted by test samples: Σ (4 + c)·0.1c / Σ (4 + c)
     assert summary["pir_eval"]["mean"] == pytest.approx(sum((4 + c) * 0.1 * c for c in range(6)) / sum(4 + c for c in range(6)))
     assert summary["loss_last_round"] == {"round": 2, "before": pytest.approx(1.0), "after": pytest.approx(0.5)}
-    assert "after 1 of 2 rounds" in report["gradcam"]["note"]
+    assert "after 2 of 2 rounds" in report["gradcam"]["note"]  # the final models
     (row,) = report["dlg"]["rows"]
     assert row["method"] == "fedcp" and row["uploads"] == 1 and 0 < row["psnr_mean"] < 100
     md = (out / "report.md").read_text()
@@ -290,7 +290,7 @@ def _error(capsys, argv) -> str:
 def test_one_line_errors(runs, tmp_path, capsys, digits6):
     assert "not a run directory" in _error(capsys, [tmp_path])
     no_ckpt = _run(digits6, tmp_path / "nockpt", "fedcp", checkpoint_every=0)
-    assert "checkpoint_every=1" in _error(capsys, [no_ckpt, "--gradcam", "--out", tmp_path / "o"])
+    assert "checkpoint_every set" in _error(capsys, [no_ckpt, "--gradcam", "--out", tmp_path / "o"])
     assert "ran fedavg" in _error(capsys, [runs["fedavg"], "--gradcam", "--out", tmp_path / "o"])
     assert "--clients" in _error(capsys, [runs["fedcp"], "--clients", "a,b", "--out", tmp_path / "o"])
     assert "client 9" in _error(capsys, [runs["fedcp"], "--gradcam", "--clients", "9", "--out", tmp_path / "o"])

@@ -15,6 +15,7 @@ import h5py
 import pytest
 
 from conftest import BIN, REPO, run_cmd
+from helpers import nonfinite_at, run
 from test_resume import _kill_job, _start
 
 from fedcp_dist import checkpoint as ckpt_mod
@@ -115,25 +116,23 @@ def test_dead_rank_under_mpirun(digits6, tmp_path):
 # -- non-finite updates --------------------------------------------------------------------------
 
 def test_nonfinite_update_stops_every_rank_and_keeps_the_checkpoint(digits6, tmp_path):
-    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fedcp_dist.run",
-                 *_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")],
-                env_extra={"FEDCP_INJECT_NONFINITE": "4:2"})
-    assert r.returncode != 0
+    """Two ranks; the client's owner sees the NaN, both stop in the same round with exit status 1."""
+    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(REPO / "tests" / "helpers.py"), "4:2", *_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")])
+    assert r.returncode == 1, r.stderr[-2000:]
     assert "round 4: client 2 produced a non-finite loss or update (on_nonfinite=error)" in r.stderr
     latest = Checkpointer(str(tmp_path), 0, 2, 2).latest()
     assert latest is not None and latest.name == "round_0000002"
     assert not (tmp_path / "summary.json").exists()
     # the run continues from the good checkpoint once the cause is gone
-    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")])
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "resuming from" in r.stdout and "round_0000002" in r.stdout
+    said = []
+    run(_args(digits6, tmp_path)[1], _args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")[2:], echo=said.append)
+    assert any("resuming from" in line and "round_0000002" in line for line in said)
 
 
-def test_nonfinite_update_skipped(digits6, tmp_path):
-    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=3", "on_nonfinite=skip")],
-                env_extra={"FEDCP_INJECT_NONFINITE": "2:3"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "round 2: client 3 produced a non-finite loss or update (left out of the round)" in r.stdout
+def test_nonfinite_update_skipped(digits6, tmp_path, capsys):
+    run(_args(digits6, tmp_path)[1], _args(digits6, tmp_path, "rounds=3", "on_nonfinite=skip")[2:], wrap=nonfinite_at("2:3"))
+    assert "round 2: client 3 produced a non-finite loss or update (left out of the round)" in capsys.readouterr().out
     rows = [json.loads(l) for l in _lines(tmp_path) if '"round"' in l]
     assert [row.get("nonfinite_skipped") for row in rows if row["kind"] == "round"] == [0, 1, 0]
     assert [row["participants"] for row in rows if row["kind"] == "round"] == [6, 6, 6]
@@ -169,16 +168,16 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path,
 
 
 def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(digits6, tmp_path):
-    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=5", "checkpoint_every=1")],
-                env_extra={"FEDCP_INJECT_NONFINITE": "4:0"})
-    assert r.returncode == 1
+    args = _args(digits6, tmp_path, "rounds=5", "checkpoint_every=1")
+    with pytest.raises(RunFailure, match="round 4: client 0 produced a non-finite"):
+        run(args[1], args[2:], wrap=nonfinite_at("4:0"))
     newest = tmp_path / "checkpoints" / "round_0000003" / "clients_0.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])  # truncated, as by a crash of the file system
-    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=5", "checkpoint_every=1")])
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "round_0000003 is damaged (clients_0.pt does not match its checksum)" in r.stdout
-    assert "resuming from" in r.stdout and "round_0000002" in r.stdout
+    said = []
+    run(args[1], args[2:], echo=said.append)
+    assert any("round_0000003 is damaged (clients_0.pt does not match its checksum)" in line for line in said)
+    assert any("resuming from" in line and "round_0000002" in line for line in said)
 
 
 # -- a shared out_dir ------------------------------------------------------------------------------

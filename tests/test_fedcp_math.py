@@ -87,8 +87,9 @@ def test_gradients_reach_only_the_trainable_parts():
     state = algo.init_client_state(0)
     x, y = data.train_batch()
     step = Step(x, y, algo.train_phase.modules, {"v": state["v"]}, torch.Generator().manual_seed(0))
-    personal, glob, h = algo.heads(step, gumbel=True)
-    out = personal + glob
+    heads = algo.heads(step, gumbel=True)
+    out, h = heads.logits, heads.h
+    assert heads.s.shape == h.shape and ((heads.s > 0) & (heads.s < 1)).all()
     with torch.no_grad():
         h_g = algo.fe_g(x)
     loss = torch.nn.functional.cross_entropy(out, y) + 5.0 * mmd2(h, h_g + 0.1)

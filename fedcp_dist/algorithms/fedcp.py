@@ -15,6 +15,7 @@ Upload: W_i^fe, (W^hd + W_i^hd) / 2 and Θ_i. Persistent client state: W_i^hd an
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,19 @@ from fedcp_dist.algorithms.base import LocalResult, SGDAlgorithm, freeze, load_m
 from fedcp_dist.local_train import ClientPhase, Phase, Step, split_policy
 from fedcp_dist.options import Option, above, at_least
 from fedcp_dist.placement import STREAM_INIT, stream_seed
+
+
+class Heads(NamedTuple):
+    """What the personalized model computes on a batch."""
+
+    personal: torch.Tensor  # the personal head's logits, g(s ⊙ h; W_i^hd)
+    glob: Optional[torch.Tensor]  # the frozen global head's logits, g(r ⊙ h; W^hd) (None: no global head)
+    h: torch.Tensor  # the feature
+    s: Optional[torch.Tensor]  # the personal share of each feature (None: no CPN); r = 1 − s
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.personal if self.glob is None else self.personal + self.glob
 
 
 def gumbel_noise(generator):
@@ -98,22 +112,22 @@ class FedCP(SGDAlgorithm):
         """C = v̂ ⊙ h: the client vector, L2-normalised, times the sample's feature."""
         return F.normalize(step.value("v"), dim=-1) * h
 
-    def heads(self, step, gumbel: bool):
-        """(g(s ⊙ h; W_i^hd), g(r ⊙ h; W^hd), h) on the step's batch: the personal head on the
-        personal part, the frozen global head on the global part."""
+    def heads(self, step, gumbel: bool) -> Heads:
+        """The personalized model on the step's batch: g(s ⊙ h; W_i^hd) (the personal head on the
+        personal part), g(r ⊙ h; W^hd) (the frozen global head on the global part), h and s."""
         h = step.run("features", step.x)
         noise = step.gumbel_like if gumbel else None
         s, r = split_policy(step.run("cpn.net", self.policy_input(step, h)), self.K, self.cfg.tau, noise)
-        return step.run("head", s * h), step.shared(self.head_g, r * h), h
+        return Heads(step.run("head", s * h), step.shared(self.head_g, r * h), h, s)
 
     def loss(self, step):
         """CE(personalized output) + λ·MMD²(h, h of the frozen received extractor, batch statistics)."""
         cfg = self.cfg
-        personal, glob, h = self.heads(step, cfg.cpn_train_gumbel)
-        loss = step.cross_entropy(personal if glob is None else personal + glob)
+        out = self.heads(step, cfg.cpn_train_gumbel)
+        loss = step.cross_entropy(out.logits)
         if cfg.lam > 0:
             h_g = step.shared(self.fe_g, step.x, grad=False, batch_stats=True)
-            loss = loss + cfg.lam * step.mmd2(h, h_g)
+            loss = loss + cfg.lam * step.mmd2(out.h, h_g)
         return loss
 
     # -- local training ---------------------------------------------------
@@ -144,10 +158,9 @@ class FedCP(SGDAlgorithm):
         """(g(s ⊙ h; W_i^hd), g(r ⊙ h; W^hd)): the personal and the global head's logits of the
         client's personalized model as evaluated (received extractor and CPN, the client's head);
         their sum is :meth:`predict`'s output. Runs with gradients enabled (for Grad-CAM)."""
-        personal, glob, _ = self._eval_heads(client_state, x, ctx)
-        return personal, glob
+        out = self._eval_heads(client_state, x, ctx)
+        return out.personal, out.glob
 
     @torch.no_grad()
     def predict(self, client_state, x, ctx):
-        personal, glob, _ = self._eval_heads(client_state, x, ctx)
-        return personal if glob is None else personal + glob
+        return self._eval_heads(client_state, x, ctx).logits

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcp_dist.algorithms.base import freeze
-from fedcp_dist.algorithms.fedcp import CPN, FedCP
+from fedcp_dist.algorithms.fedcp import CPN, FedCP, Heads
 from fedcp_dist.options import Option, one_of, within
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
@@ -136,7 +136,7 @@ class FedCPVariant(FedCP):
         if self.use_cpn:
             return super().heads(step, gumbel)
         h = step.run("features", step.x)
-        return step.run("head", h), (step.shared(self.head_g, h) if self.use_global_head else None), h
+        return Heads(step.run("head", h), step.shared(self.head_g, h) if self.use_global_head else None, h, None)
 
     def finish(self, client_state, outcomes, ctx):
         res = super().finish(client_state, outcomes, ctx)

@@ -345,7 +345,7 @@ def server_copy(state, cid: int, knowledge: str, local_steps: int) -> ServerCopy
 
     cfg, info = state.cfg, state.info
     model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size).to(state.device)
-    sent = {**state.global_state, **state.client_bn.get(cid, {})}
+    sent = state.sent(cid)
     private = None
     if knowledge == "oracle" and cfg.method != "fedavg":
         private = state.use_client(cid)
@@ -398,7 +398,7 @@ def client_upload(state, data, cid: int, b: int, setup: AttackSetup) -> Upload:
     victim = ClientData(cid, data.train_x[idx], data.train_y[idx], data.test_x[:0], data.test_y[:0], data.mean,
                         data.inv_std, data.kind)
     client_state = state.use_client(cid)
-    sent = {**state.global_state, **state.client_bn.get(cid, {})}
+    sent = state.sent(cid)
     gen = torch.Generator(device=state.device).manual_seed(int(setup.seed) * 7919 + cid * 101 + b)
     result = state.algo.local_train(client_state, victim, Context(state.rounds_done, cid, gen))
     copy_ = server_copy(state, cid, setup.knowledge, setup.local_steps)

@@ -5,25 +5,21 @@ method exactly as the engine does (the config's seed, then ``build_model`` and `
 and load the newest complete checkpoint into it.
 
 Which states: the global state *and* the clients' states of the newest checkpoint, a pair that
-existed together (the personalized models as evaluated after that many rounds). The final global
-state (``final_global.pt``) is newer than any checkpoint (none is written after the last round), so
-pairing it with a checkpoint's client states would make personalized models that never existed;
-the round used is always reported instead.
+existed together (the personalized models as evaluated after that many rounds). A run with
+``checkpoint_every`` > 0 also checkpoints after its last round, so these are its final models;
+the round used is always reported.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from fedcp_dist.client_store import ClientStore
 from fedcp_dist.errors import UserError
-
-#: prefix of a client's own BatchNorm statistics inside its checkpointed state (the engine's)
-BN_PREFIX = "__bn__/"
-
 
 @dataclass
 class RunState:
@@ -36,18 +32,22 @@ class RunState:
     device: torch.device
     #: rounds trained when the checkpoint was written
     rounds_done: int
-    global_state: dict
-    client_states: dict = field(default_factory=dict)
-    #: each client's own BatchNorm statistics (models with BatchNorm, aggregate_bn_stats=false)
-    client_bn: dict = field(default_factory=dict)
+    #: the clients' states and their own BatchNorm statistics, as the engine keeps them
+    store: ClientStore
+
+    @property
+    def global_state(self) -> dict:
+        return self.store.global_state
+
+    def sent(self, cid: int) -> dict:
+        """The global state as client ``cid``'s model received it (with its own BatchNorm statistics)."""
+        return {**self.global_state, **self.store.bn.get(cid, {})}
 
     def use_client(self, cid: int) -> Optional[dict]:
         """Hand the method the global state (with ``cid``'s own BatchNorm statistics, if any) and
         return ``cid``'s persistent state (the method's initial one if the client never trained)."""
-        self.algo.set_global({**self.global_state, **self.client_bn.get(cid, {})})
-        if cid not in self.client_states:
-            self.client_states[cid] = self.algo.init_client_state(cid)
-        return self.client_states[cid]
+        self.algo.set_global(self.sent(cid))
+        return self.store.get(cid)
 
     def load_data(self, cids) -> dict:
         """``{cid: ClientData}`` of the given clients, on the run's device."""
@@ -98,11 +98,9 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     cfg = run_config(run_dir, data_path, changes)
     ckpt = Checkpointer(str(run_dir), 0, 1, max(1, cfg.keep_checkpoints)).latest(warn=warn)
     if ckpt is None:
-        k = max(1, cfg.rounds - 1)
         raise UserError(
             f"{run_dir} has no complete checkpoint, and the clients' states are kept only in checkpoints: "
-            f"run it again with checkpoint_every=K for some 0 < K < rounds (checkpoint_every={k} keeps "
-            f"the models after {k} of its {cfg.rounds} rounds)"
+            f"run it again with checkpoint_every set (> 0; a run then also checkpoints after its last round)"
         )
     dev = torch.device(device)
     info = read_info(cfg.data.path)
@@ -119,13 +117,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     if set(template) - set(global_state):
         missing = sorted(set(template) - set(global_state))[0]
         raise UserError(f"checkpoint {ckpt} does not fit the run's {cfg.method} model (no '{missing}')")
-    client_states, client_bn = {}, {}
-    for cid, state in clients.items():
-        client_bn[cid] = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
-        own = {k: v for k, v in state.items() if not k.startswith(BN_PREFIX)}
-        if own:
-            client_states[cid] = own
-    state = RunState(run_dir, cfg, info, algo, dev, rounds_done, global_state, client_states, client_bn)
-    algo.set_global(global_state)
-    return state
+    store = ClientStore.for_run(algo, global_state, cfg.aggregate_bn_stats)
+    store.load_state_dict(clients)
+    return RunState(run_dir, cfg, info, algo, dev, rounds_done, store)
 

@@ -1,7 +1,8 @@
 """Digests of every method's trajectory on the digits shard: the reference a refactor must keep.
 
-    python tests/golden/record.py --out tests/golden/digests.json              # 1 rank
-    torchrun --standalone --nproc_per_node=2 tests/golden/record.py --out ...  # 2 ranks
+    python tests/golden/record.py --out tests/golden/digests.json              # record, 1 rank
+    torchrun --standalone --nproc_per_node=2 tests/golden/record.py --out ...  # record, 2 ranks
+    python tests/golden/record.py --check tests/golden/digests.json --cases fedcp fedavg   # compare
 
 Each case runs ROUNDS rounds of a ``configs/digits_<method>.yaml`` config (plus the case's
 overrides) in this process on the embedded digits partition (20 clients, Dir(0.1), seed 1),
@@ -103,12 +104,35 @@ def run_case(rt, shard: str, name: str, work: Path) -> dict:
     return digest_run(out) if rt.is_main else {}
 
 
-def main(argv=None) -> None:
+def compare(recorded: dict, world_size: int, results: dict) -> list:
+    """The cases whose digests differ from ``recorded`` (printed, with what differs)."""
+    if recorded.get("fingerprint") != fingerprint():
+        print(f"note: recorded on {recorded.get('fingerprint')}, this machine is {fingerprint()}: "
+              "float results need not be bit-identical here")
+    differ = []
+    for name, got in results.items():
+        want = recorded["world_sizes"].get(str(world_size), {}).get(name)
+        if want is None:
+            print(f"{name}: not recorded")
+            continue
+        parts = [k for k in ("global", "clients", "metrics", "summary") if want[k] != got[k]]
+        if parts:
+            differ.append(name)
+            print(f"{name}: DIFFERS ({', '.join(parts)}): final acc {want['final_acc']:.4f} -> {got['final_acc']:.4f}")
+    print(f"{len(results) - len(differ)} of {len(results)} cases bit-identical on {world_size} rank(s)")
+    return differ
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write (rank 0)")
+    p.add_argument("--out", help="JSON file to write (rank 0)")
     p.add_argument("--cases", nargs="*", default=list(CASES), help="case names (default: all)")
     p.add_argument("--shard", help="the digits shard (default: partition it into a temporary directory)")
+    p.add_argument("--check", metavar="DIGESTS", help="compare with this digests file instead of writing --out; "
+                   "exit 1 when any case differs")
     args = p.parse_args(argv)
+    if not args.out and not args.check:
+        p.error("give --out (record) or --check (compare)")
     import torch
 
     from fedcp_dist.runtime import init_runtime
@@ -121,10 +145,10 @@ def main(argv=None) -> None:
         # rank 0 partitions; every rank then reads the same path, passed through a file-free agreement
         tmp = Path(os.environ.get("FEDCP_GOLDEN_TMP", tempfile.gettempdir())) / f"golden-digits-{os.getppid()}.h5"
         if rt.is_main:
-            from fedcp_dist.cli.partition import main as partition
+            from fedcp_dist.data.make import PartitionSpec, make_shard
 
-            partition.__wrapped__(["--source", "digits", "--partition", "dir", "--beta", "0.1", "--num-clients", "20",
-                                   "--seed", "1", "--out", str(tmp), "--force"])
+            make_shard(PartitionSpec(source="digits", partition="dir", beta=0.1, num_clients=20, seed=1), tmp,
+                       force=True, say=lambda *_: None)
         rt.barrier()
         shard = str(tmp)
     work_dir = Path(tempfile.gettempdir()) / f"golden-runs-{os.getppid()}"
@@ -133,6 +157,10 @@ def main(argv=None) -> None:
         results[name] = run_case(rt, shard, name, work_dir)
         if rt.is_main:
             print(f"{name}: {results[name]['final_acc']:.4f} {results[name]['global'][:12]}", flush=True)
+    if rt.is_main and args.check:
+        differ = compare(json.loads(Path(args.check).read_text()), rt.world_size, results)
+        rt.close()
+        return 1 if differ else 0
     if rt.is_main:
         out = Path(args.out)
         data = json.loads(out.read_text()) if out.exists() else {}
@@ -140,6 +168,7 @@ def main(argv=None) -> None:
         data.setdefault("world_sizes", {})[str(rt.world_size)] = results
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     rt.close()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""Start-up on every rank: the shard checked against the config, clients placed on ranks, this
+rank's clients loaded onto its device, budgets checked, and every rank agreeing before any trains.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from fedcp_dist.data.resident import ClientData, to_device
+from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
+from fedcp_dist.errors import UserError
+from fedcp_dist.placement import place_clients
+
+
+@dataclass
+class Setup:
+    """What a rank knows after start-up."""
+
+    info: ShardInfo
+    owner: np.ndarray  # owner rank of every client
+    owned: List[int]  # this rank's clients
+    data: Dict[int, ClientData]  # this rank's clients' data, on its device
+    load_seconds: float
+
+    @property
+    def num_clients(self) -> int:
+        return self.info.num_clients
+
+    def clients_per_rank(self, world_size: int) -> np.ndarray:
+        return np.bincount(self.owner, minlength=world_size)
+
+
+def check_shard(cfg, info: ShardInfo) -> None:
+    """The config's expectations of the shard (``data.num_clients``, ``data.source``,
+    ``data.input_shape``) against what the file holds."""
+    d = cfg.data
+    if d.num_clients and d.num_clients != info.num_clients:
+        raise UserError(f"config key 'data.num_clients' is {d.num_clients} but {d.path} holds {info.num_clients} clients")
+    if d.source and d.source != info.source:
+        raise UserError(f"config key 'data.source' is {d.source!r} but {d.path} holds {info.source!r}")
+    if d.input_shape is not None and list(d.input_shape) != list(info.input_shape):
+        raise UserError(f"config key 'data.input_shape' is {list(d.input_shape)} but {d.path} holds inputs of "
+                        f"shape {list(info.input_shape)}")
+
+
+def load(cfg, rt) -> Setup:
+    """Read the shard's metadata, place the clients, load this rank's clients onto its device."""
+    info = read_info(cfg.data.path)
+    check_shard(cfg, info)
+    owner = place_clients(info.train_counts, rt.world_size)
+    owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
+    t0 = time.perf_counter()
+    arrays = load_clients(cfg.data.path, owned)
+    data = {c: to_device(c, arrays[c], info.mean, info.std, rt.device) for c in owned}
+    del arrays
+    return Setup(info, owner, owned, data, time.perf_counter() - t0)
+
+
+def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
+    """Bytes per rank of the method's other-client models plus the exchange buffer; refuse over budget."""
+    dim = algo.peer_dim
+    if not dim:
+        return 0
+    need = algo.peer_memory_bytes(num_clients) + world_size * max_owned * (dim + 1) * 4
+    if need > cfg.peer_memory_mb * 2**20:
+        raise UserError(
+            f"{cfg.method} needs {need / 2**20:.0f} MiB per rank for other clients' models ({num_clients} clients, "
+            f"{dim} values each) but peer_memory_mb={cfg.peer_memory_mb:g}; raise peer_memory_mb or use fewer clients"
+        )
+    return need
+
+
+def agree(rt, err: Optional[UserError]) -> None:
+    """Every rank stops if any rank failed (one tiny all-reduce), with that rank's message where
+    it has one."""
+    flag = torch.tensor([0.0 if err is None else 1.0], device=rt.device)
+    rt.all_reduce_sum_(flag)
+    if err is not None:
+        raise err
+    if flag.item() > 0:
+        raise UserError("another rank failed to start (see its message)")
+
+
+def all_ok(rt, ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (one tiny all-reduce)."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=rt.device)
+    rt.all_reduce_sum_(flag)
+    return flag.item() == 0
