@@ -34,7 +34,7 @@ run: $(RUN_STAMP) $(DIGITS)
 		--config configs/digits_fedcp.yaml overwrite=true
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q --durations=10 tests
+	$(PY) -m pytest -q -rs --durations=15 tests
 
 clean-runs:
 	rm -rf runs

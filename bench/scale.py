@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import resource
 import shutil
 import subprocess

@@ -9,6 +9,11 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: takes 10 s or more (processes, launchers, many rounds); `-m 'not slow'` skips them")
+
+
 def partition(out: Path, *args: str) -> Path:
     from fedcp_dist.cli.partition import main
 

@@ -1,9 +1,22 @@
-"""Builders the tests share: in-process runs, and an algorithm wrapper that injects a fault."""
+"""Builders the tests share: in-process runs, a fault-injecting algorithm wrapper, small clients
+and models, and processes started and killed as a scheduler would."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
+from torch import nn
+
+from conftest import BIN, REPO
+from fedcp_dist.config import Config
+from fedcp_dist.data.resident import ClientData, to_device
+from fedcp_dist.models import build_model
 
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import cli_main
@@ -53,6 +66,116 @@ def run(config: str, overrides, wrap=None, echo=lambda *_: None) -> dict:
         return Simulator(cfg, rt, echo=echo, wrap=wrap).run()
     finally:
         rt.close()
+
+
+# ---------------------------------------------------------------- small clients and models
+
+CPU = torch.device("cpu")
+
+
+class Data64(ClientData):
+    """A client whose batches come in float64 (for the exactness checks)."""
+
+    def train_batch(self, idx=None):
+        x, y = super().train_batch(idx)
+        return x.double(), y
+
+
+def random_client(cid, n, classes=10, shape=(1, 28, 28), double=False):
+    g = torch.Generator().manual_seed(100 + cid)
+    arrays = {
+        "train_x": torch.randint(0, 256, (n, *shape), generator=g, dtype=torch.uint8).numpy(),
+        "train_y": torch.randint(0, classes, (n,), generator=g).numpy(),
+        "test_x": torch.randint(0, 256, (2, *shape), generator=g, dtype=torch.uint8).numpy(),
+        "test_y": torch.randint(0, classes, (2,), generator=g).numpy(),
+    }
+    d = to_device(cid, arrays, (0.5,), (0.5,), CPU)
+    return Data64(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}) if double else d
+
+
+def algo_with_moved_global(cls, net=None, shape=(1, 28, 28), **kw):
+    kw.setdefault("lr", 0.05)
+    kw.setdefault("batch_size", 10)
+    cfg = Config(**kw)
+    torch.manual_seed(0)
+    algo = cls(cfg, net if net is not None else build_model("cnn", shape, 10), CPU)
+    gs = algo.init_global_state()
+    # a global state that differs from the initial one, so the shared and personal parts differ
+    gs = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in gs.items()}
+    algo.set_global(gs)
+    return algo, gs
+
+
+
+class Tiny(nn.Module):
+    """features: 2x2 image → Linear(4, 3) → ReLU; head: Linear(3, 3). Small enough to redo by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.feature_dim = 3
+        self.features = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.ReLU())
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def tiny_data(n=8, shape=(1, 2, 2), labels=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.tensor(labels if labels is not None else [i % 3 for i in range(n)])
+    arrays = {
+        "train_x": torch.randint(0, 256, (len(y), *shape), generator=g, dtype=torch.uint8).numpy(),
+        "train_y": y.numpy(),
+        "test_x": torch.randint(0, 256, (3, *shape), generator=g, dtype=torch.uint8).numpy(),
+        "test_y": torch.tensor([0, 1, 2]).numpy(),
+    }
+    return to_device(0, arrays, (0.5,), (0.5,), CPU)
+
+
+
+# ---------------------------------------------------------------- processes
+
+
+def start(cmd, **env_extra):
+    """Start ``cmd`` from the repository in a session of its own (stdout and stderr together)."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1", **env_extra)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for(path: Path, proc, timeout=240):
+    t0 = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path} appeared:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() - t0 < timeout, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_job(proc) -> None:
+    """SIGKILL the launcher and every process under it, as a scheduler ends a job."""
+    for p in descendants(proc.pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
 
 
 @cli_main

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import REPO
+from helpers import Tiny
+from helpers import tiny_data as _data
 from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
 from fedcp_dist.algorithms.base import Context, load_module, module_state
 from fedcp_dist.algorithms.ditto import Ditto
@@ -26,7 +28,6 @@ from fedcp_dist.algorithms.fedrod import FedRoD, balanced_softmax_loss, label_lo
 from fedcp_dist.algorithms.perfedavg import PerFedAvg
 from fedcp_dist.algorithms.pfedme import PFedMe
 from fedcp_dist.config import METHODS, Config, load_config
-from fedcp_dist.data.resident import to_device
 from fedcp_dist.errors import UserError
 from fedcp_dist.local_train import Step, batch_indices
 from fedcp_dist.models import build_model
@@ -37,31 +38,6 @@ BASELINES = ("fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fed
 
 # ----------------------------------------------------------------------------------------------
 # helpers
-
-
-class Tiny(nn.Module):
-    """features: 2x2 image → Linear(4, 3) → ReLU; head: Linear(3, 3). Small enough to redo by hand."""
-
-    def __init__(self):
-        super().__init__()
-        self.feature_dim = 3
-        self.features = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.ReLU())
-        self.head = nn.Linear(3, 3)
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-def _data(n=8, shape=(1, 2, 2), labels=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.tensor(labels if labels is not None else [i % 3 for i in range(n)])
-    arrays = {
-        "train_x": torch.randint(0, 256, (len(y), *shape), generator=g, dtype=torch.uint8).numpy(),
-        "train_y": y.numpy(),
-        "test_x": torch.randint(0, 256, (3, *shape), generator=g, dtype=torch.uint8).numpy(),
-        "test_y": torch.tensor([0, 1, 2]).numpy(),
-    }
-    return to_device(0, arrays, (0.5,), (0.5,), CPU)
 
 
 def _algo(cls, model="tiny", **kw):
@@ -577,6 +553,7 @@ def world_runs(digits6, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in WORLD_CASES])
 def test_one_and_two_ranks_agree(world_runs, name):
     s1, acc1, sum1 = _load(world_runs / "one" / name)

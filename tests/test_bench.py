@@ -14,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import REPO, run_cmd
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import FedCP
-from test_fused import _algo, _client
+from helpers import algo_with_moved_global as _algo
+from helpers import random_client as _client
 
 
 def _load_bench():
@@ -65,29 +66,25 @@ def test_peak_is_gemm_flops_over_the_best_time():
     assert peak == pytest.approx(2 * 64**3 / 2.0 / 1e9)
 
 
+@pytest.mark.slow
 def test_bench_compare_table(digits6, tmp_path):
-    """One documented command end to end (--compare on a small shard): the JSON's derived figures
-    follow from its measured ones, and both variants trained the same samples."""
+    """One documented command end to end (--compare on a small shard): both variants ran the path
+    they name, trained exactly the samples the shard's clients hold, and the FLOP count is the
+    hand-derived one (digits images are MNIST-shaped)."""
+    from fedcp_dist.data.shards import read_info
+
     out = tmp_path / "bench.json"
     r = run_cmd([sys.executable, "bench/round.py", "--shard", str(digits6), "--config", "configs/digits_fedcp.yaml",
                  "--compare", "--warmup", "0", "--json", str(out), "rounds=1", "threads=1"], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
-    seq, fus, cmp_ = res["sequential"], res["fused"], res["comparison"]
-    assert not seq["fused"] and fus["fused"]
-    assert seq["train_flops_per_sample"] == fus["train_flops_per_sample"] > 0
+    seq, fus = res["sequential"], res["fused"]
+    assert seq["training"] == "sequential" and fus["training"].startswith("fused")
+    counts = read_info(digits6).train_counts  # every client trains once, B = 10, drop_last
+    trained = sum(int(n) - int(n) % 10 if n >= 10 else int(n) for n in counts)
     for v in (seq, fus):
-        samples = v["client_samples_per_s_per_rank"][0] * v["train_seconds"]
-        gflops = samples * v["train_flops_per_sample"] / v["train_seconds"] / 1e9
-        assert v["train_gflops_per_rank"][0] == pytest.approx(gflops, rel=1e-6)
-        assert v["train_fraction_of_peak"][0] == pytest.approx(gflops / v["matmul_peak_gflops_per_rank"][0], rel=1e-9)
-        assert v["seconds_per_round"] >= v["train_seconds"] + v["eval_seconds"] - 1e-6
+        assert v["client_samples_per_s_per_rank"][0] * v["train_seconds"] == pytest.approx(trained, rel=1e-9)
+        assert v["train_flops_per_sample"] == fedcp_mnist_flops_per_sample()
         # the engine's CPU time of local training: one thread cannot spend more than the wall time
-        cpu = v["train_cpu_seconds_per_thread"][0]
-        assert 0 < cpu <= 1.05 * v["train_seconds"] + 0.05
-    # the same clients and samples trained by both variants
-    n_seq = seq["client_samples_per_s_per_rank"][0] * seq["train_seconds"]
-    n_fus = fus["client_samples_per_s_per_rank"][0] * fus["train_seconds"]
-    assert n_seq == pytest.approx(n_fus, rel=1e-9)
-    assert cmp_["train_speedup"] == pytest.approx(seq["train_seconds"] / fus["train_seconds"], rel=1e-9)
+        assert 0 < v["train_cpu_seconds_per_thread"][0] <= 1.05 * v["train_seconds"] + 0.05
     assert "training / peak" in r.stdout and "fused / sequential" in r.stdout

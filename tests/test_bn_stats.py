@@ -1,10 +1,13 @@
 """BatchNorm running statistics: each client keeps its own (the default), or they are averaged
 (aggregate_bn_stats=true); either way they are checkpointed and survive a resume exactly."""
+import pytest
 import sys
 
 import torch
 
 from conftest import run_cmd
+
+pytestmark = pytest.mark.slow
 
 BN_KEY = "cpn.net.1.running_mean"  # FedCP with cpn_norm=batchnorm: a BatchNorm in the shared CPN
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedcp_dist import startup
-from fedcp_dist.aggregate import FlatAggregator, Sums, pack_peers, reduce_sums, sums_size, unpack_peers
+from fedcp_dist.aggregate import FlatAggregator, pack_peers, reduce_sums, sums_size, unpack_peers
 from fedcp_dist.algorithms.base import LocalResult
 from fedcp_dist.client_store import BN_PREFIX, ClientStore
 from fedcp_dist.data.resident import to_device

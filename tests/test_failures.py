@@ -16,7 +16,8 @@ import pytest
 
 from conftest import BIN, REPO, run_cmd
 from helpers import nonfinite_at, run
-from test_resume import _kill_job, _start
+from helpers import kill_job as _kill_job
+from helpers import start as _start
 
 from fedcp_dist import checkpoint as ckpt_mod
 from fedcp_dist.checkpoint import Checkpointer
@@ -52,6 +53,7 @@ def _free_port():
 
 # -- a rank dies -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dead_rank_without_a_launcher_to_clean_up(digits6, tmp_path):
     """Two ranks rendezvous by themselves (no torchrun agent to kill the survivor): when rank 1
     is SIGKILLed, rank 0 must stop on its own, naming rank 1 and the round."""
@@ -81,6 +83,7 @@ def test_dead_rank_without_a_launcher_to_clean_up(digits6, tmp_path):
     assert "rank(s) 1 stopped answering" in lines[0] and "round" in lines[0]
 
 
+@pytest.mark.slow
 def test_dead_rank_under_torchrun(digits6, tmp_path):
     proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                    "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500", "collective_timeout=30")])
@@ -94,6 +97,7 @@ def test_dead_rank_under_torchrun(digits6, tmp_path):
     assert "local_rank: 1" in out or "rank(s) 1" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_dead_rank_under_mpirun(digits6, tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN))
     if mpirun is None:
@@ -115,6 +119,7 @@ def test_dead_rank_under_mpirun(digits6, tmp_path):
 
 # -- non-finite updates --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_nonfinite_update_stops_every_rank_and_keeps_the_checkpoint(digits6, tmp_path):
     """Two ranks; the client's owner sees the NaN, both stop in the same round with exit status 1."""
     r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -167,6 +172,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path,
     assert ck.verify(ck.latest()) is None
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(digits6, tmp_path):
     args = _args(digits6, tmp_path, "rounds=5", "checkpoint_every=1")
     with pytest.raises(RunFailure, match="round 4: client 0 produced a non-finite"):
@@ -204,6 +210,7 @@ def _refused(args, *words):
         assert w in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_bad_shards_are_refused_before_training(digits6, tmp_path):
     trunc = tmp_path / "trunc.h5"
     data = Path(digits6).read_bytes()

@@ -153,10 +153,27 @@ def test_eval_is_deterministic_and_uses_the_personal_head():
     assert torch.allclose(algo.predict(other, x, ctx), p1 + 1.0, atol=1e-5)
 
 
-def test_lambda_zero_skips_mmd_but_trains():
+def test_lambda_zero_skips_mmd_but_trains(monkeypatch):
+    """λ = 0: the MMD term is not built (no MMD, no forward of the frozen extractor) and the loss
+    is exactly the cross-entropy; with λ > 0 the same batches give a larger loss."""
+    calls = {"mmd": 0, "fe_g": 0}
+    real_mmd = Step.mmd2
+    monkeypatch.setattr(Step, "mmd2", lambda self, *a, **k: calls.__setitem__("mmd", calls["mmd"] + 1) or real_mmd(self, *a, **k))
     algo, gs, data = _fedcp(lam=0.0)
-    res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(3)))
-    assert res.loss_sum > 0 and math.isfinite(res.loss_sum)
+    algo.fe_g.register_forward_hook(lambda *_: calls.__setitem__("fe_g", calls["fe_g"] + 1))
+    state = algo.init_client_state(0)
+    res = algo.local_train(state, data, Context(0, 0, torch.Generator().manual_seed(3)))
+    assert calls == {"mmd": 0, "fe_g": 0} and res.samples == 8
+    # the loss is the plain cross-entropy of the personalized model, batch by batch
+    ce = FedCP.loss
+    monkeypatch.setattr(FedCP, "loss", lambda self, step: torch.nn.functional.cross_entropy(
+        self.heads(step, self.cfg.cpn_train_gumbel).logits, step.y))
+    ref = algo.local_train(state, data, Context(0, 0, torch.Generator().manual_seed(3)))
+    assert res.loss_sum == ref.loss_sum and torch.equal(res.upload["cpn.net.0.weight"], ref.upload["cpn.net.0.weight"])
+    monkeypatch.setattr(FedCP, "loss", ce)
+    with_mmd, _, _ = _fedcp(lam=5.0)
+    res5 = with_mmd.local_train(with_mmd.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(3)))
+    assert calls["mmd"] == 2 and res5.loss_sum > res.loss_sum  # two batches of 4, each with its MMD term
 
 
 def test_head_outputs_add_up_to_the_prediction():

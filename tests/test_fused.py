@@ -9,7 +9,6 @@ rounding difference can now and then put a pre-activation on the other side of a
 after which the trajectories drift apart by more than rounding; the float32 checks therefore use
 well-conditioned settings, and the end-to-end run a relative tolerance.
 """
-import dataclasses
 import json
 
 import pytest
@@ -29,12 +28,13 @@ from fedcp_dist.algorithms.fedphp import FedPHP
 from fedcp_dist.algorithms.fedprox import FedProx
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.config import Config, load_config
-from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.local_train import batch_indices, num_batches
 from fedcp_dist.losses import grouped_mmd2, mmd2
 from fedcp_dist.models import build_model
 from fedcp_dist.runtime import init_runtime
 from fedcp_dist.simulator import Simulator
+from helpers import algo_with_moved_global as _algo
+from helpers import random_client as _client
 
 CPU = torch.device("cpu")
 ATOL = 1e-5
@@ -43,45 +43,12 @@ ATOL = 1e-5
 SIZES = (23, 7, 40, 31)
 
 
-class Data64(ClientData):
-    """A client whose batches come in float64 (for the exactness checks)."""
-
-    def train_batch(self, idx=None):
-        x, y = super().train_batch(idx)
-        return x.double(), y
-
-
-def _client(cid, n, classes=10, shape=(1, 28, 28), double=False):
-    g = torch.Generator().manual_seed(100 + cid)
-    arrays = {
-        "train_x": torch.randint(0, 256, (n, *shape), generator=g, dtype=torch.uint8).numpy(),
-        "train_y": torch.randint(0, classes, (n,), generator=g).numpy(),
-        "test_x": torch.randint(0, 256, (2, *shape), generator=g, dtype=torch.uint8).numpy(),
-        "test_y": torch.randint(0, classes, (2,), generator=g).numpy(),
-    }
-    d = to_device(cid, arrays, (0.5,), (0.5,), CPU)
-    return Data64(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}) if double else d
-
-
 @pytest.fixture
 def float64():
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
-
-
-def _algo(cls, net=None, shape=(1, 28, 28), **kw):
-    kw.setdefault("lr", 0.05)
-    kw.setdefault("batch_size", 10)
-    cfg = Config(**kw)
-    torch.manual_seed(0)
-    algo = cls(cfg, net if net is not None else build_model("cnn", shape, 10), CPU)
-    gs = algo.init_global_state()
-    # a global state that differs from the initial one, so the shared and personal parts differ
-    gs = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in gs.items()}
-    algo.set_global(gs)
-    return algo, gs
 
 
 @pytest.fixture
@@ -399,6 +366,7 @@ def _run(shard, out, fused_on, method="fedcp"):
         rt.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedcp", "fedavg"])
 def test_end_to_end_fused_run_equals_sequential_run(digits6, tmp_path, method):
     """One round, 6 clients in fused groups of 4 and 2: the same model within float32 drift

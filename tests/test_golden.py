@@ -34,6 +34,7 @@ def test_one_rank_matches_the_recorded_digests(case, digits20, tmp_path, one_thr
     assert differences(RECORDED["world_sizes"]["1"][case], got, EXACT) == []
 
 
+@pytest.mark.slow
 def test_two_ranks_match_the_recorded_digests(digits20):
     cases = ["fedcp", "fedcp-fused", "fedamp", "ditto", "fedphp"]
     assert set(cases) <= set(CASES)

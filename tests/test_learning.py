@@ -1,9 +1,13 @@
 """FedCP learns, and beats FedAvg's accuracy on its clients' own test splits (digits, Dir(0.1))."""
 import json
 
+import pytest
+
 from fedcp_dist.config import load_config
 from fedcp_dist.runtime import init_runtime
 from fedcp_dist.simulator import Simulator
+
+pytestmark = pytest.mark.slow
 
 
 def _run(shard, out, method):

@@ -8,6 +8,8 @@ import torch
 
 from conftest import BIN, run_cmd
 
+pytestmark = pytest.mark.slow
+
 ROUNDS = 3
 
 

@@ -13,7 +13,8 @@ from fedcp_dist.algorithms.fedamp import FedAMP
 from fedcp_dist.algorithms.fedfomo import FedFomo
 from fedcp_dist.config import Config
 from fedcp_dist.local_train import batch_indices
-from test_baselines import Tiny, _data
+from helpers import Tiny
+from helpers import tiny_data as _data
 
 CPU = torch.device("cpu")
 P = sum(p.numel() for p in Tiny().parameters())  # 27

@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -10,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN, REPO, run_cmd
+from conftest import run_cmd
+from helpers import kill_job as _kill_job
+from helpers import start as _start
+from helpers import wait_for as _wait_for
 from fedcp_dist.checkpoint import Checkpointer
 
 ROUNDS = 10
@@ -23,46 +25,6 @@ def _args(shard, out, *extra):
 
 def _torchrun(nproc=2):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "fedcp_dist.run"]
-
-
-def _start(cmd):
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _wait_for(path: Path, proc, timeout=240):
-    t0 = time.time()
-    while not path.exists():
-        assert proc.poll() is None, f"run ended before {path} appeared:\n{proc.stdout.read()[-3000:]}"
-        assert time.time() - t0 < timeout, f"{path} did not appear"
-        time.sleep(0.05)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def _kill_job(proc) -> None:
-    """SIGKILL the launcher and every process under it, as a scheduler ends a job."""
-    for p in _descendants(proc.pid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 
 def _strip(out: Path):
@@ -96,6 +58,7 @@ def reference(digits20, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_mid_round_then_exact_resume(reference, digits20, tmp_path):
     proc = _start([*_torchrun(), *_args(digits20, tmp_path)])
     _wait_for(tmp_path / "checkpoints" / "round_0000004" / "COMPLETE", proc)
@@ -110,6 +73,7 @@ def test_sigkill_mid_round_then_exact_resume(reference, digits20, tmp_path):
     _same_run(reference, tmp_path)
 
 
+@pytest.mark.slow
 def test_preemption_signal_checkpoints_and_exits_75(reference, digits20, tmp_path):
     proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits20, tmp_path, "checkpoint_every=0")])
     _wait_for(tmp_path / "metrics.jsonl", proc)
@@ -130,8 +94,13 @@ def test_preemption_signal_checkpoints_and_exits_75(reference, digits20, tmp_pat
     _same_run(reference, tmp_path, exact_metrics=False)
 
 
+@pytest.mark.slow
 def test_signal_to_one_rank_stops_every_rank(digits6, tmp_path):
-    proc = _start([*_torchrun(), *_args(digits6, tmp_path, "rounds=200", "eval_every=50", "checkpoint_every=0")])
+    """Under torchrun: every worker checkpoints and exits 75 (torchrun reports its own status), and
+    rank 0 leaves the status file job scripts read to requeue."""
+    status = tmp_path / "status"
+    proc = _start([*_torchrun(), *_args(digits6, tmp_path, "rounds=200", "eval_every=50", "checkpoint_every=0")],
+                  FEDCP_STATUS_FILE=str(status))
     _wait_for(tmp_path / "metrics.jsonl", proc)
     children = []
     t0 = time.time()
@@ -143,11 +112,15 @@ def test_signal_to_one_rank_stops_every_rank(digits6, tmp_path):
     time.sleep(1.0)
     os.kill(children[1], signal.SIGUSR2)  # only one worker hears it
     out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
     assert "checkpointed after" in out, out[-3000:]
+    assert out.count("preempted: checkpointed after") == 2, out[-3000:]  # both workers, exit 75 (cli_main)
+    assert status.read_text() == "preempted\n"
     assert Checkpointer(str(tmp_path), 0, 2, 2).latest() is not None
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_config(digits6, tmp_path):
     proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=100", "checkpoint_every=1")])
     _wait_for(tmp_path / "checkpoints" / "round_0000001" / "COMPLETE", proc)

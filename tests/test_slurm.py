@@ -19,6 +19,8 @@ from conftest import BIN, REPO
 from fedcp_dist.cli import report
 from fedcp_dist.cli import sweep as sweep_cli
 
+pytestmark = pytest.mark.slow
+
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
 TRAIN = REPO / "slurm" / "train.sbatch"
 SWEEP = REPO / "slurm" / "sweep.sbatch"

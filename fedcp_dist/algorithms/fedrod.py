@@ -14,7 +14,6 @@ P-head; its hypernetwork variant is not implemented.)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedcp_dist.algorithms.base import LocalResult, load_module

@@ -153,10 +153,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     rt = init_runtime("cpu", 1)
-    work = Path(tempfile.mkdtemp(prefix="golden-")) if rt.is_main else None
     shard = args.shard
     if shard is None:
-        # rank 0 partitions; every rank then reads the same path, passed through a file-free agreement
+        # rank 0 partitions into a path every rank derives alike (the launcher's pid), then all read it
         tmp = Path(os.environ.get("FEDCP_GOLDEN_TMP", tempfile.gettempdir())) / f"golden-digits-{os.getppid()}.h5"
         if rt.is_main:
             from fedcp_dist.data.make import PartitionSpec, make_shard
