@@ -4,6 +4,7 @@ One run writes one directory; rank 0 alone writes it::
 
     config.yaml      the resolved config, written when the round loop starts
     metrics.jsonl    one JSON object per round (and a ``final_eval`` one), appended and flushed
+    analysis.jsonl   with analysis on: per-client probes (PIR, s histograms, loss before/after)
     checkpoints/     round-R checkpoints (:mod:`fedcp_dist.checkpoint` owns what is inside)
     final_global.pt  the global state after the last round (a plain tensor dict)
     summary.json     written last: its presence marks a finished run
@@ -31,12 +32,14 @@ from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
+#: the probes of a run with analysis on (PIR, s histograms, loss before/after local learning)
+ANALYSIS = "analysis.jsonl"
 SUMMARY = "summary.json"
 FINAL_GLOBAL = "final_global.pt"
 CHECKPOINTS = "checkpoints"
 LOCK = ".lock"
 #: the files of a run that ``overwrite=true`` removes (with ``checkpoints/``)
-RUN_FILES = (METRICS, SUMMARY, FINAL_GLOBAL, CONFIG)
+RUN_FILES = (METRICS, ANALYSIS, SUMMARY, FINAL_GLOBAL, CONFIG)
 
 FINISHED, UNFINISHED, PENDING = "finished", "unfinished", "pending"
 
@@ -200,31 +203,39 @@ class RunDir:
         return flatten(data) if isinstance(data, dict) else None
 
     def read_metrics(self) -> list:
-        """The records of metrics.jsonl ([] when there is none).
-
-        A last line that is not a whole JSON object is dropped: the run was stopped while writing
-        it. Any other bad line means the file was damaged: a UserError naming the file and line.
-        """
-        try:
-            text = self.metrics.read_text(encoding="utf-8", errors="replace")
-        except OSError:
+        """The records of metrics.jsonl ([] when there is none); see :func:`read_jsonl`."""
+        if not self.metrics.exists():
             return []
-        lines = text.splitlines()
-        records = []
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
-                records.append(record)
-            elif i == len(lines):
-                break  # torn by a stop mid-write
-            else:
-                raise UserError(f"{self.metrics}: line {i} is not a JSON object; the file is damaged")
-        return records
+        return [record for _, record in read_jsonl(self.metrics)]
+
+
+def read_jsonl(path) -> list:
+    """[(line number, object)] of a JSON-lines file such as metrics.jsonl or analysis.jsonl.
+
+    A last line that is not a whole JSON object is dropped: the run was stopped while writing it.
+    Any other bad line means the file was damaged: a UserError naming the file and line.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            out.append((i, record))
+        elif i == len(lines):
+            break  # torn by a stop mid-write
+        else:
+            raise UserError(f"{path}: line {i} is not a JSON object; the file is damaged")
+    return out
 
 
 # ----------------------------------------------------------------------------- the lock and the rules

@@ -22,33 +22,9 @@ from pathlib import Path
 from typing import Optional
 
 from fedcp_dist.errors import UserError
+from fedcp_dist.rundir import ANALYSIS, METRICS, read_jsonl
 
 S_BINS = 50
-PROBES = "analysis.jsonl"
-METRICS = "metrics.jsonl"
-
-
-def _read_jsonl(path: Path) -> list:
-    """[(line number, object)] of a JSON-lines file; a cut-short last line is skipped."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror}") from None
-    lines = text.split("\n")
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            if i == len(lines) and not text.endswith("\n"):
-                continue  # the writer was interrupted mid-line
-            raise UserError(f"{path}:{i} is not valid JSON") from None
-        if not isinstance(obj, dict):
-            raise UserError(f"{path}:{i} is not a JSON object")
-        out.append((i, obj))
-    return out
 
 
 def _number(obj: dict, key: str, where: str, lo: float = -math.inf, hi: float = math.inf) -> float:
@@ -88,7 +64,7 @@ class EvalProbe:
 def read_probes(path: Path) -> tuple[list, list]:
     """(train probes, eval probes) of an ``analysis.jsonl``, each record checked."""
     train, evals = [], []
-    for i, obj in _read_jsonl(path):
+    for i, obj in read_jsonl(path):
         where = f"{path}:{i}"
         kind = obj.get("kind")
         if kind == "train":
@@ -151,7 +127,7 @@ def read_run(path, label: Optional[str] = None) -> Run:
     if not isinstance(config, dict):
         raise UserError(f"{path / 'config.yaml'} is not a mapping")
     rounds, points = [], {}
-    for i, obj in _read_jsonl(path / METRICS):
+    for i, obj in read_jsonl(path / METRICS):
         if obj.get("kind") == "round":
             rounds.append(obj)
         if "acc" in obj and "evaluated_after" in obj:
@@ -162,7 +138,7 @@ def read_run(path, label: Optional[str] = None) -> Run:
             summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             summary = None
-    train, evals = read_probes(path / PROBES) if (path / PROBES).is_file() else ([], [])
+    train, evals = read_probes(path / ANALYSIS) if (path / ANALYSIS).is_file() else ([], [])
     rounds.sort(key=lambda r: r.get("round", 0))
     return Run(path, label or path.name, flatten(config), rounds, [points[k] for k in sorted(points)], summary,
                train, evals)
