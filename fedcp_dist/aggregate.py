@@ -39,6 +39,24 @@ class Sums:
         return self
 
 
+@dataclasses.dataclass
+class TrainSums(Sums):
+    """What a round's local training adds up over participants (and ranks)."""
+
+    loss_sum: float = 0.0
+    samples: float = 0.0
+    stop_requests: float = 0.0  # ranks that got a preemption signal
+    nonfinite_clients: float = 0.0
+    nonfinite_client_id_sum: float = 0.0  # names the client when there is one
+
+    def nonfinite_message(self, round_idx: int) -> str:
+        who = (f"client {int(self.nonfinite_client_id_sum)}" if self.nonfinite_clients == 1
+               else f"{int(self.nonfinite_clients)} clients")
+        return (f"round {round_idx + 1}: {who} produced a non-finite loss or update (on_nonfinite=error); the global "
+                f"model was not updated and the last complete checkpoint is kept; on_nonfinite=skip leaves such "
+                f"clients out of their round")
+
+
 class FlatAggregator:
     def __init__(self, spec: Mapping[str, torch.Size], num_metrics: int, device: torch.device, dtype=torch.float64):
         self.names = list(spec)

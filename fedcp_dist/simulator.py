@@ -7,14 +7,12 @@ state), :mod:`evaluation`, :mod:`aggregate` (the one all-reduce and the peer exc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
-import numpy as np
 import torch
 
 from fedcp_dist import startup
-from fedcp_dist.aggregate import FlatAggregator, Sums, exchange_peers, reduce_sums, sums_size
+from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
@@ -24,19 +22,8 @@ from fedcp_dist.errors import Preempted, RunFailure, UserError
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.models import build_model
 from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, sample_cohort, stream_seed
-from fedcp_dist.rundir import RunWriter, check_resume_config, prepare_out_dir, result_table
+from fedcp_dist.rundir import RunWriter, check_resume_config, prepare_out_dir, progress_line, result_table, run_summary
 from fedcp_dist.runtime import Runtime, StopSignals
-
-
-@dataclass
-class TrainSums(Sums):
-    """What a round's local training adds up over participants (and ranks)."""
-
-    loss_sum: float = 0.0
-    samples: float = 0.0
-    stop_requests: float = 0.0  # ranks that got a preemption signal
-    nonfinite_clients: float = 0.0
-    nonfinite_client_id_sum: float = 0.0  # names the client when there is one
 
 
 class Simulator:
@@ -48,15 +35,7 @@ class Simulator:
         self._lock = None
         self.stop = StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
-        err = None
-        try:
-            if rt.is_main:
-                self._lock = prepare_out_dir(cfg.out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
-            self.setup = startup.load(cfg, rt)
-        except UserError as exc:
-            err = exc
-        startup.agree(rt, err)
-        s = self.setup
+        self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
 
         torch.manual_seed(cfg.seed)  # the same initial model on every rank
@@ -68,31 +47,21 @@ class Simulator:
                                                     int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
         global_state = algo.init_global_state()
         self.store = ClientStore.for_run(self.algo, global_state, cfg.aggregate_bn_stats)
-        self.fused, self.path = self._training_path()
+        self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
         self.agg = FlatAggregator({k: global_state[k].shape for k in algo.upload_keys(global_state)
                                    if k not in self.store.bn_keys}, sums_size(TrainSums, EvalSums), rt.device)
         self.writer = RunWriter(cfg.out_dir, rt.is_main)
         self.start_round, self.records, self.round_seconds = 0, [], []
-        err = None
-        try:
-            self._maybe_resume()
-        except UserError as exc:
-            err = exc
-        startup.agree(rt, err)
+        startup.agree_on(rt, self._maybe_resume)
+
+    def _lock_and_load(self) -> startup.Setup:
+        if self.rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
+            self._lock = prepare_out_dir(self.cfg.out_dir, overwrite=self.cfg.overwrite, resume=self.cfg.resume)
+        return startup.load(self.cfg, self.rt)
 
     @property
     def global_state(self):
         return self.store.global_state
-
-    def _training_path(self) -> tuple[bool, str]:
-        """(fused?, how the start line says clients train)."""
-        if not self.cfg.fused:
-            return False, "sequential"
-        why = "per-client BatchNorm statistics" if self.store.bn_keys else self.algo.fused_reason()
-        if why:
-            return False, f"sequential (fused=true not used: {why})"
-        group = f"groups of {self.cfg.fused_group}" if self.cfg.fused_group else "groups sized by memory"
-        return True, f"fused ({group})"
 
     # -- resume and checkpoints --------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -206,11 +175,7 @@ class Simulator:
                            nonfinite_client_id_sum=sum(bad))
         mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev)
         if train.nonfinite_clients > 0 and cfg.on_nonfinite == "error":
-            who = f"client {int(train.nonfinite_client_id_sum)}" if train.nonfinite_clients == 1 else \
-                f"{int(train.nonfinite_clients)} clients"
-            raise RunFailure(f"round {t + 1}: {who} produced a non-finite loss or update (on_nonfinite=error); the "
-                             f"global model was not updated and the last complete checkpoint is kept; "
-                             f"on_nonfinite=skip leaves such clients out of their round")
+            raise RunFailure(train.nonfinite_message(t))
         if total > 0:
             self.store.set_global(self.algo.server_update(self.global_state, mean))
         peer_seconds = self._exchange_peers(t, cohort, payloads) if self.algo.peer_dim else None
@@ -223,9 +188,8 @@ class Simulator:
                   "participants": int(len(cohort)), "train_loss": train.loss_sum / max(train.samples, 1.0),
                   "nonfinite_skipped": int(train.nonfinite_clients)}
         if evaluated:
-            e = {"evaluated_after": t, **ev.summary()}
-            record.update(e)
-            self._progress(t, e, record)
+            record.update({"evaluated_after": t, **ev.summary()})
+            self.echo(progress_line(cfg.rounds, record, record))
         return record, train.stop_requests > 0
 
     def _finish(self) -> dict:
@@ -235,21 +199,10 @@ class Simulator:
         final = torch.tensor(self.evaluate(cfg.rounds).values(), dtype=torch.float64, device=rt.device)
         e = {"evaluated_after": cfg.rounds, **EvalSums.from_values(rt.all_reduce_sum_(final).tolist()).summary()}
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
-        self._progress(cfg.rounds, e, None)
-        best = max([r for r in self.records if "acc" in r] + [e], key=lambda r: r["acc"])
-        summary = {
-            "method": cfg.method, "source": self.setup.info.source, "num_clients": self.num_clients,
-            "rounds": cfg.rounds, "best_acc": best["acc"], "best_after_rounds": best["evaluated_after"],
-            "final_acc": e["acc"], "final_acc_client_mean": e["acc_client_mean"], "final_auc": e["auc"],
-            "seconds_per_round": float(np.mean(self.round_seconds)), "world_size": rt.world_size,
-            "launcher": rt.launcher, "device": str(rt.device), "load_seconds": self.setup.load_seconds,
-        }
+        self.echo(progress_line(cfg.rounds, e, None))
+        summary = run_summary(cfg, rt, self.setup.info.source, self.num_clients, self.records, e, self.round_seconds,
+                              self.setup.load_seconds)
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))
         return summary
-
-    def _progress(self, t: int, e: dict, record: Optional[dict]) -> None:
-        tail = f"  {record['seconds']:.2f} s/round  train loss {record['train_loss']:.4f}" if record else "  (final)"
-        self.echo(f"[eval after {t:>4}/{self.cfg.rounds} rounds] acc {e['acc']:.4f}  client-mean "
-                  f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}{tail}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -72,6 +72,27 @@ def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: i
             f"{dim} values each) but peer_memory_mb={cfg.peer_memory_mb:g}; raise peer_memory_mb or use fewer clients"
         )
     return need
+
+
+def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
+    """(fused?, how the run's start line says its clients train)."""
+    if not cfg.fused:
+        return False, "sequential"
+    why = "per-client BatchNorm statistics" if per_client_bn else algo.fused_reason()
+    if why:
+        return False, f"sequential (fused=true not used: {why})"
+    return True, f"fused ({f'groups of {cfg.fused_group}' if cfg.fused_group else 'groups sized by memory'})"
+
+
+def agree_on(rt, step: Callable[[], object]):
+    """``step()`` on every rank; every rank stops (:func:`agree`) if it failed anywhere."""
+    err, out = None, None
+    try:
+        out = step()
+    except UserError as exc:
+        err = exc
+    agree(rt, err)
+    return out
 
 
 def agree(rt, err: Optional[UserError]) -> None:

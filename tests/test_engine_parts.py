@@ -18,7 +18,7 @@ from fedcp_dist.data.resident import to_device
 from fedcp_dist.errors import UserError
 from fedcp_dist.evaluation import EvalSums, evaluate_clients, micro_auc
 from fedcp_dist.runtime import StopSignals
-from fedcp_dist.simulator import TrainSums
+from fedcp_dist.aggregate import TrainSums
 
 CPU = torch.device("cpu")
 
