@@ -2,23 +2,24 @@
 and models, and processes started and killed as a scheduler would."""
 from __future__ import annotations
 
+import csv
 import dataclasses
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from conftest import BIN, REPO
-from fedcp_dist.config import Config
+from fedcp_dist.config import Config, load_config
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.models import build_model
-
-from fedcp_dist.config import load_config
 from fedcp_dist.errors import cli_main
 from fedcp_dist.runtime import init_runtime
 from fedcp_dist.simulator import Simulator
@@ -196,3 +197,62 @@ def _main(argv):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _main(sys.argv[1:])
+
+
+# ---------------------------------------------------------------- data sets in their real on-disk formats
+
+CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+
+
+def write_pickle(path, obj, legacy=False):
+    """Pickle ``obj`` with protocol 2 as the CIFAR files are; ``legacy`` names numpy's array
+    rebuilder by its old module path, as files pickled by an old numpy do."""
+    data = pickle.dumps(obj, protocol=2)
+    if legacy:
+        assert b"numpy._core.multiarray" in data
+        data = data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    Path(path).write_bytes(data)
+
+
+def make_cifar10(root, per_file=10, seed=0, learnable=False):
+    """cifar-10-batches-py/ with ``per_file`` random images in each of the 6 batches; ``learnable``
+    draws labels 0 and 1 only, with dark and bright images."""
+    rng = np.random.default_rng(seed)
+    base = Path(root) / "cifar-10-batches-py"
+    base.mkdir(parents=True)
+    rows, labels = [], []
+    for i, name in enumerate(CIFAR10_FILES):
+        data = rng.integers(0, 256, (per_file, 3072), dtype=np.uint8)
+        y = [int(v) for v in rng.integers(0, 10, per_file)]
+        if learnable:
+            y = [int(v) for v in rng.integers(0, 2, per_file)]
+            data = (np.asarray(y)[:, None] * 180 + rng.integers(20, 60, (per_file, 3072))).astype(np.uint8)
+        write_pickle(base / name, {b"batch_label": f"batch {i}".encode(), b"labels": y,
+                                   b"data": data,
+                                   b"filenames": [f"img_{i}_{j}.png".encode() for j in range(per_file)]})
+        rows.append(data)
+        labels += y
+    write_pickle(base / "batches.meta", {b"num_cases_per_batch": per_file, b"num_vis": 3072,
+                                         b"label_names": [f"class{k}".encode() for k in range(10)]})
+    return np.concatenate(rows), np.asarray(labels, dtype=np.int64)
+
+
+CLASS_WORDS = {1: "world war election", 2: "sports match goal", 3: "business market stock",
+               4: "science space computer"}
+
+
+def agnews_rows(n_per_class, offset, extra=""):
+    rows = []
+    for j in range(n_per_class):
+        for k, words in CLASS_WORDS.items():
+            rows.append((str(k), f"Item{offset + j} {words.split()[j % 3]} (Reuters)",
+                         f"{words} \"quoted\" news{extra}"))
+    return rows
+
+
+def write_agnews(folder, train_rows, test_rows):
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train.csv", train_rows), ("test.csv", test_rows)):
+        with open(folder / name, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f, quoting=csv.QUOTE_ALL, lineterminator="\n").writerows(rows)

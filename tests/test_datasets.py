@@ -7,13 +7,10 @@ sentences with hand-written ids; two-round FedCP runs go through the run CLI.
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
-import pickle
 import struct
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import run_cmd
+from helpers import agnews_rows, make_cifar10, run, write_agnews, write_pickle
 from fedcp_dist.cli.partition import main
 from fedcp_dist.data.partition import client_rows, make_partition
 from fedcp_dist.data.resident import to_device
@@ -73,55 +70,23 @@ def expected_samples(x, y, lengths=None):
 
 
 def run_fedcp(shard, out, source, *extra):
-    """A 2-round FedCP run through the run CLI; returns its summary."""
-    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml",
-                 "rounds=2", "eval_every=1", "eval_batch_size=4", "threads=1",
-                 f"data.path={shard}", f"data.source={source}", f"out_dir={out}", *extra],
-                timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads((Path(out) / "summary.json").read_text())
+    """A 2-round FedCP run (in-process, as fedcp-run does it) on a learnable tiny set: the accuracy
+    after training must beat the untrained model's (evaluated before round 1) and chance clearly."""
+    summary = run("configs/digits_fedcp.yaml",
+                  ["rounds=2", "eval_every=1", "eval_batch_size=4", "threads=1", "local_epochs=5",
+                   f"data.path={shard}", f"data.source={source}", f"out_dir={out}", *extra])
     assert summary["source"] == source and summary["rounds"] == 2
-    assert 0.0 <= summary["final_acc"] <= 1.0
     lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rounds = [line for line in lines if line["kind"] == "round"]
     assert [line["round"] for line in rounds] == [1, 2]
     assert all(math.isfinite(line["train_loss"]) for line in rounds)
+    before = rounds[0]["acc"]  # evaluated before any training
+    assert rounds[0]["evaluated_after"] == 0
+    assert summary["final_acc"] >= max(before + 0.2, 0.75), (before, summary["final_acc"])
     return summary
 
 
 # ============================================================================= CIFAR
-
-CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-
-
-def write_pickle(path, obj, legacy=False):
-    """Pickle ``obj`` with protocol 2 as the CIFAR files are; ``legacy`` names numpy's array
-    rebuilder by its old module path, as files pickled by an old numpy do."""
-    data = pickle.dumps(obj, protocol=2)
-    if legacy:
-        assert b"numpy._core.multiarray" in data
-        data = data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
-    Path(path).write_bytes(data)
-
-
-def make_cifar10(root, per_file=10, seed=0):
-    """cifar-10-batches-py/ with ``per_file`` random images in each of the 6 batches."""
-    rng = np.random.default_rng(seed)
-    base = Path(root) / "cifar-10-batches-py"
-    base.mkdir(parents=True)
-    rows, labels = [], []
-    for i, name in enumerate(CIFAR10_FILES):
-        data = rng.integers(0, 256, (per_file, 3072), dtype=np.uint8)
-        y = [int(v) for v in rng.integers(0, 10, per_file)]
-        write_pickle(base / name, {b"batch_label": f"batch {i}".encode(), b"labels": y,
-                                   b"data": data,
-                                   b"filenames": [f"img_{i}_{j}.png".encode() for j in range(per_file)]})
-        rows.append(data)
-        labels += y
-    write_pickle(base / "batches.meta", {b"num_cases_per_batch": per_file, b"num_vis": 3072,
-                                         b"label_names": [f"class{k}".encode() for k in range(10)]})
-    return np.concatenate(rows), np.asarray(labels, dtype=np.int64)
-
 
 def make_cifar100(root, per_split=(12, 6), classes=(0, 7, 99), seed=1):
     """cifar-100-python/ in the old-numpy, str-keyed form (as pickle.load(encoding='latin1')
@@ -236,7 +201,7 @@ def test_cifar_missing_folder_names_it(tmp_path, capsys):
 
 
 def test_cifar10_two_fedcp_rounds(tmp_path, capsys):
-    make_cifar10(tmp_path / "root", per_file=12)
+    make_cifar10(tmp_path / "root", per_file=12, learnable=True)
     shard = tmp_path / "cifar10.h5"
     run_cli(capsys, "--source", "cifar10", "--root", tmp_path / "root", "--partition", "iid",
             "--num-clients", 3, "--out", shard)
@@ -293,10 +258,11 @@ def test_fmnist_idx_files(tmp_path, capsys):
 WNIDS = ("n01443537", "n01629819", "n01641577")
 
 
-def smooth_image(rng, grey=False):
-    """A 64x64 image that JPEG keeps close: a gradient plus a random colour, distinct per call."""
+def smooth_image(rng, grey=False, label=None):
+    """A 64x64 image that JPEG keeps close: a gradient plus a random colour, distinct per call;
+    with a ``label`` the colour's brightness is the label's (a learnable set)."""
     ramp = np.add.outer(np.arange(64), np.arange(64)).astype(np.float64)
-    colour = rng.integers(0, 120, 3)
+    colour = rng.integers(0, 120, 3) if label is None else 60 * label + rng.integers(0, 10, 3)
     img = (ramp[:, :, None] + colour[None, None, :]).clip(0, 255).astype(np.uint8)
     if grey:
         return Image.fromarray(img[:, :, 0], mode="L")
@@ -308,8 +274,9 @@ def decoded(path):
         return np.asarray(im.convert("RGB")).transpose(2, 0, 1)
 
 
-def make_tiny(root, wnids=WNIDS, per_class=4, val_per_class=2, seed=3):
-    """tiny-imagenet-200/ with real JPEGs; returns the files in loading order and their labels."""
+def make_tiny(root, wnids=WNIDS, per_class=4, val_per_class=2, seed=3, learnable=False):
+    """tiny-imagenet-200/ with real JPEGs; returns the files in loading order and their labels.
+    ``learnable``: an image's colour tells its class."""
     rng = np.random.default_rng(seed)
     base = Path(root) / "tiny-imagenet-200"
     (base / "val" / "images").mkdir(parents=True)
@@ -321,7 +288,7 @@ def make_tiny(root, wnids=WNIDS, per_class=4, val_per_class=2, seed=3):
         folder.mkdir(parents=True)
         (base / "train" / wnid / f"{wnid}_boxes.txt").write_text("")
         for i in range(per_class):
-            img = smooth_image(rng, grey=(k == 1 and i == 2))
+            img = smooth_image(rng, grey=(k == 1 and i == 2), label=k if learnable else None)
             path = folder / f"{wnid}_{i}.JPEG"
             img.save(path, quality=95)
             files.append(path)
@@ -331,7 +298,7 @@ def make_tiny(root, wnids=WNIDS, per_class=4, val_per_class=2, seed=3):
     for j in range(val_per_class * len(wnids)):
         k = (j * 2 + 1) % len(wnids)  # val annotations in their own order, not by class
         path = base / "val" / "images" / f"val_{j}.JPEG"
-        img = smooth_image(rng)
+        img = smooth_image(rng, label=k if learnable else None)
         img.save(path, quality=95)
         lines.append(f"val_{j}.JPEG\t{wnids[k]}\t0\t3\t60\t62")
         files.append(path)
@@ -413,7 +380,7 @@ def test_tinyimagenet_garbled(tmp_path, capsys, damage, fragments):
 
 
 def test_tinyimagenet_two_fedcp_rounds(tmp_path, capsys):
-    make_tiny(tmp_path / "root", per_class=6, val_per_class=2)
+    make_tiny(tmp_path / "root", per_class=6, val_per_class=2, learnable=True)
     shard = tmp_path / "tiny.h5"
     run_cli(capsys, "--source", "tinyimagenet", "--root", tmp_path / "root", "--partition",
             "iid", "--num-clients", 2, "--out", shard)
@@ -637,27 +604,6 @@ def test_text_shard_bad_client_data(tmp_path, damage, match):
 
 # ============================================================================= AG News
 
-CLASS_WORDS = {1: "world war election", 2: "sports match goal", 3: "business market stock",
-               4: "science space computer"}
-
-
-def agnews_rows(n_per_class, offset, extra=""):
-    rows = []
-    for j in range(n_per_class):
-        for k, words in CLASS_WORDS.items():
-            rows.append((str(k), f"Item{offset + j} {words.split()[j % 3]} (Reuters)",
-                         f"{words} \"quoted\" news{extra}"))
-    return rows
-
-
-def write_agnews(folder, train_rows, test_rows):
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train.csv", train_rows), ("test.csv", test_rows)):
-        with open(folder / name, "w", newline="", encoding="utf-8") as f:
-            csv.writer(f, quoting=csv.QUOTE_ALL, lineterminator="\n").writerows(rows)
-
-
 def make_agnews(root, n_train=3, n_test=1):
     train = agnews_rows(n_train, 0)
     train[0] = ("1", "Wall St. Bears", "Reuters - Short-sellers, Wall Street's dwindling\\band\n"
@@ -776,4 +722,4 @@ def test_agnews_two_fedcp_rounds(tmp_path, capsys):
     shard = tmp_path / "ag.h5"
     run_cli(capsys, "--source", "agnews", "--root", tmp_path / "root", "--max-len", 16,
             "--partition", "iid", "--num-clients", 2, "--out", shard)
-    run_fedcp(shard, tmp_path / "run", "agnews", "model=fasttext")
+    run_fedcp(shard, tmp_path / "run", "agnews", "model=fasttext", "lr=0.5")

@@ -8,7 +8,7 @@ import torch
 
 from conftest import run_cmd
 from fedcp_dist.cli.partition import main as partition
-from test_datasets import agnews_rows, make_cifar10, write_agnews
+from helpers import agnews_rows, make_cifar10, write_agnews
 
 #: model -> (source, the first layer's weight in the global state, overrides: the paper's η and λ)
 CASES = {
