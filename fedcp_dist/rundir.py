@@ -339,7 +339,8 @@ class RunWriter:
         """Begin metrics.jsonl afresh with ``records`` (those of a resumed checkpoint, or none)."""
         if not self.enabled:
             return
-        self.close()
+        if self._metrics is not None:
+            self._metrics.close()
         text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
         atomic_write_bytes(self.dir / METRICS, text.encode("utf-8"))
         self._metrics = open(self.dir / METRICS, "a", encoding="utf-8")
@@ -378,8 +379,8 @@ class RunWriter:
         """Append lines to analysis.jsonl (begun by :meth:`start_analysis`) and flush them."""
         if not self.enabled or not records:
             return
-        if self._analysis is None:
-            self.start_analysis(0, create=True)
+        if self._analysis is None:  # a writer used without start_analysis: the file begins here
+            self._analysis = open(self.dir / ANALYSIS, "a", encoding="utf-8")
         self._analysis.write("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
         self._analysis.flush()
 
