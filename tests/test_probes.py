@@ -256,3 +256,28 @@ def test_two_ranks_write_the_same_analysis_jsonl(small_shard, probed, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
     assert (out / "analysis.jsonl").read_text() == (probed / "on" / "analysis.jsonl").read_text()
+
+
+def test_fedcp_analyze_draws_the_engines_probes(probed, tmp_path, capsys):
+    """The figures from analysis.jsonl as the engine wrote it; a run without probes overlaid."""
+    from fedcp_dist.cli.analyze import main
+
+    out = tmp_path / "figures"
+    main([str(probed / "on"), str(probed / "off"), "--labels", "probed,plain", "--out", str(out), "--clients", "0,3"])
+    report = json.loads((out / "report.json").read_text())
+    for name in ("accuracy", "pir", "s_distribution", "loss_before_after"):
+        assert (out / report["figures"][name]["file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    on, off = report["runs"]
+    train, evals = read_probes(probed / "on" / "analysis.jsonl")
+    last = [p for p in evals if p.evaluated_after == ROUNDS]
+    assert on["pir_eval"]["mean"] == pytest.approx(sum(p.pir for p in last) / 4)  # 6 test samples each
+    assert on["loss_last_round"]["round"] == ROUNDS and "pir_eval" not in off
+
+
+def test_analysis_key_errors_are_one_line(capsys):
+    from fedcp_dist.run import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_fedcp.yaml", "method=fedavg", "analysis=true"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "'analysis'" in err
