@@ -124,8 +124,8 @@ class FedCP(SGDAlgorithm):
         """CE(personalized output) + λ·MMD²(h, h of the frozen received extractor, batch statistics)."""
         cfg = self.cfg
         out = self.heads(step, cfg.cpn_train_gumbel)
-        if out.s is not None:
-            step.tally("s", out.s.mean(dim=-1))  # Σ over the batch of s̄ = (1/K) Σ_k s^k (the probes' PIR)
+        if out.s is not None and step.tallies is not None:  # probing: Σ over the batch of s̄ = (1/K) Σ_k s^k
+            step.tally("s", out.s.detach().mean(dim=-1))
         loss = step.cross_entropy(out.logits)
         if cfg.lam > 0:
             h_g = step.shared(self.fe_g, step.x, grad=False, batch_stats=True)
