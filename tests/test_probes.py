@@ -281,3 +281,20 @@ def test_analysis_key_errors_are_one_line(capsys):
         main(["--config", "configs/digits_fedcp.yaml", "method=fedavg", "analysis=true"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "'analysis'" in err
+
+
+def test_fused_training_and_a_stochastic_evaluation_stay_bit_identical_too(small_shard, tmp_path):
+    """The fused path tallies inside the grouped step, and cpn_eval_gumbel draws noise at evaluation
+    (the probes' losses draw from a stream of their own): neither changes a result."""
+    config = str(REPO / "configs" / "digits_fedcp.yaml")
+    extra = ["rounds=2", "fused=true", "cpn_eval_gumbel=true", "checkpoint_every=0"]
+    run(config, _args(small_shard, tmp_path / "off", *extra))
+    run(config, _args(small_shard, tmp_path / "on", *extra, "analysis=true"))
+    off, on = (torch.load(tmp_path / d / "final_global.pt", weights_only=True) for d in ("off", "on"))
+    for k in off:
+        assert torch.equal(off[k], on[k]), k
+    metrics = [[json.loads(l)["acc"] for l in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+                if "acc" in json.loads(l)] for d in ("off", "on")]
+    assert metrics[0] == metrics[1] and len(metrics[0]) == 3
+    train, evals = read_probes(tmp_path / "on" / "analysis.jsonl")
+    assert len(train) == 2 * 4 and len(evals) == 3 * 4
