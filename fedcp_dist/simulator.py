@@ -1,4 +1,5 @@
-"""The round loop. Identical control flow on every rank; one all-reduce per round.
+"""The round loop. Identical control flow on every rank; one all-reduce per round (and, with
+feature-difference client selection, one before it that gathers the client vectors).
 
 The pieces it wires: :mod:`startup` (shard, placement, loading), :mod:`client_store` (per-client
 state), :mod:`evaluation`, :mod:`aggregate` (the one all-reduce and the peer exchange),
