@@ -60,3 +60,23 @@ def test_the_draw_prefers_the_heavy_client_and_depends_on_seed_round_and_probabi
 def test_bad_selection_settings_name_the_key(overrides, key):
     with pytest.raises(UserError, match=f"config key '{key}'"):
         load_config(None, overrides)
+
+
+def test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_which_sgd_keeps():
+    """What the selection sees of FedCP (README: cross-entropy's logit gradient sums to zero over
+    the classes, so training leaves the head's column sums where they started)."""
+    import torch
+
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.fedcp import FedCP
+    from helpers import Tiny, algo_with_moved_global, tiny_data
+
+    algo, _ = algo_with_moved_global(FedCP, Tiny(), shape=(1, 2, 2), lr=0.5, batch_size=4, lam=0.0)
+    assert algo.has_client_vector and algo.client_vector_dim == 3
+    assert torch.equal(algo.client_vector(None), algo.init_client_state(0)["v"])  # untrained: the initial vector
+    state = algo.init_client_state(0)
+    res = algo.local_train(state, tiny_data(8), Context(0, 0, torch.Generator().manual_seed(1)))
+    head = res.client_state["head.weight"]
+    assert (head - state["head.weight"]).abs().max() > 1e-2  # the head trained
+    assert torch.equal(algo.client_vector(res.client_state), head.sum(dim=0))
+    assert torch.allclose(head.sum(dim=0), state["head.weight"].sum(dim=0), atol=1e-6)
