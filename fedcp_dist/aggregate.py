@@ -104,8 +104,11 @@ class FlatAggregator:
         """The extra part (after :meth:`reduce`: summed over ranks), on the CPU."""
         return self.buffer[self.buffer.numel() - self.num_extra :].cpu()
 
-    def reduce(self, runtime) -> tuple[dict, float, list]:
-        """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums)."""
+    def reduce(self, runtime, base=None) -> tuple[dict, float, list]:
+        """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums).
+
+        With ``base`` ({name: tensor}) the buffer holds weighted deltas and the mean is
+        base + Σ n_i·Δ_i / Σ n_i, added in the buffer's precision."""
         t0 = time.perf_counter()
         runtime.all_reduce_sum_(self.buffer)
         tail = self.buffer[self.num_params : self.num_params + 1 + self.num_metrics].tolist()  # also synchronises the device
@@ -116,16 +119,19 @@ class FlatAggregator:
             flat = self.buffer[: self.num_params] / total
             for k in self.names:
                 off = self.offsets[k]
-                mean[k] = flat[off : off + self.shapes[k].numel()].view(self.shapes[k]).to(torch.float32)
+                part = flat[off : off + self.shapes[k].numel()].view(self.shapes[k])
+                if base is not None:
+                    part = base[k].to(part.dtype) + part
+                mean[k] = part.to(torch.float32)
         return mean, total, metrics
 
 
-def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums):
+def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums, base=None):
     """Add ``sums`` to the aggregator's metrics, all-reduce once; (mean, Σ weights, reduced sums
-    of the same classes, in order)."""
+    of the same classes, in order). ``base``: see :meth:`FlatAggregator.reduce`."""
     values = [v for s in sums for v in s.values()]
     aggregator.add_metrics(values)
-    mean, total, metrics = aggregator.reduce(runtime)
+    mean, total, metrics = aggregator.reduce(runtime, base)
     out, off = [], 0
     for s in sums:
         n = type(s).size()

@@ -1,4 +1,5 @@
-"""The round loop. Identical control flow on every rank; one all-reduce per round.
+"""The round loop. Identical control flow on every rank; one all-reduce per round (and, with
+feature-difference client selection, one before it that gathers the client vectors).
 
 The pieces it wires: :mod:`startup` (shard, placement, loading), :mod:`client_store` (per-client
 state), :mod:`evaluation`, :mod:`aggregate` (the one all-reduce and the peer exchange),
@@ -17,6 +18,7 @@ from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
 from fedcp_dist.client_store import ClientStore
+from fedcp_dist.compress import Compressor, byte_totals
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure, UserError
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
@@ -25,6 +27,7 @@ from fedcp_dist.placement import STREAM_EVAL, STREAM_PROBE, STREAM_TRAIN, sample
 from fedcp_dist.probes import ProbeTable
 from fedcp_dist.rundir import RunWriter, check_resume_config, prepare_out_dir, progress_line, result_table, run_summary
 from fedcp_dist.runtime import Runtime, StopSignals
+from fedcp_dist.selection import sample_cohort_weighted, selection_probabilities
 
 
 class Simulator:
@@ -54,6 +57,8 @@ class Simulator:
         self.agg = FlatAggregator({k: global_state[k].shape for k in algo.upload_keys(global_state)
                                    if k not in self.store.bn_keys}, sums_size(TrainSums, EvalSums), rt.device,
                                   extra=ProbeTable.size(self.num_clients) if self.probe_every else 0)
+        self.compressor = Compressor.from_config(cfg, self.agg.shapes)
+        self.select_by_features = cfg.client_selection == "feature_difference"
         self.writer = RunWriter(cfg.out_dir, rt.is_main)
         self.start_round, self.records, self.round_seconds = 0, [], []
         startup.agree_on(rt, self._maybe_resume)
@@ -118,6 +123,23 @@ class Simulator:
         n = self.data[cid].n_train
         table.add_train(cid, res.samples, res.tallies.get("s", 0.0), bef, aft, n)
 
+    def _client_vectors(self):
+        """Every client's vector v_i (N × K, float32, on the host), the same on every rank: each rank
+        writes its own clients' rows (an untrained client's initial vector) and one all-reduce adds
+        them, each row having a single non-zero contributor (so the sum is exact)."""
+        buf = torch.zeros(self.num_clients, self.algo.client_vector_dim, dtype=torch.float32, device=self.rt.device)
+        for c in self.owned:
+            buf[c] = self.algo.client_vector(self.store.states.get(c))
+        return self.rt.all_reduce_sum_(buf).cpu().numpy()
+
+    def _cohort(self, t: int):
+        """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
+        cfg = self.cfg
+        if not self.select_by_features or (cfg.participation >= 1 and cfg.participation_range is None):
+            return sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
+        probs = selection_probabilities(self.setup.info.train_counts, self._client_vectors(), cfg.selection_min_prob)
+        return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range)
+
     def _exchange_peers(self, t: int, cohort, payloads: dict) -> float:
         """One all-gather of the participants' peer payloads; the algorithm updates the global state."""
         t0 = time.perf_counter()
@@ -173,7 +195,7 @@ class Simulator:
         ev = self.evaluate(t, eval_probes) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
 
-        cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
+        cohort = self._cohort(t)
         train, bad, payloads = TrainSums(), [], {}
         cpu_start = time.process_time()
         for cid, res in self._train(t, [int(c) for c in cohort if self.owner[int(c)] == rt.rank], probe_train):
@@ -187,7 +209,12 @@ class Simulator:
             self.store.put(cid, res.client_state, res.upload)
             if self.algo.peer_dim:
                 payloads[cid] = self.algo.peer_payload(res)
-            self.agg.add(res.upload, self.data[cid].n_train)
+            if self.compressor.enabled:  # Σ n_i·Δ̂_i, added to the global state after the all-reduce
+                delta, residual = self.compressor.compress(res.upload, self.global_state, self.store.residual(cid))
+                self.store.put_residual(cid, residual)
+                self.agg.add(delta, self.data[cid].n_train)
+            else:
+                self.agg.add(res.upload, self.data[cid].n_train)
             train += TrainSums(res.loss_sum, res.samples)
         t_train, cpu_train = time.perf_counter() - t_start - t_eval, time.process_time() - cpu_start
 
@@ -196,7 +223,8 @@ class Simulator:
         if table is not None:
             table.add_evals(eval_probes or {})
             self.agg.add_extra(table.flat())
-        mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev)
+        mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev,
+                                               base=self.global_state if self.compressor.enabled else None)
         if train.nonfinite_clients > 0 and cfg.on_nonfinite == "error":
             raise RunFailure(train.nonfinite_message(t))
         if total > 0:
@@ -210,6 +238,10 @@ class Simulator:
                   **({"peer_exchange_seconds": peer_seconds} if peer_seconds is not None else {}),
                   "participants": int(len(cohort)), "train_loss": train.loss_sum / max(train.samples, 1.0),
                   "nonfinite_skipped": int(train.nonfinite_clients)}
+        if self.compressor.enabled:
+            record.update(self.compressor.round_bytes(len(cohort) - int(train.nonfinite_clients), len(cohort)))
+        if self.select_by_features:
+            record["cohort"] = [int(c) for c in cohort]
         if evaluated:
             record.update({"evaluated_after": t, **ev.summary()})
             self.echo(progress_line(cfg.rounds, record, record))
@@ -237,6 +269,14 @@ class Simulator:
         self.echo(progress_line(cfg.rounds, e, None))
         summary = run_summary(cfg, rt, self.setup.info.source, self.num_clients, self.records, e, self.round_seconds,
                               self.setup.load_seconds)
+        if self.compressor.enabled:
+            summary.update(byte_totals(self.records))
+        if self.select_by_features:
+            counts = [0] * self.num_clients
+            for r in self.records:
+                for c in r.get("cohort", ()):
+                    counts[c] += 1
+            summary["selection_counts"] = counts
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))

@@ -143,6 +143,16 @@ class Algorithm:
         """Bytes per rank the method keeps for other clients' models (its part of the global state)."""
         return 0
 
+    # -- the client vector (feature-difference client selection) ---------------------------------
+    #: whether the method keeps a per-client vector v_i that :meth:`client_vector` returns
+    has_client_vector = False
+    client_vector_dim = 0
+
+    def client_vector(self, client_state: Optional[State]) -> torch.Tensor:
+        """The client's latest vector v_i (float32, ``client_vector_dim`` long) from its persistent
+        state; ``None`` (it has not trained yet): its initial vector."""
+        raise NotImplementedError
+
     def upload_keys(self, global_state: State) -> list:
         """The global-state keys that participants upload and the server averages (default: all)."""
         return list(global_state)

@@ -107,6 +107,17 @@ class FedCP(SGDAlgorithm):
         """A copy of the initial global head, and one random client vector from the run seed."""
         return {**{k: v.clone() for k, v in self._init_head.items()}, "v": self._init_v.clone()}
 
+    has_client_vector = True
+
+    @property
+    def client_vector_dim(self) -> int:
+        return self.K
+
+    def client_vector(self, client_state):
+        """v_i: the column sums of the personal head's weight after the client's last round (the
+        random initial vector before it has trained)."""
+        return self._init_v if client_state is None else client_state["v"]
+
     # -- the personalized model and its loss, written once for training, fused training and evaluation
     def policy_input(self, step, h):
         """C = v̂ ⊙ h: the client vector, L2-normalised, times the sample's feature."""
