@@ -198,9 +198,9 @@ class _IdRange:
 
 def _check_client(i: int, arrays, input_shape: tuple, num_classes: int, kind: str = KIND,
                   ids: _IdRange = None):
-    expected = 4 if kind == KIND else 6
+    expected = 6 if kind == TEXT_KIND else 4
     if len(arrays) != expected:
-        names = SPLITS if kind == KIND else TEXT_SPLITS
+        names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
         raise ValueError(f"client {i}: expected ({', '.join(names)}), got {len(arrays)} items")
     out = []
     for split in (0, 2):
