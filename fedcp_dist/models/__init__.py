@@ -38,6 +38,12 @@ def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0,
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     if num_classes < 1:
         raise ValueError(f"model {name!r} needs at least one class, got num_classes={num_classes}")
+    model = _build(name, shape, num_classes, vocab_size, mlp_hidden)
+    model.input_kind, model.input_shape = MODEL_KINDS[name], shape  # for methods that read the data's shape
+    return model
+
+
+def _build(name: str, shape: tuple, num_classes: int, vocab_size: int, mlp_hidden: int) -> nn.Module:
     if name in ("cnn", "resnet18"):
         if len(shape) != 3 or min(shape) < 1:
             raise ValueError(f"model {name!r} takes images [C, H, W], got input shape {list(shape)}")
