@@ -222,11 +222,11 @@ def test_binary_metrics_by_hand():
 
 @pytest.fixture(scope="module")
 def fraud_shard(tmp_path_factory):
-    """4 banks, 240 rows, 20 % fraud, two informative features and one noise feature."""
+    """4 banks, 800 rows, 20 % fraud, two informative features and one noise feature."""
     tmp = tmp_path_factory.mktemp("fraud")
     rng = np.random.default_rng(3)
     rows = []
-    for i in range(240):
+    for i in range(800):
         fraud = int(rng.random() < 0.2)
         bank = f"bank{i % 4}"
         shift = 0.3 * (i % 4)  # banks differ
@@ -243,10 +243,11 @@ def fraud_shard(tmp_path_factory):
 def test_fraud_preset_runs_end_to_end_and_reports_binary_metrics(fraud_shard, tmp_path):
     out = tmp_path / "run"
     s = run(str(REPO / "configs" / "fraud_mlp_fedcp.yaml"),
-            [f"data.path={fraud_shard}", f"out_dir={out}", "rounds=6", "eval_every=3", "threads=1",
-             "checkpoint_every=6"])
-    assert s["final_auc"] > 0.8 and 0 < s["final_pos_recall"] <= 1
-    assert s["final_balanced_acc"] > 0.6
+            [f"data.path={fraud_shard}", f"out_dir={out}", "rounds=20", "eval_every=10", "threads=1",
+             "checkpoint_every=20"])
+    # learnt (the untrained model's AUC is below 0.1 here, its balanced accuracy 0.46)
+    assert s["final_auc"] > 0.9 and 0.3 < s["final_pos_recall"] <= 1
+    assert s["final_balanced_acc"] > 0.65
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "acc" in r]
     assert evals and all("balanced_acc" in r and "pos_recall" in r for r in evals)
@@ -296,6 +297,6 @@ def test_medical_preset_runs_end_to_end_on_png_folders(tmp_path, capsys):
     assert info.input_shape == (3, 16, 16) and info.num_clients == 3 and info.num_classes == 3
     s = run(str(REPO / "configs" / "medical_resnet18_fedcp.yaml"),
             [f"data.path={tmp_path / 'ct.h5'}", "data.num_clients=3", f"out_dir={tmp_path / 'run'}", "rounds=1",
-             "eval_every=1", "threads=1"])
+             "eval_every=1", "threads=1", "local_epochs=1"])
     assert s["rounds"] == 1 and s["num_clients"] == 3 and 0 <= s["final_acc"] <= 1
     assert "final_balanced_acc" not in s  # three classes: not a binary task
