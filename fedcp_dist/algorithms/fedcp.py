@@ -274,7 +274,9 @@ class FedCP(SGDAlgorithm):
         self.head_p.eval()
         if self.emb_p is not None:
             load_module(self.emb_p, client_state, "emb.")
-        values = {"v": client_state["v"], **({"stats": client_state["stats"]} if "stats" in client_state else {})}
+        values = {"v": client_state["v"]}
+        if self.client_vector == "head+stats":  # prepare_eval's, or the client's once computed
+            values["stats"] = client_state["stats"] if "stats" in client_state else self._stats[ctx.client]
         step = Step(x, None, self.eval_modules, values, ctx.generator)
         return self.heads(step, self.cfg.cpn_eval_gumbel)
 

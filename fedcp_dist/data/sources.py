@@ -19,6 +19,8 @@ splits every client's share into its own train and test parts.
   ``wnids.txt``.
 * ``agnews``: the AG News ``train.csv`` / ``test.csv`` files, tokenised by
   :mod:`fedcp_dist.data.text` with a vocabulary from the training texts only.
+* ``imagefolder``, ``csv``: users' own image folders and tables, read by
+  :mod:`fedcp_dist.data.owndata` with their own options (``load_source(..., own_options=...)``).
 """
 from __future__ import annotations
 
