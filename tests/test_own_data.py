@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO
+from conftest import REPO, run_cmd
 from fedcp_dist.cli.partition import main
 from fedcp_dist.data.owndata import train_statistics
 from fedcp_dist.data.resident import to_device
@@ -274,6 +274,25 @@ def test_learned_client_embedding_is_per_client_and_persistent(fraud_shard, tmp_
     assert g["vproj.weight"].shape == (64, 64 + 5) and not any(k.startswith("emb.") for k in g)
     with pytest.raises(UserError, match="config key 'cpn_client_vector'.*fused=false"):
         run(str(REPO / "configs" / "fraud_mlp_fedcp.yaml"), over + ["fused=true", "overwrite=true"])
+
+
+@pytest.mark.slow
+def test_table_runs_with_the_extended_client_vector_do_not_depend_on_the_world_size(fraud_shard, tmp_path):
+    """One rank in-process and two under torchrun: the same global state bit for bit (head+embed
+    keeps e_i on the owning rank; P is averaged with the CPN)."""
+    import sys
+
+    over = [f"data.path={fraud_shard}", "rounds=3", "eval_every=3", "threads=1", "cpn_client_vector=head+embed"]
+    one = run(str(REPO / "configs" / "fraud_mlp_fedcp.yaml"), over + [f"out_dir={tmp_path / 'one'}"])
+    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                 "fedcp_dist.run", "--config", str(REPO / "configs" / "fraud_mlp_fedcp.yaml"), *over,
+                 f"out_dir={tmp_path / 'two'}"], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = torch.load(tmp_path / "one" / "final_global.pt", weights_only=True)
+    b = torch.load(tmp_path / "two" / "final_global.pt", weights_only=True)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["final_balanced_acc"] == one["final_balanced_acc"]
 
 
 def test_a_model_for_another_kind_of_shard_is_a_config_error(fraud_shard, tmp_path):

@@ -240,6 +240,8 @@ def _label_values(raw: list) -> tuple[np.ndarray, list]:
 
 def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_cols=()):
     """(features float32 (n, F), feature names, labels (n,) int64, class names, client values or None)."""
+    from fedcp_dist.data.sources import progress
+
     path = Path(path)
     if not label_col:
         raise UserError("source 'csv' needs --label-col NAME (the column holding the labels)")
@@ -276,7 +278,7 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
             ci = header.index(client_col) if client_col else None
             block = np.empty((CSV_BLOCK, len(names)), dtype=np.float32)
             fill = 0
-            for row in reader:
+            for row in progress(reader, desc="reading rows", unit="row"):
                 line = reader.line_num
                 if not row or (len(row) == 1 and not row[0].strip()):
                     continue
