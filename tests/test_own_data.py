@@ -172,6 +172,9 @@ def test_csv_shard_stores_train_only_statistics_and_the_engine_standardises(tmp_
     z = torch.cat([cd.train_batch()[0] for cd in cds]).double()
     assert torch.allclose(z.mean(0), torch.zeros(2, dtype=torch.float64), atol=1e-5)
     assert torch.allclose(z.std(0, unbiased=False), torch.ones(2, dtype=torch.float64), atol=1e-5)
+    described = cli(capsys, "--describe", tmp_path / "t.h5").out
+    assert "csv (table, input (2,), 2 classes)" in described
+    assert f"train-row mean/std {info.mean[0]:.4g}/{info.std[0]:.4g}" in described
     # integer labels sort numerically, not as text
     write_csv(tmp_path / "n.csv", ["f", "y"], [[i, 10 if i % 2 else 2] for i in range(8)])
     cli(capsys, "--source", "csv", "--root", tmp_path / "n.csv", "--label-col", "y", "--partition", "iid",
