@@ -135,15 +135,15 @@ class FedCP(SGDAlgorithm):
         super().__init__(cfg, model, device)
         self.K = model.feature_dim
         self.cpn = CPN(self.K).to(device)  # drawn from the same seeded global RNG as the model
-        self.client_vector = getattr(cfg, "cpn_client_vector", "head")
+        self.vector_kind = getattr(cfg, "cpn_client_vector", "head")
         self.num_classes = int(model.head.out_features)
         self.vproj = self.emb_p = None
-        if self.client_vector != "head":  # drawn after the CPN: the default draws nothing more
-            extra = (stats_dim(model, self.num_classes) if self.client_vector == "head+stats"
+        if self.vector_kind != "head":  # drawn after the CPN: the default draws nothing more
+            extra = (stats_dim(model, self.num_classes) if self.vector_kind == "head+stats"
                      else int(cfg.cpn_embed_dim))
             self.vproj = nn.Linear(self.K + extra, self.K).to(device)
             self.vproj_g = freeze(copy.deepcopy(self.vproj))
-            if self.client_vector == "head+embed":
+            if self.vector_kind == "head+embed":
                 self.emb_p = ClientEmbedding(int(cfg.cpn_embed_dim)).to(device)
         self._stats = {}  # client → s_i (head+stats), computed once from its training rows
         self.fe = model.features.to(device)  # W_i^fe, trained
@@ -203,14 +203,14 @@ class FedCP(SGDAlgorithm):
     def _client_values(self, client_state, data, cid: int) -> dict:
         """The per-client constants the policy input reads: v (and, head+stats, s_i)."""
         values = {"v": client_state["v"]}
-        if self.client_vector == "head+stats":
+        if self.vector_kind == "head+stats":
             if cid not in self._stats:
                 self._stats[cid] = client_stats(data, self.num_classes).to(client_state["v"].device)
             values["stats"] = self._stats[cid]
         return values
 
     def prepare_eval(self, client_state, data, ctx):
-        if self.client_vector != "head+stats":
+        if self.vector_kind != "head+stats":
             return client_state
         return {**client_state, "stats": self._client_values(client_state, data, ctx.client)["stats"]}
 
@@ -230,9 +230,9 @@ class FedCP(SGDAlgorithm):
         """C = v̂ ⊙ h: the client vector, L2-normalised, times the sample's feature (extended:
         C = normalize(P [v̂ ; s_i or e_i]) ⊙ h)."""
         v = F.normalize(step.value("v"), dim=-1)
-        if self.client_vector == "head":
+        if self.vector_kind == "head":
             return v * h
-        extra = step.value("stats") if self.client_vector == "head+stats" else step.run("emb", h)
+        extra = step.value("stats") if self.vector_kind == "head+stats" else step.run("emb", h)
         return F.normalize(step.run("vproj", torch.cat([v, extra], dim=-1)), dim=-1) * h
 
     def heads(self, step, gumbel: bool) -> Heads:
@@ -290,7 +290,7 @@ class FedCP(SGDAlgorithm):
         if self.emb_p is not None:
             load_module(self.emb_p, client_state, "emb.")
         values = {"v": client_state["v"]}
-        if self.client_vector == "head+stats":  # prepare_eval's, or the client's once computed
+        if self.vector_kind == "head+stats":  # prepare_eval's, or the client's once computed
             values["stats"] = client_state["stats"] if "stats" in client_state else self._stats[ctx.client]
         step = Step(x, None, self.eval_modules, values, ctx.generator)
         return self.heads(step, self.cfg.cpn_eval_gumbel)
