@@ -18,6 +18,8 @@ import os
 import re
 import signal
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -238,6 +240,43 @@ class StopSignals:
         self._previous = {}
 
 
+#: seconds between two looks of the launcher watch at this process's parent
+LAUNCHER_POLL_S = 0.5
+
+
+def watch_launcher(rt: "Runtime", parent: Optional[int] = None, interval: float = LAUNCHER_POLL_S) -> bool:
+    """Stop this rank within ``interval`` seconds once its launcher (the parent process) is gone.
+
+    torchrun starts its workers in sessions of their own, so a SIGKILLed torchrun (an OOM kill, a
+    lost node agent) would leave them training on, holding the out_dir's lock. A daemon thread
+    compares ``os.getppid()`` with the launcher's pid: when the launcher dies the worker is
+    re-parented (to init or a subreaper), the thread prints one ``error:`` line and ends the
+    process at once (``os._exit``: a gloo collective blocks the main thread and no signal handler
+    would run). A checkpoint being written at that moment has no ``COMPLETE`` marker and does not
+    count; the last complete one is what a restart resumes from. Works wherever ``getppid`` does
+    (no Linux-only parent-death signal, which is also delivered when the parent's *thread* that
+    started the worker ends). Returns whether a watch was started (not for a process whose parent
+    is init already).
+    """
+    parent = os.getppid() if parent is None else parent
+    if parent <= 1:
+        return False
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                try:
+                    print(f"error: rank {rt.rank}, {rt.phase}: its launcher (pid {parent}) is gone; stopping "
+                          f"(the last complete checkpoint is kept)", file=sys.stderr, flush=True)
+                except (OSError, ValueError):  # nobody reads the output any more
+                    pass
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fedcp-launcher-watch", daemon=True).start()
+    return True
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -261,6 +300,10 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         backend = "gloo"
     n_threads = threads or max(1, _cpu_count() // max(1, ep.local_world_size))
     torch.set_num_threads(n_threads)
+    rt = Runtime(launcher, ep, dev, None, n_threads)
+    rt.timeout_s = timeout_s
+    if launcher != "single":  # a rank of a job: its parent is the launcher (torchrun, mpirun, slurmstepd)
+        watch_launcher(rt)
     if ep.world_size > 1:
         kwargs = dict(
             backend=backend,
@@ -272,8 +315,5 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         if backend == "nccl":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
-    else:
-        backend = None
-    rt = Runtime(launcher, ep, dev, backend, n_threads)
-    rt.timeout_s = timeout_s
+        rt.backend = backend
     return rt
