@@ -103,13 +103,17 @@ def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: i
 
 
 def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
-    """(fused?, how the run's start line says its clients train)."""
-    if not cfg.fused:
-        return False, "sequential"
+    """(fused?, how the run's start line says its clients train). ``fused=auto`` (the default) and
+    ``fused=true`` train fused wherever the method and model can, one by one otherwise; the line
+    names the setting and, when it falls back, why."""
+    if cfg.fused is False:
+        return False, "sequential (fused=false)"
+    setting = "fused=auto" if cfg.fused == "auto" else "fused=true"
     why = "per-client BatchNorm statistics" if per_client_bn else algo.fused_reason()
     if why:
-        return False, f"sequential (fused=true not used: {why})"
-    return True, f"fused ({f'groups of {cfg.fused_group}' if cfg.fused_group else 'groups sized by memory'})"
+        return False, f"sequential ({setting}: {why})" if cfg.fused == "auto" else f"sequential ({setting} not used: {why})"
+    groups = f"groups of {cfg.fused_group}" if cfg.fused_group else "groups sized by memory"
+    return True, f"fused ({setting}, {groups})"
 
 
 def agree_on(rt, step: Callable[[], object]):
