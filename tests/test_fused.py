@@ -467,3 +467,33 @@ def test_fused_auto_is_the_default_and_falls_back_where_it_cannot():
         else:
             with pytest.raises(UserError, match="config key 'fused': must be auto, true or false"):
                 Config(fused=value).validate()
+
+
+@pytest.mark.slow
+def test_fused_default_resumes_bit_for_bit(digits6, tmp_path):
+    """The default path (fused groups) is deterministic on one world size: 2 rounds straight equal
+    1 round, a checkpoint, and a resumed second round, bit for bit."""
+    from fedcp_dist.errors import RunFailure
+    from helpers import nonfinite_at
+
+    def run(out, said=None, wrap=None):
+        cfg = load_config("configs/digits_fedcp.yaml", [
+            f"data.path={digits6}", f"out_dir={out}", "rounds=2", "eval_every=2", "checkpoint_every=1", "threads=1"])
+        rt = init_runtime("cpu", 1, env={})
+        try:
+            Simulator(cfg, rt, echo=said.append if said is not None else lambda *_: None, wrap=wrap).run()
+        finally:
+            rt.close()
+        return torch.load(out / "final_global.pt", weights_only=True)
+
+    said = []
+    straight = run(tmp_path / "straight", said)
+    assert any("training: fused (fused=auto" in line for line in said), said
+    with pytest.raises(RunFailure, match="round 2: client 1 produced a non-finite"):
+        run(tmp_path / "resumed", wrap=nonfinite_at("2:1"))  # stops in round 2, the checkpoint of round 1 kept
+    said = []
+    resumed = run(tmp_path / "resumed", said)
+    assert any("resuming from" in line for line in said)
+    assert list(straight) == list(resumed)
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
