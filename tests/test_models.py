@@ -491,7 +491,7 @@ def test_model_for_shard_names_the_model_and_the_inputs(digits6, monkeypatch):
             assert w in msg, msg
 
     # the constructor accepts but the forward pass fails (a model sized for other inputs)
-    def wrong_size(name, input_shape, num_classes, vocab_size=0):
+    def wrong_size(name, input_shape, num_classes, vocab_size=0, **kw):
         return nn.Sequential(nn.Flatten(), nn.Linear(100, num_classes))
 
     monkeypatch.setattr(startup, "build_model", wrong_size)
