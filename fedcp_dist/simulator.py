@@ -54,7 +54,7 @@ class Simulator:
         self.agg = FlatAggregator({k: global_state[k].shape for k in algo.upload_keys(global_state)
                                    if k not in self.store.bn_keys}, sums_size(TrainSums, EvalSums), rt.device,
                                   extra=ProbeTable.size(self.num_clients) if self.probe_every else 0)
-        self.writer = RunWriter(cfg.out_dir, rt.is_main)
+        self.writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
         self.start_round, self.records, self.round_seconds = 0, [], []
         startup.agree_on(rt, self._maybe_resume)
         # analysis.jsonl: the lines of the rounds done kept, the rest computed again
