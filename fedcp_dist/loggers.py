@@ -1,0 +1,149 @@
+"""Where a run's numbers go besides ``metrics.jsonl``: the ``logger`` key (``none`` | ``tensorboard``).
+
+Rank 0's :class:`~fedcp_dist.rundir.RunWriter` hands every record it appends to ``metrics.jsonl``
+and every batch of ``analysis.jsonl`` lines to the run's logger, so the logger sees the very values
+those files hold. ``tensorboard`` writes them as TensorBoard scalars under ``RUN_DIR/tensorboard/``
+(``tensorboard --logdir RUN_DIR``); ``none`` writes nothing.
+
+Tags and steps (a step counts the rounds trained, as metrics.jsonl's ``round`` and
+``evaluated_after`` do):
+
+* ``round/<key>`` at step ``round``: every number of a round's record that is not an evaluation's
+  (``train_loss``, ``seconds``, ``allreduce_bytes``, ``participants``, ...);
+* ``eval/<key>`` at step ``evaluated_after``: the evaluation's numbers (``acc``, ``acc_client_mean``,
+  ``auc``, ``test_loss``) of the round records and of the final evaluation;
+* with analysis on: ``analysis/pir_train``, ``analysis/loss_bef``, ``analysis/loss_aft`` at step
+  ``round`` and ``analysis/pir_test`` at step ``evaluated_after``, each the sample-weighted mean over
+  the clients probed (as ``fedcp-analyze`` draws them).
+
+TensorBoard stores a scalar as float32, so a value reads back as ``float(numpy.float32(value))``.
+
+Resume: a run resumed after R rounds opens a new event file with ``purge_step=R`` (TensorBoard's own
+convention: the readers hide every earlier event at a step >= R, the steps the stopped run may have
+written past its checkpoint) and writes again the kept records' scalars at steps >= R; the rounds
+after R then come as they are run, so each step holds one value. A run whose earlier part wrote no
+events (``logger`` turned on when resuming) gets the kept records' scalars in full.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Tuple
+
+from fedcp_dist.rundir import TENSORBOARD
+
+#: the values of the ``logger`` config key
+LOGGERS = ("none", "tensorboard")
+#: the numbers of an evaluation (EvalSums.summary) in a metrics record
+EVAL_KEYS = ("acc", "acc_client_mean", "auc", "test_loss")
+#: keys of a metrics record that place it rather than measure it
+_PLACE_KEYS = ("kind", "round", "evaluated_after")
+
+Scalar = Tuple[str, int, float]  # (tag, step, value)
+
+
+def logger_problem(name: str) -> Optional[str]:
+    """Why ``logger: name`` cannot run here (for the config check), or None."""
+    if name not in LOGGERS:
+        return f"must be one of {', '.join(LOGGERS)}, got {name!r}"
+    if name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        return ("'tensorboard' needs the tensorboard package, which is not installed: "
+                "pip install tensorboard (or pip install -e '.[tensorboard]')")
+    return None
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def record_scalars(record: dict) -> Iterator[Scalar]:
+    """The scalars of one metrics.jsonl record (a round's or the final evaluation's)."""
+    rnd, after = record.get("round"), record.get("evaluated_after")
+    for key, value in record.items():
+        if key in _PLACE_KEYS or not _number(value):
+            continue
+        if key in EVAL_KEYS and isinstance(after, int):
+            yield f"eval/{key}", after, float(value)
+        elif record.get("kind") == "round" and isinstance(rnd, int):
+            yield f"round/{key}", rnd, float(value)
+
+
+def _weighted(pairs) -> float:
+    total = sum(n for n, _ in pairs)
+    return sum(n * v for n, v in pairs) / total
+
+
+def analysis_scalars(lines: Iterable[dict]) -> Iterator[Scalar]:
+    """The scalars of analysis.jsonl lines: per round, the sample-weighted means over the clients."""
+    train, evals = {}, {}
+    for obj in lines:
+        if obj.get("kind") == "train" and obj.get("samples", 0) > 0:
+            train.setdefault(obj["round"], []).append(obj)
+        elif obj.get("kind") == "eval" and obj.get("samples", 0) > 0:
+            evals.setdefault(obj["evaluated_after"], []).append(obj)
+    for r, objs in sorted(train.items()):
+        for key, tag in (("pir", "pir_train"), ("loss_bef", "loss_bef"), ("loss_aft", "loss_aft")):
+            yield f"analysis/{tag}", r, _weighted([(o["samples"], o[key]) for o in objs])
+    for e, objs in sorted(evals.items()):
+        yield "analysis/pir_test", e, _weighted([(o["samples"], o["pir"]) for o in objs])
+
+
+class NoLogger:
+    """``logger: none``: every call does nothing."""
+
+    def start(self, records: list, analysis_lines: list) -> None:
+        pass
+
+    def log_record(self, record: dict) -> None:
+        pass
+
+    def log_analysis(self, lines: list) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger(NoLogger):
+    """``logger: tensorboard``: TensorBoard event files under ``run_dir/tensorboard/``."""
+
+    def __init__(self, run_dir):
+        self.dir = Path(run_dir) / TENSORBOARD
+        self._writer = None
+
+    def start(self, records: list, analysis_lines: list) -> None:
+        """Open the event file of this (possibly resumed) run: ``records`` and ``analysis_lines`` are
+        what metrics.jsonl and analysis.jsonl keep of the rounds done before it."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.close()
+        rounds_done = max([r["round"] for r in records if r.get("kind") == "round"], default=0)
+        earlier = self.dir.is_dir() and any(p.name.startswith("events.") for p in self.dir.iterdir())
+        first = rounds_done if earlier else 0  # earlier events below this step stay as they are
+        self._writer = SummaryWriter(str(self.dir), purge_step=rounds_done if earlier else None)
+        kept = [*(s for r in records for s in record_scalars(r)), *analysis_scalars(analysis_lines)]
+        self._add([s for s in kept if s[1] >= first])
+
+    def _add(self, scalars) -> None:
+        if self._writer is None:
+            self.start([], [])
+        for tag, step, value in scalars:
+            self._writer.add_scalar(tag, value, global_step=step)
+        self._writer.flush()
+
+    def log_record(self, record: dict) -> None:
+        self._add(list(record_scalars(record)))
+
+    def log_analysis(self, lines: list) -> None:
+        self._add(list(analysis_scalars(lines)))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def make_logger(name: str, run_dir) -> NoLogger:
+    """The logger the ``logger`` key names, writing into ``run_dir``."""
+    return TensorBoardLogger(run_dir) if name == "tensorboard" else NoLogger()
