@@ -378,3 +378,17 @@ def test_all_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
     run("configs/digits_fedcp.yaml", _args(digits6, resumed)[2:])
     s3, acc3 = _load(resumed)
     assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1
+
+
+@pytest.mark.parametrize("switch, refused", [
+    ({}, False), ({"tau_final": 0.1}, True), ({"cpn_lr_schedule": "cosine"}, True), ({"cpn_warmup_rounds": 2}, False)])
+def test_resume_refuses_a_new_round_count_under_a_round_schedule(tmp_path, switch, refused):
+    from fedcp_dist.rundir import check_resume_config
+
+    old = {**Config().to_dict(), "rounds": 10, **switch}
+    new = {**old, "rounds": 20}
+    if refused:
+        with pytest.raises(UserError, match="'rounds'.*anneal over the total number of rounds"):
+            check_resume_config(old, new, tmp_path)
+    else:
+        check_resume_config(old, new, tmp_path)
