@@ -16,6 +16,7 @@ STREAM_COHORT = 1
 STREAM_TRAIN = 2
 STREAM_EVAL = 3
 STREAM_INIT = 4
+STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/after with cpn_eval_gumbel)
 
 
 def stream_seed(seed: int, *keys: int) -> int:
