@@ -47,7 +47,10 @@ class _Experiment:
     #: federated method: fedcp | fedavg | fedprox | perfedavg | pfedme | fedamp | ditto | fedper | fedrep | fedrod | fedfomo | fedphp
     method: str = "fedcp"
     #: model: cnn (the paper's 4-layer CNN, sized from the shard's input shape) | resnet18 | fasttext (text shards)
+    #: | mlp (table shards)
     model: str = "cnn"
+    #: mlp: width H of its two hidden layers (the feature dimension K)
+    mlp_hidden: int = 64
     #: BatchNorm running statistics (ResNet-18): false keeps each client's own (the reference's behaviour);
     #: true averages them across participants with the same sample weights as the parameters
     aggregate_bn_stats: bool = False
@@ -136,7 +139,7 @@ class _ConfigMethods:
             bad("model", f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size"):
+        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size", "mlp_hidden"):
             if getattr(self, key) <= 0:
                 bad(key, f"must be > 0, got {getattr(self, key)}")
         if self.on_nonfinite not in ("error", "skip"):

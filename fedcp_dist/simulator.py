@@ -43,7 +43,7 @@ class Simulator:
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
 
         torch.manual_seed(cfg.seed)  # the same initial model on every rank
-        model = build_model(cfg.model, s.info.input_shape, s.info.num_classes, vocab_size=s.info.vocab_size)
+        model = build_model(cfg.model, s.info.input_shape, s.info.num_classes, vocab_size=s.info.vocab_size, mlp_hidden=cfg.mlp_hidden)
         algo = make_algorithm(cfg.method, cfg, model, rt.device)
         algo.num_clients = self.num_clients
         self.algo = wrap(algo) if wrap else algo

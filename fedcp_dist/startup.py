@@ -42,6 +42,12 @@ def check_shard(cfg, info: ShardInfo) -> None:
         raise UserError(f"config key 'data.num_clients' is {d.num_clients} but {d.path} holds {info.num_clients} clients")
     if d.source and d.source != info.source:
         raise UserError(f"config key 'data.source' is {d.source!r} but {d.path} holds {info.source!r}")
+    from fedcp_dist.models import MODEL_KINDS
+
+    wants = MODEL_KINDS.get(cfg.model)
+    if wants and wants != info.kind:
+        raise UserError(f"config key 'model': {cfg.model!r} reads {wants} shards but {d.path} holds "
+                        f"{info.kind} data (model: {', '.join(m for m, k in MODEL_KINDS.items() if k == info.kind)})")
     if d.input_shape is not None and list(d.input_shape) != list(info.input_shape):
         raise UserError(f"config key 'data.input_shape' is {list(d.input_shape)} but {d.path} holds inputs of "
                         f"shape {list(info.input_shape)}")

@@ -23,7 +23,7 @@ NUM_CLASSES = 3
 VOCAB = 50
 MAX_LEN = 12
 #: per model: the input shape of the algorithm tests (ResNet-18 on tiny 32x32 images to stay fast)
-SHAPES = {"cnn": (1, 28, 28), "resnet18": (3, 32, 32), "fasttext": (MAX_LEN,)}
+SHAPES = {"cnn": (1, 28, 28), "resnet18": (3, 32, 32), "fasttext": (MAX_LEN,), "mlp": (6,)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -101,10 +101,14 @@ def _count(module: nn.Module) -> int:
 def test_build_model_knows_the_config_models():
     from fedcp_dist.config import MODELS as CONFIG_MODELS
 
-    assert MODELS == CONFIG_MODELS == ("cnn", "resnet18", "fasttext")
+    assert MODELS == CONFIG_MODELS == ("cnn", "resnet18", "fasttext", "mlp")
     assert isinstance(build_model("cnn", (1, 28, 28), 10), CNN)
     assert isinstance(build_model("resnet18", [3, 32, 32], 10), ResNet18)
     assert isinstance(build_model("fasttext", [200], 4, vocab_size=VOCAB), FastText)
+    mlp = build_model("mlp", [6], 2, mlp_hidden=5)
+    # Linear(6, 5) + Linear(5, 5) features, K = 5, head Linear(5, 2): 35 + 30 + 12 parameters
+    assert mlp.feature_dim == 5 and _count(mlp.features) == 65 and _count(mlp.head) == 12
+    assert mlp(torch.zeros(3, 6)).shape == (3, 2) and mlp.input_kind == "table"
 
 
 @pytest.mark.parametrize(
@@ -117,6 +121,7 @@ def test_build_model_knows_the_config_models():
         ("fasttext", (200,), {}, "vocab_size=0"),
         ("fasttext", (200,), {"vocab_size": -3}, "vocab_size=-3"),
         ("vgg", (3, 32, 32), {}, "unknown model 'vgg'"),
+        ("mlp", (3, 32, 32), {}, r"feature rows \[features\]"),
         ("cnn", (1, 28, 28), {"num_classes": 0}, "num_classes=0"),
     ],
 )
@@ -300,7 +305,7 @@ def _changed(before: dict, after: dict) -> list:
     return [k for k in after if k in before and not torch.equal(before[k], after[k])]
 
 
-@pytest.mark.parametrize("model", ["cnn", "resnet18", "fasttext"])
+@pytest.mark.parametrize("model", ["cnn", "resnet18", "fasttext", "mlp"])
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_every_method_trains_and_evaluates_every_model(method, model):
     algo, gs = _algorithm(method, model)

@@ -108,7 +108,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
         raise UserError(f"{run_dir}: the shard {cfg.data.path} holds {info.num_clients} clients, the run "
                         f"had {cfg.data.num_clients}")
     torch.manual_seed(cfg.seed)  # the run's initial model, as the engine builds it
-    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size)
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, mlp_hidden=cfg.mlp_hidden)
     algo = make_algorithm(cfg.method, cfg, model, dev)
     algo.num_clients = info.num_clients
     rounds_done, global_state, clients, _ = Checkpointer(str(run_dir), 0, 1, 1).load(
