@@ -156,13 +156,16 @@ def test_cpn_rate_per_round():
     assert cpn_rate(0.1, 0.3, "cosine", 0.0, 2, 2, 3) == 0.3  # one round after the warm-up: no anneal
 
 
-def test_warmup_freezes_the_cpn_and_its_upload():
-    algo, gs = _tiny_fedcp(cpn_warmup_rounds=2)
+@pytest.mark.parametrize("vector", ["head", "head+embed"])
+def test_warmup_freezes_the_cpn_and_its_upload(vector):
+    algo, gs = _tiny_fedcp(cpn_warmup_rounds=2, cpn_client_vector=vector)
+    assert any(k.startswith("vproj.") for k in gs) == (vector != "head")
     d = tiny_data(n=16)
     for t, frozen in ((0, True), (1, True), (2, False)):
         res = algo.local_train(algo.init_client_state(0), d, Context(t, 0, torch.Generator().manual_seed(3)))
-        cpn_same = all(torch.equal(res.upload[k], gs[k]) for k in gs if k.startswith("cpn."))
-        assert cpn_same == frozen, t
+        for k in gs:
+            if k.startswith(("cpn.", "vproj.")):
+                assert torch.equal(res.upload[k], gs[k]) == frozen, (t, k)
         assert not torch.equal(res.upload["features.1.weight"], gs["features.1.weight"])
         assert not torch.equal(res.client_state["head.weight"], gs["head.weight"])
 
@@ -186,9 +189,10 @@ def test_cpn_learning_rate_scales_only_the_cpn_step():
 
 def test_cosine_rate_reaches_the_sequential_sgd_per_round():
     algo, gs = _tiny_fedcp(cpn_lr=0.2, cpn_lr_schedule="cosine", cpn_lr_min=0.05, rounds=3)
-    assert algo._sgd_kwargs(Context(0, 0, None))["param_lr"] == {"cpn.": 0.2}
-    assert algo._sgd_kwargs(Context(1, 0, None))["param_lr"] == {"cpn.": pytest.approx(0.125)}
-    assert algo._sgd_kwargs(Context(2, 0, None))["param_lr"] == {"cpn.": pytest.approx(0.05)}
+    # the policy's networks: the CPN and (with an extended client vector) its projection
+    assert algo._sgd_kwargs(Context(0, 0, None))["param_lr"] == {"cpn.": 0.2, "vproj.": 0.2}
+    assert algo._sgd_kwargs(Context(1, 0, None))["param_lr"]["cpn."] == pytest.approx(0.125)
+    assert algo._sgd_kwargs(Context(2, 0, None))["param_lr"]["cpn."] == pytest.approx(0.05)
     assert "param_lr" not in _tiny_fedcp()[0]._sgd_kwargs(Context(0, 0, None))
 
 
