@@ -80,8 +80,9 @@ class _Execution:
 
     #: samples per forward pass at evaluation
     eval_batch_size: int = 1000
-    #: train a group of a rank's clients at once (stacked parameters, one forward/backward) where the method can
-    fused: bool = False
+    #: train a group of a rank's clients at once (stacked parameters, one forward/backward): auto where the
+    #: method and model can (else one by one) | true (the same; the start line says when it cannot) | false
+    fused: typing.Union[bool, str] = "auto"
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
     #: mixed precision of local training: none | bf16 (autocast; evaluation stays float32)
@@ -154,6 +155,8 @@ class _ConfigMethods:
             bad("preempt_signal", f"must be one of {', '.join(PREEMPT_SIGNALS)}, got {self.preempt_signal!r}")
         if self.threads < 0:
             bad("threads", f"must be >= 0, got {self.threads}")
+        if isinstance(self.fused, str) and self.fused != "auto":
+            bad("fused", f"must be auto, true or false, got {self.fused!r}")
         if self.fused_group < 0:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:

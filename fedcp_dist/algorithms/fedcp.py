@@ -280,8 +280,8 @@ class FedCP(SGDAlgorithm):
     @classmethod
     def check_config(cls, cfg):
         if cfg.cpn_client_vector != "head":
-            if cfg.fused:
-                return "cpn_client_vector", f"{cfg.cpn_client_vector} trains on the sequential path: set fused=false"
+            if cfg.fused is True:
+                return "cpn_client_vector", f"{cfg.cpn_client_vector} trains on the sequential path: set fused=false or auto"
             if getattr(cfg, "cpn_input", "both") != "both" or not getattr(cfg, "fedcp_cpn", True):
                 return "cpn_client_vector", (f"{cfg.cpn_client_vector} extends the CPN's client vector: it needs "
                                              f"cpn_input=both and fedcp_cpn=true")
@@ -403,6 +403,11 @@ class FedCP(SGDAlgorithm):
         if self.vector_kind != "head+stats":
             return client_state
         return {**client_state, "stats": self._client_values(client_state, data, ctx.client)["stats"]}
+
+    def fused_reason(self):
+        if self.vector_kind != "head":
+            return f"cpn_client_vector={self.vector_kind} trains one client at a time"
+        return super().fused_reason()
 
     has_client_vector = True
 
