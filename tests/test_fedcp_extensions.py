@@ -348,7 +348,7 @@ SWITCHES = ["mmd_kernel=rbf", "mmd_sigma=median", "policy_entropy=0.01", "cpn_wa
 
 def _args(shard, out, *extra):
     return ["--config", "configs/digits_fedcp.yaml", f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2",
-            "keep_checkpoints=2", f"data.path={shard}", f"out_dir={out}", "threads=1", *SWITCHES, *extra]
+            "keep_checkpoints=2", f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *SWITCHES, *extra]
 
 
 def _load(out):
