@@ -64,7 +64,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedcp_dist.data.resident import channels_last
-from fedcp_dist.local_train import Phase, PhaseOutcome, batch_indices, full_precision, num_batches, resolve
+from fedcp_dist.local_train import Phase, PhaseOutcome, batch_indices, full_precision, lr_of, num_batches, resolve
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
 
 Tensor = torch.Tensor
@@ -236,9 +236,13 @@ class InBackwardSGD:
     """One fused step's SGD inside the backward pass: the learning rate, and the parameters whose
     step their grouped Linear layer's backward has taken (see :class:`_LinearSGD`)."""
 
-    def __init__(self, lr: float):
+    def __init__(self, lr: float, lrs: Optional[Dict[int, float]] = None):
         self.lr = lr
+        self.lrs = lrs or {}  # {id(leaf): its own rate} where it differs from ``lr``
         self.done: set = set()
+
+    def lr_of(self, t: Tensor) -> float:
+        return self.lrs.get(id(t), self.lr)
 
     def claim(self, *tensors: Optional[Tensor]) -> bool:
         """True (and remembered) when none of ``tensors`` has been claimed in this step yet."""
@@ -288,7 +292,7 @@ def _linear(m: nn.Linear, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackward
     w, b = p["weight"], p.get("bias") if m.bias is not None else None
     trained = w.requires_grad and (b is None or b.requires_grad)
     if sgd is not None and trained and w.is_leaf and (b is None or b.is_leaf) and sgd.claim(w, b):
-        y = _LinearSGD.apply(x3, w, b, sgd.lr)
+        y = _LinearSGD.apply(x3, w, b, sgd.lr_of(w))
     elif b is not None:
         y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
     else:
@@ -519,10 +523,12 @@ def train_fused(
     lr: float,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     tally: bool = False,
+    param_lr: Optional[Mapping[str, float]] = None,
 ) -> List[PhaseOutcome]:
     """Plain SGD on ``phase.loss`` for every client of ``clients``, up to ``slots`` at a time.
 
-    Each client's step is ``w ← w − lr·∇(its loss)`` on its ``phase.trainable`` values, its batches
+    Each client's step is ``w ← w − lr·∇(its loss)`` on its ``phase.trainable`` values (``param_lr``:
+    {value-name prefix: rate} for the values it names, as in the sequential path), its batches
     come from ``batch_indices(n, batch_size, phase.epochs, drop_last, its generator)``. Returns one
     outcome per client, in order, with every stacked name's final value (and, with ``tally``, the
     sums of what the loss tallied over its real samples, as the sequential path has them).
@@ -595,7 +601,8 @@ def train_fused(
         for n in trainable:
             views[n] = views[n].detach().requires_grad_(True)
             leaves.append(views[n])
-        sgd = None if phase.penalised else InBackwardSGD(lr)
+        rates = None if param_lr is None else {id(views[n]): lr_of(n, lr, param_lr) for n in trainable}
+        sgd = None if phase.penalised else InBackwardSGD(lr, rates)
         step_tallies = {} if tally else None
         with autocast():
             losses = phase.loss(FusedStep(views, batch, phase.modules, sgd, shared_params, step_tallies))
@@ -605,8 +612,12 @@ def train_fused(
         done = sgd.done if sgd is not None else ()
         rest = [t for t in leaves if id(t) not in done and t.grad is not None]
         with torch.no_grad():
-            if rest:
+            if rest and rates is None:
                 torch._foreach_add_(rest, [t.grad for t in rest], alpha=-lr)
+            elif rest:
+                for r in sorted(set(rates[id(t)] for t in rest)):
+                    group = [t for t in rest if rates[id(t)] == r]
+                    torch._foreach_add_(group, [t.grad for t in group], alpha=-r)
             loss_acc[:k] += losses.detach().float() * count
             for name, v in (step_tallies or {}).items():
                 if name not in tally_acc:

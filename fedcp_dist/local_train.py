@@ -84,13 +84,18 @@ def sgd(
     loss_fn: Callable[[torch.Tensor], torch.Tensor],
     lr: float,
     amp: str = "none",
+    lrs: Optional[list] = None,
 ) -> tuple[float, int]:
     """Plain SGD (no momentum) over ``batches``; returns (Σ batch loss · batch size, samples seen).
 
     ``amp="bf16"`` runs ``loss_fn`` (the forward pass) under bf16 autocast; the backward pass
-    and the update stay outside it (parameters and their updates stay float32).
+    and the update stay outside it (parameters and their updates stay float32). ``lrs``: one
+    learning rate per parameter of ``params`` instead of ``lr`` for all.
     """
+    if lrs is not None:
+        lrs = [r for p, r in zip(params, lrs) if p.requires_grad]
     params = [p for p in params if p.requires_grad]
+    groups = None if lrs is None else {r: [i for i, q in enumerate(lrs) if q == r] for r in lrs}
     autocast = amp_autocast(amp, params[0].device) if params and amp != "none" else contextlib.nullcontext()
     loss_sum = None
     seen = 0
@@ -99,7 +104,11 @@ def sgd(
             loss = loss_fn(idx)
         grads = torch.autograd.grad(loss, params, materialize_grads=True)
         with torch.no_grad():
-            torch._foreach_add_(params, grads, alpha=-lr)
+            if groups is None:
+                torch._foreach_add_(params, grads, alpha=-lr)
+            else:
+                for r, ix in groups.items():
+                    torch._foreach_add_([params[i] for i in ix], [grads[i] for i in ix], alpha=-r)
         b = int(idx.shape[0])
         seen += b
         contrib = loss.detach().float() * b
@@ -259,13 +268,29 @@ def module_keys(phase: Phase) -> set:
 
 
 def trained_parameters(phase: Phase) -> list:
-    return [p for prefix, m in phase.modules.items() for n, p in m.named_parameters() if prefix + n in phase.trainable]
+    return [p for _, p in trained_named_parameters(phase)]
+
+
+def trained_named_parameters(phase: Phase) -> list:
+    """[(value name, parameter)] that SGD moves in ``phase``."""
+    return [(prefix + n, p) for prefix, m in phase.modules.items() for n, p in m.named_parameters()
+            if prefix + n in phase.trainable]
+
+
+def lr_of(name: str, lr: float, param_lr: Optional[Mapping[str, float]]) -> float:
+    """The learning rate of the value ``name``: the first ``param_lr`` prefix it starts with, else ``lr``."""
+    for prefix, r in (param_lr or {}).items():
+        if name.startswith(prefix):
+            return r
+    return lr
 
 
 def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.Generator, *, batch_size: int,
-                     drop_last: bool, lr: float, amp: str = "none", tally: bool = False) -> PhaseOutcome:
+                     drop_last: bool, lr: float, amp: str = "none", tally: bool = False,
+                     param_lr: Optional[Mapping[str, float]] = None) -> PhaseOutcome:
     """One client's phase on the working modules: load its values, SGD over its batches, read them back.
-    ``tally``: collect what the loss tallies (``Step.tally``) into the outcome's ``tallies``."""
+    ``tally``: collect what the loss tallies (``Step.tally``) into the outcome's ``tallies``;
+    ``param_lr``: {value-name prefix: learning rate} for the values it names (others: ``lr``)."""
     from fedcp_dist.algorithms.base import load_module, module_state
 
     names = module_keys(phase)
@@ -283,7 +308,9 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
 
     n = data.n_train if index is None else int(index.numel())
     batches = batch_indices(n, batch_size, phase.epochs, drop_last, generator)
-    loss_sum, seen = sgd(trained_parameters(phase), batches, loss_fn, lr, amp=amp)
+    named = trained_named_parameters(phase)
+    lrs = None if param_lr is None else [lr_of(n, lr, param_lr) for n, _ in named]
+    loss_sum, seen = sgd([p for _, p in named], batches, loss_fn, lr, amp=amp, lrs=lrs)
     values = dict(constants)
     for prefix, m in phase.modules.items():
         values.update(module_state(prefix, m))

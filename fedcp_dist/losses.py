@@ -21,11 +21,51 @@ def _sq_dists(a: Tensor, b: Tensor, a_sq: Tensor, b_sq: Tensor) -> Tensor:
     return (a_sq[:, None] + b_sq[None, :] - 2.0 * (a @ b.T)).clamp_min(0.0)
 
 
+#: ``bandwidths`` value that asks for the median heuristic: one Gaussian kernel with 2σ² = 2·median
+#: squared distance between distinct rows of the pooled batch (x and y together), detached
+MEDIAN = "median"
+
+
+def median_sq_dist(x: Tensor, y: Tensor) -> Tensor:
+    """The (lower) median of ‖z_i − z_j‖² over ordered pairs i ≠ j of the pooled rows z = [x; y],
+    detached: σ² of the median heuristic (σ = the median pairwise distance)."""
+    with torch.no_grad():
+        z = torch.cat([x, y])
+        z_sq = (z * z).sum(1)
+        d = _sq_dists(z, z, z_sq, z_sq)
+        off = ~torch.eye(z.shape[0], dtype=torch.bool, device=z.device)
+        return d[off].median() if z.shape[0] > 1 else d.new_ones(())
+
+
+def grouped_median_sq_dist(x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
+    """:func:`median_sq_dist` for each of k padded batches, over the real rows only: (k,)."""
+    with torch.no_grad():
+        z = torch.cat([x, y], dim=1)
+        m = torch.cat([mask, mask], dim=1) > 0
+        z_sq = (z * z).sum(2)
+        d = (z_sq[:, :, None] + z_sq[:, None, :] - 2.0 * torch.bmm(z, z.transpose(1, 2))).clamp_min(0.0)
+        n = z.shape[1]
+        valid = m[:, :, None] & m[:, None, :] & ~torch.eye(n, dtype=torch.bool, device=z.device)
+        med = torch.where(valid, d, torch.full_like(d, float("nan"))).flatten(1).nanmedian(dim=1).values
+        return torch.nan_to_num(med, nan=1.0)  # a slot with one real row: no pair, any σ gives MMD² = 0
+
+
+def _widths(bandwidths, x: Tensor, y: Tensor, median):
+    """The bandwidth list with the median heuristic resolved (``median(x, y)``, σ² clamped away from 0)."""
+    if isinstance(bandwidths, str):
+        if bandwidths != MEDIAN:
+            raise ValueError(f"unknown bandwidth rule {bandwidths!r}")
+        return (median(x, y).clamp_min(1e-12),)
+    return bandwidths
+
+
 def mmd2(x: Tensor, y: Tensor, bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> Tensor:
     """Biased MMD² between the rows of ``x`` and ``y`` (all pairs, diagonal included).
 
-    Kernel: Σ_a exp(−d / (2a)) over the bandwidths a, d the squared Euclidean distance.
+    Kernel: Σ_a exp(−d / (2a)) over the bandwidths a, d the squared Euclidean distance; a single
+    a = σ² is the RBF kernel exp(−d / (2σ²)); ``bandwidths="median"``: a = :func:`median_sq_dist`.
     """
+    bandwidths = _widths(bandwidths, x, y, median_sq_dist)
     x_sq, y_sq = (x * x).sum(1), (y * y).sum(1)
     dxx, dyy, dxy = _sq_dists(x, x, x_sq, x_sq), _sq_dists(y, y, y_sq, y_sq), _sq_dists(x, y, x_sq, y_sq)
     k = 0.0
@@ -38,7 +78,9 @@ def mmd2(x: Tensor, y: Tensor, bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> 
 def grouped_mmd2(x: Tensor, y: Tensor, mask: Tensor, count: Tensor,
                  bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> Tensor:
     """:func:`mmd2` for each of k padded batches at once: x, y (k, B, K); mask (k, B) marks the
-    real rows and count (k,) their number. Returns (k,) MMD² over the real rows only."""
+    real rows and count (k,) their number. Returns (k,) MMD² over the real rows only. A bandwidth
+    may be a (k,) tensor (one per batch: the median heuristic, ``bandwidths="median"``)."""
+    bandwidths = _widths(bandwidths, x, y, lambda a, b: grouped_median_sq_dist(a, b, mask))
     x_sq, y_sq = (x * x).sum(2), (y * y).sum(2)
 
     def sq_dists(a, b, a_sq, b_sq):
@@ -54,6 +96,8 @@ def grouped_mmd2(x: Tensor, y: Tensor, mask: Tensor, count: Tensor,
     k = 0.0
     for a in bandwidths:
         c = -0.5 / a
+        if isinstance(c, Tensor) and c.dim() == 1:
+            c = c[:, None, None]
         k = k + mean((dxx * c).exp()) + mean((dyy * c).exp()) - 2.0 * mean((dxy * c).exp())
     return k
 

@@ -19,10 +19,13 @@ class Option:
     default: Any
     help: str
     check: Optional[Check] = None
+    #: the accepted type where the default's own type is not it (``Optional[float]`` for a default
+    #: of None, ``Union[float, str]`` for a number or a word)
+    kind: Any = None
 
     @property
     def type(self) -> type:
-        return type(self.default)
+        return self.kind if self.kind is not None else type(self.default)
 
 
 def at_least(lo: float) -> Check:

@@ -103,6 +103,15 @@ RESUMABLE_CHANGES = (*NOT_DEFINING, *RESUMABLE_DEFINING)
 ROUNDS_SCHEDULED_METHODS = ("fedphp",)
 
 
+def rounds_scheduled(cfg: dict) -> str:
+    """Why this (flat) config's training depends on the total number of rounds ("": it does not)."""
+    if cfg.get("method") in ROUNDS_SCHEDULED_METHODS:
+        return f"{cfg['method']}'s training depends on the total number of rounds; "
+    if cfg.get("method") == "fedcp" and (cfg.get("tau_final") is not None or cfg.get("cpn_lr_schedule") == "cosine"):
+        return "tau_final and cpn_lr_schedule=cosine anneal over the total number of rounds; "
+    return ""
+
+
 def _same(key: str, a: Any, b: Any) -> bool:
     """Equal values; ``data.path`` is equal when both name the same file."""
     if key == "data.path" and isinstance(a, str) and isinstance(b, str):
@@ -137,10 +146,8 @@ def check_resume_config(checkpointed: dict, current: dict, out_dir) -> None:
     """
     old, new = _flat_with_defaults(checkpointed), _flat_with_defaults(current)
     for key in config_changes(old, new):
-        why = ""
-        if key == "rounds" and new.get("method") in ROUNDS_SCHEDULED_METHODS:
-            why = f"{new['method']}'s training depends on the total number of rounds; "
-        elif key in RESUMABLE_CHANGES:
+        why = rounds_scheduled(new) if key == "rounds" else ""
+        if not why and key in RESUMABLE_CHANGES:
             continue
         raise UserError(
             f"config key '{key}' is {new.get(key)!r} but the checkpointed run in {out_dir} used "

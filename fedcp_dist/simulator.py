@@ -165,7 +165,7 @@ class Simulator:
         self.writer.start_metrics(self.records)
         self.echo(f"fedcp_dist: {cfg.method} on {self.num_clients} clients ({self.setup.info.source}), {rt.describe()}, "
                   f"{len(self.owned)} clients on rank 0, loaded in {self.setup.load_seconds:.2f} s; "
-                  f"training: {self.path}")
+                  f"training: {self.path}" + (f"; {note}" if (note := self.algo.describe()) else ""))
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)
             self.writer.log(record)

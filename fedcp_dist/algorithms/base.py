@@ -122,6 +122,10 @@ class Algorithm:
         """(key, why) when the options of this class contradict each other in ``cfg``, else None."""
         return None
 
+    def describe(self) -> str:
+        """A note on the method's own design for the run's start line ("": none)."""
+        return ""
+
     def fused_reason(self) -> Optional[str]:
         """Why this method's clients cannot train fused here (None: they can, through
         :meth:`SGDAlgorithm.train_fused`)."""
@@ -209,13 +213,15 @@ class SGDAlgorithm(Algorithm):
     def finish(self, client_state: Optional[State], outcomes: List[PhaseOutcome], ctx: Context) -> LocalResult:
         raise NotImplementedError
 
-    def _sgd_kwargs(self) -> dict:
+    def _sgd_kwargs(self, ctx: Optional[Context] = None) -> dict:
+        """The SGD settings of a round's local training (``ctx``: the round; a subclass may add
+        ``param_lr``, per-parameter rates)."""
         cfg = self.cfg
         return dict(batch_size=cfg.batch_size, drop_last=cfg.drop_last, lr=cfg.lr)
 
     def local_train(self, client_state, data, ctx):
         outcomes = [train_sequential(phase, cp, data, ctx.generator, amp=self.cfg.amp, tally=ctx.probe,
-                                     **self._sgd_kwargs())
+                                     **self._sgd_kwargs(ctx))
                     for phase, cp in self.phases(client_state, data, ctx)]
         return self.finish(client_state, outcomes, ctx)
 
@@ -266,7 +272,7 @@ class SGDAlgorithm(Algorithm):
             runs = [fused.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
                     for (_, d, ctx), plan in zip(items, plans)]
             done = fused.train_fused(runs, phase, slots=slots, autocast=lambda: amp_autocast(cfg.amp, self.device),
-                                     tally=items[0][2].probe, **self._sgd_kwargs())
+                                     tally=items[0][2].probe, **self._sgd_kwargs(items[0][2]))
             for out, o, plan in zip(outcomes, done, plans):
                 o.info = plan[j][1].info
                 out.append(o)

@@ -21,11 +21,20 @@ label prior (C values, n_c / n) then the input means (tables: each standardised 
 images: each normalised channel's mean; text: none).  e_i is a learned per-client embedding of
 ``cpn_embed_dim`` values, zero at the start, trained with the client's model and kept in its
 state (``emb.e``, never uploaded), so it persists across rounds, checkpoints and resumes.
+
+Practitioners' switches (each off by default, README "FedCP extensions: the policy and its
+training"): the MMD kernel (``mmd_kernel``, ``mmd_sigma``, ``mmd_bandwidths``), an entropy term on
+the policy (``policy_entropy``), a CPN warm-up and its own learning rate and schedule
+(``cpn_warmup_rounds``, ``cpn_lr``, ``cpn_lr_schedule``, ``cpn_lr_min``), an annealed Gumbel
+temperature and a straight-through hard policy (``tau_final``, ``tau_anneal``, ``cpn_hard``) and a
+light CPN with a hidden layer (``cpn_hidden``). Every schedule is a function of the round number
+alone, so a resumed run takes the same values.
 """
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple, Optional
+import math
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +42,7 @@ from torch import nn
 
 from fedcp_dist.algorithms.base import LocalResult, SGDAlgorithm, freeze, load_module, module_state
 from fedcp_dist.local_train import ClientPhase, Phase, Step, split_policy
+from fedcp_dist.losses import MEDIAN, MMD_BANDWIDTHS
 from fedcp_dist.options import Option, above, at_least, one_of
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
@@ -44,6 +54,8 @@ class Heads(NamedTuple):
     glob: Optional[torch.Tensor]  # the frozen global head's logits, g(r ⊙ h; W^hd) (None: no global head)
     h: torch.Tensor  # the feature
     s: Optional[torch.Tensor]  # the personal share of each feature (None: no CPN); r = 1 − s
+    #: Σ_k −(s_k log s_k + r_k log r_k) per sample, of the soft policy (only where the loss needs it)
+    entropy: Optional[torch.Tensor] = None
 
     @property
     def logits(self) -> torch.Tensor:
@@ -55,13 +67,41 @@ def gumbel_noise(generator):
     return lambda t: torch.empty_like(t).exponential_(generator=generator).log_().neg_()
 
 
-class CPN(nn.Module):
-    """Conditional policy network: C (B, K) → (s, r), each (B, K), s + r = 1."""
+def make_norm(kind: str, dim: int) -> nn.Module:
+    if kind == "layernorm":
+        return nn.LayerNorm(dim)
+    if kind == "batchnorm":
+        return nn.BatchNorm1d(dim)
+    if kind == "groupnorm":
+        return nn.GroupNorm(2, dim)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown CPN norm {kind!r}")
 
-    def __init__(self, feature_dim: int):
+
+def make_act(kind: str) -> nn.Module:
+    acts = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
+    if kind not in acts:
+        raise ValueError(f"unknown CPN activation {kind!r}")
+    return acts[kind]()
+
+
+class CPN(nn.Module):
+    """Conditional policy network: C (B, K) → (s, r), each (B, K), s + r = 1.
+
+    ``hidden`` = 0: the paper's Linear(K, 2K) → norm → act; ``hidden`` = H: the light CPN
+    Linear(K, H) → ReLU → Linear(H, 2K) → norm → act (norm and act: LayerNorm and ReLU unless a
+    variant configures them)."""
+
+    def __init__(self, feature_dim: int, hidden: int = 0, norm: str = "layernorm", act: str = "relu"):
         super().__init__()
         self.feature_dim = feature_dim
-        self.net = nn.Sequential(nn.Linear(feature_dim, 2 * feature_dim), nn.LayerNorm(2 * feature_dim), nn.ReLU())
+        k2 = 2 * feature_dim
+        if hidden:
+            self.net = nn.Sequential(nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, k2),
+                                     make_norm(norm, k2), make_act(act))
+        else:
+            self.net = nn.Sequential(nn.Linear(feature_dim, k2), nn.LayerNorm(k2), nn.ReLU())
 
     def forward(self, c: torch.Tensor, tau: float = 1.0, gumbel: bool = False, generator=None):
         return split_policy(self.net(c), self.feature_dim, tau, gumbel_noise(generator) if gumbel else None)
@@ -107,6 +147,100 @@ def stats_dim(model, num_classes: int) -> int:
     return num_classes + (0 if kind == "text" else int(shape[0]))
 
 
+def cpn_cost(cpn: nn.Module) -> tuple:
+    """(parameters, FLOPs per sample) of a CPN: a multiply-add counts 2 FLOPs, Linear layers only
+    (2·in·out each; norms, activations and the pair softmax are O(K) and left out)."""
+    params = sum(p.numel() for p in cpn.parameters())
+    flops = sum(2 * m.in_features * m.out_features for m in cpn.modules() if isinstance(m, nn.Linear))
+    return params, flops
+
+
+def annealed_tau(tau: float, tau_final: Optional[float], kind: str, t: int, rounds: int) -> float:
+    """τ of round t (0-based) of ``rounds``: ``tau`` in round 0, ``tau_final`` in the last round;
+    exponential τ_t = τ·(τ_final/τ)^(t/(T−1)) or linear τ_t = τ + (τ_final − τ)·t/(T−1).
+    ``tau_final`` None: ``tau`` in every round."""
+    if tau_final is None:
+        return tau
+    f = min(max(t, 0), rounds - 1) / (rounds - 1) if rounds > 1 else 0.0
+    if kind == "linear":
+        return tau + (float(tau_final) - tau) * f
+    return tau * (float(tau_final) / tau) ** f
+
+
+def cpn_rate(lr: float, cpn_lr: Optional[float], schedule: str, lr_min: float, warmup: int, t: int,
+             rounds: int) -> Optional[float]:
+    """The CPN's learning rate in round t (0-based); None in the warm-up rounds t < W (frozen).
+
+    ``constant``: cpn_lr (None: lr); ``cosine``: η_min + (η − η_min)·(1 + cos(π·(t − W)/(T − 1 − W)))/2,
+    η in the first round after the warm-up, η_min in the last round (η throughout if only one round
+    is left after the warm-up)."""
+    if t < warmup:
+        return None
+    base = lr if cpn_lr is None else float(cpn_lr)
+    span = rounds - 1 - warmup
+    if schedule != "cosine" or span <= 0:
+        return base
+    f = min(t - warmup, span) / span
+    return lr_min + (base - lr_min) * 0.5 * (1.0 + math.cos(math.pi * f))
+
+
+class _StraightThrough(torch.autograd.Function):
+    """The hard value forward, the gradient to the soft value backward (exactly 0/1 forward)."""
+
+    @staticmethod
+    def forward(ctx, soft, hard):
+        return hard
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def policy(logits: torch.Tensor, feature_dim: int, tau: float, noise=None, hard: bool = False,
+           entropy: bool = False):
+    """(s, r, entropy) from a CPN output (..., 2K): :func:`split_policy`'s softmax over the pair,
+    made 0/1 forward with the soft gradient backward (straight-through) when ``hard`` (ties go to
+    the personal part), and the soft policy's entropy −Σ_k (s_k log s_k + r_k log r_k) per sample
+    when ``entropy`` (else None)."""
+    z = logits.view(*logits.shape[:-1], 2, feature_dim)
+    if noise is not None:
+        z = z + noise(z)
+    z = z / tau
+    p = torch.softmax(z, dim=-2)
+    ent = -(p * torch.log_softmax(z, dim=-2)).sum((-2, -1)) if entropy else None
+    if hard:
+        first = (z[..., 0:1, :] >= z[..., 1:2, :]).to(p.dtype)
+        p = _StraightThrough.apply(p, torch.cat([first, 1.0 - first], dim=-2))
+    return p[..., 0, :], p[..., 1, :], ent
+
+
+def _number_or_median(v) -> Optional[str]:
+    if v == MEDIAN or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+        return None
+    return f"must be a number > 0 or median, got {v!r}"
+
+
+def _bandwidth_list(v) -> Optional[str]:
+    if v is None:
+        return None
+    ok = isinstance(v, list) and v and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                           and math.isfinite(a) and a > 0 for a in v)
+    return None if ok else f"must be null or a non-empty list of numbers > 0, got {v!r}"
+
+
+def _positive_or_null(v) -> Optional[str]:
+    ok = v is None or (math.isfinite(v) and v > 0)
+    return None if ok else f"must be null or a number > 0, got {v!r}"
+
+
+#: the value prefixes of the policy's trained networks: the CPN and the client vector's projection;
+#: the warm-up freezes them and cpn_lr is their rate
+POLICY_PREFIXES = ("cpn.", "vproj.")
+#: the extension keys that act on the CPN (refused where there is none: fedcp_cpn=false)
+_CPN_KEYS = ("policy_entropy", "cpn_warmup_rounds", "cpn_lr", "cpn_lr_schedule", "cpn_lr_min", "tau_final",
+             "tau_anneal", "cpn_hard", "cpn_hidden")
+
+
 class FedCP(SGDAlgorithm):
     name = "fedcp"
     options = (
@@ -119,6 +253,28 @@ class FedCP(SGDAlgorithm):
                "per-client embedding, projected to K)", one_of(*CLIENT_VECTORS)),
         Option("cpn_embed_dim", 8, "FedCP: length of the learned per-client embedding of cpn_client_vector=head+embed",
                at_least(1)),
+        Option("mmd_kernel", "multi", "FedCP: MMD kernel: multi (Σ_a exp(−d/2a) over mmd_bandwidths, the reference's) | "
+               "rbf (exp(−d/2σ²), σ = mmd_sigma)", one_of("multi", "rbf")),
+        Option("mmd_sigma", MEDIAN, "FedCP: σ of mmd_kernel=rbf: a number, or median (the median pairwise distance "
+               "of the batch's pooled features)", _number_or_median, kind=Union[float, str]),
+        Option("mmd_bandwidths", None, "FedCP: the bandwidths a of mmd_kernel=multi (null: 10, 15, 20, 50, the "
+               "reference's)", _bandwidth_list, kind=Optional[list]),
+        Option("policy_entropy", 0.0, "FedCP: β of the policy entropy term β·mean Σ_k −(s_k log s_k + r_k log r_k) "
+               "added to the loss: > 0 pushes the policy to 0/1 splits, < 0 towards 0.5"),
+        Option("cpn_warmup_rounds", 0, "FedCP: the first W rounds train extractor and heads with the CPN frozen at "
+               "the initial global CPN", at_least(0)),
+        Option("cpn_lr", None, "FedCP: the CPN's learning rate (null: lr)", _positive_or_null, kind=Optional[float]),
+        Option("cpn_lr_schedule", "constant", "FedCP: the CPN's rate over the rounds after the warm-up: constant | "
+               "cosine (to cpn_lr_min in the last round)", one_of("constant", "cosine")),
+        Option("cpn_lr_min", 0.0, "FedCP: the CPN's rate in the last round with cpn_lr_schedule=cosine", at_least(0)),
+        Option("tau_final", None, "FedCP: anneal τ per round from tau (first round) to tau_final (last round); "
+               "null: τ fixed", _positive_or_null, kind=Optional[float]),
+        Option("tau_anneal", "exponential", "FedCP: the anneal of τ to tau_final: exponential | linear",
+               one_of("exponential", "linear")),
+        Option("cpn_hard", False, "FedCP: straight-through hard policy: s ∈ {0, 1} forward (training and "
+               "evaluation), the soft Gumbel-softmax gradient backward"),
+        Option("cpn_hidden", 0, "FedCP: light CPN Linear(K, H) → ReLU → Linear(H, 2K) → norm → act with H = "
+               "cpn_hidden (0: the paper's Linear(K, 2K))", at_least(0)),
     )
 
     @classmethod
@@ -129,12 +285,40 @@ class FedCP(SGDAlgorithm):
             if getattr(cfg, "cpn_input", "both") != "both" or not getattr(cfg, "fedcp_cpn", True):
                 return "cpn_client_vector", (f"{cfg.cpn_client_vector} extends the CPN's client vector: it needs "
                                              f"cpn_input=both and fedcp_cpn=true")
+        if not getattr(cfg, "fedcp_cpn", True):
+            for key in _CPN_KEYS:
+                if getattr(cfg, key) != next(o.default for o in FedCP.options if o.name == key):
+                    return key, "acts on the CPN, but fedcp_cpn=false has none"
+        if cfg.mmd_kernel == "rbf" and cfg.mmd_bandwidths is not None:
+            return "mmd_bandwidths", "sets the kernels of mmd_kernel=multi; rbf takes mmd_sigma"
+        if cfg.mmd_kernel == "multi" and cfg.mmd_sigma != MEDIAN:
+            return "mmd_sigma", "sets the kernel of mmd_kernel=rbf; multi takes mmd_bandwidths"
+        if cfg.cpn_warmup_rounds and cfg.cpn_warmup_rounds >= cfg.rounds:
+            return "cpn_warmup_rounds", f"must be < rounds ({cfg.rounds}): the CPN would never train"
+        if cfg.cpn_lr_schedule == "constant" and cfg.cpn_lr_min != 0:
+            return "cpn_lr_min", "applies to cpn_lr_schedule=cosine only"
+        if cfg.cpn_lr_min > (cfg.lr if cfg.cpn_lr is None else cfg.cpn_lr):
+            return "cpn_lr_min", "must not exceed the CPN's rate (cpn_lr, else lr)"
+        if cfg.tau_final is None and cfg.tau_anneal != "exponential":
+            return "tau_anneal", "needs tau_final"
+        if cfg.cpn_hidden and getattr(cfg, "cpn_layers", 1) != 1:
+            return "cpn_hidden", "is a one-hidden-layer CPN design; cpn_layers must stay 1"
         return None
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         self.K = model.feature_dim
-        self.cpn = CPN(self.K).to(device)  # drawn from the same seeded global RNG as the model
+        # drawn from the same seeded global RNG as the model
+        if cfg.cpn_hidden:
+            self.cpn = CPN(self.K, cfg.cpn_hidden, getattr(cfg, "cpn_norm", "layernorm"),
+                           getattr(cfg, "cpn_act", "relu")).to(device)
+        else:
+            self.cpn = CPN(self.K).to(device)
+        self._tau = cfg.tau  # this round's temperature (annealed: set per round in phases and evaluation)
+        if cfg.mmd_kernel == "rbf":
+            self._bandwidths = MEDIAN if cfg.mmd_sigma == MEDIAN else (float(cfg.mmd_sigma) ** 2,)
+        else:
+            self._bandwidths = MMD_BANDWIDTHS if cfg.mmd_bandwidths is None else tuple(float(a) for a in cfg.mmd_bandwidths)
         self.vector_kind = getattr(cfg, "cpn_client_vector", "head")
         self.num_classes = int(model.head.out_features)
         self.vproj = self.emb_p = None
@@ -168,6 +352,12 @@ class FedCP(SGDAlgorithm):
         self.train_phase = Phase(
             "train", self.loss, modules,
             trainable=tuple(p + n for p, m in modules.items() for n, t in m.named_parameters() if t.requires_grad),
+            epochs=self.cfg.local_epochs, shared=(self.fe_g, self.head_g))
+        # the CPN warm-up: the same loss, the policy's networks (the CPN and, with an extended client
+        # vector, its projection) constants: they keep the received global values
+        self.warmup_phase = Phase(
+            "train-cpn-frozen", self.loss, modules,
+            trainable=tuple(n for n in self.train_phase.trainable if not n.startswith(POLICY_PREFIXES)),
             epochs=self.cfg.local_epochs, shared=(self.fe_g, self.head_g))
         self.training_phases = [self.train_phase]
         self.eval_modules = {"features.": self.fe_g, "cpn.": self.cpn_g, "head.": self.head_p}
@@ -245,11 +435,17 @@ class FedCP(SGDAlgorithm):
         personal part), g(r ⊙ h; W^hd) (the frozen global head on the global part), h and s."""
         h = step.run("features", step.x)
         noise = step.gumbel_like if gumbel else None
-        s, r = split_policy(step.run("cpn.net", self.policy_input(step, h)), self.K, self.cfg.tau, noise)
-        return Heads(step.run("head", s * h), step.shared(self.head_g, r * h), h, s)
+        logits = step.run("cpn.net", self.policy_input(step, h))
+        cfg, ent = self.cfg, None
+        if cfg.cpn_hard or cfg.policy_entropy:
+            s, r, ent = policy(logits, self.K, self._tau, noise, hard=cfg.cpn_hard, entropy=bool(cfg.policy_entropy))
+        else:
+            s, r = split_policy(logits, self.K, self._tau, noise)
+        return Heads(step.run("head", s * h), step.shared(self.head_g, r * h), h, s, ent)
 
     def loss(self, step):
-        """CE(personalized output) + λ·MMD²(h, h of the frozen received extractor, batch statistics)."""
+        """CE(personalized output) + λ·MMD²(h, h of the frozen received extractor, batch statistics)
+        [+ β·mean policy entropy]."""
         cfg = self.cfg
         out = self.heads(step, cfg.cpn_train_gumbel)
         if out.s is not None and step.tallies is not None:  # probing: Σ over the batch of s̄ = (1/K) Σ_k s^k
@@ -257,8 +453,33 @@ class FedCP(SGDAlgorithm):
         loss = step.cross_entropy(out.logits)
         if cfg.lam > 0:
             h_g = step.shared(self.fe_g, step.x, grad=False, batch_stats=True)
-            loss = loss + cfg.lam * step.mmd2(out.h, h_g)
+            loss = loss + cfg.lam * step.mmd2(out.h, h_g, self._bandwidths)
+        if out.entropy is not None:
+            loss = loss + cfg.policy_entropy * step.mean(out.entropy)
         return loss
+    # -- the per-round schedules (functions of the round number: a resumed run takes the same) ----
+    def tau_at(self, t: int) -> float:
+        cfg = self.cfg
+        return annealed_tau(cfg.tau, cfg.tau_final, cfg.tau_anneal, t, cfg.rounds)
+
+    def cpn_rate_at(self, t: int) -> Optional[float]:
+        cfg = self.cfg
+        return cpn_rate(cfg.lr, cfg.cpn_lr, cfg.cpn_lr_schedule, cfg.cpn_lr_min, cfg.cpn_warmup_rounds, t, cfg.rounds)
+
+    def _sgd_kwargs(self, ctx=None):
+        kw = super()._sgd_kwargs(ctx)
+        cfg = self.cfg
+        if ctx is not None and (cfg.cpn_lr is not None or cfg.cpn_lr_schedule != "constant"):
+            rate = self.cpn_rate_at(ctx.round)
+            if rate is not None:
+                kw["param_lr"] = {p: rate for p in POLICY_PREFIXES}
+        return kw
+
+    def describe(self) -> str:
+        params, flops = cpn_cost(self.cpn)
+        design = f"light, H={self.cfg.cpn_hidden}" if self.cfg.cpn_hidden else "Linear(K, 2K)"
+        return f"CPN ({design}, K={self.K}): {params} parameters, {flops} FLOPs/sample"
+
 
     # -- local training ---------------------------------------------------
     def phases(self, client_state, data, ctx):
@@ -270,7 +491,9 @@ class FedCP(SGDAlgorithm):
             start.update(self._client_values(client_state, data, ctx.client))
         if self.emb_p is not None:
             start.update({n: client_state[n] for n in k["emb."]})
-        return [(self.train_phase, ClientPhase(start))]
+        self._tau = self.tau_at(ctx.round)
+        phase = self.warmup_phase if ctx.round < self.cfg.cpn_warmup_rounds else self.train_phase
+        return [(phase, ClientPhase(start))]
 
     def finish(self, client_state, outcomes, ctx):
         """Upload W_i^fe, (W^hd + W_i^hd)/2 and Θ_i; keep W_i^hd and v_i = its weight's column sums."""
@@ -290,6 +513,8 @@ class FedCP(SGDAlgorithm):
 
     # -- evaluation -------------------------------------------------------
     def _eval_heads(self, client_state, x, ctx):
+        # evaluation before round t sees the model of round t − 1: that round's temperature
+        self._tau = self.tau_at(ctx.round - 1)
         load_module(self.head_p, client_state, "head.")
         self.head_p.eval()
         if self.emb_p is not None:

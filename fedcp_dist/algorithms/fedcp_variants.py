@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcp_dist.algorithms.base import freeze
-from fedcp_dist.algorithms.fedcp import CPN, FedCP, Heads
+from fedcp_dist.algorithms.fedcp import CPN, FedCP, Heads, make_act, make_norm
 from fedcp_dist.options import Option, one_of, within
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
@@ -38,25 +38,6 @@ def is_variant(cfg) -> bool:
     return any(getattr(cfg, o.name, o.default) != o.default for o in FedCPVariant.options)
 
 
-def _norm(kind: str, dim: int) -> nn.Module:
-    if kind == "layernorm":
-        return nn.LayerNorm(dim)
-    if kind == "batchnorm":
-        return nn.BatchNorm1d(dim)
-    if kind == "groupnorm":
-        return nn.GroupNorm(2, dim)
-    if kind == "none":
-        return nn.Identity()
-    raise ValueError(f"unknown CPN norm {kind!r}")
-
-
-def _act(kind: str) -> nn.Module:
-    acts = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
-    if kind not in acts:
-        raise ValueError(f"unknown CPN activation {kind!r}")
-    return acts[kind]()
-
-
 class VariantCPN(CPN):
     """The CPN with ``layers`` blocks Linear → norm → act; (1, layernorm, relu) is FedCP's CPN."""
 
@@ -66,7 +47,7 @@ class VariantCPN(CPN):
         blocks = []
         for i in range(layers):
             blocks += [nn.Linear(feature_dim if i == 0 else 2 * feature_dim, 2 * feature_dim),
-                       _norm(norm, 2 * feature_dim), _act(act)]
+                       make_norm(norm, 2 * feature_dim), make_act(act)]
         self.net = nn.Sequential(*blocks)
 
 
@@ -111,7 +92,7 @@ class FedCPVariant(FedCP):
             self.cpn = nn.Module()  # no parameters: nothing trained, uploaded or kept in the global state
         else:
             design = (getattr(cfg, "cpn_layers", 1), getattr(cfg, "cpn_norm", "layernorm"), getattr(cfg, "cpn_act", "relu"))
-            if design != (1, "layernorm", "relu"):
+            if design != (1, "layernorm", "relu") and not cfg.cpn_hidden:  # a light CPN took them already
                 # drawn from the seeded global RNG after FedCP's own CPN: the same on every rank
                 self.cpn = VariantCPN(self.K, *design).to(device)
         self.cpn_g = freeze(copy.deepcopy(self.cpn)).eval()  # batchnorm: running statistics at evaluation
