@@ -19,6 +19,7 @@ import yaml
 from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import MODELS
+from fedcp_dist.placement import PARTICIPATION_DRAWS
 
 METHODS = tuple(ALGORITHMS)
 AMP_MODES = ("none", "bf16")
@@ -38,6 +39,9 @@ class DataConfig:
     source: str = ""
     #: expected input shape [C, H, W]; null accepts any
     input_shape: Optional[list] = None
+    #: the clients the run uses: null = all; K = a random K of them drawn once from the run seed;
+    #: a list = those client ids of the shard. The others neither train nor are evaluated.
+    clients: Optional[typing.Union[int, list]] = None
 
 
 @dataclass
@@ -59,6 +63,9 @@ class _Experiment:
     participation: float = 1.0
     #: if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round (drop-out study)
     participation_range: Optional[list] = None
+    #: with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; count draws the number of
+    #: participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference library's rule, which reaches N)
+    participation_draw: str = "rho"
     #: run seed: model init, cohorts and every client's batch order and noise derive from it
     seed: int = 1
     #: local learning rate η (plain SGD, no momentum)
@@ -160,6 +167,10 @@ class _ConfigMethods:
                 or not 0 < r[0] <= r[1] <= 1
             ):
                 bad("participation_range", f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}")
+        if self.participation_draw not in PARTICIPATION_DRAWS:
+            bad("participation_draw", f"must be one of {', '.join(PARTICIPATION_DRAWS)}, got {self.participation_draw!r}")
+        if self.participation_draw != "rho" and self.participation_range is None:
+            bad("participation_draw", f"{self.participation_draw} draws from participation_range, which is not set")
         if self.amp not in AMP_MODES:
             bad("amp", f"must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         if not self.out_dir:
@@ -179,6 +190,15 @@ class _ConfigMethods:
         # the data set last: a mistyped value is named even where the shard is not made yet
         if self.data.num_clients < 0:
             bad("data.num_clients", f"must be >= 0, got {self.data.num_clients}")
+        clients = self.data.clients
+        if isinstance(clients, int) and clients < 1:
+            bad("data.clients", f"must be a client count >= 1 or a list of client ids, got {clients}")
+        if isinstance(clients, list):
+            if not clients or not all(type_ok(c, int) and c >= 0 for c in clients):
+                bad("data.clients", f"must be a non-empty list of client ids >= 0, got {clients}")
+            if len(set(clients)) != len(clients):
+                dup = next(c for c in clients if clients.count(c) > 1)
+                bad("data.clients", f"lists client {dup} twice")
         if not self.data.path:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
         if not os.path.isfile(self.data.path):

@@ -127,7 +127,8 @@ class Simulator:
         cfg, rt = self.cfg, self.rt
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
-        self.echo(f"fedcp_dist: {cfg.method} on {self.num_clients} clients ({self.setup.info.source}), {rt.describe()}, "
+        of = f" of the shard's {self.setup.info.num_clients}" if cfg.data.clients is not None else ""
+        self.echo(f"fedcp_dist: {cfg.method} on {self.num_clients}{of} clients ({self.setup.info.source}), {rt.describe()}, "
                   f"{len(self.owned)} clients on rank 0, loaded in {self.setup.load_seconds:.2f} s; "
                   f"training: {self.path}")
         for t in range(self.start_round, cfg.rounds):
@@ -155,7 +156,8 @@ class Simulator:
         ev = self.evaluate(t) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
 
-        cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
+        cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range,
+                               cfg.participation_draw)
         train, bad, payloads = TrainSums(), [], {}
         cpu_start = time.process_time()
         for cid, res in self._train(t, [int(c) for c in cohort if self.owner[int(c)] == rt.rank]):
@@ -202,6 +204,8 @@ class Simulator:
         self.echo(progress_line(cfg.rounds, e, None))
         summary = run_summary(cfg, rt, self.setup.info.source, self.num_clients, self.records, e, self.round_seconds,
                               self.setup.load_seconds)
+        if cfg.data.clients is not None:  # which of the shard's clients the run's 0 … K − 1 are
+            summary["shard_clients"] = self.setup.clients.tolist()
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))

@@ -62,6 +62,8 @@ class PartitionSpec:
     vocab_size: Optional[int] = None
     #: text sources: fewest occurrences for a token to get its own id (None: the default)
     min_freq: Optional[int] = None
+    #: tinyimagenet: add the val folder's images after the train folder's (default: train only, as the paper)
+    include_val: bool = False
 
     def __post_init__(self) -> None:
         # an integer given for a float option is that float (as the command line reads "1" as 1.0),
@@ -195,10 +197,13 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
 
     spec.check()
     text_opts = text_options(spec.max_len, spec.vocab_size, spec.min_freq, source_kind(spec.source), spec.source)
+    if spec.include_val and spec.source != "tinyimagenet":
+        raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{spec.source}'")
+    source_opts = {"include_val": True} if spec.include_val else {}
     out = check_out(out, force)
 
     say(f"loading source {spec.source}" + (f" from {spec.root}" if spec.root else ""))
-    src = load_source(spec.source, root=spec.root, download=spec.download, **text_opts)
+    src = load_source(spec.source, root=spec.root, download=spec.download, **text_opts, **source_opts)
     vocab = f", vocabulary of {src.vocab_size} tokens" if src.kind == "text" else ""
     say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")
 
