@@ -1,0 +1,153 @@
+"""The paper's settings: a run on a fixed subset of a shard's clients (data.clients) and the
+drop-out study's participant counts (participation_draw)."""
+import json
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, run_cmd
+from fedcp_dist import startup
+from fedcp_dist.config import load_config
+from fedcp_dist.data.shards import read_info
+from fedcp_dist.errors import UserError
+from fedcp_dist.placement import STREAM_SUBSET, client_subset, sample_cohort, stream_seed
+from fedcp_dist.run import main
+from fedcp_dist.runtime import init_runtime
+from fedcp_dist.simulator import Simulator
+
+CONFIG = str(REPO / "configs" / "digits_fedcp.yaml")
+
+
+# ----------------------------------------------------------------------------- the subset
+
+
+def test_client_subset_is_seeded_sorted_and_of_its_size():
+    a = client_subset(10, 1, 50)
+    assert a.tolist() == sorted(set(a.tolist())) and len(a) == 10 and 0 <= a.min() and a.max() < 50
+    assert np.array_equal(a, client_subset(10, 1, 50))  # drawn once from the seed: the same every time
+    assert not np.array_equal(a, client_subset(10, 2, 50))
+    # its own stream of the run seed: numpy's choice on that stream, sorted
+    rng = np.random.default_rng(stream_seed(1, STREAM_SUBSET))
+    assert a.tolist() == sorted(rng.choice(50, size=10, replace=False).tolist())
+    assert client_subset(None, 1, 4).tolist() == [0, 1, 2, 3]
+    assert client_subset([7, 2, 5], 1, 9).tolist() == [2, 5, 7]
+    assert client_subset(50, 3, 50).tolist() == list(range(50))
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("0", "must be a client count >= 1"),
+    ("[]", "must be a non-empty list"),
+    ("[1, -2]", "must be a non-empty list of client ids >= 0"),
+    ("[1, 3, 1]", "lists client 1 twice"),
+    ("[1, x]", "must be a non-empty list"),
+    ("true", "expected int or list or null"),
+    ("1.5", "expected int or list or null"),
+])
+def test_bad_subsets_name_the_key(value, fragment, digits6, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", CONFIG, f"data.path={digits6}", f"data.clients={value}", "--print-config"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "'data.clients'" in err and fragment in err, err
+
+
+def test_a_subset_beyond_the_shard_is_refused(digits6):
+    info = read_info(digits6)
+    for value, fragment in ((7, "asks for 7 clients but"), ([0, 6], "lists client 6 but")):
+        cfg = load_config(CONFIG, [f"data.path={digits6}"])
+        cfg.data.clients = value
+        with pytest.raises(UserError, match=fragment):
+            startup.run_clients(cfg, info)
+
+
+def test_every_rank_places_the_same_subset(digits20):
+    """Start-up on each rank of 1 and 2 ranks: the same 5 of the 20 clients, each loaded by exactly
+    one rank, with the shard's data of the client it stands for."""
+    cfg = load_config(CONFIG, [f"data.path={digits20}", "data.clients=5", "seed=3"])
+    info = read_info(digits20)
+    subset = client_subset(5, 3, 20)
+    setups = {(w, r): startup.load(cfg, SimpleNamespace(rank=r, world_size=w, device=torch.device("cpu")))
+              for w in (1, 2) for r in range(w)}
+    for (w, r), s in setups.items():
+        assert s.clients.tolist() == subset.tolist() and s.num_clients == 5
+        assert len(s.owner) == 5 and set(s.owner.tolist()) <= set(range(w))
+        for k, d in s.data.items():
+            shard_id = int(subset[k])
+            assert (d.n_train, d.n_test) == (info.train_counts[shard_id], info.test_counts[shard_id])
+            assert torch.equal(torch.bincount(d.train_y, minlength=10),
+                               torch.as_tensor(info.train_label_counts[shard_id]))
+    assert sorted(setups[(1, 0)].owned) == [0, 1, 2, 3, 4]
+    assert sorted(setups[(2, 0)].owned + setups[(2, 1)].owned) == [0, 1, 2, 3, 4]
+    assert not set(setups[(2, 0)].owned) & set(setups[(2, 1)].owned)
+
+
+def test_only_the_subset_trains_and_is_evaluated(digits20, tmp_path):
+    info = read_info(digits20)
+    cfg = load_config(CONFIG, [f"data.path={digits20}", "data.clients=[3, 11, 17]", "rounds=1",
+                               "checkpoint_every=0", f"out_dir={tmp_path}", "threads=1"])
+    rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, env={})
+    try:
+        sim = Simulator(cfg, rt, echo=lambda *_: None)
+        ev = sim.evaluate(0)
+        # the evaluated clients are the three, with their test samples and none other
+        assert ev.clients == 3 and ev.test_samples == sum(int(info.test_counts[c]) for c in (3, 11, 17))
+        summary = sim.run()
+    finally:
+        rt.close()
+    assert summary["num_clients"] == 3 and summary["shard_clients"] == [3, 11, 17]
+    rounds = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rounds[0]["participants"] == 3
+
+
+@pytest.mark.slow
+def test_two_ranks_run_the_same_subset(digits20, tmp_path):
+    """One torchrun run on 2 ranks against one run on 1 rank: the same subset, trajectory and summary."""
+    args = ["--config", CONFIG, f"data.path={digits20}", "data.clients=4", "rounds=2", "threads=1",
+            "checkpoint_every=0"]
+    r1 = run_cmd([sys.executable, "-m", "fedcp_dist.run", *args, f"out_dir={tmp_path / 'one'}"])
+    r2 = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                  "-m", "fedcp_dist.run", *args, f"out_dir={tmp_path / 'two'}"])
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr[-2000:] + r2.stderr[-2000:]
+    one, two = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    assert two["world_size"] == 2 and one["shard_clients"] == two["shard_clients"] == client_subset(4, 1, 20).tolist()
+    assert one["num_clients"] == two["num_clients"] == 4
+    assert one["final_acc"] == pytest.approx(two["final_acc"], abs=1e-9)
+    assert "on 4 of the shard's 20 clients" in r1.stdout
+
+
+# ----------------------------------------------------------------------------- drop-out draws
+
+
+def test_count_draw_reaches_full_participation():
+    """N = 50, ρ ∈ [0.1, 1]: counts uniform over {5 … 50}; every count appears in 2,000 rounds,
+    50 (all clients) included, while drawing ρ and flooring never reaches 50."""
+    counts = [len(sample_cohort(7, t, 50, 1.0, [0.1, 1.0], "count")) for t in range(2000)]
+    assert set(counts) == set(range(5, 51))
+    assert sample_cohort(7, next(t for t, c in enumerate(counts) if c == 50), 50, 1.0, [0.1, 1.0],
+                         "count").tolist() == list(range(50))
+    rho = [len(sample_cohort(7, t, 50, 1.0, [0.1, 1.0])) for t in range(2000)]
+    assert max(rho) == 49 and min(rho) == 5
+    # N = 10, [0.25, 0.5]: ⌊2.5⌋ = 2 … ⌊5⌋ = 5
+    assert {len(sample_cohort(1, t, 10, 1.0, [0.25, 0.5], "count")) for t in range(300)} == {2, 3, 4, 5}
+    # a tiny ρ_min still trains one client
+    assert min(len(sample_cohort(1, t, 10, 1.0, [0.01, 0.2], "count")) for t in range(300)) == 1
+
+
+def test_rho_draw_is_todays_draw():
+    """The default keeps the stream as it was: ρ ~ U[a, b] from the round's stream, then the choice."""
+    for t in range(5):
+        rng = np.random.default_rng(stream_seed(3, 1, t))
+        m = int(np.floor(rng.uniform(0.3, 0.8) * 20 + 1e-9))
+        assert sample_cohort(3, t, 20, 1.0, [0.3, 0.8]).tolist() == sorted(rng.choice(20, size=m, replace=False).tolist())
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["participation_draw=count"], "'participation_draw': count draws from participation_range, which is not set"),
+    (["participation_draw=poisson", "participation_range=[0.1, 1.0]"], "'participation_draw': must be one of rho, count"),
+])
+def test_bad_draws_name_the_key(overrides, fragment, digits6):
+    with pytest.raises(UserError) as exc:
+        load_config(CONFIG, [f"data.path={digits6}", *overrides])
+    assert fragment in str(exc.value)
