@@ -6,8 +6,10 @@ set lives under ``data.`` (``data.path``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import typing
@@ -255,10 +257,16 @@ def _type_name(tp) -> str:
     return "null" if tp is type(None) else tp.__name__
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict:
+    # resolved once per class: typing.get_type_hints is slow, and a sweep loads a config per point
+    return typing.get_type_hints(cls)
+
+
 def _apply(obj, values: dict, prefix: str = "") -> None:
     if not isinstance(values, dict):
         raise UserError(f"config section {prefix.rstrip('.') or '<top>'!r} must be a mapping")
-    hints = typing.get_type_hints(type(obj))
+    hints = _type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in values.items():
         full = f"{prefix}{key}"
@@ -333,10 +341,14 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return out
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate: bool = True) -> Config:
-    """Defaults ← YAML file ← ``key=value`` overrides, then validation."""
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate: bool = True,
+                values: Optional[dict] = None) -> Config:
+    """Defaults ← YAML file ← ``key=value`` overrides, then validation. ``values``: the file's
+    mapping as already read (a sweep reads its base once for all its points); ``path`` is not read then."""
     cfg = Config()
-    if path is not None:
+    if values is not None:
+        _apply(cfg, copy.deepcopy(values))
+    elif path is not None:
         _apply(cfg, read_yaml_mapping(path))
     if overrides:
         _apply(cfg, parse_overrides(overrides))

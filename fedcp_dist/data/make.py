@@ -10,6 +10,7 @@ names and with the same defaults; a sweep's ``partition`` block is one. Every mi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from dataclasses import dataclass
@@ -68,9 +69,10 @@ class PartitionSpec:
     def __post_init__(self) -> None:
         # an integer given for a float option is that float (as the command line reads "1" as 1.0),
         # so that the same partition always gets the same file name
+        types = _option_types()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if option_types()[f.name] is float and type_ok(value, float):
+            if types[f.name] is float and type_ok(value, float):
                 setattr(self, f.name, float(value))
 
     @classmethod
@@ -109,6 +111,12 @@ class PartitionSpec:
 
 def option_types() -> dict:
     """option → the type its value must have (bool options are command-line flags)."""
+    return dict(_option_types())
+
+
+@functools.lru_cache(maxsize=None)
+def _option_types() -> dict:
+    # resolved once: typing.get_type_hints is slow, and a sweep's points check every option
     hints = typing.get_type_hints(PartitionSpec)
     return {f.name: hints[f.name] for f in dataclasses.fields(PartitionSpec)}
 
@@ -120,7 +128,7 @@ def _type_name(tp) -> str:
 
 def check_option(key: str, value) -> None:
     """A UserError when ``value`` has the wrong type for option ``key``."""
-    tp = option_types()[key]
+    tp = _option_types()[key]
     if not type_ok(value, tp):
         raise UserError(f"expected {_type_name(tp)}, got {value!r}")
 
