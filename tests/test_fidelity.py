@@ -151,3 +151,83 @@ def test_bad_draws_name_the_key(overrides, fragment, digits6):
     with pytest.raises(UserError) as exc:
         load_config(CONFIG, [f"data.path={digits6}", *overrides])
     assert fragment in str(exc.value)
+
+
+# ----------------------------------------------------------------------------- baselines: reference variants
+
+
+def _tiny_algo(cls, **kw):
+    from fedcp_dist.config import Config
+    from helpers import CPU, Tiny
+
+    cfg = Config(**{"lr": 0.1, "batch_size": 4, **kw})
+    torch.manual_seed(0)
+    algo = cls(cfg, Tiny(), CPU)
+    gs = algo.init_global_state()
+    algo.set_global(gs)
+    return algo, gs
+
+
+def _grads_at(state, data, idx):
+    """(parameters, ∇f(w; batch)) of a Tiny network holding ``state``, in parameter order."""
+    import torch.nn.functional as F
+
+    from fedcp_dist.algorithms.base import load_module
+    from helpers import Tiny
+
+    net = Tiny()
+    load_module(net, state, "")
+    x, y = data.train_batch(idx)
+    params = list(net.parameters())
+    return [p.detach().clone() for p in params], torch.autograd.grad(F.cross_entropy(net(x), y), params)
+
+
+def test_perfedavg_reference_compat_steps_with_lr_twice():
+    """8 samples, batches of 4: one meta step per pass; the reference variant makes two passes
+    (batch orders drawn one after the other from the client's stream) with β = lr = 0.1."""
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.perfedavg import PerFedAvg
+    from fedcp_dist.local_train import batch_indices
+    from helpers import tiny_data
+
+    alpha = 0.3
+    data = tiny_data(n=8)
+    algo, gs = _tiny_algo(PerFedAvg, perfedavg_alpha=alpha, perfedavg_beta=0.001, perfedavg_reference_compat=True)
+    res = algo.local_train(None, data, Context(0, 0, torch.Generator().manual_seed(4)))
+    g = torch.Generator().manual_seed(4)
+    state = dict(gs)
+    names = list(gs)
+    for _ in range(2):
+        d_in, d_out = list(batch_indices(8, 4, 1, True, g))
+        w, g_in = _grads_at(state, data, d_in)
+        _, g_out = _grads_at({n: wi - alpha * gi for n, wi, gi in zip(names, w, g_in)}, data, d_out)
+        state = {n: wi - 0.1 * go for n, wi, go in zip(names, w, g_out)}  # β = lr
+    for k in names:
+        assert torch.allclose(res.upload[k], state[k], atol=1e-6, rtol=0), k
+    assert res.samples == 8
+    # the default is the paper's: one pass, β = perfedavg_beta
+    default, _ = _tiny_algo(PerFedAvg, perfedavg_alpha=alpha, perfedavg_beta=0.001)
+    one = default.local_train(None, data, Context(0, 0, torch.Generator().manual_seed(4)))
+    assert one.samples == 4 and not torch.allclose(one.upload["head.weight"], res.upload["head.weight"])
+
+
+def test_fedrod_reference_compat_starts_the_personal_head_at_the_initial_head():
+    """With P = G₀ and the global model still the initial one, the personalised logits z + P(h) are
+    exactly twice the generic ones; the default P = 0 gives the generic logits."""
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.fedrod import FedRoD
+    from helpers import tiny_data
+
+    algo, gs = _tiny_algo(FedRoD, fedrod_reference_compat=True)
+    state = algo.init_client_state(0)
+    assert torch.equal(state["phead.weight"], gs["head.weight"]) and torch.equal(state["phead.bias"], gs["head.bias"])
+    x, _ = tiny_data(n=8).test_batch(0, 3)
+    ctx = Context(0, 0, torch.Generator().manual_seed(0))
+    generic = algo.global_model(x)
+    assert torch.allclose(algo.predict(state, x, ctx), 2 * generic, atol=1e-6)
+    state["phead.weight"] += 1.0  # a copy: the initial head itself is unchanged
+    assert torch.equal(algo.init_client_state(1)["phead.weight"], gs["head.weight"])
+    default, _ = _tiny_algo(FedRoD)
+    zero = default.init_client_state(0)
+    assert all(float(t.abs().sum()) == 0.0 for t in zero.values())
+    assert torch.allclose(default.predict(zero, x, ctx), generic, atol=1e-6)
