@@ -231,3 +231,19 @@ def test_fedrod_reference_compat_starts_the_personal_head_at_the_initial_head():
     zero = default.init_client_state(0)
     assert all(float(t.abs().sum()) == 0.0 for t in zero.values())
     assert torch.allclose(default.predict(zero, x, ctx), generic, atol=1e-6)
+
+
+def test_analysis_numbers_the_subset_as_the_run_did(digits6, tmp_path):
+    """fedcp-analyze's rebuilt run: client k is the subset's k-th shard client."""
+    from fedcp_dist.analysis.runstate import load_run_state
+    from helpers import run
+
+    run(CONFIG, [f"data.path={digits6}", "data.clients=[1, 4]", "rounds=1", "checkpoint_every=1",
+                 f"out_dir={tmp_path}", "threads=1", "method=fedavg"])
+    state = load_run_state(tmp_path)
+    info = read_info(digits6)
+    assert state.num_clients == 2 and state.clients.tolist() == [1, 4]
+    d = state.load_data([1])[1]
+    assert (d.n_train, d.n_test) == (info.train_counts[4], info.test_counts[4])
+    with pytest.raises(UserError, match="client 2 is not in"):
+        state.load_data([2])
