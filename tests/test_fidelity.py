@@ -247,3 +247,37 @@ def test_analysis_numbers_the_subset_as_the_run_did(digits6, tmp_path):
     assert (d.n_train, d.n_test) == (info.train_counts[4], info.test_counts[4])
     with pytest.raises(UserError, match="client 2 is not in"):
         state.load_data([2])
+
+
+def test_pfedme_reference_compat_keeps_the_local_w():
+    """One batch of 4, K = 2: θ takes two inner steps, then w ← w − ηλ(w − θ). The paper's pFedMe
+    keeps θ for evaluation; the reference variant keeps w (the upload), computed here by hand."""
+    import torch.nn.functional as F
+
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.pfedme import PFedMe
+    from fedcp_dist.local_train import batch_indices
+    from helpers import tiny_data
+
+    lam, plr, eta = 2.0, 0.1, 0.05
+    data = tiny_data(n=4)
+    kw = dict(pfedme_lam=lam, pfedme_lr=plr, pfedme_k=2, lr=eta)
+    (idx,) = list(batch_indices(4, 4, 1, True, torch.Generator().manual_seed(2)))
+    algo, gs = _tiny_algo(PFedMe, pfedme_reference_compat=True, **kw)
+    res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(2)))
+    names = list(gs)
+    w = [gs[n].clone() for n in names]
+    th = [t.clone() for t in w]
+    for _ in range(2):
+        _, g = _grads_at(dict(zip(names, th)), data, idx)
+        th = [t - plr * (gi + lam * (t - wi)) for t, gi, wi in zip(th, g, w)]
+    w = [wi - eta * lam * (wi - t) for wi, t in zip(w, th)]
+    for n, wi, t in zip(names, w, th):
+        assert torch.allclose(res.upload[n], wi, atol=1e-6, rtol=0), n
+        assert torch.allclose(res.client_state[n], wi, atol=1e-6, rtol=0), n  # w is kept
+    paper, _ = _tiny_algo(PFedMe, **kw)
+    kept = paper.local_train(paper.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(2)))
+    for n, t in zip(names, th):
+        assert torch.allclose(kept.client_state[n], t, atol=1e-6, rtol=0), n  # θ is kept
+        assert torch.equal(kept.upload[n], res.upload[n])  # training and upload unchanged
+    assert not torch.allclose(kept.client_state["head.weight"], res.client_state["head.weight"])
