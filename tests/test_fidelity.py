@@ -281,3 +281,13 @@ def test_pfedme_reference_compat_keeps_the_local_w():
         assert torch.allclose(kept.client_state[n], t, atol=1e-6, rtol=0), n  # θ is kept
         assert torch.equal(kept.upload[n], res.upload[n])  # training and upload unchanged
     assert not torch.allclose(kept.client_state["head.weight"], res.client_state["head.weight"])
+
+
+def test_a_sweep_partition_with_the_val_images_gets_its_own_file():
+    from fedcp_dist.data.make import PartitionSpec
+    from fedcp_dist.sweep.spec import PARTITION_KEYS, partition_file_name
+
+    assert PARTITION_KEYS["include_val"] is bool
+    train = partition_file_name(PartitionSpec(source="tinyimagenet", num_clients=20))
+    both = partition_file_name(PartitionSpec(source="tinyimagenet", num_clients=20, include_val=True))
+    assert train == "tinyimagenet_dir0.1_n20_s1.h5" and both.startswith("tinyimagenet_dir0.1_n20_s1_") and both != train
