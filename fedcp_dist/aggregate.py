@@ -1,7 +1,8 @@
 """Sample-weighted aggregation in one flat buffer and one all-reduce per round, and the packing
 of the per-round exchange of client models (FedAMP, FedFomo).
 
-Layout of the buffer: ``[Σ n_i·θ_i (every upload tensor, flattened) | Σ n_i | metric sums]``.
+Layout of the buffer: ``[Σ n_i·θ_i (every upload tensor, flattened) | Σ n_i | metric sums | extra]``;
+``extra`` (absent unless asked for) carries the per-client rows of the probes (:mod:`fedcp_dist.probes`).
 The metric sums of the round (named :class:`Sums`) ride in the same all-reduce as the
 parameters. The buffer is float64 by default: the sums are then exact enough that the order in
 which ranks add them (which changes with the world size) does not show in the float32 result.
@@ -58,7 +59,8 @@ class TrainSums(Sums):
 
 
 class FlatAggregator:
-    def __init__(self, spec: Mapping[str, torch.Size], num_metrics: int, device: torch.device, dtype=torch.float64):
+    def __init__(self, spec: Mapping[str, torch.Size], num_metrics: int, device: torch.device, dtype=torch.float64,
+                 extra: int = 0):
         self.names = list(spec)
         self.shapes = {k: torch.Size(spec[k]) for k in self.names}
         self.offsets = {}
@@ -68,7 +70,8 @@ class FlatAggregator:
             off += self.shapes[k].numel()
         self.num_params = off
         self.num_metrics = num_metrics
-        self.buffer = torch.zeros(off + 1 + num_metrics, device=device, dtype=dtype)
+        self.num_extra = extra
+        self.buffer = torch.zeros(off + 1 + num_metrics + extra, device=device, dtype=dtype)
         self.last_seconds = 0.0
 
     @property
@@ -89,13 +92,26 @@ class FlatAggregator:
 
     def add_metrics(self, values: Sequence[float]) -> None:
         assert len(values) == self.num_metrics
-        self.buffer[self.num_params + 1 :] += torch.as_tensor(values, dtype=self.buffer.dtype, device=self.buffer.device)
+        end = self.num_params + 1 + self.num_metrics
+        self.buffer[self.num_params + 1 : end] += torch.as_tensor(values, dtype=self.buffer.dtype, device=self.buffer.device)
 
-    def reduce(self, runtime) -> tuple[dict, float, list]:
-        """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums)."""
+    def add_extra(self, values: torch.Tensor) -> None:
+        """Add ``values`` (``extra`` long) to the buffer's extra part."""
+        assert values.numel() == self.num_extra
+        self.buffer[self.buffer.numel() - self.num_extra :] += values.to(self.buffer.device, self.buffer.dtype)
+
+    def extra(self) -> torch.Tensor:
+        """The extra part (after :meth:`reduce`: summed over ranks), on the CPU."""
+        return self.buffer[self.buffer.numel() - self.num_extra :].cpu()
+
+    def reduce(self, runtime, base=None) -> tuple[dict, float, list]:
+        """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums).
+
+        With ``base`` ({name: tensor}) the buffer holds weighted deltas and the mean is
+        base + Σ n_i·Δ_i / Σ n_i, added in the buffer's precision."""
         t0 = time.perf_counter()
         runtime.all_reduce_sum_(self.buffer)
-        tail = self.buffer[self.num_params :].tolist()  # also synchronises the device
+        tail = self.buffer[self.num_params : self.num_params + 1 + self.num_metrics].tolist()  # also synchronises the device
         self.last_seconds = time.perf_counter() - t0
         total, metrics = tail[0], tail[1:]
         mean = {}
@@ -103,16 +119,19 @@ class FlatAggregator:
             flat = self.buffer[: self.num_params] / total
             for k in self.names:
                 off = self.offsets[k]
-                mean[k] = flat[off : off + self.shapes[k].numel()].view(self.shapes[k]).to(torch.float32)
+                part = flat[off : off + self.shapes[k].numel()].view(self.shapes[k])
+                if base is not None:
+                    part = base[k].to(part.dtype) + part
+                mean[k] = part.to(torch.float32)
         return mean, total, metrics
 
 
-def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums):
+def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums, base=None):
     """Add ``sums`` to the aggregator's metrics, all-reduce once; (mean, Σ weights, reduced sums
-    of the same classes, in order)."""
+    of the same classes, in order). ``base``: see :meth:`FlatAggregator.reduce`."""
     values = [v for s in sums for v in s.values()]
     aggregator.add_metrics(values)
-    mean, total, metrics = aggregator.reduce(runtime)
+    mean, total, metrics = aggregator.reduce(runtime, base)
     out, off = [], 0
     for s in sums:
         n = type(s).size()

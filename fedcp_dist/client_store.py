@@ -16,6 +16,7 @@ State = Dict[str, torch.Tensor]
 
 BN_STAT_SUFFIXES = (".running_mean", ".running_var")
 BN_PREFIX = "__bn__/"  # a client's own BatchNorm statistics, inside its checkpointed state
+EF_PREFIX = "__ef__/"  # what compression did not send yet (error feedback), inside its checkpointed state
 
 
 class ClientStore:
@@ -25,6 +26,8 @@ class ClientStore:
         self.bn_keys = list(bn_keys)
         self.states: Dict[int, Optional[State]] = {}
         self.bn: Dict[int, State] = {}
+        #: each client's compression residual (compress_error_feedback), created on its first upload
+        self.residuals: Dict[int, State] = {}
         self.set_global(global_state)
 
     @classmethod
@@ -62,18 +65,31 @@ class ClientStore:
         if self.bn_keys:
             self.bn[cid] = {k: upload.pop(k) for k in self.bn_keys}
 
+    def residual(self, cid: int) -> Optional[State]:
+        """What compression has not sent of client ``cid``'s deltas (None before its first upload)."""
+        return self.residuals.get(cid)
+
+    def put_residual(self, cid: int, residual: Optional[State]) -> None:
+        if residual is not None:
+            self.residuals[cid] = residual
+
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> Dict[int, State]:
-        """{client: its state and its BatchNorm statistics (prefixed)} for the clients that have any."""
+        """{client: its state, its BatchNorm statistics and its compression residual (both
+        prefixed)} for the clients that have any."""
         return {
-            c: {**(self.states.get(c) or {}), **{BN_PREFIX + k: v for k, v in self.bn.get(c, {}).items()}}
-            for c in set(self.states) | set(self.bn)
+            c: {**(self.states.get(c) or {}), **{BN_PREFIX + k: v for k, v in self.bn.get(c, {}).items()},
+                **{EF_PREFIX + k: v for k, v in self.residuals.get(c, {}).items()}}
+            for c in set(self.states) | set(self.bn) | set(self.residuals)
         }
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
         for c, state in states.items():
             bn = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
-            rest = {k: v for k, v in state.items() if not k.startswith(BN_PREFIX)}
+            ef = {k[len(EF_PREFIX):]: v for k, v in state.items() if k.startswith(EF_PREFIX)}
+            rest = {k: v for k, v in state.items() if not k.startswith((BN_PREFIX, EF_PREFIX))}
             if bn:
                 self.bn[c] = bn
+            if ef:
+                self.residuals[c] = ef
             self.states[c] = rest if rest else None

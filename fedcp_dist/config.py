@@ -102,6 +102,11 @@ class _Execution:
     checkpoint_every: int = 50
     #: complete checkpoints kept
     keep_checkpoints: int = 2
+    #: probes for analysis.jsonl (FedCP): PIR and s histograms at every evaluation, PIR and the training loss
+    #: before/after local learning of every trained client every analysis_every rounds; results are unchanged
+    analysis: bool = False
+    #: take the training probes every this many rounds (rounds 1, k+1, 2k+1, ...); > 0 also turns analysis on
+    analysis_every: int = 0
     #: signal that asks the run to finish its round, checkpoint and exit with status 75 (SIGTERM too)
     preempt_signal: str = "SIGUSR2"
     #: a client's non-finite loss or update: error (stop every rank) | skip (leave it out of the round)
@@ -122,6 +127,11 @@ class _ConfigMethods:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def probe_every(self) -> int:
+        """Rounds between training probes (0: analysis off); ``analysis: true`` alone means every round."""
+        return self.analysis_every or (1 if self.analysis else 0)
 
     def validate(self) -> "Config":
         """Raise :class:`UserError` naming the first impossible value."""
@@ -152,6 +162,12 @@ class _ConfigMethods:
             bad("threads", f"must be >= 0, got {self.threads}")
         if self.fused_group < 0:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
+        if self.analysis_every < 0:
+            bad("analysis_every", f"must be >= 0, got {self.analysis_every}")
+        if self.probe_every and not ALGORITHMS[self.method].probes:
+            with_probes = ", ".join(m for m, cls in ALGORITHMS.items() if cls.probes)
+            bad("analysis" if self.analysis else "analysis_every",
+                f"{self.method} has no probes (they measure FedCP's policy; methods with probes: {with_probes})")
         for key in ("lr", "participation", "collective_timeout"):
             if not math.isfinite(getattr(self, key)):
                 bad(key, f"must be a finite number, got {getattr(self, key)}")

@@ -6,7 +6,7 @@ mean and a micro-averaged ROC AUC (weighted by test samples) ride along.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Dict, Iterable, Optional
 
 import numpy as np
 import torch
@@ -51,12 +51,17 @@ def micro_auc(labels: np.ndarray, probs: np.ndarray) -> float:
 
 @torch.no_grad()
 def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx: int,
-                     generator: Callable[[int, int], torch.Generator], batch_size: int) -> EvalSums:
+                     generator: Callable[[int, int], torch.Generator], batch_size: int,
+                     probes: Optional[Dict[int, "EvalTally"]] = None) -> EvalSums:
     """The sums over ``clients`` of their personalized models' test metrics.
 
     ``store`` hands each client's state (and swaps its own BatchNorm statistics in);
     ``generator(round, client)`` is the client's evaluation stream (stochastic policies).
+    ``probes`` (analysis on): filled with each client's :class:`~fedcp_dist.probes.EvalTally` of
+    the policy's s, from the very forward passes whose logits are scored.
     """
+    from fedcp_dist.probes import EvalTally
+
     sums = EvalSums()
     for cid in clients:
         d = datas[cid]
@@ -64,8 +69,19 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
             continue
         ctx = Context(round_idx, cid, generator(round_idx, cid))
         state = algo.prepare_eval(store.activate(cid), d, ctx)
-        logits = torch.cat([algo.predict(state, d.test_batch(i, i + batch_size)[0], ctx)
-                            for i in range(0, d.n_test, batch_size)])
+        if probes is None:
+            logits = torch.cat([algo.predict(state, d.test_batch(i, i + batch_size)[0], ctx)
+                                for i in range(0, d.n_test, batch_size)])
+        else:
+            parts, tally = [], EvalTally()
+            for i in range(0, d.n_test, batch_size):
+                out, s = algo.predict_probe(state, d.test_batch(i, i + batch_size)[0], ctx)
+                parts.append(out)
+                if s is not None:
+                    tally.add(s)
+            logits = torch.cat(parts)
+            if tally.samples:
+                probes[cid] = tally
         loss = float(F.cross_entropy(logits, d.test_y, reduction="sum"))
         correct = float((logits.argmax(1) == d.test_y).sum())
         auc = micro_auc(d.test_y.cpu().numpy(), torch.softmax(logits.float(), 1).cpu().numpy())

@@ -393,10 +393,16 @@ class FusedStep:
     """
 
     def __init__(self, views: Dict[str, Tensor], batch: Batch, modules: Mapping[str, nn.Module],
-                 sgd: Optional[InBackwardSGD], shared_params: dict):
+                 sgd: Optional[InBackwardSGD], shared_params: dict, tallies: Optional[dict] = None):
         self.views, self.batch, self.modules, self.sgd = views, batch, modules, sgd
         self.x, self.y, self.k = batch.x, batch.y, batch.k
         self._shared_params = shared_params
+        self.tallies = tallies
+
+    def tally(self, name: str, per_sample: Tensor) -> None:
+        """Each slot's sum over its real rows of a (k, B) per-sample quantity, as ``tallies[name]`` (k,)."""
+        if self.tallies is not None:
+            self.tallies[name] = (per_sample.detach().float() * self.batch.mask).sum(-1)
 
     def _forward(self, module: nn.Module, params: Dict[str, Tensor], x, k: int, sgd) -> Tensor:
         split = _SPLIT_CACHE.get(module)
@@ -512,12 +518,14 @@ def train_fused(
     drop_last: bool,
     lr: float,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    tally: bool = False,
 ) -> List[PhaseOutcome]:
     """Plain SGD on ``phase.loss`` for every client of ``clients``, up to ``slots`` at a time.
 
     Each client's step is ``w ← w − lr·∇(its loss)`` on its ``phase.trainable`` values, its batches
     come from ``batch_indices(n, batch_size, phase.epochs, drop_last, its generator)``. Returns one
-    outcome per client, in order, with every stacked name's final value.
+    outcome per client, in order, with every stacked name's final value (and, with ``tally``, the
+    sums of what the loss tallied over its real samples, as the sequential path has them).
     """
     if not clients:
         return []
@@ -535,6 +543,7 @@ def train_fused(
     first = clients[queue[0]].start
     stacked = {n: _stacked_like(first[n], slots) for n in names}
     loss_acc = torch.zeros(slots, dtype=torch.float32, device=first[names[0]].device)
+    tally_acc: Dict[str, Tensor] = {}  # {name: (slots,)} with tally on
     active: List[Optional[_Active]] = []
     shared_params: dict = {}
 
@@ -543,6 +552,8 @@ def train_fused(
         for n in names:
             stacked[n][slot].copy_(clients[i].start[n])
         loss_acc[slot] = 0.0
+        for acc in tally_acc.values():
+            acc[slot] = 0.0
         c = clients[i]
         return _Active(i, batch_indices(c.n, batch_size, phase.epochs, drop_last, c.generator), steps[i])
 
@@ -551,6 +562,8 @@ def train_fused(
         for n in names:
             stacked[n][dst].copy_(stacked[n][src])
         loss_acc[dst] = loss_acc[src]
+        for acc in tally_acc.values():
+            acc[dst] = acc[src]
 
     while len(active) < slots:
         active.append(load(len(active), queue.pop(0)))
@@ -583,8 +596,9 @@ def train_fused(
             views[n] = views[n].detach().requires_grad_(True)
             leaves.append(views[n])
         sgd = None if phase.penalised else InBackwardSGD(lr)
+        step_tallies = {} if tally else None
         with autocast():
-            losses = phase.loss(FusedStep(views, batch, phase.modules, sgd, shared_params))
+            losses = phase.loss(FusedStep(views, batch, phase.modules, sgd, shared_params, step_tallies))
         # the backward pass takes the grouped Linear layers' steps itself; the rest step here
         if losses.requires_grad:
             losses.sum().backward()
@@ -594,6 +608,10 @@ def train_fused(
             if rest:
                 torch._foreach_add_(rest, [t.grad for t in rest], alpha=-lr)
             loss_acc[:k] += losses.detach().float() * count
+            for name, v in (step_tallies or {}).items():
+                if name not in tally_acc:
+                    tally_acc[name] = torch.zeros_like(loss_acc)
+                tally_acc[name][:k] += v
 
         # finished clients leave; waiting ones take their slots; the rest close up to a prefix
         finished = False
@@ -603,7 +621,8 @@ def train_fused(
             if a.left == 0:
                 finished = True
                 values = {n: stacked[n][j].clone(memory_format=torch.contiguous_format) for n in names}
-                outcomes[a.index] = PhaseOutcome(values, float(loss_acc[j]), a.seen)
+                outcomes[a.index] = PhaseOutcome(values, float(loss_acc[j]), a.seen,
+                                                 tallies={n: float(acc[j]) for n, acc in tally_acc.items()})
                 active[j] = load(j, queue.pop(0)) if queue else None
         if finished:
             j = 0

@@ -153,6 +153,8 @@ class PhaseOutcome:
     loss_sum: float  # Σ over steps of the mean batch loss · real batch size
     samples: int
     info: dict = field(default_factory=dict)  # the ClientPhase's info
+    #: {name: Σ over the samples seen} of what the loss tallied (``Step.tally``), with tallying on
+    tallies: dict = field(default_factory=dict)
 
 
 def split_policy(logits: torch.Tensor, feature_dim: int, tau: float, noise=None):
@@ -187,9 +189,18 @@ class Step:
     counted from the end) runs on both.
     """
 
-    def __init__(self, x, y, modules: Mapping[str, nn.Module], values: Mapping[str, torch.Tensor], generator):
+    def __init__(self, x, y, modules: Mapping[str, nn.Module], values: Mapping[str, torch.Tensor], generator,
+                 tallies: Optional[dict] = None):
         self.x, self.y = x, y
         self.modules, self.values, self.generator = modules, values, generator
+        self.tallies = tallies
+
+    def tally(self, name: str, per_sample: torch.Tensor) -> None:
+        """Add the batch's sum of a (B,) per-sample quantity to the client's tally ``name`` (a probe:
+        detached, it changes nothing in training); nothing happens unless tallying is on."""
+        if self.tallies is not None:
+            v = per_sample.detach().float().sum()
+            self.tallies[name] = v if name not in self.tallies else self.tallies[name] + v
 
     def run(self, name: str, x, *, grad: bool = True, batch_stats: bool = False):
         """The client's module ``name`` (e.g. ``"features"``, ``"cpn.net"``, ``""``) applied to ``x``."""
@@ -252,8 +263,9 @@ def trained_parameters(phase: Phase) -> list:
 
 
 def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.Generator, *, batch_size: int,
-                     drop_last: bool, lr: float, amp: str = "none") -> PhaseOutcome:
-    """One client's phase on the working modules: load its values, SGD over its batches, read them back."""
+                     drop_last: bool, lr: float, amp: str = "none", tally: bool = False) -> PhaseOutcome:
+    """One client's phase on the working modules: load its values, SGD over its batches, read them back.
+    ``tally``: collect what the loss tallies (``Step.tally``) into the outcome's ``tallies``."""
     from fedcp_dist.algorithms.base import load_module, module_state
 
     names = module_keys(phase)
@@ -263,10 +275,11 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
             m.train()
     constants = {k: v for k, v in client.start.items() if k not in names}
     index = client.index
+    tallies = {} if tally else None
 
     def loss_fn(idx):
         x, y = data.train_batch(idx if index is None else index[idx])
-        return phase.loss(Step(x, y, phase.modules, constants, generator))
+        return phase.loss(Step(x, y, phase.modules, constants, generator, tallies))
 
     n = data.n_train if index is None else int(index.numel())
     batches = batch_indices(n, batch_size, phase.epochs, drop_last, generator)
@@ -274,4 +287,4 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
     values = dict(constants)
     for prefix, m in phase.modules.items():
         values.update(module_state(prefix, m))
-    return PhaseOutcome(values, loss_sum, seen, client.info)
+    return PhaseOutcome(values, loss_sum, seen, client.info, {k: float(v) for k, v in (tallies or {}).items()})

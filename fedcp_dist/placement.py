@@ -16,7 +16,8 @@ STREAM_COHORT = 1
 STREAM_TRAIN = 2
 STREAM_EVAL = 3
 STREAM_INIT = 4
-STREAM_SUBSET = 5
+STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/after with cpn_eval_gumbel)
+STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
 
 #: how a drop-out round's participants are counted (``participation_draw``)
 PARTICIPATION_DRAWS = ("rho", "count")
@@ -81,11 +82,17 @@ def sample_cohort(
     reaches all N clients.
     """
     rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
-    if participation_range is None:
-        m = cohort_size(participation, num_clients)
-    elif draw == "count":
-        low, high = (cohort_size(float(r), num_clients) for r in participation_range)
-        m = int(rng.integers(low, high + 1))
-    else:
-        m = cohort_size(float(rng.uniform(*participation_range)), num_clients)
+    m = round_cohort_size(rng, num_clients, participation, participation_range, draw)
     return np.sort(rng.choice(num_clients, size=m, replace=False))
+
+
+def round_cohort_size(rng: np.random.Generator, num_clients: int, participation: float,
+                      participation_range: Optional[Sequence[float]] = None, draw: str = "rho") -> int:
+    """A round's cohort size, drawn from the round's cohort stream ``rng`` (see :func:`sample_cohort`);
+    without ``participation_range`` nothing is drawn."""
+    if participation_range is None:
+        return cohort_size(participation, num_clients)
+    if draw == "count":
+        low, high = (cohort_size(float(r), num_clients) for r in participation_range)
+        return int(rng.integers(low, high + 1))
+    return cohort_size(float(rng.uniform(*participation_range)), num_clients)

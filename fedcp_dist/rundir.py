@@ -71,6 +71,9 @@ NOT_DEFINING: dict = {
     "fused_group": "how many clients a fused group holds",
     "eval_batch_size": "how many test samples one forward pass takes",
     "peer_memory_mb": "a memory budget that refuses a run, never changes one",
+    # probes: what is recorded besides the run (analysis.jsonl); the run's results are the same with them
+    "analysis": "whether the probes write analysis.jsonl",
+    "analysis_every": "how often the training probes are taken",
     # failures: a run that meets no non-finite update runs the same under either policy, and one that
     # meets it under 'error' has stopped; switching to 'skip' on resume is how such a run goes on
     "on_nonfinite": "what a non-finite client update does to the run",
@@ -304,6 +307,7 @@ class RunWriter:
         self.enabled = enabled
         self.dir = Path(out_dir)
         self._metrics: Optional[IO[str]] = None
+        self._analysis: Optional[IO[str]] = None
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -335,7 +339,8 @@ class RunWriter:
         """Begin metrics.jsonl afresh with ``records`` (those of a resumed checkpoint, or none)."""
         if not self.enabled:
             return
-        self.close()
+        if self._metrics is not None:
+            self._metrics.close()
         text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
         atomic_write_bytes(self.dir / METRICS, text.encode("utf-8"))
         self._metrics = open(self.dir / METRICS, "a", encoding="utf-8")
@@ -349,10 +354,43 @@ class RunWriter:
         self._metrics.write(json.dumps(record, default=_json_default) + "\n")
         self._metrics.flush()
 
+    def start_analysis(self, rounds_done: int, create: bool) -> None:
+        """Begin analysis.jsonl: keep the lines of the first ``rounds_done`` rounds of one already
+        there (a resumed run: the rest is computed again), start it empty when ``create`` (analysis
+        on), and leave it absent otherwise."""
+        from fedcp_dist.probes import keep_before
+
+        if not self.enabled:
+            return
+        path = self.dir / ANALYSIS
+        if path.is_file():
+            kept = [obj for _, obj in read_jsonl(path) if keep_before(obj, rounds_done)] if rounds_done else []
+        elif create:
+            kept = []
+        else:
+            return
+        if self._analysis is not None:
+            self._analysis.close()
+        text = "".join(json.dumps(r, default=_json_default) + "\n" for r in kept)
+        atomic_write_bytes(path, text.encode("utf-8"))
+        self._analysis = open(path, "a", encoding="utf-8")
+
+    def log_analysis(self, records: list) -> None:
+        """Append lines to analysis.jsonl (begun by :meth:`start_analysis`) and flush them."""
+        if not self.enabled or not records:
+            return
+        if self._analysis is None:  # a writer used without start_analysis: the file begins here
+            self._analysis = open(self.dir / ANALYSIS, "a", encoding="utf-8")
+        self._analysis.write("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
+        self._analysis.flush()
+
     def close(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self._analysis is not None:
+            self._analysis.close()
+            self._analysis = None
 
 
 # ----------------------------------------------------------------------------- presenting

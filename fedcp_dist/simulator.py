@@ -1,4 +1,5 @@
-"""The round loop. Identical control flow on every rank; one all-reduce per round.
+"""The round loop. Identical control flow on every rank; one all-reduce per round (and, with
+feature-difference client selection, one before it that gathers the client vectors).
 
 The pieces it wires: :mod:`startup` (shard, placement, loading), :mod:`client_store` (per-client
 state), :mod:`evaluation`, :mod:`aggregate` (the one all-reduce and the peer exchange),
@@ -17,13 +18,16 @@ from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
 from fedcp_dist.client_store import ClientStore
+from fedcp_dist.compress import Compressor, byte_totals
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure, UserError
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.models import build_model
-from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, sample_cohort, stream_seed
+from fedcp_dist.placement import STREAM_EVAL, STREAM_PROBE, STREAM_TRAIN, sample_cohort, stream_seed
+from fedcp_dist.probes import ProbeTable
 from fedcp_dist.rundir import RunWriter, check_resume_config, prepare_out_dir, progress_line, result_table, run_summary
 from fedcp_dist.runtime import Runtime, StopSignals
+from fedcp_dist.selection import sample_cohort_weighted, selection_probabilities
 
 
 class Simulator:
@@ -48,11 +52,18 @@ class Simulator:
         global_state = algo.init_global_state()
         self.store = ClientStore.for_run(self.algo, global_state, cfg.aggregate_bn_stats)
         self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
+        #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
+        self.probe_every = cfg.probe_every
         self.agg = FlatAggregator({k: global_state[k].shape for k in algo.upload_keys(global_state)
-                                   if k not in self.store.bn_keys}, sums_size(TrainSums, EvalSums), rt.device)
+                                   if k not in self.store.bn_keys}, sums_size(TrainSums, EvalSums), rt.device,
+                                  extra=ProbeTable.size(self.num_clients) if self.probe_every else 0)
+        self.compressor = Compressor.from_config(cfg, self.agg.shapes)
+        self.select_by_features = cfg.client_selection == "feature_difference"
         self.writer = RunWriter(cfg.out_dir, rt.is_main)
         self.start_round, self.records, self.round_seconds = 0, [], []
         startup.agree_on(rt, self._maybe_resume)
+        # analysis.jsonl: the lines of the rounds done kept, the rest computed again
+        startup.agree_on(rt, lambda: self.writer.start_analysis(self.start_round, create=bool(self.probe_every)))
 
     def _lock_and_load(self) -> startup.Setup:
         if self.rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
@@ -89,19 +100,48 @@ class Simulator:
     def _generator(self, *keys: int) -> torch.Generator:
         return torch.Generator(device=self.rt.device).manual_seed(stream_seed(self.cfg.seed, *keys))
 
-    def evaluate(self, round_idx: int) -> EvalSums:
-        """This rank's sums of its clients' personalized test metrics."""
+    def evaluate(self, round_idx: int, probes: dict = None) -> EvalSums:
+        """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
+        evaluation probes)."""
         return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
-                                lambda t, c: self._generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size)
+                                lambda t, c: self._generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes)
 
-    def _train(self, t: int, cids: list):
+    def _train(self, t: int, cids: list, probe: bool = False):
         """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
-        items = [(self.store.get(c), self.data[c], Context(t, c, self._generator(STREAM_TRAIN, t, c))) for c in cids]
+        items = [(self.store.get(c), self.data[c], Context(t, c, self._generator(STREAM_TRAIN, t, c), probe))
+                 for c in cids]
         if self.fused:
             yield from zip(cids, self.algo.train_fused(items))
             return
         for c, (_, d, ctx) in zip(cids, items):
             yield c, self.algo.local_train(self.store.activate(c), d, ctx)
+
+    def _probe_training(self, t: int, cid: int, res, table: ProbeTable) -> None:
+        """Client ``cid``'s training probes of round t into ``table``; before its new state is kept."""
+        before = self.store.activate(cid)  # its state before this round, the global state as it received it
+        bef, aft = self.algo.probe_losses(before, res, self.data[cid], Context(t, cid, self._generator(STREAM_PROBE, t, cid)))
+        n = self.data[cid].n_train
+        table.add_train(cid, res.samples, res.tallies.get("s", 0.0), bef, aft, n)
+
+    def _client_vectors(self):
+        """Every client's vector v_i (N × K, float32, on the host), the same on every rank: each rank
+        writes its own clients' rows (an untrained client's initial vector) and one all-reduce adds
+        them, each row having a single non-zero contributor (so the sum is exact)."""
+        buf = torch.zeros(self.num_clients, self.algo.client_vector_dim, dtype=torch.float32, device=self.rt.device)
+        for c in self.owned:
+            buf[c] = self.algo.client_vector(self.store.states.get(c))
+        return self.rt.all_reduce_sum_(buf).cpu().numpy()
+
+    def _cohort(self, t: int):
+        """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
+        cfg = self.cfg
+        if not self.select_by_features or (cfg.participation >= 1 and cfg.participation_range is None):
+            return sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range,
+                                 cfg.participation_draw)
+        probs = selection_probabilities(self.setup.info.train_counts[self.setup.clients], self._client_vectors(),
+                                        cfg.selection_min_prob)
+        return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range,
+                                      cfg.participation_draw)
 
     def _exchange_peers(self, t: int, cohort, payloads: dict) -> float:
         """One all-gather of the participants' peer payloads; the algorithm updates the global state."""
@@ -153,29 +193,42 @@ class Simulator:
         t_start = time.perf_counter()
         self.agg.zero()
         evaluated = t % cfg.eval_every == 0
-        ev = self.evaluate(t) if evaluated else EvalSums()
+        table = ProbeTable(self.num_clients) if self.probe_every else None
+        probe_train = table is not None and t % self.probe_every == 0
+        eval_probes = {} if table is not None and evaluated else None
+        ev = self.evaluate(t, eval_probes) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
 
-        cohort = sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range,
-                               cfg.participation_draw)
+        cohort = self._cohort(t)
         train, bad, payloads = TrainSums(), [], {}
         cpu_start = time.process_time()
-        for cid, res in self._train(t, [int(c) for c in cohort if self.owner[int(c)] == rt.rank]):
+        for cid, res in self._train(t, [int(c) for c in cohort if self.owner[int(c)] == rt.rank], probe_train):
             if not res.is_finite():
                 bad.append(cid)
                 print(f"rank {rt.rank}: round {t + 1}: client {cid} produced a non-finite loss or update "
                       f"({'left out of the round' if cfg.on_nonfinite == 'skip' else 'stopping'})", flush=True)
                 continue  # neither aggregated nor kept as the client's new state
+            if probe_train:
+                self._probe_training(t, cid, res, table)
             self.store.put(cid, res.client_state, res.upload)
             if self.algo.peer_dim:
                 payloads[cid] = self.algo.peer_payload(res)
-            self.agg.add(res.upload, self.data[cid].n_train)
+            if self.compressor.enabled:  # Σ n_i·Δ̂_i, added to the global state after the all-reduce
+                delta, residual = self.compressor.compress(res.upload, self.global_state, self.store.residual(cid))
+                self.store.put_residual(cid, residual)
+                self.agg.add(delta, self.data[cid].n_train)
+            else:
+                self.agg.add(res.upload, self.data[cid].n_train)
             train += TrainSums(res.loss_sum, res.samples)
         t_train, cpu_train = time.perf_counter() - t_start - t_eval, time.process_time() - cpu_start
 
         train += TrainSums(stop_requests=float(self.stop.signum is not None), nonfinite_clients=len(bad),
                            nonfinite_client_id_sum=sum(bad))
-        mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev)
+        if table is not None:
+            table.add_evals(eval_probes or {})
+            self.agg.add_extra(table.flat())
+        mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev,
+                                               base=self.global_state if self.compressor.enabled else None)
         if train.nonfinite_clients > 0 and cfg.on_nonfinite == "error":
             raise RunFailure(train.nonfinite_message(t))
         if total > 0:
@@ -189,23 +242,47 @@ class Simulator:
                   **({"peer_exchange_seconds": peer_seconds} if peer_seconds is not None else {}),
                   "participants": int(len(cohort)), "train_loss": train.loss_sum / max(train.samples, 1.0),
                   "nonfinite_skipped": int(train.nonfinite_clients)}
+        if self.compressor.enabled:
+            record.update(self.compressor.round_bytes(len(cohort) - int(train.nonfinite_clients), len(cohort)))
+        if self.select_by_features:
+            record["cohort"] = [int(c) for c in cohort]
         if evaluated:
             record.update({"evaluated_after": t, **ev.summary()})
             self.echo(progress_line(cfg.rounds, record, record))
+        if table is not None:
+            reduced = ProbeTable.from_flat(self.agg.extra(), self.num_clients)
+            self.writer.log_analysis(reduced.records(t if probe_train else None, t if evaluated else None))
         return record, train.stop_requests > 0
 
     def _finish(self) -> dict:
         """The evaluation after the last round, final_global.pt, summary.json and the result table."""
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
-        final = torch.tensor(self.evaluate(cfg.rounds).values(), dtype=torch.float64, device=rt.device)
-        e = {"evaluated_after": cfg.rounds, **EvalSums.from_values(rt.all_reduce_sum_(final).tolist()).summary()}
+        probes = {} if self.probe_every else None
+        final = torch.tensor(self.evaluate(cfg.rounds, probes).values(), dtype=torch.float64)
+        if probes is not None:  # the clients' evaluation probes ride in the same all-reduce
+            table = ProbeTable(self.num_clients, train=False)
+            table.add_evals(probes)
+            final = torch.cat([final, table.flat()])
+        final = rt.all_reduce_sum_(final.to(rt.device)).cpu()
+        e = {"evaluated_after": cfg.rounds, **EvalSums.from_values(final[:EvalSums.size()].tolist()).summary()}
+        if probes is not None:
+            reduced = ProbeTable.from_flat(final[EvalSums.size():], self.num_clients, train=False)
+            self.writer.log_analysis(reduced.records(None, cfg.rounds))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self.echo(progress_line(cfg.rounds, e, None))
         summary = run_summary(cfg, rt, self.setup.info.source, self.num_clients, self.records, e, self.round_seconds,
                               self.setup.load_seconds)
         if cfg.data.clients is not None:  # which of the shard's clients the run's 0 … K − 1 are
             summary["shard_clients"] = self.setup.clients.tolist()
+        if self.compressor.enabled:
+            summary.update(byte_totals(self.records))
+        if self.select_by_features:
+            counts = [0] * self.num_clients
+            for r in self.records:
+                for c in r.get("cohort", ()):
+                    counts[c] += 1
+            summary["selection_counts"] = counts
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))

@@ -15,6 +15,8 @@ from fedcp_dist.algorithms.fedrep import FedRep
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.algorithms.perfedavg import PerFedAvg
 from fedcp_dist.algorithms.pfedme import PFedMe
+from fedcp_dist.compress import CompressionOptions
+from fedcp_dist.selection import SelectionOptions
 
 ALGORITHMS = {
     cls.name: cls
@@ -22,8 +24,9 @@ ALGORITHMS = {
 }
 
 
-#: every class whose options are config keys (FedCP's variants add theirs to plain FedCP's)
-OPTION_CLASSES = (*ALGORITHMS.values(), FedCPVariant)
+#: every class whose options are config keys (FedCP's variants add theirs to plain FedCP's; upload
+#: compression and client selection apply to the methods alike)
+OPTION_CLASSES = (*ALGORITHMS.values(), FedCPVariant, CompressionOptions, SelectionOptions)
 
 
 def option_classes() -> list:

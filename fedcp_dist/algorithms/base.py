@@ -33,6 +33,9 @@ class Context:
     round: int
     client: int
     generator: torch.Generator
+    #: the engine takes this round's probes (analysis on): training tallies what the method's loss
+    #: tallies (``Step.tally``) into ``LocalResult.tallies``; results are the same either way
+    probe: bool = False
 
 
 @dataclass
@@ -42,6 +45,8 @@ class LocalResult:
     loss_sum: float  # Σ over local batches of (mean batch loss · batch size)
     samples: int  # samples seen in local training
     extra: dict = field(default_factory=dict)
+    #: {name: Σ over the samples seen} of the loss's tallies (with ``Context.probe``; else empty)
+    tallies: dict = field(default_factory=dict)
 
     def is_finite(self) -> bool:
         """The loss, the upload and the new client state (a personal-only method uploads nothing) are finite."""
@@ -138,6 +143,16 @@ class Algorithm:
         """Bytes per rank the method keeps for other clients' models (its part of the global state)."""
         return 0
 
+    # -- the client vector (feature-difference client selection) ---------------------------------
+    #: whether the method keeps a per-client vector v_i that :meth:`client_vector` returns
+    has_client_vector = False
+    client_vector_dim = 0
+
+    def client_vector(self, client_state: Optional[State]) -> torch.Tensor:
+        """The client's latest vector v_i (float32, ``client_vector_dim`` long) from its persistent
+        state; ``None`` (it has not trained yet): its initial vector."""
+        raise NotImplementedError
+
     def upload_keys(self, global_state: State) -> list:
         """The global-state keys that participants upload and the server averages (default: all)."""
         return list(global_state)
@@ -156,6 +171,23 @@ class Algorithm:
 
     def predict(self, client_state: Optional[State], x: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Logits of the client's personalized model (the global one for FedAvg) on ``x``."""
+        raise NotImplementedError
+
+    # -- probes (analysis: true): numbers for analysis.jsonl; the engine moves and writes them ----
+    #: the method has probes (the policy's s, loss before and after local learning); ``analysis``
+    #: is refused for a method without
+    probes = False
+
+    def predict_probe(self, client_state: Optional[State], x: torch.Tensor, ctx: Context):
+        """(logits, s): :meth:`predict`'s very logits and the policy's personal share s (B, K) of each
+        feature (None where the method has no policy)."""
+        return self.predict(client_state, x, ctx), None
+
+    def probe_losses(self, before: Optional[State], result: LocalResult, data, ctx: Context) -> Tuple[float, float]:
+        """(Σ loss before, Σ loss after local learning) over the client's training samples: the
+        personalized model's cross-entropy with the client's state ``before`` and the received
+        global state, and with what ``result`` (trained with ``ctx.probe``) holds after training.
+        Changes nothing the run goes on with."""
         raise NotImplementedError
 
 
@@ -182,7 +214,8 @@ class SGDAlgorithm(Algorithm):
         return dict(batch_size=cfg.batch_size, drop_last=cfg.drop_last, lr=cfg.lr)
 
     def local_train(self, client_state, data, ctx):
-        outcomes = [train_sequential(phase, cp, data, ctx.generator, amp=self.cfg.amp, **self._sgd_kwargs())
+        outcomes = [train_sequential(phase, cp, data, ctx.generator, amp=self.cfg.amp, tally=ctx.probe,
+                                     **self._sgd_kwargs())
                     for phase, cp in self.phases(client_state, data, ctx)]
         return self.finish(client_state, outcomes, ctx)
 
@@ -233,7 +266,7 @@ class SGDAlgorithm(Algorithm):
             runs = [fused.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
                     for (_, d, ctx), plan in zip(items, plans)]
             done = fused.train_fused(runs, phase, slots=slots, autocast=lambda: amp_autocast(cfg.amp, self.device),
-                                     **self._sgd_kwargs())
+                                     tally=items[0][2].probe, **self._sgd_kwargs())
             for out, o, plan in zip(outcomes, done, plans):
                 o.info = plan[j][1].info
                 out.append(o)

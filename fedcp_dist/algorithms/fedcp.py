@@ -107,6 +107,17 @@ class FedCP(SGDAlgorithm):
         """A copy of the initial global head, and one random client vector from the run seed."""
         return {**{k: v.clone() for k, v in self._init_head.items()}, "v": self._init_v.clone()}
 
+    has_client_vector = True
+
+    @property
+    def client_vector_dim(self) -> int:
+        return self.K
+
+    def client_vector(self, client_state):
+        """v_i: the column sums of the personal head's weight after the client's last round (the
+        random initial vector before it has trained)."""
+        return self._init_v if client_state is None else client_state["v"]
+
     # -- the personalized model and its loss, written once for training, fused training and evaluation
     def policy_input(self, step, h):
         """C = v̂ ⊙ h: the client vector, L2-normalised, times the sample's feature."""
@@ -124,6 +135,8 @@ class FedCP(SGDAlgorithm):
         """CE(personalized output) + λ·MMD²(h, h of the frozen received extractor, batch statistics)."""
         cfg = self.cfg
         out = self.heads(step, cfg.cpn_train_gumbel)
+        if out.s is not None and step.tallies is not None:  # probing: Σ over the batch of s̄ = (1/K) Σ_k s^k
+            step.tally("s", out.s.detach().mean(dim=-1))
         loss = step.cross_entropy(out.logits)
         if cfg.lam > 0:
             h_g = step.shared(self.fe_g, step.x, grad=False, batch_stats=True)
@@ -145,7 +158,9 @@ class FedCP(SGDAlgorithm):
             upload = {**{n: v[n] for n in k["features."]}, **{n: 0.5 * (self.gs[n] + v[n]) for n in k["head."]},
                       **{n: v[n] for n in k["cpn."]}}
             new_state = {**{n: v[n] for n in k["head."]}, "v": v["head.weight"].sum(dim=0)}
-        return LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples)
+        # probing: the trained values (no copies) for the loss after local learning
+        return LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples,
+                           extra={"trained": v} if ctx.probe else {}, tallies=o.tallies)
 
     # -- evaluation -------------------------------------------------------
     def _eval_heads(self, client_state, x, ctx):
@@ -164,3 +179,40 @@ class FedCP(SGDAlgorithm):
     @torch.no_grad()
     def predict(self, client_state, x, ctx):
         return self._eval_heads(client_state, x, ctx).logits
+
+    # -- probes -----------------------------------------------------------
+    probes = True
+
+    @torch.no_grad()
+    def predict_probe(self, client_state, x, ctx):
+        out = self._eval_heads(client_state, x, ctx)
+        return out.logits, out.s
+
+    @torch.no_grad()
+    def _train_loss(self, modules, v, data, ctx) -> float:
+        """Σ cross-entropy of the personalized model on ``modules`` (values loaded, eval mode) over
+        the client's training samples, in evaluation-sized batches."""
+        bs, n, total = self.cfg.eval_batch_size, data.n_train, 0.0
+        for i in range(0, n, bs):
+            x, y = data.train_batch(torch.arange(i, min(i + bs, n), device=data.train_y.device))
+            out = self.heads(Step(x, None, modules, {"v": v}, ctx.generator), self.cfg.cpn_eval_gumbel)
+            total += float(F.cross_entropy(out.logits.float(), y, reduction="sum"))
+        return total
+
+    def probe_losses(self, before, result, data, ctx):
+        """Before: the model :meth:`predict` evaluates (the received extractor and CPN, the client's
+        head and v). After: the client's trained extractor, CPN and head with its new v, the frozen
+        received global head as in training; both without Gumbel noise unless ``cpn_eval_gumbel``."""
+        load_module(self.head_p, before, "head.")
+        modes = {m: m.training for m in self.train_phase.modules.values()}
+        try:
+            self.head_p.eval()
+            bef = self._train_loss(self.eval_modules, before["v"], data, ctx)
+            for prefix, m in self.train_phase.modules.items():
+                load_module(m, result.extra["trained"], prefix)
+                m.eval()
+            aft = self._train_loss(self.train_phase.modules, result.client_state["v"], data, ctx)
+        finally:
+            for m, mode in modes.items():
+                m.train(mode)
+        return bef, aft

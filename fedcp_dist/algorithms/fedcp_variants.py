@@ -92,6 +92,8 @@ class FedCPVariant(FedCP):
     def check_config(cls, cfg):
         if not cfg.fedcp_global_head and cfg.fedcp_cpn:
             return "fedcp_global_head", "false needs fedcp_cpn=false too: the CPN splits features between the two heads"
+        if cfg.method == "fedcp" and not cfg.fedcp_cpn and (cfg.analysis or cfg.analysis_every):
+            return "analysis", "the probes measure the CPN's policy (PIR, s), and fedcp_cpn=false has none"
         return None
 
     def __init__(self, cfg, model, device):

@@ -84,7 +84,7 @@ def markdown(report: dict) -> str:
                          f"{_num(pir, '{:.3f}')} | {la} |")
         if not any("pir_eval" in r or "loss_last_round" in r for r in runs):
             lines += ["", "No `analysis.jsonl` in these runs: PIR, s and loss-before/after figures need the "
-                          "engine's probes."]
+                          "engine's probes (run FedCP with `analysis=true`)."]
         lines.append("")
     for name, fig in report.get("figures", {}).items():
         lines += [f"## {fig['title']}", "", fig["caption"], "", f"![{fig['title']}]({fig['file']})", ""]

@@ -1,0 +1,184 @@
+"""Compressed uploads: what a real client would send instead of its dense model, for any method.
+
+A participant uploads, per aggregated tensor, its delta Δ = θ_i − θ_global (θ_i the tensor the
+method uploads, θ_global the one it received). With ``compress=topk``:
+
+1. with error feedback, the residual e_i the client did not send last time is added: Δ' = Δ + e_i;
+2. the k = ⌈ρ_c · n⌉ entries of largest magnitude are kept (n the tensor's entries, at least one;
+   ties by the lower index);
+3. the kept values are quantised: 32 bits as they are, 16 bits as IEEE half precision, 8 bits as
+   codes q = round((x − lo) / s) ∈ [0, 255] with the per-tensor offset lo = min and scale
+   s = (max − lo) / 255 of the kept values (decoded lo + q·s; s = 0 when they are all equal);
+4. the server decodes Δ̂ (zeros where nothing was sent); with error feedback the client keeps
+   e_i ← Δ' − Δ̂ in its own state (checkpointed with it).
+
+The server's new model is θ_global + Σ n_i·Δ̂_i / Σ n_i. The simulator's all-reduce stays dense
+(it is the transport between ranks): compression changes what the numbers are, and the
+accounting of what a deployment would send.
+
+Bytes a client sends per tensor: the values (k · bits / 8), for 8 bits the scale and offset (two
+float32, 8 bytes), and the positions unless every entry is sent (k = n): the cheaper of k indices
+of the narrowest unsigned integer that holds n − 1 (1, 2 or 4 bytes) and a bitmap of ⌈n / 8⌉
+bytes. The dense upload is 4 · n bytes. The download (the server's model to each participant)
+is sent dense: 4 · n bytes per tensor and participant.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from fedcp_dist.options import Option, one_of, within
+
+COMPRESS_MODES = ("none", "topk")
+COMPRESS_BITS = (32, 16, 8)
+
+State = Dict[str, torch.Tensor]
+
+
+def kept_count(n: int, ratio: float) -> int:
+    """k = ⌈ratio · n⌉ entries of an n-entry tensor, at least one (none of an empty tensor)."""
+    if n <= 0:
+        return 0
+    return max(1, min(n, math.ceil(ratio * n - 1e-9)))
+
+
+def index_width(n: int) -> int:
+    """Bytes of the narrowest unsigned integer that holds every position 0 … n − 1."""
+    return 1 if n <= 1 << 8 else 2 if n <= 1 << 16 else 4
+
+
+def index_bytes(n: int, k: int) -> int:
+    """Bytes that say which k of n entries are sent: none when all are, else the cheaper of k
+    indices and an n-bit bitmap."""
+    if k >= n:
+        return 0
+    return min(k * index_width(n), (n + 7) // 8)
+
+
+def value_bytes(k: int, bits: int) -> int:
+    """Bytes of k quantised values; 8 bits adds the per-tensor scale and offset (two float32)."""
+    if k == 0:
+        return 0
+    return k * bits // 8 + (8 if bits == 8 else 0)
+
+
+def tensor_bytes(n: int, ratio: float, bits: int) -> int:
+    """What one client sends for one n-entry tensor."""
+    k = kept_count(n, ratio)
+    return value_bytes(k, bits) + index_bytes(n, k)
+
+
+def quantise(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The values as the server decodes them after ``bits``-bit quantisation (float32)."""
+    values = values.to(torch.float32)
+    if bits == 32 or values.numel() == 0:
+        return values.clone()
+    if bits == 16:
+        return values.to(torch.float16).to(torch.float32)
+    lo, hi = values.min(), values.max()
+    scale = (hi - lo) / 255.0
+    if float(scale) == 0.0:
+        return torch.full_like(values, float(lo))
+    codes = torch.round((values - lo) / scale).clamp_(0, 255)
+    return lo + codes * scale
+
+
+def compress_tensor(delta: torch.Tensor, ratio: float, bits: int) -> torch.Tensor:
+    """Δ̂: the decoded top-k, quantised delta, dense and shaped like ``delta`` (float32)."""
+    flat = delta.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    k = kept_count(n, ratio)
+    out = torch.zeros_like(flat)
+    if k == 0:
+        return out.view(delta.shape)
+    if k < n:
+        idx = torch.sort(flat.abs(), descending=True, stable=True).indices[:k]
+    else:
+        idx = torch.arange(n, device=flat.device)
+    out[idx] = quantise(flat[idx], bits)
+    return out.view(delta.shape)
+
+
+class Compressor:
+    """The run's upload compression over the aggregated tensors ``shapes`` ({name: shape})."""
+
+    def __init__(self, mode: str, ratio: float, bits: int, error_feedback: bool, shapes: Mapping[str, torch.Size]):
+        self.mode, self.ratio, self.bits, self.error_feedback = mode, float(ratio), int(bits), bool(error_feedback)
+        self.names = list(shapes)
+        sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
+        #: bytes of one client's dense float32 upload (and of one participant's download)
+        self.dense_bytes = 4 * sum(sizes)
+        #: bytes one client sends (the dense upload when compression is off)
+        self.client_bytes = (sum(tensor_bytes(n, self.ratio, self.bits) for n in sizes) if self.enabled
+                             else self.dense_bytes)
+
+    @classmethod
+    def from_config(cls, cfg, shapes) -> "Compressor":
+        return cls(cfg.compress, cfg.compress_ratio, cfg.compress_bits, cfg.compress_error_feedback, shapes)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def compress(self, upload: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor],
+                 residual: Optional[State] = None) -> Tuple[State, Optional[State]]:
+        """(Δ̂ per tensor, the new residual or None without error feedback) of one client's upload."""
+        decoded, new_residual = {}, {} if self.error_feedback else None
+        for k in self.names:
+            delta = upload[k].detach().to(torch.float32) - global_state[k].to(torch.float32)
+            if self.error_feedback and residual is not None and k in residual:
+                delta = delta + residual[k]
+            decoded[k] = compress_tensor(delta, self.ratio, self.bits)
+            if self.error_feedback:
+                new_residual[k] = delta - decoded[k]
+        return decoded, new_residual
+
+    def round_bytes(self, uploaders: int, participants: int) -> dict:
+        """The round's accounting: ``uploaders`` clients sent, ``participants`` received the model."""
+        return {"uplink_bytes": uploaders * self.client_bytes, "uplink_bytes_dense": uploaders * self.dense_bytes,
+                "downlink_bytes": participants * self.dense_bytes,
+                "downlink_bytes_dense": participants * self.dense_bytes}
+
+
+BYTE_KEYS = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense")
+
+
+def byte_totals(records) -> dict:
+    """The run's totals of the per-round byte counts (the rounds that have them)."""
+    return {k: int(sum(r.get(k, 0) for r in records)) for k in BYTE_KEYS}
+
+
+def _peer_method(method: str) -> bool:
+    from fedcp_dist.algorithms import ALGORITHMS
+    from fedcp_dist.algorithms.peers import PeerBankMethod
+
+    cls = ALGORITHMS.get(method)
+    return cls is not None and issubclass(cls, PeerBankMethod)
+
+
+class CompressionOptions:
+    """The config keys of upload compression (any method whose uploads are averaged)."""
+
+    options = (
+        Option("compress", "none", "uploads: none (dense float32) | topk (each tensor's delta to the received "
+               "model, its largest entries only, quantised)", one_of(*COMPRESS_MODES)),
+        Option("compress_ratio", 1.0, "compress=topk: fraction of each tensor's entries sent, in (0, 1]",
+               within(0, 1, low_open=True)),
+        Option("compress_bits", 32, "compress=topk: bits per sent value: 32 | 16 (half) | 8 (per-tensor scale and "
+               "offset)", one_of(*COMPRESS_BITS)),
+        Option("compress_error_feedback", False, "compress=topk: keep what was not sent in the client's state and add "
+               "it to its next delta"),
+    )
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.compress == "none":
+            for key, default in (("compress_ratio", 1.0), ("compress_bits", 32), ("compress_error_feedback", False)):
+                if getattr(cfg, key) != default:
+                    return key, f"applies with compress=topk only (compress is none), got {getattr(cfg, key)!r}"
+        elif _peer_method(cfg.method):
+            return "compress", (f"{cfg.method} averages no uploads (its models travel in the peer exchange); "
+                                f"use compress=none")
+        return None

@@ -1,0 +1,120 @@
+"""The probes of ``analysis: true``: per-client numbers of a round, moved in its one all-reduce.
+
+Methods compute the numbers (:meth:`~fedcp_dist.algorithms.base.Algorithm.predict_probe`,
+``Step.tally``, :meth:`~fedcp_dist.algorithms.base.Algorithm.probe_losses`) and read or write no
+file; the engine puts each owned client's numbers in its own row of a :class:`ProbeTable`, every
+rank's table rides at the end of the round's all-reduce buffer (a client's row is non-zero on its
+owner only, so the sum is every client's row, exactly), and rank 0 turns the rows into the lines
+of ``analysis.jsonl`` (:func:`records`), the format :mod:`fedcp_dist.analysis.records` reads.
+
+Per client, per round with training probes (rounds 1, k+1, 2k+1, … of ``analysis_every: k``):
+
+* PIR over the training samples it saw in that round's local training, PIR_i = (1/K) Σ_k s̄_i^k,
+  from the policy's s as training computed it (Gumbel noise included where training adds it);
+* loss_bef / loss_aft: the personalized model's mean cross-entropy over all its training samples
+  before and after its local learning.
+
+Per client, at every evaluation (and the one after the last round): PIR over its test samples and
+the histogram of s (every feature's s of every test sample) in ``S_BINS`` equal bins on [0, 1]:
+bin j holds j/S_BINS ≤ s < (j+1)/S_BINS, the last one s = 1 too.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+S_BINS = 50
+#: a client's training row: trained (1/0), samples seen, Σ s̄ over them, Σ loss before, Σ loss after, samples of the losses
+TRAIN_WIDTH = 6
+#: a client's evaluation row: evaluated (1/0), test samples, Σ s̄ over them, the histogram of s
+EVAL_WIDTH = 3 + S_BINS
+
+
+def s_histogram(s: torch.Tensor) -> torch.Tensor:
+    """Counts of the values of ``s`` (any shape, in [0, 1]) in ``S_BINS`` equal bins, int64."""
+    bins = torch.clamp(torch.floor(s.detach().double() * S_BINS).long(), 0, S_BINS - 1)
+    return torch.bincount(bins.reshape(-1), minlength=S_BINS).cpu()
+
+
+class EvalTally:
+    """One client's evaluation probes, added up over its test batches."""
+
+    def __init__(self):
+        self.samples, self.s_sum, self.hist = 0, 0.0, torch.zeros(S_BINS, dtype=torch.int64)
+
+    def add(self, s: torch.Tensor) -> None:
+        """A test batch's s, (B, K)."""
+        self.samples += int(s.shape[0])
+        self.s_sum += float(s.detach().double().mean(dim=-1).sum())
+        self.hist += s_histogram(s)
+
+
+class ProbeTable:
+    """A round's per-client probes on this rank, one row per client of the run (float64)."""
+
+    def __init__(self, num_clients: int, train: bool = True):
+        self.num_clients = num_clients
+        self.train = torch.zeros(num_clients if train else 0, TRAIN_WIDTH, dtype=torch.float64)
+        self.eval = torch.zeros(num_clients, EVAL_WIDTH, dtype=torch.float64)
+
+    @staticmethod
+    def size(num_clients: int, train: bool = True) -> int:
+        return num_clients * ((TRAIN_WIDTH if train else 0) + EVAL_WIDTH)
+
+    def add_train(self, cid: int, samples: int, s_sum: float, loss_bef_sum: float, loss_aft_sum: float,
+                  loss_samples: int) -> None:
+        self.train[cid] = torch.tensor([1.0, samples, s_sum, loss_bef_sum, loss_aft_sum, loss_samples],
+                                       dtype=torch.float64)
+
+    def add_evals(self, tallies: Dict[int, EvalTally]) -> None:
+        for cid, t in tallies.items():
+            self.eval[cid, :3] = torch.tensor([1.0, t.samples, t.s_sum], dtype=torch.float64)
+            self.eval[cid, 3:] = t.hist.to(torch.float64)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([self.train.reshape(-1), self.eval.reshape(-1)])
+
+    @classmethod
+    def from_flat(cls, values: torch.Tensor, num_clients: int, train: bool = True) -> "ProbeTable":
+        table = cls(num_clients, train)
+        values = values.detach().to("cpu", torch.float64)
+        n = table.train.numel()
+        table.train = values[:n].reshape(table.train.shape).clone()
+        table.eval = values[n:].reshape(table.eval.shape).clone()
+        return table
+
+    def records(self, round_idx: Optional[int], evaluated_after: Optional[int]) -> List[dict]:
+        """The ``analysis.jsonl`` lines of this (reduced) table: the evaluation after
+        ``evaluated_after`` rounds (None: none), then round ``round_idx``'s training (0-based; None:
+        none), each by client."""
+        out = []
+        if evaluated_after is not None:
+            for c in range(self.num_clients):
+                flag, m, s_sum = self.eval[c, :3].tolist()
+                if flag > 0 and m > 0:
+                    out.append({"kind": "eval", "evaluated_after": int(evaluated_after), "client": c,
+                                "samples": int(m), "pir": _share(s_sum / m),
+                                "s_hist": [int(v) for v in self.eval[c, 3:].tolist()]})
+        if round_idx is not None and self.train.numel():
+            for c in range(self.num_clients):
+                flag, n, s_sum, bef, aft, n_loss = self.train[c].tolist()
+                if flag > 0 and n > 0 and n_loss > 0:
+                    out.append({"kind": "train", "round": int(round_idx) + 1, "client": c, "samples": int(n),
+                                "pir": _share(s_sum / n), "loss_bef": bef / n_loss, "loss_aft": aft / n_loss})
+        return out
+
+
+def _share(v: float) -> float:
+    """A mean of values in [0, 1], kept there against rounding."""
+    return min(1.0, max(0.0, v))
+
+
+def keep_before(obj: dict, rounds_done: int) -> bool:
+    """Whether an ``analysis.jsonl`` line belongs to the first ``rounds_done`` rounds (kept on
+    resume from a checkpoint after them; the rest is computed again)."""
+    if obj.get("kind") == "train":
+        return isinstance(obj.get("round"), int) and obj["round"] <= rounds_done
+    if obj.get("kind") == "eval":
+        return isinstance(obj.get("evaluated_after"), int) and obj["evaluated_after"] < rounds_done
+    return False

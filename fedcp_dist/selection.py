@@ -1,0 +1,92 @@
+"""Feature-difference client selection: prefer the clients whose features differ most.
+
+With participation ρ < 1 and ``client_selection=feature_difference`` the round's cohort (as many
+clients as uniform sampling takes, see :func:`fedcp_dist.placement.cohort_size`) is drawn without
+replacement with first-draw probabilities
+
+    w_i = |D_i| · (1 − cos(v_i, v̄)),      v̄ = (1/N) Σ_j v_j,
+    p_i = max(w_i / Σ_j w_j, p_min) / Z    (Z makes them sum to 1),
+
+v_i the client vector the method keeps (FedCP: the column sums of the personal head's weight;
+a client that has not trained yet has its initial vector), |D_i| its training samples and
+p_min = ``selection_min_prob``. cos is 0 where a vector is zero; a weight below 0 (rounding) is 0;
+if every weight is 0 (all vectors parallel, as before anyone trained) w_i = |D_i|, and if those are
+all 0 too, every client weighs the same.
+
+The draw is a function of (seed, round, the vectors, the sizes) only: the engine gathers the N × K
+vectors in one collective, and every rank computes the same probabilities in float64 and draws
+from the round's cohort stream, so every rank draws the same cohort whatever the world size. The
+vectors are part of the clients' checkpointed states, so a resumed run draws the same cohorts.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from fedcp_dist.options import Option, one_of, within
+from fedcp_dist.placement import STREAM_COHORT, round_cohort_size, stream_seed
+
+SELECTION_MODES = ("uniform", "feature_difference")
+
+
+def selection_weights(sizes: Sequence[float], vectors) -> np.ndarray:
+    """w_i = |D_i| · (1 − cos(v_i, v̄)) in float64 (before the fall-backs)."""
+    v = np.asarray(vectors, dtype=np.float64)
+    n = np.asarray(sizes, dtype=np.float64)
+    mean = v.mean(axis=0)
+    norms = np.linalg.norm(v, axis=1) * np.linalg.norm(mean)
+    dots = v @ mean
+    cos = np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
+    return np.maximum(n * (1.0 - cos), 0.0)
+
+
+def selection_probabilities(sizes: Sequence[float], vectors, min_prob: float) -> np.ndarray:
+    """Every client's first-draw probability p_i (sums to 1)."""
+    w = selection_weights(sizes, vectors)
+    if not w.sum() > 0:
+        w = np.maximum(np.asarray(sizes, dtype=np.float64), 0.0)
+    if not w.sum() > 0:
+        w = np.ones_like(w)
+    p = np.maximum(w / w.sum(), float(min_prob))
+    return p / p.sum()
+
+
+def sample_cohort_weighted(seed: int, round_idx: int, probs: np.ndarray, participation: float,
+                           participation_range: Optional[Sequence[float]] = None, draw: str = "rho") -> np.ndarray:
+    """The sorted cohort of round ``round_idx``, drawn without replacement with ``probs``.
+
+    The round's cohort size (with ``participation_range``: drawn as ``draw`` says) is that of
+    uniform sampling.
+    """
+    rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
+    m = round_cohort_size(rng, len(probs), participation, participation_range, draw)
+    return np.sort(rng.choice(len(probs), size=m, replace=False, p=probs))
+
+
+def _keeps_client_vector(method: str) -> bool:
+    from fedcp_dist.algorithms import ALGORITHMS
+
+    cls = ALGORITHMS.get(method)
+    return cls is not None and cls.has_client_vector
+
+
+class SelectionOptions:
+    """The config keys of client selection."""
+
+    options = (
+        Option("client_selection", "uniform", "cohorts with participation < 1: uniform | feature_difference (FedCP: "
+               "p_i ∝ |D_i|·(1 − cos(v_i, mean v)))", one_of(*SELECTION_MODES)),
+        Option("selection_min_prob", 0.01, "client_selection=feature_difference: floor of a client's draw "
+               "probability before renormalising, in (0, 1]", within(0, 1, low_open=True)),
+    )
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.client_selection == "uniform" and cfg.selection_min_prob != 0.01:
+            return "selection_min_prob", (f"applies with client_selection=feature_difference only (it is uniform), "
+                                          f"got {cfg.selection_min_prob!r}")
+        if cfg.client_selection == "feature_difference" and not _keeps_client_vector(cfg.method):
+            return "client_selection", (f"feature_difference needs a method that keeps a client vector (fedcp); "
+                                        f"{cfg.method} keeps none")
+        return None

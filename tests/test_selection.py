@@ -1,0 +1,82 @@
+"""Feature-difference client selection: the probabilities for given vectors and sizes (worked out
+by hand), the fall-backs, the floor, and the draw."""
+import math
+
+import numpy as np
+import pytest
+
+from fedcp_dist.config import load_config
+from fedcp_dist.errors import UserError
+from fedcp_dist.placement import sample_cohort
+from fedcp_dist.selection import sample_cohort_weighted, selection_probabilities, selection_weights
+
+
+def test_weights_are_size_times_one_minus_cosine_to_the_mean():
+    # mean v̄ = [2/3, 2/3]: cos = 1/√2 for the two axes, 1 for [1, 1]
+    w = selection_weights([10, 20, 30], [[1, 0], [0, 1], [1, 1]])
+    c = 1 - 1 / math.sqrt(2)
+    assert w.tolist() == pytest.approx([10 * c, 20 * c, 0.0], abs=1e-12)
+    # p ∝ w: [1/3, 2/3, 0]; the floor 0.05 lifts the third, then all are renormalised by 1.05
+    p = selection_probabilities([10, 20, 30], [[1, 0], [0, 1], [1, 1]], 0.05)
+    assert p.tolist() == pytest.approx([(1 / 3) / 1.05, (2 / 3) / 1.05, 0.05 / 1.05], abs=1e-12)
+
+
+def test_parallel_vectors_fall_back_to_sizes():
+    # every cos is 1 (as before anyone trained: every client has the same initial vector)
+    p = selection_probabilities([10, 20, 30], [[1, 0], [2, 0], [3, 0]], 0.01)
+    assert p.tolist() == pytest.approx([1 / 6, 1 / 3, 1 / 2], abs=1e-12)
+    # and sizes of zero too: everyone the same
+    assert selection_probabilities([0, 0], [[1, 1], [1, 1]], 0.01).tolist() == [0.5, 0.5]
+
+
+def test_a_zero_vector_counts_as_orthogonal_and_the_floor_keeps_everyone_reachable():
+    # v̄ = [0.5, 0]: client 0 (zero vector) has cos 0, client 1 cos 1 → w = [4, 0]
+    p = selection_probabilities([4, 6], [[0, 0], [1, 0]], 0.01)
+    assert p.tolist() == pytest.approx([1 / 1.01, 0.01 / 1.01], abs=1e-12)
+    assert (p > 0).all()
+
+
+def test_the_draw_prefers_the_heavy_client_and_depends_on_seed_round_and_probabilities_only():
+    probs = np.full(10, 0.01)
+    probs[3] = 0.91
+    cohorts = [sample_cohort_weighted(7, t, probs, 0.1) for t in range(50)]
+    assert all(len(c) == 1 for c in cohorts)  # ⌊0.1 · 10⌋
+    assert sum(int(c[0]) == 3 for c in cohorts) >= 40  # expected 45.5
+    assert all(np.array_equal(c, sample_cohort_weighted(7, t, probs.copy(), 0.1)) for t, c in enumerate(cohorts))
+    half = sample_cohort_weighted(7, 0, np.full(10, 0.1), 0.5)
+    assert len(half) == 5 and list(half) == sorted(set(half.tolist()))
+    # with participation_range the round's ρ (so the size) is the one uniform sampling draws
+    for t in range(5):
+        a = sample_cohort_weighted(1, t, np.full(20, 0.05), 1.0, [0.2, 0.9])
+        assert len(a) == len(sample_cohort(1, t, 20, 1.0, [0.2, 0.9]))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["client_selection=feature_difference", "method=fedavg"], "client_selection"),
+    (["client_selection=best"], "client_selection"),
+    (["client_selection=feature_difference", "selection_min_prob=0"], "selection_min_prob"),
+    (["selection_min_prob=0.1"], "selection_min_prob"),  # uniform selection has no floor
+])
+def test_bad_selection_settings_name_the_key(overrides, key):
+    with pytest.raises(UserError, match=f"config key '{key}'"):
+        load_config(None, overrides)
+
+
+def test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_which_sgd_keeps():
+    """What the selection sees of FedCP (README: cross-entropy's logit gradient sums to zero over
+    the classes, so training leaves the head's column sums where they started)."""
+    import torch
+
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.fedcp import FedCP
+    from helpers import Tiny, algo_with_moved_global, tiny_data
+
+    algo, _ = algo_with_moved_global(FedCP, Tiny(), shape=(1, 2, 2), lr=0.5, batch_size=4, lam=0.0)
+    assert algo.has_client_vector and algo.client_vector_dim == 3
+    assert torch.equal(algo.client_vector(None), algo.init_client_state(0)["v"])  # untrained: the initial vector
+    state = algo.init_client_state(0)
+    res = algo.local_train(state, tiny_data(8), Context(0, 0, torch.Generator().manual_seed(1)))
+    head = res.client_state["head.weight"]
+    assert (head - state["head.weight"]).abs().max() > 1e-2  # the head trained
+    assert torch.equal(algo.client_vector(res.client_state), head.sum(dim=0))
+    assert torch.allclose(head.sum(dim=0), state["head.weight"].sum(dim=0), atol=1e-6)
