@@ -291,3 +291,23 @@ def test_a_sweep_partition_with_the_val_images_gets_its_own_file():
     train = partition_file_name(PartitionSpec(source="tinyimagenet", num_clients=20))
     both = partition_file_name(PartitionSpec(source="tinyimagenet", num_clients=20, include_val=True))
     assert train == "tinyimagenet_dir0.1_n20_s1.h5" and both.startswith("tinyimagenet_dir0.1_n20_s1_") and both != train
+
+
+def test_feature_difference_selection_draws_the_same_sizes_and_weighs_the_subset(digits20, tmp_path):
+    """Weighted cohorts take their size from the same draw as uniform ones (count draws too), and a
+    subset run weighs its own clients' sample counts (K of them, not the shard's 20)."""
+    from fedcp_dist.selection import sample_cohort_weighted
+
+    probs = np.full(50, 1 / 50)
+    for t in range(30):
+        for r, draw in (([0.1, 1.0], "count"), ([0.3, 0.8], "rho")):
+            assert len(sample_cohort_weighted(5, t, probs, 1.0, r, draw)) == len(sample_cohort(5, t, 50, 1.0, r, draw))
+    cfg = load_config(CONFIG, [f"data.path={digits20}", "data.clients=6", "participation=0.5", "rounds=2",
+                               "client_selection=feature_difference", "checkpoint_every=0", f"out_dir={tmp_path}",
+                               "threads=1"])
+    rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, env={})
+    try:
+        summary = Simulator(cfg, rt, echo=lambda *_: None).run()
+    finally:
+        rt.close()
+    assert len(summary["selection_counts"]) == 6 and sum(summary["selection_counts"]) == 2 * 3
