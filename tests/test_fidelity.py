@@ -311,3 +311,16 @@ def test_feature_difference_selection_draws_the_same_sizes_and_weighs_the_subset
     finally:
         rt.close()
     assert len(summary["selection_counts"]) == 6 and sum(summary["selection_counts"]) == 2 * 3
+
+
+def test_a_sweep_refuses_the_val_images_of_another_source(tmp_path):
+    import yaml
+
+    from fedcp_dist.sweep import load_sweep
+
+    doc = {"name": "v", "root": str(tmp_path), "base": str(REPO / "configs" / "digits_fedcp.yaml"),
+           "grid": {"seed": [1]}, "partition": {"source": "digits", "num_clients": 4, "include_val": True}}
+    path = tmp_path / "v.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(UserError, match="--include-val applies to --source tinyimagenet only, not to 'digits'"):
+        load_sweep(path)

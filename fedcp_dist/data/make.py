@@ -107,6 +107,8 @@ class PartitionSpec:
             raise UserError(f"--max-tries must be >= 1, got {self.max_tries}")
         if self.classes_per_client < 1:
             raise UserError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
+        if self.include_val and self.source != "tinyimagenet":
+            raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{self.source}'")
 
 
 def option_types() -> dict:
@@ -205,8 +207,6 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
 
     spec.check()
     text_opts = text_options(spec.max_len, spec.vocab_size, spec.min_freq, source_kind(spec.source), spec.source)
-    if spec.include_val and spec.source != "tinyimagenet":
-        raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{spec.source}'")
     source_opts = {"include_val": True} if spec.include_val else {}
     out = check_out(out, force)
 
