@@ -324,3 +324,46 @@ def test_a_sweep_refuses_the_val_images_of_another_source(tmp_path):
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(UserError, match="--include-val applies to --source tinyimagenet only, not to 'digits'"):
         load_sweep(path)
+
+
+def test_fedphp_reference_compat_mixes_by_round_and_distils_from_the_global_model():
+    """T = 10, μ̄ = 0.5, round 4: μ_t = 0.5·4/10 = 0.2, the client's model is 0.8·global + 0.2·its
+    last local model, evaluated as is and trained from (λ = 0: one plain SGD step on the one batch);
+    the trained model becomes its last local model. Round 0 with λ = 0.3: the start is the global
+    model, the MMD target too, so the MMD term has zero gradient there and the step is
+    −lr·(1 − λ)·∇CE (the paper's variant distils from the HPM instead and moves otherwise)."""
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.fedphp import FedPHP
+    from helpers import tiny_data
+
+    data = tiny_data(n=4)
+    algo, gs = _tiny_algo(FedPHP, rounds=10, fedphp_mu=0.5, fedphp_lam=0.0, fedphp_reference_compat=True)
+    names = list(gs)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in gs.items()}
+    algo.set_global(moved)
+    state = algo.init_client_state(0)
+    last = {k: state["hpm." + k] + 0.1 * torch.randn(state["hpm." + k].shape, generator=torch.Generator().manual_seed(2))
+            for k in names}
+    state.update({"hpm." + k: v for k, v in last.items()})
+    ctx = Context(4, 0, torch.Generator().manual_seed(3))
+    mixed = {k: 0.8 * moved[k] + 0.2 * last[k] for k in names}
+    shown = algo.prepare_eval(state, data, ctx)
+    for k in names:
+        assert torch.allclose(shown["hpm." + k], mixed[k], atol=1e-6, rtol=0), k
+    res = algo.local_train(state, data, ctx)
+    w, g = _grads_at(mixed, data, torch.arange(4))
+    for n, wi, gi in zip(names, w, g):
+        assert torch.allclose(res.upload[n], wi - 0.1 * gi, atol=1e-6, rtol=0), n
+        assert torch.equal(res.client_state["hpm." + n], res.upload[n])
+    assert int(res.client_state["participations"]) == 1
+
+    algo, gs = _tiny_algo(FedPHP, rounds=10, fedphp_mu=0.5, fedphp_lam=0.3, fedphp_reference_compat=True)
+    algo.set_global(moved)
+    res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(3)))
+    w, g = _grads_at(moved, data, torch.arange(4))
+    for n, wi, gi in zip(names, w, g):
+        assert torch.allclose(res.upload[n], wi - 0.1 * 0.7 * gi, atol=1e-6, rtol=0), n
+    paper, _ = _tiny_algo(FedPHP, rounds=10, fedphp_mu=0.5, fedphp_lam=0.3)
+    paper.set_global(moved)
+    other = paper.local_train(paper.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(3)))
+    assert not torch.allclose(other.upload["features.1.weight"], res.upload["features.1.weight"], atol=1e-6)
