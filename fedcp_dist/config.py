@@ -53,7 +53,10 @@ class _Experiment:
     #: federated method: fedcp | fedavg | fedprox | perfedavg | pfedme | fedamp | ditto | fedper | fedrep | fedrod | fedfomo | fedphp
     method: str = "fedcp"
     #: model: cnn (the paper's 4-layer CNN, sized from the shard's input shape) | resnet18 | fasttext (text shards)
+    #: | mlp (table shards)
     model: str = "cnn"
+    #: mlp: width H of its two hidden layers (the feature dimension K)
+    mlp_hidden: int = 64
     #: BatchNorm running statistics (ResNet-18): false keeps each client's own (the reference's behaviour);
     #: true averages them across participants with the same sample weights as the parameters
     aggregate_bn_stats: bool = False
@@ -86,8 +89,9 @@ class _Execution:
 
     #: samples per forward pass at evaluation
     eval_batch_size: int = 1000
-    #: train a group of a rank's clients at once (stacked parameters, one forward/backward) where the method can
-    fused: bool = False
+    #: train a group of a rank's clients at once (stacked parameters, one forward/backward): auto where the
+    #: method and model can (else one by one) | true (the same; the start line says when it cannot) | false
+    fused: typing.Union[bool, str] = "auto"
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
     #: mixed precision of local training: none | bf16 (autocast; evaluation stays float32)
@@ -145,7 +149,7 @@ class _ConfigMethods:
             bad("model", f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size"):
+        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size", "mlp_hidden"):
             if getattr(self, key) <= 0:
                 bad(key, f"must be > 0, got {getattr(self, key)}")
         if self.on_nonfinite not in ("error", "skip"):
@@ -160,6 +164,8 @@ class _ConfigMethods:
             bad("preempt_signal", f"must be one of {', '.join(PREEMPT_SIGNALS)}, got {self.preempt_signal!r}")
         if self.threads < 0:
             bad("threads", f"must be >= 0, got {self.threads}")
+        if isinstance(self.fused, str) and self.fused != "auto":
+            bad("fused", f"must be auto, true or false, got {self.fused!r}")
         if self.fused_group < 0:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:

@@ -1,7 +1,10 @@
 """Personalized evaluation: each owned client's model on its own test split, summed for the all-reduce.
 
 The reported accuracy is Σ correct / Σ test samples over all clients (the paper's); the client
-mean and a micro-averaged ROC AUC (weighted by test samples) ride along.
+mean and a micro-averaged ROC AUC (weighted by test samples) ride along.  Binary tasks (two
+classes, label 1 the positive class: fraud, disease) add, pooled over every client's test
+samples, the positive class's recall TP / (TP + FN) and the balanced accuracy
+(TP / (TP + FN) + TN / (TN + FP)) / 2; other tasks never count them and report neither.
 """
 from __future__ import annotations
 
@@ -26,15 +29,31 @@ class EvalSums(Sums):
     clients: float = 0.0
     auc_weighted_sum: float = 0.0  # Σ over clients of AUC · test samples
     loss_sum: float = 0.0
+    # binary tasks only (0 otherwise): positives predicted positive, positives, negatives
+    # predicted negative, negatives
+    true_pos: float = 0.0
+    positives: float = 0.0
+    true_neg: float = 0.0
+    negatives: float = 0.0
 
     def summary(self) -> dict:
         n = max(self.test_samples, 1.0)
-        return {
+        out = {
             "acc": self.correct / n,
             "acc_client_mean": self.acc_client_sum / max(self.clients, 1.0),
             "auc": self.auc_weighted_sum / n,
             "test_loss": self.loss_sum / n,
         }
+        if self.positives + self.negatives > 0:
+            out.update(binary_metrics(self.true_pos, self.positives, self.true_neg, self.negatives))
+        return out
+
+
+def binary_metrics(tp: float, pos: float, tn: float, neg: float) -> dict:
+    """``pos_recall`` = TP / P and ``balanced_acc`` = (TP / P + TN / N) / 2 (NaN where P or N is 0)."""
+    tpr = tp / pos if pos else float("nan")
+    tnr = tn / neg if neg else float("nan")
+    return {"balanced_acc": (tpr + tnr) / 2, "pos_recall": tpr}
 
 
 def micro_auc(labels: np.ndarray, probs: np.ndarray) -> float:
@@ -85,5 +104,9 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
         loss = float(F.cross_entropy(logits, d.test_y, reduction="sum"))
         correct = float((logits.argmax(1) == d.test_y).sum())
         auc = micro_auc(d.test_y.cpu().numpy(), torch.softmax(logits.float(), 1).cpu().numpy())
-        sums += EvalSums(correct, d.n_test, correct / d.n_test, 1.0, auc * d.n_test, loss)
+        binary = ()
+        if logits.shape[1] == 2:
+            pred, pos = logits.argmax(1) == 1, d.test_y == 1
+            binary = (float((pred & pos).sum()), float(pos.sum()), float((~pred & ~pos).sum()), float((~pos).sum()))
+        sums += EvalSums(correct, d.n_test, correct / d.n_test, 1.0, auc * d.n_test, loss, *binary)
     return sums

@@ -425,6 +425,8 @@ def run_summary(cfg, rt, source: str, num_clients: int, records: list, final: di
         "final_acc_client_mean": final["acc_client_mean"], "final_auc": final["auc"],
         "seconds_per_round": float(np.mean(round_seconds)), "world_size": rt.world_size, "launcher": rt.launcher,
         "device": str(rt.device), "load_seconds": load_seconds,
+        # binary tasks (two classes) only
+        **{f"final_{k}": final[k] for k in ("balanced_acc", "pos_recall") if k in final},
     }
 
 
@@ -432,7 +434,9 @@ def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
     """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
     tail = f"  {record['seconds']:.2f} s/round  train loss {record['train_loss']:.4f}" if record else "  (final)"
     return (f"[eval after {e['evaluated_after']:>4}/{rounds} rounds] acc {e['acc']:.4f}  client-mean "
-            f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}{tail}")
+            f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
+            + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else "")
+            + tail)
 
 
 def result_table(s: dict) -> str:
@@ -446,6 +450,9 @@ def result_table(s: dict) -> str:
         ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
         ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),
         ("final micro AUC", f"{s['final_auc']:.4f}"),
+        *([("final balanced accuracy", f"{100 * s['final_balanced_acc']:.2f} %"),
+           ("final positive-class recall", f"{100 * s['final_pos_recall']:.2f} %")]
+          if "final_balanced_acc" in s else []),
         ("seconds per round", f"{s['seconds_per_round']:.3f}"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -6,18 +6,26 @@ One process per rank. The launcher is read from the environment:
 * ``mpi`` — ``mpirun``/``mpiexec`` (Open MPI or MPICH): rank and size from mpi4py's
   ``COMM_WORLD``, the rendezvous address chosen by rank 0 and broadcast over MPI;
 * ``slurm`` — ``srun`` job steps: ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_STEP_NUM_TASKS``;
-  the master is the first host of the step's node list, the port derives from the job id;
+  the master is the first host of the step's node list (``scontrol show hostnames``, or this
+  module's parser where scontrol is missing or cannot answer), the port derives from the job id,
+  and a node's tasks (``SLURM_NODEID``'s count in ``SLURM_STEP_TASKS_PER_NODE``) share its cores
+  and GPUs;
 * ``single`` — anything else: one rank, no process group.
 
-``FEDCP_LAUNCHER`` forces one of these names.
+``FEDCP_LAUNCHER`` forces one of these names. A rank of a job (any launcher but ``single``) stops
+within a second of its launcher's death (:func:`watch_launcher`).
 """
 from __future__ import annotations
 
 import datetime
 import os
 import re
+import shutil
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -45,23 +53,58 @@ def detect_launcher(env: Mapping[str, str] = os.environ) -> str:
     return "single"
 
 
+def expand_nodelist(nodelist: str) -> list:
+    """A SLURM host list in its compressed form, expanded in order: ``"gpu[007-008,12],cpu1"`` →
+    ``["gpu007", "gpu008", "gpu12", "cpu1"]`` (ranges keep their zero padding). The fallback of
+    :func:`slurm_hosts` where ``scontrol`` is missing or cannot answer."""
+    hosts = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,]*)(?:,|$)", nodelist.strip()):
+        prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
+        if not prefix and ranges is None:
+            continue
+        if ranges is None:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise UserError(f"cannot read the SLURM node list {nodelist!r}")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}{suffix}")
+    if not hosts:
+        raise UserError(f"cannot read the SLURM node list {nodelist!r}")
+    return hosts
+
+
+def slurm_hosts(nodelist: str) -> list:
+    """The hosts of a SLURM node list: ``scontrol show hostnames`` where it is installed and
+    answers (within 10 s), else :func:`expand_nodelist` (which reads the usual ``prefix[a-b,c]``
+    forms; ``scontrol`` also knows the rarer ones, e.g. several bracket groups in one name)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        try:
+            p = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+            hosts = p.stdout.split()
+            if p.returncode == 0 and hosts:
+                return hosts
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return expand_nodelist(nodelist)
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``"gpu[007-009,12],cpu1"`` → ``"gpu007"``."""
-    nodelist = nodelist.strip()
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not m:
-        raise UserError(f"cannot read the SLURM node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return expand_nodelist(nodelist)[0]
 
 
-def _tasks_on_first_node(spec: str) -> int:
-    """``SLURM_STEP_TASKS_PER_NODE`` such as ``"4(x2),3"`` → 4."""
-    m = re.match(r"(\d+)", spec or "")
-    return int(m.group(1)) if m else 1
+def tasks_per_node(spec: str) -> list:
+    """``SLURM_STEP_TASKS_PER_NODE`` such as ``"4(x2),3"`` → ``[4, 4, 3]`` (one count per node of the step)."""
+    counts = []
+    for part in (spec or "").split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m:
+            counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts or [1]
 
 
 @dataclass
@@ -92,13 +135,16 @@ def resolve_endpoint(launcher: str, env: Mapping[str, str] = os.environ) -> Endp
     if launcher == "slurm":
         world = int(env["SLURM_STEP_NUM_TASKS"])
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
-        addr = env.get("MASTER_ADDR") or first_host(nodelist)
+        addr = env.get("MASTER_ADDR") or slurm_hosts(nodelist)[0]  # task 0 runs on the step's first node
         port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        # threads and devices are shared among the tasks of this node, not of the job
+        counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+        node = int(env.get("SLURM_NODEID", 0))
         return Endpoint(
             rank=int(env["SLURM_PROCID"]),
             world_size=world,
             local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=_tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE", "")),
+            local_world_size=counts[min(node, len(counts) - 1)],
             init_method=f"tcp://{addr}:{port}",
         )
     if launcher == "mpi":
@@ -238,6 +284,43 @@ class StopSignals:
         self._previous = {}
 
 
+#: seconds between two looks of the launcher watch at this process's parent
+LAUNCHER_POLL_S = 0.5
+
+
+def watch_launcher(rt: "Runtime", parent: Optional[int] = None, interval: float = LAUNCHER_POLL_S) -> bool:
+    """Stop this rank within ``interval`` seconds once its launcher (the parent process) is gone.
+
+    torchrun starts its workers in sessions of their own, so a SIGKILLed torchrun (an OOM kill, a
+    lost node agent) would leave them training on, holding the out_dir's lock. A daemon thread
+    compares ``os.getppid()`` with the launcher's pid: when the launcher dies the worker is
+    re-parented (to init or a subreaper), the thread prints one ``error:`` line and ends the
+    process at once (``os._exit``: a gloo collective blocks the main thread and no signal handler
+    would run). A checkpoint being written at that moment has no ``COMPLETE`` marker and does not
+    count; the last complete one is what a restart resumes from. Works wherever ``getppid`` does
+    (no Linux-only parent-death signal, which is also delivered when the parent's *thread* that
+    started the worker ends). Returns whether a watch was started (not for a process whose parent
+    is init already).
+    """
+    parent = os.getppid() if parent is None else parent
+    if parent <= 1:
+        return False
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                try:
+                    print(f"error: rank {rt.rank}, {rt.phase}: its launcher (pid {parent}) is gone; stopping "
+                          f"(the last complete checkpoint is kept)", file=sys.stderr, flush=True)
+                except (OSError, ValueError):  # nobody reads the output any more
+                    pass
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fedcp-launcher-watch", daemon=True).start()
+    return True
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -261,6 +344,10 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         backend = "gloo"
     n_threads = threads or max(1, _cpu_count() // max(1, ep.local_world_size))
     torch.set_num_threads(n_threads)
+    rt = Runtime(launcher, ep, dev, None, n_threads)
+    rt.timeout_s = timeout_s
+    if launcher != "single":  # a rank of a job: its parent is the launcher (torchrun, mpirun, slurmstepd)
+        watch_launcher(rt)
     if ep.world_size > 1:
         kwargs = dict(
             backend=backend,
@@ -272,8 +359,5 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         if backend == "nccl":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
-    else:
-        backend = None
-    rt = Runtime(launcher, ep, dev, backend, n_threads)
-    rt.timeout_s = timeout_s
+        rt.backend = backend
     return rt

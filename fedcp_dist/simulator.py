@@ -22,7 +22,6 @@ from fedcp_dist.compress import Compressor, byte_totals
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure, UserError
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
-from fedcp_dist.models import build_model
 from fedcp_dist.placement import STREAM_EVAL, STREAM_PROBE, STREAM_TRAIN, sample_cohort, stream_seed
 from fedcp_dist.probes import ProbeTable
 from fedcp_dist.rundir import RunWriter, check_resume_config, prepare_out_dir, progress_line, result_table, run_summary
@@ -43,7 +42,7 @@ class Simulator:
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
 
         torch.manual_seed(cfg.seed)  # the same initial model on every rank
-        model = build_model(cfg.model, s.info.input_shape, s.info.num_classes, vocab_size=s.info.vocab_size)
+        model = startup.model_for_shard(cfg, s.info)
         algo = make_algorithm(cfg.method, cfg, model, rt.device)
         algo.num_clients = self.num_clients
         self.algo = wrap(algo) if wrap else algo

@@ -13,6 +13,7 @@ import torch
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
+from fedcp_dist.models import build_model
 from fedcp_dist.placement import client_subset, place_clients
 
 
@@ -45,6 +46,12 @@ def check_shard(cfg, info: ShardInfo) -> None:
         raise UserError(f"config key 'data.num_clients' is {d.num_clients} but {d.path} holds {info.num_clients} clients")
     if d.source and d.source != info.source:
         raise UserError(f"config key 'data.source' is {d.source!r} but {d.path} holds {info.source!r}")
+    from fedcp_dist.models import MODEL_KINDS
+
+    wants = MODEL_KINDS.get(cfg.model)
+    if wants and wants != info.kind:
+        raise UserError(f"config key 'model': {cfg.model!r} reads {wants} shards but {d.path} holds "
+                        f"{info.kind} data (model: {', '.join(m for m, k in MODEL_KINDS.items() if k == info.kind)})")
     if d.input_shape is not None and list(d.input_shape) != list(info.input_shape):
         raise UserError(f"config key 'data.input_shape' is {list(d.input_shape)} but {d.path} holds inputs of "
                         f"shape {list(info.input_shape)}")
@@ -60,6 +67,34 @@ def run_clients(cfg, info: ShardInfo) -> np.ndarray:
     """The shard's ids of the run's clients, checked against the shard (see :class:`Setup`)."""
     check_shard(cfg, info)
     return client_subset(cfg.data.clients, cfg.seed, info.num_clients)
+
+
+def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
+    """The config's model built for the shard's inputs and tried on two zero samples of them (in
+    evaluation mode, no gradient, no random draw: the model and torch's RNG are left as they were).
+    A model that cannot take them is a one-line UserError naming both, before any training."""
+    shape = [int(s) for s in info.input_shape]
+    what = f"the inputs of {cfg.data.path} ({info.source} {info.kind}s of shape {shape})"
+    try:
+        model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size,
+                            mlp_hidden=cfg.mlp_hidden)
+    except ValueError as exc:
+        raise UserError(f"config key 'model': {cfg.model!r} cannot take {what}: {exc}") from None
+    x = torch.zeros(2, *shape, dtype=torch.long if info.vocab_size else torch.float32)
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()
+            out = model(x)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"config key 'model': {cfg.model!r} cannot take {what}: {first}") from None
+    finally:
+        model.train(was_training)
+    if tuple(out.shape) != (2, info.num_classes):
+        raise UserError(f"config key 'model': {cfg.model!r} on {what} gives outputs of shape {list(out.shape[1:])}, "
+                        f"not the shard's {info.num_classes} classes")
+    return model
 
 
 def load(cfg, rt) -> Setup:
@@ -90,13 +125,17 @@ def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: i
 
 
 def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
-    """(fused?, how the run's start line says its clients train)."""
-    if not cfg.fused:
-        return False, "sequential"
+    """(fused?, how the run's start line says its clients train). ``fused=auto`` (the default) and
+    ``fused=true`` train fused wherever the method and model can, one by one otherwise; the line
+    names the setting and, when it falls back, why."""
+    if cfg.fused is False:
+        return False, "sequential (fused=false)"
+    setting = "fused=auto" if cfg.fused == "auto" else "fused=true"
     why = "per-client BatchNorm statistics" if per_client_bn else algo.fused_reason()
     if why:
-        return False, f"sequential (fused=true not used: {why})"
-    return True, f"fused ({f'groups of {cfg.fused_group}' if cfg.fused_group else 'groups sized by memory'})"
+        return False, f"sequential ({setting}: {why})" if cfg.fused == "auto" else f"sequential ({setting} not used: {why})"
+    groups = f"groups of {cfg.fused_group}" if cfg.fused_group else "groups sized by memory"
+    return True, f"fused ({setting}, {groups})"
 
 
 def agree_on(rt, step: Callable[[], object]):

@@ -79,7 +79,7 @@ def test_bench_compare_table(digits6, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     seq, fus = res["sequential"], res["fused"]
-    assert seq["training"] == "sequential" and fus["training"].startswith("fused")
+    assert seq["training"] == "sequential (fused=false)" and fus["training"].startswith("fused (fused=true")
     counts = read_info(digits6).train_counts  # every client trains once, B = 10, drop_last
     trained = sum(int(n) - int(n) % 10 if n >= 10 else int(n) for n in counts)
     for v in (seq, fus):

@@ -12,7 +12,9 @@ from fedcp_dist.sweep.spec import point_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SWEEPS = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))
-PAPER = [p for p in CONFIGS if not p.name.startswith("digits_")]
+#: practitioners' presets on users' own data (tests/test_own_data.py runs them)
+PRESETS = ("medical_resnet18_fedcp.yaml", "fraud_mlp_fedcp.yaml")
+PAPER = [p for p in CONFIGS if not p.name.startswith("digits_") and p.name not in PRESETS]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -1,4 +1,6 @@
 """Aggregation, placement, cohorts and launcher detection on hand-computed numbers."""
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch
 from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.errors import UserError
 from fedcp_dist.placement import cohort_size, place_clients, sample_cohort, stream_seed
-from fedcp_dist.runtime import Endpoint, detect_launcher, first_host, resolve_endpoint
+from fedcp_dist.runtime import Endpoint, detect_launcher, expand_nodelist, first_host, resolve_endpoint, tasks_per_node
 
 
 class OneRank:
@@ -123,3 +125,43 @@ def test_slurm_endpoint():
     assert ep == Endpoint(5, 8, 1, 4, f"tcp://gpu007:{20000 + 123456 % 20000}")
     assert first_host("node1,node2") == "node1"
     assert first_host("a-b[1-2]") == "a-b1"
+
+
+def test_slurm_node_lists_and_tasks_per_node():
+    assert expand_nodelist("gpu[007-009,012],cpu1") == ["gpu007", "gpu008", "gpu009", "gpu012", "cpu1"]
+    assert expand_nodelist("n[9-11]") == ["n9", "n10", "n11"]
+    assert expand_nodelist("localhost") == ["localhost"]
+    with pytest.raises(UserError, match="cannot read the SLURM node list"):
+        expand_nodelist("n[a-b]")
+    assert tasks_per_node("4(x2),3") == [4, 4, 3]
+    assert tasks_per_node("2") == [2]
+    assert tasks_per_node("") == [1]
+
+
+def test_slurm_endpoint_is_per_node(monkeypatch):
+    """Two nodes with 4 and 3 tasks: the local world (threads = cores / local world, device =
+    local rank) is the task's own node's, the master the first node of the list."""
+    import fedcp_dist.runtime as runtime
+
+    monkeypatch.setattr(runtime.shutil, "which", lambda name: None)  # the documented fallback parser
+    env = {"SLURM_STEP_NUM_TASKS": "7", "SLURM_STEP_NODELIST": "cn[03-04]", "SLURM_JOB_ID": "41",
+           "SLURM_STEP_TASKS_PER_NODE": "4,3"}
+    on_second = resolve_endpoint("slurm", {**env, "SLURM_PROCID": "6", "SLURM_NODEID": "1", "SLURM_LOCALID": "2"})
+    assert on_second == Endpoint(6, 7, 2, 3, "tcp://cn03:20041")
+    on_first = resolve_endpoint("slurm", {**env, "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_LOCALID": "1"})
+    assert on_first == Endpoint(1, 7, 1, 4, "tcp://cn03:20041")
+    # scontrol, where it answers, names the hosts
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="alpha\nbeta\n", stderr="")
+
+    monkeypatch.setattr(runtime.shutil, "which", lambda name: "/usr/bin/scontrol")
+    monkeypatch.setattr(runtime.subprocess, "run", fake_run)
+    assert resolve_endpoint("slurm", {**env, "SLURM_PROCID": "0"}).init_method == "tcp://alpha:20041"
+    assert calls == [["/usr/bin/scontrol", "show", "hostnames", "cn[03-04]"]]
+    # an scontrol that cannot answer (no slurm.conf here) falls back to the parser
+    monkeypatch.setattr(runtime.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, stdout="", stderr="fatal"))
+    assert resolve_endpoint("slurm", {**env, "SLURM_PROCID": "0"}).init_method == "tcp://cn03:20041"

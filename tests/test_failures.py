@@ -118,6 +118,54 @@ def test_dead_rank_under_mpirun(digits6, tmp_path):
     assert "rank 1" in out or "rank(s) 1" in out, out[-3000:]
 
 
+def _gone(pid: int) -> bool:
+    """True when ``pid`` has ended (a zombie nobody reaped counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+def test_workers_stop_when_torchrun_is_killed(digits6, tmp_path):
+    """torchrun SIGKILLed (an OOM kill, a lost node agent): its workers, in sessions of their own,
+    must not train on. Each notices within seconds, says so in one line and exits; the newest
+    complete checkpoint stays loadable and the run resumes from it."""
+    proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500", "checkpoint_every=2")])
+    ck = Checkpointer(str(tmp_path), 0, 2, 2)
+    workers = []
+    try:
+        _wait_rounds(tmp_path, proc, 5)  # at least two checkpoints written
+        workers = [int(k) for k in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.time()
+        while not all(_gone(w) for w in workers) and time.time() - t0 < 30:
+            time.sleep(0.05)
+        elapsed = time.time() - t0
+    finally:
+        _kill_job(proc)
+        for w in workers:  # orphans are no longer under torchrun
+            if not _gone(w):
+                os.kill(w, signal.SIGKILL)
+    out = proc.stdout.read()  # the workers held the pipe: it ends with them
+    assert elapsed < 5, f"workers still running {elapsed:.1f} s after torchrun was killed"
+    said = re.findall(rf"^error: rank (\d), round \d+.*: its launcher \(pid {proc.pid}\) is gone; stopping", out, re.M)
+    assert sorted(said) == ["0", "1"], out[-3000:]
+    assert "Traceback" not in out
+    latest = ck.latest()
+    assert latest is not None and ck.verify(latest) is None
+    rounds_done, global_state, clients, _ = ck.load(latest, range(6), "cpu")
+    assert rounds_done >= 4 and rounds_done % 2 == 0 and sorted(clients) == list(range(6))
+    assert not (tmp_path / "summary.json").exists()
+    # the run goes on from it: two more rounds, in this process
+    said = []
+    run("configs/digits_fedcp.yaml", _args(digits6, tmp_path, f"rounds={rounds_done + 2}")[2:], echo=said.append)
+    assert any(f"resuming from {latest}" in line for line in said), said
+    assert json.loads((tmp_path / "summary.json").read_text())["rounds"] == rounds_done + 2
+
+
 # -- non-finite updates --------------------------------------------------------------------------
 
 @pytest.mark.slow

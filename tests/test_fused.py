@@ -355,25 +355,29 @@ def test_amp_bf16_on_cpu(cls, capsys):
         assert (flat(f16.upload) - flat(s16.upload)).norm() < 0.25 * moved
 
 
-def _run(shard, out, fused_on, method="fedcp"):
+def _run(shard, out, fused_on, method="fedcp", said=None):
+    """One round; ``fused_on`` None leaves ``fused`` at its default (auto)."""
     cfg = load_config("configs/digits_fedcp.yaml", [
         f"method={method}", "rounds=1", "eval_every=1", "lr=0.005", f"data.path={shard}", "data.num_clients=0",
-        f"out_dir={out}", f"fused={'true' if fused_on else 'false'}", "fused_group=4", "checkpoint_every=0"])
+        f"out_dir={out}", "fused_group=4", "checkpoint_every=0",
+        *([] if fused_on is None else [f"fused={'true' if fused_on else 'false'}"])])
     rt = init_runtime("cpu", 0, env={})
     try:
-        return Simulator(cfg, rt, echo=lambda *_: None).run()
+        return Simulator(cfg, rt, echo=said.append if said is not None else lambda *_: None).run()
     finally:
         rt.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fedcp", "fedavg"])
+@pytest.mark.parametrize("method", ["fedcp", "fedavg", "ditto"])
 def test_end_to_end_fused_run_equals_sequential_run(digits6, tmp_path, method):
-    """One round, 6 clients in fused groups of 4 and 2: the same model within float32 drift
-    (measured: 2e-4 (FedAvg) and 5e-4 (FedCP) of each tensor's largest entry, the same as a
-    2-ulp random perturbation of the initial model gives FedCP)."""
+    """One round, 6 clients in fused groups of 4 and 2 (the default, fused=auto): the same model
+    within float32 drift (measured: 2e-4 (FedAvg) and 5e-4 (FedCP) of each tensor's largest entry,
+    the same as a 2-ulp random perturbation of the initial model gives FedCP)."""
     seq = _run(digits6, tmp_path / "seq", False, method)
-    fus = _run(digits6, tmp_path / "fus", True, method)
+    said = []
+    fus = _run(digits6, tmp_path / "fus", None, method, said)
+    assert any(line.endswith("training: fused (fused=auto, groups of 4)") for line in said), said
     a = torch.load(tmp_path / "seq" / "final_global.pt")
     b = torch.load(tmp_path / "fus" / "final_global.pt")
     assert list(a) == list(b)
@@ -405,3 +409,91 @@ def test_amp_bf16_reaches_the_methods_with_their_own_loop(name):
         assert r16.loss_sum == pytest.approx(r32.loss_sum, rel=2e-2)
         moved = max((r32.upload[k] - gs[k]).abs().max() for k in r32.upload)
         assert max((r16.upload[k] - r32.upload[k]).abs().max() for k in r32.upload) < 0.5 * moved
+
+
+# -- fused=auto, the default ------------------------------------------------------------------------
+
+#: every method that trains fused, and the test above that checks it against the sequential path
+#: (float64, to ~1e-12): a method that starts to fuse must be added to one of them
+FUSED_EQUALITY_TESTS = {
+    "fedavg": "test_fedavg_fused_equals_sequential_in_float64",
+    "fedcp": "test_fedcp_fused_equals_sequential_in_float64",
+    "fedprox": "test_every_sgd_method_trains_fused_as_sequentially",
+    "ditto": "test_every_sgd_method_trains_fused_as_sequentially",
+    "fedper": "test_every_sgd_method_trains_fused_as_sequentially",
+    "fedrod": "test_every_sgd_method_trains_fused_as_sequentially",
+    "fedphp": "test_every_sgd_method_trains_fused_as_sequentially",
+    "fedamp": "test_peer_methods_train_fused_as_sequentially",
+    "fedfomo": "test_peer_methods_train_fused_as_sequentially",
+}
+
+
+def test_fused_auto_is_the_default_and_falls_back_where_it_cannot():
+    from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
+    from fedcp_dist.errors import UserError
+    from fedcp_dist.startup import training_path
+
+    assert Config().fused == "auto"
+    fusing = set()
+    for name in ALGORITHMS:
+        torch.manual_seed(0)
+        cfg = Config(method=name)
+        cfg.data.num_clients = 2
+        algo = make_algorithm(name, cfg, build_model("cnn", (1, 16, 16), 10), CPU)
+        why = algo.fused_reason()
+        if why is None:
+            fusing.add(name)
+            assert training_path(cfg, algo, False) == (True, "fused (fused=auto, groups sized by memory)")
+            cfg.fused_group = 3
+            assert training_path(cfg, algo, False) == (True, "fused (fused=auto, groups of 3)")
+        else:
+            assert training_path(cfg, algo, False) == (False, f"sequential (fused=auto: {why})")
+            cfg.fused = True
+            assert training_path(cfg, algo, False) == (False, f"sequential (fused=true not used: {why})")
+        cfg.fused = "auto"  # per-client BatchNorm statistics keep every method sequential
+        assert training_path(cfg, algo, True) == (False, "sequential (fused=auto: per-client BatchNorm statistics)")
+        cfg.fused = False
+        assert training_path(cfg, algo, False) == (False, "sequential (fused=false)")
+    assert fusing == set(FUSED_EQUALITY_TESTS)
+    assert {"perfedavg", "pfedme", "fedrep"} == set(ALGORITHMS) - fusing
+    for test in set(FUSED_EQUALITY_TESTS.values()):
+        assert callable(globals()[test])
+    # a BatchNorm model falls back for every method
+    algo, _ = _algo(FedAvg, net=Odd(with_bn=True))
+    assert training_path(algo.cfg, algo, False) == (False, "sequential (fused=auto: BatchNorm1d layers are not fused)")
+    for value, ok in [("auto", True), (True, True), (False, True), ("yes please", False), ("true", False)]:
+        if ok:
+            assert load_config(None, [f"fused={str(value).lower()}"], validate=False).fused == value
+        else:
+            with pytest.raises(UserError, match="config key 'fused': must be auto, true or false"):
+                Config(fused=value).validate()
+
+
+@pytest.mark.slow
+def test_fused_default_resumes_bit_for_bit(digits6, tmp_path):
+    """The default path (fused groups) is deterministic on one world size: 2 rounds straight equal
+    1 round, a checkpoint, and a resumed second round, bit for bit."""
+    from fedcp_dist.errors import RunFailure
+    from helpers import nonfinite_at
+
+    def run(out, said=None, wrap=None):
+        cfg = load_config("configs/digits_fedcp.yaml", [
+            f"data.path={digits6}", f"out_dir={out}", "rounds=2", "eval_every=2", "checkpoint_every=1", "threads=1"])
+        rt = init_runtime("cpu", 1, env={})
+        try:
+            Simulator(cfg, rt, echo=said.append if said is not None else lambda *_: None, wrap=wrap).run()
+        finally:
+            rt.close()
+        return torch.load(out / "final_global.pt", weights_only=True)
+
+    said = []
+    straight = run(tmp_path / "straight", said)
+    assert any("training: fused (fused=auto" in line for line in said), said
+    with pytest.raises(RunFailure, match="round 2: client 1 produced a non-finite"):
+        run(tmp_path / "resumed", wrap=nonfinite_at("2:1"))  # stops in round 2, the checkpoint of round 1 kept
+    said = []
+    resumed = run(tmp_path / "resumed", said)
+    assert any("resuming from" in line for line in said)
+    assert list(straight) == list(resumed)
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k

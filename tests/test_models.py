@@ -1,6 +1,7 @@
 """The three models (4-layer CNN, ResNet-18, fastText): shapes, the feature/head split, parameter
 counts, fastText's masked mean; then every method on every model through the algorithm API, and
 what BatchNorm asks of the methods (evaluation per sample, no client's work leaking into another's)."""
+import sys
 import copy
 import math
 
@@ -9,6 +10,7 @@ import torch
 import torchvision
 from torch import nn
 
+from conftest import run_cmd
 from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
 from fedcp_dist.algorithms.base import Context, copy_module, load_module, module_state
 from fedcp_dist.config import METHODS, Config, DataConfig
@@ -23,7 +25,7 @@ NUM_CLASSES = 3
 VOCAB = 50
 MAX_LEN = 12
 #: per model: the input shape of the algorithm tests (ResNet-18 on tiny 32x32 images to stay fast)
-SHAPES = {"cnn": (1, 28, 28), "resnet18": (3, 32, 32), "fasttext": (MAX_LEN,)}
+SHAPES = {"cnn": (1, 28, 28), "resnet18": (3, 32, 32), "fasttext": (MAX_LEN,), "mlp": (6,)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -101,10 +103,14 @@ def _count(module: nn.Module) -> int:
 def test_build_model_knows_the_config_models():
     from fedcp_dist.config import MODELS as CONFIG_MODELS
 
-    assert MODELS == CONFIG_MODELS == ("cnn", "resnet18", "fasttext")
+    assert MODELS == CONFIG_MODELS == ("cnn", "resnet18", "fasttext", "mlp")
     assert isinstance(build_model("cnn", (1, 28, 28), 10), CNN)
     assert isinstance(build_model("resnet18", [3, 32, 32], 10), ResNet18)
     assert isinstance(build_model("fasttext", [200], 4, vocab_size=VOCAB), FastText)
+    mlp = build_model("mlp", [6], 2, mlp_hidden=5)
+    # Linear(6, 5) + Linear(5, 5) features, K = 5, head Linear(5, 2): 35 + 30 + 12 parameters
+    assert mlp.feature_dim == 5 and _count(mlp.features) == 65 and _count(mlp.head) == 12
+    assert mlp(torch.zeros(3, 6)).shape == (3, 2) and mlp.input_kind == "table"
 
 
 @pytest.mark.parametrize(
@@ -117,6 +123,7 @@ def test_build_model_knows_the_config_models():
         ("fasttext", (200,), {}, "vocab_size=0"),
         ("fasttext", (200,), {"vocab_size": -3}, "vocab_size=-3"),
         ("vgg", (3, 32, 32), {}, "unknown model 'vgg'"),
+        ("mlp", (3, 32, 32), {}, r"feature rows \[features\]"),
         ("cnn", (1, 28, 28), {"num_classes": 0}, "num_classes=0"),
     ],
 )
@@ -300,7 +307,7 @@ def _changed(before: dict, after: dict) -> list:
     return [k for k in after if k in before and not torch.equal(before[k], after[k])]
 
 
-@pytest.mark.parametrize("model", ["cnn", "resnet18", "fasttext"])
+@pytest.mark.parametrize("model", ["cnn", "resnet18", "fasttext", "mlp"])
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_every_method_trains_and_evaluates_every_model(method, model):
     algo, gs = _algorithm(method, model)
@@ -452,3 +459,71 @@ def test_fedcp_round_with_resnet18():
     assert torch.equal(algo.fe_g[0].weight, new["features.0.weight"])
     logits = algo.predict(res.client_state, data.test_x, _ctx(seed=9))
     assert logits.shape == (3, NUM_CLASSES) and torch.isfinite(logits).all()
+
+
+# -- a model that cannot take the shard's inputs --------------------------------------------------
+
+def _shard_cfg(shard, **kw):
+    from fedcp_dist.config import load_config
+
+    return load_config("configs/digits_fedcp.yaml", [f"data.path={shard}", *(f"{k}={v}" for k, v in kw.items())])
+
+
+def test_model_for_shard_names_the_model_and_the_inputs(digits6, monkeypatch):
+    import dataclasses
+
+    from fedcp_dist import startup
+    from fedcp_dist.data.shards import read_info
+    from fedcp_dist.errors import UserError
+
+    info = read_info(str(digits6))
+    # the constructor refuses: 1-channel images for ResNet-18, images for fastText, too small for the CNN
+    for model, info_, words in [
+        ("resnet18", info, ["'resnet18'", "digits images of shape [1, 28, 28]", "3-channel"]),
+        ("fasttext", info, ["'fasttext'", "[1, 28, 28]", "token ids"]),
+        ("cnn", dataclasses.replace(info, input_shape=(1, 8, 8)), ["'cnn'", "[1, 8, 8]", "too small"]),
+    ]:
+        with pytest.raises(UserError) as exc:
+            startup.model_for_shard(_shard_cfg(digits6, model=model), info_)
+        msg = str(exc.value)
+        assert msg.startswith("config key 'model': ") and "\n" not in msg and str(digits6) in msg, msg
+        for w in words:
+            assert w in msg, msg
+
+    # the constructor accepts but the forward pass fails (a model sized for other inputs)
+    def wrong_size(name, input_shape, num_classes, vocab_size=0):
+        return nn.Sequential(nn.Flatten(), nn.Linear(100, num_classes))
+
+    monkeypatch.setattr(startup, "build_model", wrong_size)
+    with pytest.raises(UserError, match=r"'cnn' cannot take the inputs of .*\[1, 28, 28\]\): .*shapes cannot be multiplied"):
+        startup.model_for_shard(_shard_cfg(digits6), info)
+    # outputs that are not the shard's classes
+    monkeypatch.setattr(startup, "build_model", lambda *a, **k: nn.Sequential(nn.Flatten(), nn.Linear(784, 3)))
+    with pytest.raises(UserError, match=r"gives outputs of shape \[3\], not the shard's 10 classes"):
+        startup.model_for_shard(_shard_cfg(digits6), info)
+
+
+def test_model_for_shard_leaves_the_model_and_the_rng_alone(digits6):
+    from fedcp_dist import startup
+    from fedcp_dist.data.shards import read_info
+
+    info = read_info(str(digits6))
+    torch.manual_seed(3)
+    plain = build_model("cnn", info.input_shape, info.num_classes)
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(3)
+    checked = startup.model_for_shard(_shard_cfg(digits6), info)
+    assert torch.equal(torch.get_rng_state(), after_plain)
+    assert checked.training
+    for (k, a), (_, b) in zip(plain.state_dict().items(), checked.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_resnet18_on_one_channel_images_is_one_line(digits6, tmp_path):
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", "model=resnet18",
+                 f"data.path={digits6}", f"out_dir={tmp_path}", "rounds=1"], timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: config key 'model': 'resnet18' cannot take the inputs of")
+    assert "[1, 28, 28]" in r.stderr and "3-channel" in r.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -344,7 +344,7 @@ def server_copy(state, cid: int, knowledge: str, local_steps: int) -> ServerCopy
     from fedcp_dist.models import build_model
 
     cfg, info = state.cfg, state.info
-    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size).to(state.device)
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, mlp_hidden=cfg.mlp_hidden).to(state.device)
     sent = state.sent(cid)
     private = None
     if knowledge == "oracle" and cfg.method != "fedavg":

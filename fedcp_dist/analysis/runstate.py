@@ -117,7 +117,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
                         f"had {cfg.data.num_clients}")
     clients = run_clients(cfg, info)
     torch.manual_seed(cfg.seed)  # the run's initial model, as the engine builds it
-    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size)
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, mlp_hidden=cfg.mlp_hidden)
     algo = make_algorithm(cfg.method, cfg, model, dev)
     algo.num_clients = len(clients)
     rounds_done, global_state, states, _ = Checkpointer(str(run_dir), 0, 1, 1).load(

@@ -6,6 +6,10 @@ Three modes::
         --out data/digits_dir0.1_n20.h5
     fedcp-partition --source agnews --root DIR --max-len 200 --vocab-size 50000 --min-freq 1 \\
         --partition dir --num-clients 20 --out data/agnews_dir0.1_n20.h5
+    fedcp-partition --source imagefolder --root CT/ --partition folders --image-size 64 \\
+        --channels 1 --out data/ct_folders.h5            # CT/<hospital>/<class>/<image>
+    fedcp-partition --source csv --root fraud.csv --label-col Class --client-col bank \\
+        --partition column --out data/fraud_banks.h5
     fedcp-partition --describe data/digits_dir0.1_n20.h5
     fedcp-partition --from-npz DIR --out FILE [--num-classes C] [--source NAME] [--allow-pickle]
 """
@@ -33,8 +37,8 @@ def _build_parser() -> argparse.ArgumentParser:
     mode = p.add_argument_group("input (one of)")
     mode.add_argument("--source", default=None,
                       help="data source: digits (default, offline), mnist, fmnist, cifar10, "
-                           "cifar100, tinyimagenet, agnews (text); with --from-npz, the name "
-                           "recorded in the file")
+                           "cifar100, tinyimagenet, agnews (text), imagefolder (ROOT/<class>/<image>), "
+                           "csv (a table); with --from-npz, the name recorded in the file")
     mode.add_argument("--describe", metavar="FILE", help="summarise an existing shard file")
     p.add_argument("--all", action="store_true",
                    help="--describe: one row per client however many there are (default: a "
@@ -43,7 +47,8 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="import DIR/train/{i}.npz and DIR/test/{i}.npz client files")
     p.add_argument("--root", help="directory holding the source's files (torchvision's layout for "
                                   "mnist, fmnist, cifar10, cifar100; tiny-imagenet-200/; AG News "
-                                  "train.csv and test.csv)")
+                                  "train.csv and test.csv; imagefolder: the image folder; csv: the "
+                                  "CSV file itself)")
     p.add_argument("--download", action="store_true",
                    help="let torchvision download the source (mnist, fmnist, cifar10, cifar100)")
     p.add_argument("--include-val", action="store_true",
@@ -58,9 +63,24 @@ def _build_parser() -> argparse.ArgumentParser:
     text.add_argument("--min-freq", type=int, default=None,
                       help=f"fewest occurrences in the training texts for a token to get its own "
                            f"id (default {DEFAULT_MIN_FREQ})")
-    p.add_argument("--partition", default="dir", choices=("dir", "pat", "iid"),
-                   help="partition scheme (default dir)")
-    p.add_argument("--num-clients", type=int, help="number of clients")
+    own = p.add_argument_group("your own data (imagefolder, csv)")
+    own.add_argument("--image-size", default=None, metavar="N|HxW",
+                     help="imagefolder: resize every image to N x N or H x W pixels (default: the "
+                          "first image's size)")
+    own.add_argument("--channels", type=int, default=None, choices=(1, 3),
+                     help="imagefolder: 1 (greyscale) or 3 (RGB) (default: 1 when the first image "
+                          "is greyscale, else 3)")
+    own.add_argument("--label-col", default=None, metavar="NAME",
+                     help="csv: the column holding the labels (required)")
+    own.add_argument("--client-col", default=None, metavar="NAME",
+                     help="csv: the column naming each row's client (with --partition column)")
+    own.add_argument("--drop-cols", default=None, metavar="A,B",
+                     help="csv: comma-separated columns that are not features")
+    p.add_argument("--partition", default="dir", choices=("dir", "pat", "iid", "folders", "column"),
+                   help="partition scheme (default dir); natural partitions: folders "
+                        "(imagefolder, ROOT/<client>/<class>/<image>), column (csv, --client-col)")
+    p.add_argument("--num-clients", type=int,
+                   help="number of clients (natural partitions: taken from the data)")
     p.add_argument("--beta", type=float, default=0.1, help="Dirichlet concentration (default 0.1)")
     p.add_argument("--classes-per-client", type=int, default=2,
                    help="classes per client for pat (default 2)")

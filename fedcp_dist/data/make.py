@@ -21,7 +21,9 @@ from fedcp_dist.config import type_ok
 from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_VOCAB_SIZE
 from fedcp_dist.errors import UserError
 
-SCHEMES = ("dir", "pat", "iid")
+SCHEMES = ("dir", "pat", "iid", "folders", "column")
+#: the natural partitions (the data say which client holds each sample) and the source of each
+NATURAL = {"folders": "imagefolder", "column": "csv"}
 
 
 def flag(option: str) -> str:
@@ -33,15 +35,16 @@ def flag(option: str) -> str:
 class PartitionSpec:
     """What to partition and how: the options of ``fedcp-partition`` (partition mode)."""
 
-    #: data source: digits (offline), mnist, fmnist, cifar10, cifar100, tinyimagenet, agnews (text)
+    #: data source: digits (offline), mnist, fmnist, cifar10, cifar100, tinyimagenet, agnews (text),
+    #: imagefolder, csv (your own data)
     source: str = "digits"
     #: directory holding the source's files
     root: Optional[str] = None
     #: let torchvision download the source
     download: bool = False
-    #: partition scheme: dir | pat | iid
+    #: partition scheme: dir | pat | iid | folders (imagefolder) | column (csv with client_col)
     partition: str = "dir"
-    #: number of clients (required)
+    #: number of clients (required, except for the natural partitions folders and column)
     num_clients: Optional[int] = None
     #: Dirichlet concentration (dir)
     beta: float = 0.1
@@ -65,6 +68,16 @@ class PartitionSpec:
     min_freq: Optional[int] = None
     #: tinyimagenet: add the val folder's images after the train folder's (default: train only, as the paper)
     include_val: bool = False
+    #: imagefolder: N or HxW every image is resized to (None: the first image's size)
+    image_size: Optional[str] = None
+    #: imagefolder: 1 (greyscale) or 3 (RGB) (None: 1 when the first image is greyscale, else 3)
+    channels: Optional[int] = None
+    #: csv: the column holding the labels (required for csv)
+    label_col: Optional[str] = None
+    #: csv: the column naming each row's client (needs partition column)
+    client_col: Optional[str] = None
+    #: csv: comma-separated columns to ignore
+    drop_cols: Optional[str] = None
 
     def __post_init__(self) -> None:
         # an integer given for a float option is that float (as the command line reads "1" as 1.0),
@@ -93,9 +106,13 @@ class PartitionSpec:
         check_option_values(self)
         if self.partition not in SCHEMES:
             raise UserError(f"--partition must be one of {', '.join(SCHEMES)}, got {self.partition!r}")
-        if self.num_clients is None:
+        natural = NATURAL.get(self.partition)
+        if natural and self.source != natural:
+            raise UserError(f"--partition {self.partition} applies to --source {natural} only, "
+                            f"not to '{self.source}'")
+        if self.num_clients is None and not natural:
             raise UserError("--num-clients is required")
-        if self.num_clients < 1:
+        if self.num_clients is not None and self.num_clients < 1:
             raise UserError(f"--num-clients must be >= 1, got {self.num_clients}")
         if not self.beta > 0:
             raise UserError(f"--beta must be > 0, got {self.beta}")
@@ -109,6 +126,27 @@ class PartitionSpec:
             raise UserError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
         if self.include_val and self.source != "tinyimagenet":
             raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{self.source}'")
+        own = {"image_size": "imagefolder", "channels": "imagefolder", "label_col": "csv",
+               "client_col": "csv", "drop_cols": "csv"}
+        for key, source in own.items():
+            if getattr(self, key) is not None and self.source != source:
+                raise UserError(f"{flag(key)} applies to --source {source} only, not to '{self.source}'")
+        if self.channels is not None and self.channels not in (1, 3):
+            raise UserError(f"--channels must be 1 or 3, got {self.channels}")
+        if self.image_size is not None:
+            from fedcp_dist.data.owndata import parse_image_size
+
+            parse_image_size(self.image_size)
+
+    def own_options(self, say) -> dict:
+        """The keyword arguments of the own-data loaders (imagefolder, csv)."""
+        natural = self.partition in NATURAL
+        if self.source == "imagefolder":
+            return {"image_size": self.image_size, "channels": self.channels, "natural": natural, "say": say}
+        if self.source == "csv":
+            return {"label_col": self.label_col, "client_col": self.client_col, "drop_cols": self.drop_cols,
+                    "natural": natural, "say": say}
+        return {}
 
 
 def option_types() -> dict:
@@ -211,33 +249,69 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
     out = check_out(out, force)
 
     say(f"loading source {spec.source}" + (f" from {spec.root}" if spec.root else ""))
-    src = load_source(spec.source, root=spec.root, download=spec.download, **text_opts, **source_opts)
+    src = load_source(spec.source, root=spec.root, download=spec.download, **text_opts, **source_opts,
+                      own_options=spec.own_options(say))
     vocab = f", vocabulary of {src.vocab_size} tokens" if src.kind == "text" else ""
     say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")
 
-    say(f"partitioning: {spec.partition}, {spec.num_clients} clients, seed {spec.seed}")
-    part = partition_clients(src.y, src.num_classes, spec.partition, spec.num_clients, spec.seed,
-                             beta=spec.beta, classes_per_client=spec.classes_per_client,
-                             balance=not spec.unbalanced, batch_size=spec.batch_size,
-                             train_ratio=spec.train_ratio, max_tries=spec.max_tries)
-    shares = part.shares
-    say(f"  {part.report.summary()}")
-    params = {"train_ratio": spec.train_ratio, "batch_size": spec.batch_size,
-              "least_samples": least_samples(spec.batch_size, spec.train_ratio, len(src.y), spec.num_clients)}
-    if spec.partition == "dir":
-        params.update(beta=spec.beta, max_tries=spec.max_tries)
-    elif spec.partition == "pat":
-        params.update(classes_per_client=spec.classes_per_client, balance=not spec.unbalanced)
-    params.update(part.report.params())
+    if spec.partition in NATURAL:
+        shares, params = _natural_partition(spec, src, say)
+    else:
+        say(f"partitioning: {spec.partition}, {spec.num_clients} clients, seed {spec.seed}")
+        part = partition_clients(src.y, src.num_classes, spec.partition, spec.num_clients, spec.seed,
+                                 beta=spec.beta, classes_per_client=spec.classes_per_client,
+                                 balance=not spec.unbalanced, batch_size=spec.batch_size,
+                                 train_ratio=spec.train_ratio, max_tries=spec.max_tries)
+        shares = part.shares
+        say(f"  {part.report.summary()}")
+        params = {"train_ratio": spec.train_ratio, "batch_size": spec.batch_size,
+                  "least_samples": least_samples(spec.batch_size, spec.train_ratio, len(src.y), spec.num_clients)}
+        if spec.partition == "dir":
+            params.update(beta=spec.beta, max_tries=spec.max_tries)
+        elif spec.partition == "pat":
+            params.update(classes_per_client=spec.classes_per_client, balance=not spec.unbalanced)
+        params.update(part.report.params())
     params.update(src.params)
+    mean, std = src.mean, src.std
+    if src.kind == "table":
+        from fedcp_dist.data.owndata import train_statistics
+
+        mean, std = train_statistics(src.x, shares)
+        say(f"  features standardised with the mean and std of the {sum(len(tr) for tr, _ in shares)} "
+            f"training rows")
     if spec.root:
         params["root"] = os.path.abspath(spec.root)
 
     clients = client_rows(src.x, src.y, shares, src.lengths)
     say(f"writing {len(shares)} clients to {out}")
     write_shard(out, with_progress(clients, len(shares)), source=src.name,
-                num_classes=src.num_classes, input_shape=src.input_shape, mean=src.mean,
-                std=src.std, partition=spec.partition, partition_params=params, seed=spec.seed,
-                kind=src.kind, vocab=src.vocab)
+                num_classes=src.num_classes, input_shape=src.input_shape, mean=mean,
+                std=std, partition=spec.partition, partition_params=params, seed=spec.seed,
+                kind=src.kind, vocab=src.vocab, columns=src.feature_names)
     say_written(out, say)
     return out
+
+
+#: client names recorded in partition_params up to this many characters in all (an HDF5
+#: attribute holds at most 64 KiB); beyond it only their number is
+CLIENT_NAMES_CHARS = 16000
+
+
+def _natural_partition(spec: PartitionSpec, src, say) -> tuple[list, dict]:
+    """Each client folder's (or client column value's) own train/test split, and the record."""
+    from fedcp_dist.data.owndata import natural_shares
+
+    names = src.group_names
+    if spec.num_clients is not None and spec.num_clients != len(names):
+        raise UserError(f"--num-clients is {spec.num_clients} but the data name {len(names)} clients "
+                        f"(leave --num-clients out for --partition {spec.partition})")
+    what = "client folder" if spec.partition == "folders" else f"client '{spec.client_col}' value"
+    say(f"partitioning: {spec.partition} (the data's own {len(names)} clients), each its own "
+        f"{spec.train_ratio:g} train split, seed {spec.seed}")
+    shares = natural_shares(src.groups, names, spec.train_ratio, spec.seed, what)
+    sizes = [len(tr) + len(te) for tr, te in shares]
+    say(f"  samples per client: min {min(sizes)}, max {max(sizes)}")
+    params = {"train_ratio": spec.train_ratio, "num_clients": len(names)}
+    if sum(len(str(n)) + 4 for n in names) <= CLIENT_NAMES_CHARS:
+        params["clients"] = [str(n) for n in names]
+    return shares, params

@@ -22,7 +22,7 @@ class ClientData:
     test_y: torch.Tensor
     mean: Optional[torch.Tensor]  # images: (1, C, 1, 1); text: None
     inv_std: Optional[torch.Tensor]  # images: (1, C, 1, 1); text: None
-    kind: str = "image"
+    kind: str = "image"  # image | text | table
     train_len: Optional[torch.Tensor] = None  # text: int32 (n,) real tokens per row
     test_len: Optional[torch.Tensor] = None
 
@@ -37,6 +37,8 @@ class ClientData:
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "text":
             return x.to(torch.int64)
+        if self.kind == "table":
+            return (x - self.mean) * self.inv_std
         return channels_last((x.to(torch.float32) * (1.0 / 255.0) - self.mean) * self.inv_std)
 
     def train_batch(self, idx: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +75,8 @@ def to_device(cid: int, arrays: Mapping[str, np.ndarray], mean, std, device: tor
     to ``device``.
 
     A text client is recognised by its ``train_len`` array; its ``mean`` and ``std`` (empty for
-    text shards) are not used.
+    text shards) are not used.  A table client is recognised by its float32 rows; ``mean`` and
+    ``std`` hold one value per feature and standardise every batch.
     """
 
     def t(a, dtype):
@@ -91,6 +94,18 @@ def to_device(cid: int, arrays: Mapping[str, np.ndarray], mean, std, device: tor
             kind="text",
             train_len=t(arrays["train_len"], torch.int32),
             test_len=t(arrays["test_len"], torch.int32),
+        )
+    if np.issubdtype(np.asarray(arrays["train_x"]).dtype, np.floating):
+        f = len(mean)
+        return ClientData(
+            cid=cid,
+            train_x=t(arrays["train_x"], torch.float32),
+            train_y=t(arrays["train_y"], torch.int64),
+            test_x=t(arrays["test_x"], torch.float32),
+            test_y=t(arrays["test_y"], torch.int64),
+            mean=torch.as_tensor(np.asarray(mean, dtype=np.float32)).view(1, f).to(device),
+            inv_std=torch.as_tensor(1.0 / np.asarray(std, dtype=np.float64)).to(torch.float32).view(1, f).to(device),
+            kind="table",
         )
     channels = len(mean)
     m = torch.as_tensor(np.asarray(mean, dtype=np.float32)).view(1, channels, 1, 1).to(device)

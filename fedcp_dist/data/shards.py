@@ -31,6 +31,11 @@ Versions 1 and 2 put one group per client (still read, and written with ``format
                             and, for text, train_len, test_len
     /vocab                  text only
 
+Tables (``kind`` "table", version 3 only: users' CSV files, :mod:`fedcp_dist.data.owndata`)
+keep raw float32 feature rows ``(n, F)`` in ``/train_x`` and ``/test_x``, ``input_shape`` = [F],
+``mean`` / ``std`` the per-feature statistics of the training rows (the engine standardises every
+batch with them) and the feature names in ``/columns`` (UTF-8 strings).
+
 Version 1 is the image layout (``kind`` "image"); version 2 adds ``kind`` "text" (``input_shape``
 = [max_len], empty ``mean`` / ``std``, the ``vocab_size`` attribute, the ``*_len`` datasets and
 ``/vocab``).  Every version keeps ``format_version`` where version 1 had it, so a reader refuses
@@ -64,7 +69,8 @@ TEXT_FORMAT_VERSION = 2
 READABLE_VERSIONS = (IMAGE_FORMAT_VERSION, TEXT_FORMAT_VERSION, FORMAT_VERSION)
 KIND = "image"
 TEXT_KIND = "text"
-KINDS = (KIND, TEXT_KIND)
+TABLE_KIND = "table"
+KINDS = (KIND, TEXT_KIND, TABLE_KIND)
 #: the group-per-client version that holds each kind
 GROUP_VERSIONS = {KIND: IMAGE_FORMAT_VERSION, TEXT_KIND: TEXT_FORMAT_VERSION}
 CHUNK_SAMPLES = 256
@@ -192,15 +198,21 @@ class _IdRange:
 
 def _check_client(i: int, arrays, input_shape: tuple, num_classes: int, kind: str = KIND,
                   ids: _IdRange = None):
-    expected = 4 if kind == KIND else 6
+    expected = 6 if kind == TEXT_KIND else 4
     if len(arrays) != expected:
-        names = SPLITS if kind == KIND else TEXT_SPLITS
+        names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
         raise ValueError(f"client {i}: expected ({', '.join(names)}), got {len(arrays)} items")
     out = []
     for split in (0, 2):
         name = SPLITS[split]
         x = _samples(arrays[split])
-        if kind == KIND:
+        if kind == TABLE_KIND:
+            if x.dtype != np.float32:
+                raise ValueError(f"client {i}: {name} (feature rows) must be float32, got {x.dtype}")
+            if x.ndim != 2 or x.shape[1:] != input_shape:
+                raise ValueError(f"client {i}: {name} has shape {x.shape}, "
+                                 f"expected (n, {input_shape[0]})")
+        elif kind == KIND:
             if x.dtype != np.uint8:
                 raise ValueError(f"client {i}: {name} must be uint8, got {x.dtype}")
             if x.shape[1:] != input_shape or x.ndim != 4:
@@ -297,7 +309,7 @@ class _SplitWriter:
     def __init__(self, f: h5py.File, kind: str, input_shape: tuple):
         self.f = f
         self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
-        x_dtype = np.uint8 if kind == KIND else np.int32
+        x_dtype = {KIND: np.uint8, TEXT_KIND: np.int32, TABLE_KIND: np.float32}[kind]
         self.columns = {}
         for name in self.names:
             if name.endswith("_x"):
@@ -377,23 +389,34 @@ def _atomic_file(path: str):
 
 def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input_shape,
                 mean, std, partition: str, partition_params: dict, seed: int,
-                kind: str = KIND, vocab=None, format_version: int = FORMAT_VERSION) -> None:
+                kind: str = KIND, vocab=None, format_version: int = FORMAT_VERSION,
+                columns=None) -> None:
     """Write ``clients`` to ``path``.
 
     Images: each client is ``(train_x, train_y, test_x, test_y)``.  Text (``kind="text"``, with
     ``vocab`` the tokens in id order): ``(train_x, train_y, test_x, test_y, train_len,
     test_len)``.  Any ``*_x`` may be a :class:`Rows` view, copied a block at a time.
     ``format_version`` is :data:`FORMAT_VERSION`, or the group-per-client version of the kind
-    (1 for images, 2 for text) for readers that know no other.
+    (1 for images, 2 for text) for readers that know no other.  Tables (``kind="table"``,
+    version 3 only): float32 feature rows, ``mean`` / ``std`` one value per feature, ``columns``
+    the feature names.
 
     The file appears at ``path`` only once it is complete; on any failure the temporary file is
     removed and whatever was at ``path`` before is left as it was.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if format_version not in (FORMAT_VERSION, GROUP_VERSIONS[kind]):
+    if format_version not in (FORMAT_VERSION, GROUP_VERSIONS.get(kind, FORMAT_VERSION)):
         raise ValueError(f"a {kind} shard is written as format_version {FORMAT_VERSION} or "
                          f"{GROUP_VERSIONS[kind]}, not {format_version!r}")
+    if kind == TABLE_KIND:
+        if len(tuple(input_shape)) != 1 or len(mean) != input_shape[0] or len(std) != input_shape[0]:
+            raise ValueError(f"a table shard's input_shape is (features,) with one mean and std "
+                             f"per feature, got {tuple(input_shape)}, {len(mean)}, {len(std)}")
+        if columns is not None and len(columns) != input_shape[0]:
+            raise ValueError(f"{len(columns)} column names for {input_shape[0]} features")
+    elif columns is not None:
+        raise ValueError("only a table shard has feature column names")
     if kind == TEXT_KIND:
         if vocab is None or len(vocab) < 2:
             raise ValueError("a text shard needs its vocabulary (at least <pad> and <unk>)")
@@ -423,6 +446,9 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         if kind == TEXT_KIND:
             a["vocab_size"] = np.int64(len(vocab))
             f.create_dataset("vocab", data=vocab, dtype=h5py.string_dtype("utf-8"))
+        if columns is not None:
+            f.create_dataset("columns", data=[str(c) for c in columns],
+                             dtype=h5py.string_dtype("utf-8"))
         a["kind"] = kind
         a["source"] = str(source)
         a["num_classes"] = np.int64(num_classes)
@@ -474,6 +500,9 @@ def _check_kind(path, kind: str, version: int) -> None:
     if kind == TEXT_KIND and version < TEXT_FORMAT_VERSION:
         raise UserError(f"shard file {path} has kind 'text' but format_version {version}; text "
                         f"shards are format_version {TEXT_FORMAT_VERSION}")
+    if kind == TABLE_KIND and version < FORMAT_VERSION:
+        raise UserError(f"shard file {path} has kind 'table' but format_version {version}; table "
+                        f"shards are format_version {FORMAT_VERSION}")
 
 
 def _offsets(f: h5py.File, path, split: str, num_clients: int, names) -> np.ndarray:
@@ -594,6 +623,14 @@ def read_info(path) -> ShardInfo:
         if vocab_len != vocab_size:
             raise UserError(f"shard file {path}: dataset 'vocab' holds {vocab_len} tokens but "
                             f"attribute 'vocab_size' is {vocab_size}")
+    elif kind == TABLE_KIND:
+        f_dim = info.input_shape[0] if len(info.input_shape) == 1 else -1
+        if f_dim < 1 or len(info.mean) != f_dim or len(info.std) != f_dim:
+            raise UserError(f"shard file {path}: a table shard's 'input_shape' must be [features] "
+                            f"with one 'mean' and 'std' per feature, found "
+                            f"{list(info.input_shape)}, {len(info.mean)} and {len(info.std)}")
+        if min(info.std) <= 0:
+            raise UserError(f"shard file {path}: attribute 'std' must be > 0 for every feature")
     elif len(info.input_shape) != 3:
         raise UserError(f"shard file {path}: an image shard's 'input_shape' must be [C, H, W], "
                         f"found {list(info.input_shape)}")
@@ -628,6 +665,10 @@ def describe_lines(info: ShardInfo, all_clients: bool = False) -> list[str]:
              f"{info.num_classes} classes)"]
     if info.kind == TEXT_KIND:
         lines.append(f"vocabulary:       {info.vocab_size} token ids (0 = padding, 1 = unknown)")
+    elif info.kind == TABLE_KIND:
+        shown = ", ".join(f"{m:.4g}/{s:.4g}" for m, s in zip(info.mean[:4], info.std[:4]))
+        more = ", ..." if len(info.mean) > 4 else ""
+        lines.append(f"standardised:     per feature, train-row mean/std {shown}{more}")
     else:
         lines.append(f"mean / std:       {info.mean} / {info.std}")
     lines += [f"partition:        {info.partition} "

@@ -21,6 +21,8 @@ splits every client's share into its own train and test parts.
   per class).
 * ``agnews``: the AG News ``train.csv`` / ``test.csv`` files, tokenised by
   :mod:`fedcp_dist.data.text` with a vocabulary from the training texts only.
+* ``imagefolder``, ``csv``: users' own image folders and tables, read by
+  :mod:`fedcp_dist.data.owndata` with their own options (``load_source(..., own_options=...)``).
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ NORM_STD = 0.5
 
 #: Sources whose samples are token-id sequences rather than images.
 TEXT_SOURCES = ("agnews",)
+#: Sources whose samples are rows of numeric features.
+TABLE_SOURCES = ("csv",)
+#: Users' own data (:mod:`fedcp_dist.data.owndata`): loaded with their own options.
+OWN_SOURCES = ("imagefolder", "csv")
 
 
 def progress(iterable, total: Optional[int] = None, desc: Optional[str] = None, unit: str = "it"):
@@ -74,10 +80,15 @@ class Source:
     vocab: Optional[list] = None
     #: how the source was built (text: max_len, vocab_size_cap, min_freq), recorded in the shard
     params: dict = field(default_factory=dict)
+    #: natural partitions: each sample's client (index into ``group_names``); None otherwise
+    groups: Optional[np.ndarray] = None
+    group_names: Optional[list] = None
+    #: tables: the feature columns' names
+    feature_names: Optional[list] = None
 
     @property
     def input_shape(self) -> tuple:
-        """Shape of one sample: (C, H, W) for images, (max_len,) for text."""
+        """Shape of one sample: (C, H, W) for images, (max_len,) for text, (features,) for tables."""
         return tuple(int(d) for d in self.x.shape[1:])
 
     @property
@@ -537,6 +548,8 @@ _LOADERS: dict[str, Callable] = {
     "cifar100": _cifar_loader("cifar100"),
     "tinyimagenet": _load_tinyimagenet,
     "agnews": _load_agnews,
+    "imagefolder": None,  # fedcp_dist.data.owndata, through load_source's own_options
+    "csv": None,
 }
 
 #: Names accepted by :func:`load_source`.
@@ -550,25 +563,34 @@ def check_source_name(name: str) -> None:
 
 
 def source_kind(name: str) -> str:
-    """``"text"`` or ``"image"``: what the samples of source ``name`` are."""
+    """``"text"``, ``"table"`` or ``"image"``: what the samples of source ``name`` are."""
     check_source_name(name)
-    return "text" if name in TEXT_SOURCES else "image"
+    return "text" if name in TEXT_SOURCES else "table" if name in TABLE_SOURCES else "image"
 
 
 def load_source(name: str, root=None, download: bool = False, *,
                 max_len: int = textlib.DEFAULT_MAX_LEN,
                 vocab_size: int = textlib.DEFAULT_VOCAB_SIZE,
-                min_freq: int = textlib.DEFAULT_MIN_FREQ,
+                min_freq: int = textlib.DEFAULT_MIN_FREQ, own_options: Optional[dict] = None,
                 include_val: bool = False) -> Source:
     """Load source ``name`` (train and test merged, train first) from ``root``.
 
     ``download`` lets torchvision fetch a missing data set into ``root`` (mnist, fmnist, cifar10,
     cifar100).  ``max_len``, ``vocab_size`` and ``min_freq`` apply to text sources only;
-    ``include_val`` to tinyimagenet only (its val images after the train images).
+    ``own_options`` are the keyword arguments of :func:`~fedcp_dist.data.owndata.load_imagefolder`
+    or :func:`~fedcp_dist.data.owndata.load_csv` (imagefolder, csv); ``include_val`` applies to
+    tinyimagenet only (its val images after the train images).
     """
     check_source_name(name)
     if include_val and name != "tinyimagenet":
         raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{name}'")
+    if name in OWN_SOURCES:
+        from fedcp_dist.data import owndata
+
+        if download:
+            _no_download(name, "it reads your own files from --root")
+        loader = owndata.load_imagefolder if name == "imagefolder" else owndata.load_csv
+        return loader(root, **(own_options or {}))
     if source_kind(name) == "text":
         return _LOADERS[name](root, download, max_len=max_len, vocab_size=vocab_size,
                               min_freq=min_freq)

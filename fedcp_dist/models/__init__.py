@@ -2,7 +2,8 @@
 
 * ``cnn`` — the paper's 4-layer CNN, sized from the image shape (K = 512);
 * ``resnet18`` — torchvision's ResNet-18 from scratch, 3-channel images (K = 512);
-* ``fasttext`` — fastText on int64 token ids (B, max_len) with 0 as padding (K = 32).
+* ``fasttext`` — fastText on int64 token ids (B, max_len) with 0 as padding (K = 32);
+* ``mlp`` — two ReLU layers on standardised table rows (B, F) (K = ``mlp_hidden``).
 
 Also two helpers for methods that must treat BatchNorm (or dropout) with care:
 :func:`mode_dependent` and :func:`forward_batch_stats`.
@@ -14,16 +15,21 @@ from torch import nn
 
 from fedcp_dist.models.cnn import CNN
 from fedcp_dist.models.fasttext import FastText
+from fedcp_dist.models.mlp import DEFAULT_HIDDEN, MLP
 from fedcp_dist.models.resnet import ResNet18
 
-MODELS = ("cnn", "resnet18", "fasttext")
+MODELS = ("cnn", "resnet18", "fasttext", "mlp")
+#: the kind of shard (fedcp_dist.data.shards) each model reads
+MODEL_KINDS = {"cnn": "image", "resnet18": "image", "fasttext": "text", "mlp": "table"}
 
 
-def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0) -> nn.Module:
+def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0,
+                mlp_hidden: int = DEFAULT_HIDDEN) -> nn.Module:
     """Build a model with ``.features``, ``.head`` and ``.feature_dim``.
 
     ``input_shape`` is one sample's shape: [C, H, W] for the image models, [max_len] for fasttext,
-    which also needs the ``vocab_size`` (ids 0 .. vocab_size - 1, 0 the padding).
+    which also needs the ``vocab_size`` (ids 0 .. vocab_size - 1, 0 the padding), [F] for mlp
+    (``mlp_hidden`` wide).
     Parameters are drawn from torch's global RNG: seed it first for identical models on every rank.
     """
     shape = tuple(int(s) for s in input_shape)
@@ -32,6 +38,12 @@ def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0) -
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     if num_classes < 1:
         raise ValueError(f"model {name!r} needs at least one class, got num_classes={num_classes}")
+    model = _build(name, shape, num_classes, vocab_size, mlp_hidden)
+    model.input_kind, model.input_shape = MODEL_KINDS[name], shape  # for methods that read the data's shape
+    return model
+
+
+def _build(name: str, shape: tuple, num_classes: int, vocab_size: int, mlp_hidden: int) -> nn.Module:
     if name in ("cnn", "resnet18"):
         if len(shape) != 3 or min(shape) < 1:
             raise ValueError(f"model {name!r} takes images [C, H, W], got input shape {list(shape)}")
@@ -40,6 +52,12 @@ def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0) -
         if shape[0] != 3:
             raise ValueError(f"model 'resnet18' takes 3-channel images, got input shape {list(shape)}")
         return ResNet18(num_classes)
+    if name == "mlp":
+        if len(shape) != 1 or shape[0] < 1:
+            raise ValueError(f"model 'mlp' takes feature rows [features], got input shape {list(shape)}")
+        if int(mlp_hidden) < 1:
+            raise ValueError(f"model 'mlp' needs mlp_hidden >= 1, got {mlp_hidden}")
+        return MLP(shape[0], num_classes, int(mlp_hidden))
     # fasttext
     if len(shape) != 1 or shape[0] < 1:
         raise ValueError(f"model 'fasttext' takes token ids [max_len], got input shape {list(shape)}")

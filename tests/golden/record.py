@@ -6,7 +6,9 @@
 
 Each case runs ROUNDS rounds of a ``configs/digits_<method>.yaml`` config (plus the case's
 overrides) in this process on the embedded digits partition (20 clients, Dir(0.1), seed 1),
-evaluating every round and checkpointing after round 1. Its digest covers the final global state,
+evaluating every round and checkpointing after round 1. The digests were recorded when clients
+trained one by one by default: every case pins ``fused=false`` (the default is now ``auto``), and
+the ``-fused`` cases override it with ``fused=true``. Its digest covers the final global state,
 every client's persistent state in that checkpoint (all ranks' parts), the metric records without
 their timings, and the summary without its timings: SHA-256 over the exact bytes and float reprs.
 The file also records the machine it was made on (torch version, CPU capability): float results
@@ -98,7 +100,7 @@ def run_case(rt, shard: str, name: str, work: Path) -> dict:
     out = work / name
     cfg = load_config(str(REPO / "configs" / f"digits_{method}.yaml"), [
         f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=1", "keep_checkpoints=5", "threads=1",
-        f"data.path={shard}", f"out_dir={out}", "overwrite=true", *extra])
+        f"data.path={shard}", f"out_dir={out}", "overwrite=true", "fused=false", *extra])
     Simulator(cfg, rt, echo=lambda *_: None).run()
     rt.barrier()
     return digest_run(out) if rt.is_main else {}

@@ -1,0 +1,395 @@
+"""Users' own data: a folder of images per class, or a table of numeric features in a CSV file.
+
+* ``imagefolder``: torchvision's ImageFolder layout ``ROOT/<class>/<image>``, any format Pillow
+  reads (files whose suffix Pillow does not know are skipped and counted).  Classes are the
+  sub-folders in sorted order (label k = the k-th name).  Every image is converted to greyscale
+  (``channels=1``) or RGB (``channels=3``; default: 1 when the first image is greyscale, else 3)
+  and resized (bilinear) to ``image_size`` (default: the first image's size).  With the natural
+  partition ``folders`` the layout is ``ROOT/<client>/<class>/<image>``: each top folder is one
+  client (a hospital), the classes the union of the clients' class folders.
+* ``csv``: a CSV file with a header row; ``label_col`` names the label (any values: the sorted
+  distinct values become labels 0..C-1, numerically when all are integers), ``client_col``
+  optionally the client of each row (natural partition ``column``: each distinct value, in
+  sorted order, is one client), ``drop_cols`` columns to ignore; every other column is a numeric
+  feature.  The features are kept raw (float32) in the shard; their mean and standard deviation
+  over the training rows of all clients (never a test row) are the shard's ``mean`` / ``std``,
+  and the engine standardises every batch with them, as it normalises images.
+
+Images are decoded into one preallocated uint8 array a block of :data:`DECODE_BLOCK` files at a
+time (threads), and CSV rows are parsed a block of :data:`CSV_BLOCK` rows at a time, so memory
+is the data set plus a block, as for the built-in sources.  Every bad input is a one-line
+:class:`~fedcp_dist.errors.UserError` naming the file (and, for a CSV, the line and column).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from fedcp_dist.errors import UserError
+
+#: files decoded per block (one block of decoded images is all that is held beyond the array)
+DECODE_BLOCK = 512
+#: CSV rows parsed per block
+CSV_BLOCK = 8192
+#: most feature columns of a table: its mean and std are shard attributes (HDF5: 64 KiB each)
+MAX_FEATURES = 4096
+#: greyscale Pillow modes: the first image in one of these makes the default channels 1
+_GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L")
+#: the natural partitions and the source that has each
+NATURAL_PARTITIONS = {"folders": "imagefolder", "column": "csv"}
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def parse_image_size(text) -> Optional[tuple]:
+    """``"32"`` → (32, 32), ``"48x64"`` → (48, 64) (height x width); None stays None."""
+    if text is None:
+        return None
+    parts = str(text).lower().split("x")
+    try:
+        hw = tuple(int(p) for p in parts)
+    except ValueError:
+        hw = ()
+    if len(hw) == 1:
+        hw = hw * 2
+    if len(hw) != 2 or min(hw) < 1:
+        raise UserError(f"--image-size must be N or HxW with positive integers, got {text!r}")
+    return hw
+
+
+def split_cols(text) -> list:
+    """``"a,b"`` → ["a", "b"] (``--drop-cols``)."""
+    if not text:
+        return []
+    return [c.strip() for c in str(text).split(",") if c.strip()]
+
+
+# ----------------------------------------------------------------------------- image folders
+
+
+def _image_suffixes() -> set:
+    from PIL import Image
+
+    return {s.lower() for s in Image.registered_extensions()}
+
+
+def _listdir(folder: Path) -> list:
+    try:
+        return sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    except OSError as exc:
+        raise UserError(f"{folder} could not be listed: {_one_line(exc)}") from None
+
+
+def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
+    """{class name: [image files]} of ``folder/<class>/<image>`` and the count of skipped files."""
+    out, skipped = {}, 0
+    for name in _listdir(folder):
+        sub = folder / name
+        if not sub.is_dir():
+            continue
+        files = []
+        for f in _listdir(sub):
+            if (sub / f).is_file() and Path(f).suffix.lower() in suffixes:
+                files.append(sub / f)
+            else:
+                skipped += 1
+        out[name] = files
+    return out, skipped
+
+
+def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
+    """One image as uint8 (channels, H, W): converted to L or RGB, resized (bilinear) to ``size``."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im = im.convert("L" if channels == 1 else "RGB")
+            if (im.height, im.width) != tuple(size):
+                im = im.resize((size[1], size[0]), Image.BILINEAR)
+            a = np.asarray(im, dtype=np.uint8)
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing") from None
+    except Exception as exc:  # PIL's errors for truncated or foreign files
+        raise UserError(f"{path} is not a readable image: {_one_line(exc)}") from None
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+def _first_image(path: Path) -> tuple[tuple, int]:
+    """(H, W) and default channels (1 for a greyscale mode, else 3) of the first image."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return (im.height, im.width), (1 if im.mode in _GREY_MODES else 3)
+    except Exception as exc:
+        raise UserError(f"{path} is not a readable image: {_one_line(exc)}") from None
+
+
+def _decode(files: list, size: tuple, channels: int) -> np.ndarray:
+    """Decode ``files`` into one preallocated (n, channels, H, W) array, a block at a time."""
+    from fedcp_dist.data.sources import progress
+
+    x = np.empty((len(files), channels) + tuple(size), dtype=np.uint8)
+    workers = max(1, min(8, os.cpu_count() or 1))
+    bar = progress(None, total=len(files), desc="decoding images", unit="img")
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for start in range(0, len(files), DECODE_BLOCK):
+                block = files[start:start + DECODE_BLOCK]
+                for i, image in enumerate(pool.map(lambda f: _read_image(f, size, channels), block), start):
+                    x[i] = image
+                bar.update(len(block))
+    finally:
+        bar.close()
+    return x
+
+
+def load_imagefolder(root, *, image_size=None, channels=None, natural: bool = False,
+                     say=lambda _msg: None):
+    """The images under ``root`` as a :class:`~fedcp_dist.data.sources.Source`.
+
+    ``natural``: the layout ``root/<client>/<class>/<image>``; the source's ``groups`` then give
+    each sample's client (the index of its folder in sorted order) and ``group_names`` the folders.
+    """
+    from fedcp_dist.data.sources import NORM_MEAN, NORM_STD, Source
+
+    if root is None:
+        raise UserError("source 'imagefolder' needs its folder: pass --root DIR")
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"--root {root} is not a directory")
+    if channels is not None and channels not in (1, 3):
+        raise UserError(f"--channels must be 1 or 3, got {channels}")
+    size = parse_image_size(image_size)
+    suffixes = _image_suffixes()
+    if natural:
+        tops = [n for n in _listdir(root) if (root / n).is_dir()]
+        if not tops:
+            raise UserError(f"{root} holds no client folders (--partition folders reads "
+                            f"ROOT/<client>/<class>/<image>)")
+        per_client = []
+        skipped = 0
+        for name in tops:
+            classes, skip = _class_files(root / name, suffixes)
+            if not classes:
+                raise UserError(f"{root / name} holds no class folders (--partition folders reads "
+                                f"ROOT/<client>/<class>/<image>)")
+            per_client.append(classes)
+            skipped += skip
+        class_names = sorted({c for classes in per_client for c in classes})
+    else:
+        tops = None
+        classes, skipped = _class_files(root, suffixes)
+        if not classes:
+            raise UserError(f"{root} holds no class folders (--source imagefolder reads "
+                            f"ROOT/<class>/<image>)")
+        per_client = [classes]
+        class_names = sorted(classes)
+    index = {c: k for k, c in enumerate(class_names)}
+    files, labels, groups = [], [], []
+    for g, classes in enumerate(per_client):
+        for c in sorted(classes):
+            files += classes[c]
+            labels += [index[c]] * len(classes[c])
+            groups += [g] * len(classes[c])
+    if not files:
+        raise UserError(f"{root} holds no images Pillow can read (looked for "
+                        f"{', '.join(sorted(s for s in suffixes if s in ('.png', '.jpg', '.jpeg', '.bmp', '.tif')))} "
+                        f"and the other formats Pillow knows)")
+    first_size, first_channels = _first_image(files[0])
+    size = size or first_size
+    channels = channels or first_channels
+    say(f"  {len(files)} images in {len(class_names)} classes"
+        + (f" from {len(tops)} client folders" if natural else "")
+        + (f" ({skipped} other files skipped)" if skipped else "")
+        + f"; as {channels}x{size[0]}x{size[1]}")
+    x = _decode(files, size, channels)
+    params = {"image_size": list(size), "channels": channels, "classes": class_names}
+    src = Source(x=x, y=np.asarray(labels, dtype=np.int64), num_classes=len(class_names),
+                 mean=(NORM_MEAN,) * channels, std=(NORM_STD,) * channels, name="imagefolder",
+                 params=params)
+    if natural:
+        src.groups = np.asarray(groups, dtype=np.int64)
+        src.group_names = tops
+    return src
+
+
+# ----------------------------------------------------------------------------- CSV tables
+
+
+def _label_values(raw: list) -> tuple[np.ndarray, list]:
+    """Labels 0..C-1 for the distinct values of ``raw`` (numeric order when all are integers)."""
+    distinct = sorted(set(raw))
+    try:
+        as_int = {v: int(v) for v in distinct}
+        distinct = sorted(distinct, key=lambda v: as_int[v])
+        names = [as_int[v] for v in distinct]
+    except ValueError:
+        names = list(distinct)
+    index = {v: k for k, v in enumerate(distinct)}
+    return np.asarray([index[v] for v in raw], dtype=np.int64), names
+
+
+def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_cols=()):
+    """(features float32 (n, F), feature names, labels (n,) int64, class names, client values or None)."""
+    from fedcp_dist.data.sources import progress
+
+    path = Path(path)
+    if not label_col:
+        raise UserError("source 'csv' needs --label-col NAME (the column holding the labels)")
+    if not path.is_file():
+        raise UserError(f"--root {path} is not a file (source 'csv' reads one CSV file)")
+    drop = set(drop_cols)
+    blocks, raw_labels, raw_clients = [], [], []
+    line = 0
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise UserError(f"{path} is empty (expected a header row)")
+            header = [h.strip() for h in header]
+            for name in [label_col] + ([client_col] if client_col else []) + sorted(drop):
+                if name not in header:
+                    flag = ("--label-col" if name == label_col else
+                            "--client-col" if name == client_col else "--drop-cols")
+                    raise UserError(f"{path} has no column '{name}' ({flag}); its columns: "
+                                    f"{', '.join(header)}")
+            if len(set(header)) != len(header):
+                dup = next(h for h in header if header.count(h) > 1)
+                raise UserError(f"{path}: the column name '{dup}' appears twice in the header")
+            skip = {label_col, client_col, *drop}
+            feat_idx = [i for i, h in enumerate(header) if h not in skip]
+            names = [header[i] for i in feat_idx]
+            if not names:
+                raise UserError(f"{path} has no feature columns left (all are label, client or dropped)")
+            if len(names) > MAX_FEATURES:
+                raise UserError(f"{path} has {len(names)} feature columns, at most {MAX_FEATURES} "
+                                f"are supported (drop some with --drop-cols)")
+            li = header.index(label_col)
+            ci = header.index(client_col) if client_col else None
+            block = np.empty((CSV_BLOCK, len(names)), dtype=np.float32)
+            fill = 0
+            for row in progress(reader, desc="reading rows", unit="row"):
+                line = reader.line_num
+                if not row or (len(row) == 1 and not row[0].strip()):
+                    continue
+                if len(row) != len(header):
+                    raise UserError(f"{path} line {line}: {len(row)} fields, the header has "
+                                    f"{len(header)}")
+                for j, i in enumerate(feat_idx):
+                    cell = row[i].strip()
+                    try:
+                        v = float(cell)
+                    except ValueError:
+                        v = math.nan
+                    if not math.isfinite(v):
+                        raise UserError(f"{path} line {line}: column '{header[i]}' holds "
+                                        f"{cell[:30]!r}, not a finite number (drop the column "
+                                        f"with --drop-cols)")
+                    block[fill, j] = v
+                label = row[li].strip()
+                if not label:
+                    raise UserError(f"{path} line {line}: the label column '{label_col}' is empty")
+                raw_labels.append(label)
+                if ci is not None:
+                    raw_clients.append(row[ci].strip())
+                fill += 1
+                if fill == CSV_BLOCK:
+                    blocks.append(block)
+                    block = np.empty_like(block)
+                    fill = 0
+            blocks.append(block[:fill])
+    except UserError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: {_one_line(exc)}") from None
+    except csv.Error as exc:
+        raise UserError(f"{path} line {line + 1}: {_one_line(exc)}") from None
+    except OSError as exc:
+        raise UserError(f"{path} could not be read: {_one_line(exc)}") from None
+    if not raw_labels:
+        raise UserError(f"{path} holds no data rows")
+    x = np.concatenate(blocks) if len(blocks) > 1 else blocks[0].copy()
+    del blocks
+    y, classes = _label_values(raw_labels)
+    return x, names, y, classes, (raw_clients if client_col else None)
+
+
+def load_csv(root, *, label_col=None, client_col=None, drop_cols=None, natural: bool = False,
+             say=lambda _msg: None):
+    """The table in the CSV file ``root`` as a :class:`~fedcp_dist.data.sources.Source` of kind
+    ``table`` (``mean`` / ``std`` are filled in once the training rows are known:
+    :func:`train_statistics`)."""
+    from fedcp_dist.data.sources import Source
+
+    if root is None:
+        raise UserError("source 'csv' needs its file: pass --root FILE.csv")
+    if natural and not client_col:
+        raise UserError("--partition column needs --client-col NAME (each value is one client)")
+    if client_col and not natural:
+        raise UserError("--client-col needs --partition column (each value of the column is one client)")
+    if client_col and client_col == label_col:
+        raise UserError(f"--client-col and --label-col are both '{label_col}'")
+    x, names, y, classes, clients = read_csv_table(root, label_col, client_col, split_cols(drop_cols))
+    say(f"  {len(y)} rows, {len(names)} feature columns, {len(classes)} classes "
+        f"({', '.join(map(str, classes[:10]))}{', ...' if len(classes) > 10 else ''})")
+    src = Source(x=x, y=y, num_classes=len(classes), mean=(), std=(), name="csv", kind="table",
+                 params={"label_col": label_col, "classes": classes,
+                         **({"client_col": client_col} if client_col else {}),
+                         **({"drop_cols": split_cols(drop_cols)} if drop_cols else {})})
+    src.feature_names = names
+    if clients is not None:
+        group_names = sorted(set(clients))
+        index = {c: g for g, c in enumerate(group_names)}
+        src.groups = np.asarray([index[c] for c in clients], dtype=np.int64)
+        src.group_names = group_names
+    return src
+
+
+def train_statistics(x: np.ndarray, shares) -> tuple[np.ndarray, np.ndarray]:
+    """Per-feature mean and standard deviation (population, float64) of the training rows of
+    every client in ``shares`` (``(train_idx, test_idx)`` pairs), a block of rows at a time.
+    A constant feature gets std 1 (it standardises to 0)."""
+    idx = np.sort(np.concatenate([np.asarray(tr, dtype=np.int64) for tr, _ in shares]))
+    if not len(idx):
+        raise UserError("no training rows: nothing to compute the standardisation from")
+    total = np.zeros(x.shape[1], dtype=np.float64)
+    for start in range(0, len(idx), CSV_BLOCK):
+        total += x[idx[start:start + CSV_BLOCK]].sum(axis=0, dtype=np.float64)
+    mean = total / len(idx)
+    sq = np.zeros_like(mean)
+    for start in range(0, len(idx), CSV_BLOCK):
+        d = x[idx[start:start + CSV_BLOCK]].astype(np.float64) - mean
+        sq += (d * d).sum(axis=0)
+    std = np.sqrt(sq / len(idx))
+    std[std <= 1e-12] = 1.0
+    return mean, std
+
+
+def natural_shares(groups: np.ndarray, names: list, train_ratio: float, seed: int, what: str):
+    """Each group's (client's) own train/test split, ``(train_idx, test_idx)`` per group in order,
+    from one ``np.random.default_rng(seed)``; a client too small for one train and one test sample
+    is an error naming it (``what``: "client folder" or "client")."""
+    from fedcp_dist.data.partition import min_split_samples, split_train_test
+
+    rng = np.random.default_rng(seed)
+    order = np.argsort(groups, kind="stable")
+    counts = np.bincount(groups, minlength=len(names))
+    floor = min_split_samples(train_ratio)
+    shares = []
+    for g, idx in enumerate(np.split(order, np.cumsum(counts)[:-1])):
+        if len(idx) < floor:
+            raise UserError(f"{what} '{names[g]}' holds {len(idx)} samples; each client needs at "
+                            f"least {floor} (one train and one test sample at --train-ratio "
+                            f"{train_ratio:g})")
+        shares.append(split_train_test(idx, train_ratio, rng))
+    return shares
