@@ -104,7 +104,7 @@ def test_only_the_subset_trains_and_is_evaluated(digits20, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_run_the_same_subset(digits20, tmp_path):
     """One torchrun run on 2 ranks against one run on 1 rank: the same subset, trajectory and summary."""
-    args = ["--config", CONFIG, f"data.path={digits20}", "data.clients=4", "rounds=2", "threads=1",
+    args = ["--config", CONFIG, f"data.path={digits20}", "data.clients=4", "rounds=2", "threads=1", "fused=false",
             "checkpoint_every=0"]
     r1 = run_cmd([sys.executable, "-m", "fedcp_dist.run", *args, f"out_dir={tmp_path / 'one'}"])
     r2 = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
