@@ -225,7 +225,8 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
     # this rank's trained samples per timed round
     def rank_samples(t):
         n = 0
-        for c in sample_cohort(cfg.seed, t, sim.num_clients, cfg.participation, cfg.participation_range):
+        for c in sample_cohort(cfg.seed, t, sim.num_clients, cfg.participation, cfg.participation_range,
+                                   cfg.participation_draw):
             if sim.owner[c] == rt.rank:
                 n += num_batches_samples(sim.data[int(c)].n_train, cfg)
         return n

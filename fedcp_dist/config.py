@@ -6,8 +6,10 @@ set lives under ``data.`` (``data.path``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import typing
@@ -19,6 +21,7 @@ import yaml
 from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import MODELS
+from fedcp_dist.placement import PARTICIPATION_DRAWS
 
 METHODS = tuple(ALGORITHMS)
 AMP_MODES = ("none", "bf16")
@@ -38,6 +41,9 @@ class DataConfig:
     source: str = ""
     #: expected input shape [C, H, W]; null accepts any
     input_shape: Optional[list] = None
+    #: the clients the run uses: null = all; K = a random K of them drawn once from the run seed;
+    #: a list = those client ids of the shard. The others neither train nor are evaluated.
+    clients: Optional[typing.Union[int, list]] = None
 
 
 @dataclass
@@ -62,6 +68,9 @@ class _Experiment:
     participation: float = 1.0
     #: if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round (drop-out study)
     participation_range: Optional[list] = None
+    #: with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; count draws the number of
+    #: participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference library's rule, which reaches N)
+    participation_draw: str = "rho"
     #: run seed: model init, cohorts and every client's batch order and noise derive from it
     seed: int = 1
     #: local learning rate η (plain SGD, no momentum)
@@ -190,6 +199,10 @@ class _ConfigMethods:
                 or not 0 < r[0] <= r[1] <= 1
             ):
                 bad("participation_range", f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}")
+        if self.participation_draw not in PARTICIPATION_DRAWS:
+            bad("participation_draw", f"must be one of {', '.join(PARTICIPATION_DRAWS)}, got {self.participation_draw!r}")
+        if self.participation_draw != "rho" and self.participation_range is None:
+            bad("participation_draw", f"{self.participation_draw} draws from participation_range, which is not set")
         if self.amp not in AMP_MODES:
             bad("amp", f"must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         if not self.out_dir:
@@ -209,6 +222,15 @@ class _ConfigMethods:
         # the data set last: a mistyped value is named even where the shard is not made yet
         if self.data.num_clients < 0:
             bad("data.num_clients", f"must be >= 0, got {self.data.num_clients}")
+        clients = self.data.clients
+        if isinstance(clients, int) and clients < 1:
+            bad("data.clients", f"must be a client count >= 1 or a list of client ids, got {clients}")
+        if isinstance(clients, list):
+            if not clients or not all(type_ok(c, int) and c >= 0 for c in clients):
+                bad("data.clients", f"must be a non-empty list of client ids >= 0, got {clients}")
+            if len(set(clients)) != len(clients):
+                dup = next(c for c in clients if clients.count(c) > 1)
+                bad("data.clients", f"lists client {dup} twice")
         if not self.data.path:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
         if not os.path.isfile(self.data.path):
@@ -265,10 +287,16 @@ def _type_name(tp) -> str:
     return "null" if tp is type(None) else tp.__name__
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict:
+    # resolved once per class: typing.get_type_hints is slow, and a sweep loads a config per point
+    return typing.get_type_hints(cls)
+
+
 def _apply(obj, values: dict, prefix: str = "") -> None:
     if not isinstance(values, dict):
         raise UserError(f"config section {prefix.rstrip('.') or '<top>'!r} must be a mapping")
-    hints = typing.get_type_hints(type(obj))
+    hints = _type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in values.items():
         full = f"{prefix}{key}"
@@ -343,10 +371,14 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return out
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate: bool = True) -> Config:
-    """Defaults ← YAML file ← ``key=value`` overrides, then validation."""
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate: bool = True,
+                values: Optional[dict] = None) -> Config:
+    """Defaults ← YAML file ← ``key=value`` overrides, then validation. ``values``: the file's
+    mapping as already read (a sweep reads its base once for all its points); ``path`` is not read then."""
     cfg = Config()
-    if path is not None:
+    if values is not None:
+        _apply(cfg, copy.deepcopy(values))
+    elif path is not None:
         _apply(cfg, read_yaml_mapping(path))
     if overrides:
         _apply(cfg, parse_overrides(overrides))

@@ -17,12 +17,31 @@ STREAM_TRAIN = 2
 STREAM_EVAL = 3
 STREAM_INIT = 4
 STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/after with cpn_eval_gumbel)
+STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
+
+#: how a drop-out round's participants are counted (``participation_draw``)
+PARTICIPATION_DRAWS = ("rho", "count")
 
 
 def stream_seed(seed: int, *keys: int) -> int:
     """A 63-bit seed for the random stream named by (seed, *keys)."""
     state = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, *[int(k) for k in keys]]).generate_state(2, np.uint32)
     return int((int(state[0]) << 31) ^ int(state[1]))
+
+
+def client_subset(clients, seed: int, num_clients: int) -> np.ndarray:
+    """The shard's ids of the clients a run uses (``data.clients``), sorted; the same on every rank.
+
+    ``None``: all ``num_clients``. An int K: K clients drawn without replacement from a stream of
+    the run seed of its own (so the subset does not depend on the world size or on anything else
+    the seed drives). A list: those clients.
+    """
+    if clients is None:
+        return np.arange(num_clients, dtype=np.int64)
+    if isinstance(clients, list):
+        return np.sort(np.asarray(clients, dtype=np.int64))
+    rng = np.random.default_rng(stream_seed(seed, STREAM_SUBSET))
+    return np.sort(rng.choice(num_clients, size=int(clients), replace=False)).astype(np.int64)
 
 
 def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
@@ -52,12 +71,28 @@ def sample_cohort(
     num_clients: int,
     participation: float,
     participation_range: Optional[Sequence[float]] = None,
+    draw: str = "rho",
 ) -> np.ndarray:
     """The sorted client ids that train in round ``round_idx`` (same on every rank).
 
-    With ``participation_range = [a, b]`` the round's ρ is drawn uniformly from [a, b].
+    With ``participation_range = [a, b]`` each round draws its cohort size: ``draw="rho"`` takes
+    ρ uniformly from [a, b] and ⌊ρN⌋ clients (ρ = b exactly has probability 0, so N is never
+    reached when b = 1); ``draw="count"`` takes the count uniformly from the integers
+    {⌊aN⌋ … ⌊bN⌋} (at least 1), as the reference library draws its participants, so b = 1
+    reaches all N clients.
     """
     rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
-    rho = participation if participation_range is None else float(rng.uniform(*participation_range))
-    m = cohort_size(rho, num_clients)
+    m = round_cohort_size(rng, num_clients, participation, participation_range, draw)
     return np.sort(rng.choice(num_clients, size=m, replace=False))
+
+
+def round_cohort_size(rng: np.random.Generator, num_clients: int, participation: float,
+                      participation_range: Optional[Sequence[float]] = None, draw: str = "rho") -> int:
+    """A round's cohort size, drawn from the round's cohort stream ``rng`` (see :func:`sample_cohort`);
+    without ``participation_range`` nothing is drawn."""
+    if participation_range is None:
+        return cohort_size(participation, num_clients)
+    if draw == "count":
+        low, high = (cohort_size(float(r), num_clients) for r in participation_range)
+        return int(rng.integers(low, high + 1))
+    return cohort_size(float(rng.uniform(*participation_range)), num_clients)

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fedcp_dist.options import Option, one_of, within
-from fedcp_dist.placement import STREAM_COHORT, cohort_size, stream_seed
+from fedcp_dist.placement import STREAM_COHORT, round_cohort_size, stream_seed
 
 SELECTION_MODES = ("uniform", "feature_difference")
 
@@ -53,14 +53,14 @@ def selection_probabilities(sizes: Sequence[float], vectors, min_prob: float) ->
 
 
 def sample_cohort_weighted(seed: int, round_idx: int, probs: np.ndarray, participation: float,
-                           participation_range: Optional[Sequence[float]] = None) -> np.ndarray:
+                           participation_range: Optional[Sequence[float]] = None, draw: str = "rho") -> np.ndarray:
     """The sorted cohort of round ``round_idx``, drawn without replacement with ``probs``.
 
-    The round's ρ (with ``participation_range``) and the cohort size are those of uniform sampling.
+    The round's cohort size (with ``participation_range``: drawn as ``draw`` says) is that of
+    uniform sampling.
     """
     rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
-    rho = participation if participation_range is None else float(rng.uniform(*participation_range))
-    m = cohort_size(rho, len(probs))
+    m = round_cohort_size(rng, len(probs), participation, participation_range, draw)
     return np.sort(rng.choice(len(probs), size=m, replace=False, p=probs))
 
 

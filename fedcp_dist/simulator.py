@@ -135,9 +135,12 @@ class Simulator:
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
         cfg = self.cfg
         if not self.select_by_features or (cfg.participation >= 1 and cfg.participation_range is None):
-            return sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range)
-        probs = selection_probabilities(self.setup.info.train_counts, self._client_vectors(), cfg.selection_min_prob)
-        return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range)
+            return sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range,
+                                 cfg.participation_draw)
+        probs = selection_probabilities(self.setup.info.train_counts[self.setup.clients], self._client_vectors(),
+                                        cfg.selection_min_prob)
+        return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range,
+                                      cfg.participation_draw)
 
     def _exchange_peers(self, t: int, cohort, payloads: dict) -> float:
         """One all-gather of the participants' peer payloads; the algorithm updates the global state."""
@@ -163,7 +166,8 @@ class Simulator:
         cfg, rt = self.cfg, self.rt
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
-        self.echo(f"fedcp_dist: {cfg.method} on {self.num_clients} clients ({self.setup.info.source}), {rt.describe()}, "
+        of = f" of the shard's {self.setup.info.num_clients}" if cfg.data.clients is not None else ""
+        self.echo(f"fedcp_dist: {cfg.method} on {self.num_clients}{of} clients ({self.setup.info.source}), {rt.describe()}, "
                   f"{len(self.owned)} clients on rank 0, loaded in {self.setup.load_seconds:.2f} s; "
                   f"training: {self.path}" + (f"; {note}" if (note := self.algo.describe()) else ""))
         for t in range(self.start_round, cfg.rounds):
@@ -268,6 +272,8 @@ class Simulator:
         self.echo(progress_line(cfg.rounds, e, None))
         summary = run_summary(cfg, rt, self.setup.info.source, self.num_clients, self.records, e, self.round_seconds,
                               self.setup.load_seconds)
+        if cfg.data.clients is not None:  # which of the shard's clients the run's 0 … K − 1 are
+            summary["shard_clients"] = self.setup.clients.tolist()
         if self.compressor.enabled:
             summary.update(byte_totals(self.records))
         if self.select_by_features:

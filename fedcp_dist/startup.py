@@ -14,7 +14,7 @@ from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import build_model
-from fedcp_dist.placement import place_clients
+from fedcp_dist.placement import client_subset, place_clients
 
 
 @dataclass
@@ -22,14 +22,17 @@ class Setup:
     """What a rank knows after start-up."""
 
     info: ShardInfo
-    owner: np.ndarray  # owner rank of every client
+    #: the shard's ids of the run's clients (``data.clients``; all by default), sorted. The run
+    #: numbers its clients 0 … len − 1 in this order: client k of the run is shard client clients[k]
+    clients: np.ndarray
+    owner: np.ndarray  # owner rank of every client of the run
     owned: List[int]  # this rank's clients
     data: Dict[int, ClientData]  # this rank's clients' data, on its device
     load_seconds: float
 
     @property
     def num_clients(self) -> int:
-        return self.info.num_clients
+        return len(self.clients)
 
     def clients_per_rank(self, world_size: int) -> np.ndarray:
         return np.bincount(self.owner, minlength=world_size)
@@ -52,6 +55,18 @@ def check_shard(cfg, info: ShardInfo) -> None:
     if d.input_shape is not None and list(d.input_shape) != list(info.input_shape):
         raise UserError(f"config key 'data.input_shape' is {list(d.input_shape)} but {d.path} holds inputs of "
                         f"shape {list(info.input_shape)}")
+    if isinstance(d.clients, list) and max(d.clients) >= info.num_clients:
+        raise UserError(f"config key 'data.clients' lists client {max(d.clients)} but {d.path} holds clients "
+                        f"0..{info.num_clients - 1}")
+    if isinstance(d.clients, int) and d.clients > info.num_clients:
+        raise UserError(f"config key 'data.clients' asks for {d.clients} clients but {d.path} holds "
+                        f"{info.num_clients}")
+
+
+def run_clients(cfg, info: ShardInfo) -> np.ndarray:
+    """The shard's ids of the run's clients, checked against the shard (see :class:`Setup`)."""
+    check_shard(cfg, info)
+    return client_subset(cfg.data.clients, cfg.seed, info.num_clients)
 
 
 def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
@@ -85,14 +100,14 @@ def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
 def load(cfg, rt) -> Setup:
     """Read the shard's metadata, place the clients, load this rank's clients onto its device."""
     info = read_info(cfg.data.path)
-    check_shard(cfg, info)
-    owner = place_clients(info.train_counts, rt.world_size)
+    clients = run_clients(cfg, info)
+    owner = place_clients(info.train_counts[clients], rt.world_size)
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
     t0 = time.perf_counter()
-    arrays = load_clients(cfg.data.path, owned)
-    data = {c: to_device(c, arrays[c], info.mean, info.std, rt.device) for c in owned}
+    arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
+    data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
-    return Setup(info, owner, owned, data, time.perf_counter() - t0)
+    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0)
 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:

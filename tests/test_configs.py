@@ -8,6 +8,7 @@ from conftest import REPO
 from fedcp_dist.cli.sweep import main
 from fedcp_dist.config import METHODS, flatten, load_config
 from fedcp_dist.sweep import load_sweep
+from fedcp_dist.sweep.spec import point_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SWEEPS = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))
@@ -50,9 +51,50 @@ def test_paper_settings_use_the_paper_hyperparameters(path):
 
 
 def test_the_n_of_50_settings():
-    for k, rho in ((10, 0.2), (30, 0.6)):
+    """N = K | 50: a random K of the 50 clients, every one of them training each round."""
+    for k in (10, 30):
         cfg = load_config(str(REPO / f"configs/cifar100_dir0.1_n{k}of50_fedcp.yaml"), validate=False)
-        assert cfg.data.num_clients == 50 and cfg.participation == rho and round(rho * 50) == k
+        assert (cfg.data.num_clients, cfg.data.clients, cfg.participation, cfg.participation_range) == (50, k, 1.0, None)
+
+
+#: the paper's studies: sweep → (source, the swept key and its values, methods)
+PAPER_SWEEPS = {
+    "heterogeneity_tinyimagenet": ("tinyimagenet", "beta", [0.01, 0.1, 0.5, 1, 5], METHODS),
+    "heterogeneity_agnews": ("agnews", "beta", [0.01, 0.1, 0.5, 1, 5], METHODS),
+    "local_epochs": ("cifar10", "local_epochs", [1, 5, 10, 20, 40], METHODS),
+    "lambda": ("tinyimagenet", "lam", [0.0, 0.1, 1.0, 5.0, 10.0], ("fedcp",)),
+    "client_count": ("cifar100", "num_clients", [10, 20, 30, 50, 100, 200, 500], METHODS),
+    "client_subset": ("cifar100", "data.clients", [10, 30], METHODS),
+    "dropout": ("cifar100", "participation_range", [[0.1, 1.0], [0.5, 1.0], [0.9, 1.0]], METHODS),
+}
+
+
+@pytest.mark.parametrize("name", PAPER_SWEEPS)
+def test_paper_sweeps_run_the_papers_setting(name):
+    """Each study on the paper's data set, every method of its table, 5 seeds, its base config's
+    model and data set; the drop-out study draws participant counts as the reference does."""
+    source, key, values, methods = PAPER_SWEEPS[name]
+    sw = load_sweep(REPO / "configs" / "sweeps" / f"{name}.yaml")
+    seen = {}
+    for p in sw.points:
+        cfg = point_config(sw, p)
+        assert p.partition.source == source and cfg.data.source == source
+        value = p.partition.num_clients if key == "num_clients" else (
+            p.partition.beta if key == "beta" else flatten(cfg.to_dict())[key])
+        seen.setdefault(value if not isinstance(value, list) else tuple(value), set()).add((cfg.method, cfg.seed))
+        if name == "dropout":
+            assert cfg.participation_draw == "count" and p.partition.num_clients == 50
+        if name == "client_subset":
+            assert p.partition.num_clients == 50 and cfg.participation == 1.0
+        if name == "lambda":
+            assert p.params["beta"] in (0.01, 0.1, 0.5)
+    want = {(m, s) for m in methods for s in range(1, 6)}
+    assert sorted(seen) == sorted(v if not isinstance(v, list) else tuple(v) for v in values)
+    if name == "lambda":  # three β × five λ: each λ value holds 3 × 5 runs of FedCP
+        assert all(len(v) == 5 and {m for m, _ in v} == {"fedcp"} for v in seen.values())
+    else:
+        assert all(v == want for v in seen.values())
+    assert len(sw.points) == len(values) * len(want) * (3 if name == "lambda" else 1)
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)

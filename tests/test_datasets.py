@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 from collections import Counter
 from pathlib import Path
@@ -310,10 +311,17 @@ def make_tiny(root, wnids=WNIDS, per_class=4, val_per_class=2, seed=3, learnable
 
 def test_tinyimagenet_source(tmp_path):
     files, labels, originals = make_tiny(tmp_path)
-    src = load_source("tinyimagenet", root=tmp_path)
+    n_train = 3 * 4  # 3 classes of 4 train images; then 3 × 2 val images
+    # the default: the train folder only (the paper's 100,000 images), by wnids.txt order
+    train = load_source("tinyimagenet", root=tmp_path)
+    assert train.x.shape == (n_train, 3, 64, 64) and train.y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert train.params == {"include_val": False, "train_images": 12, "val_images": 0}
+    src = load_source("tinyimagenet", root=tmp_path, include_val=True)
     n = len(files)
+    assert n == n_train + 6 and src.params == {"include_val": True, "train_images": 12, "val_images": 6}
     assert src.num_classes == 3 and src.x.shape == (n, 3, 64, 64) and src.x.dtype == np.uint8
     assert src.y.tolist() == labels.tolist()  # train by wnids.txt order, then val
+    assert np.array_equal(src.x[:n_train], train.x)
     for i, path in enumerate(files):
         assert np.array_equal(src.x[i], decoded(path))
         assert np.abs(src.x[i].astype(int) - originals[i]).mean() < 4  # it is the image written
@@ -325,21 +333,38 @@ def test_tinyimagenet_source(tmp_path):
     (tmp_path / "tiny-imagenet-200" / "wnids.txt").write_text("\n".join(WNIDS[:2]) + "\n")
     (tmp_path / "tiny-imagenet-200" / "val" / "val_annotations.txt").write_text(
         f"val_0.JPEG\t{WNIDS[0]}\t0\t0\t1\t1\nval_1.JPEG\t{WNIDS[1]}\t0\t0\t1\t1\n")
-    two = load_source("tinyimagenet", root=tmp_path / "tiny-imagenet-200")
+    two = load_source("tinyimagenet", root=tmp_path / "tiny-imagenet-200", include_val=True)
     assert two.num_classes == 2 and len(two.y) == 2 * 4 + 2
     assert two.y.tolist() == [0] * 4 + [1] * 4 + [0, 1]
+    # train only needs no val folder at all
+    shutil.rmtree(tmp_path / "tiny-imagenet-200" / "val")
+    assert len(load_source("tinyimagenet", root=tmp_path).y) == 2 * 4
+    with pytest.raises(UserError, match="val_annotations.txt is missing"):
+        load_source("tinyimagenet", root=tmp_path, include_val=True)
+    with pytest.raises(UserError, match="--include-val applies to --source tinyimagenet only"):
+        load_source("digits", include_val=True)
 
 
-def test_tinyimagenet_partition_round_trip(tmp_path, capsys):
+@pytest.mark.parametrize("include_val", [False, True])
+def test_tinyimagenet_partition_round_trip(tmp_path, capsys, include_val):
     files, labels, _ = make_tiny(tmp_path / "root")
     out = tmp_path / "tiny.h5"
     run_cli(capsys, "--source", "tinyimagenet", "--root", tmp_path / "root", "--partition",
-            "iid", "--num-clients", 2, "--out", out)
+            "iid", "--num-clients", 2, "--out", out, *(["--include-val"] if include_val else []))
     info, clients, got = shard_samples(out)
     assert info.source == "tinyimagenet" and info.num_classes == 3
     assert info.input_shape == (3, 64, 64) and info.mean == (0.5,) * 3
     assert clients[0]["train_x"].shape[1:] == (3, 64, 64)
-    assert got == expected_samples(np.stack([decoded(p) for p in files]), labels)
+    n = 18 if include_val else 12
+    assert int(info.train_counts.sum() + info.test_counts.sum()) == n
+    assert info.partition_params["include_val"] is include_val
+    assert got == expected_samples(np.stack([decoded(p) for p in files[:n]]), labels[:n])
+
+
+def test_include_val_is_refused_for_other_sources(tmp_path, capsys):
+    expect_user_error(capsys, ["--source", "digits", "--include-val", "--num-clients", 2, "--out",
+                               tmp_path / "x.h5"], "--include-val applies to --source tinyimagenet only")
+    expect_user_error(capsys, ["--describe", tmp_path / "x.h5", "--include-val"], "--include-val")
 
 
 @pytest.mark.parametrize("damage, fragments", [
@@ -375,6 +400,8 @@ def test_tinyimagenet_garbled(tmp_path, capsys, damage, fragments):
         base.rename(tmp_path / "root" / "elsewhere")
     else:
         extra = ["--download"]
+    if damage in ("unknown_wnid", "no_annotations"):  # the val folder is read with --include-val only
+        extra = ["--include-val"]
     expect_user_error(capsys, ["--source", "tinyimagenet", "--root", tmp_path / "root",
                                "--num-clients", 2, "--out", tmp_path / "x.h5", *extra], *fragments)
 

@@ -198,10 +198,13 @@ def test_stop_signals_are_noted_then_restored():
 
 def test_shard_checks_name_the_key():
     info = SimpleNamespace(num_clients=20, source="digits", input_shape=(1, 28, 28), kind="image")
-    cfg = SimpleNamespace(model="cnn", data=SimpleNamespace(num_clients=0, source="", input_shape=None, path="x.h5"))
+    cfg = SimpleNamespace(model="cnn", data=SimpleNamespace(num_clients=0, source="", input_shape=None, path="x.h5",
+                                                            clients=None))
     startup.check_shard(cfg, info)
     for key, value, words in (("num_clients", 10, "holds 20 clients"), ("source", "mnist", "holds 'digits'"),
-                              ("input_shape", [3, 32, 32], "shape [1, 28, 28]")):
+                              ("input_shape", [3, 32, 32], "shape [1, 28, 28]"),
+                              ("clients", 21, "asks for 21 clients but x.h5 holds 20"),
+                              ("clients", [3, 20], "lists client 20 but x.h5 holds clients 0..19")):
         bad = SimpleNamespace(model="cnn", data=SimpleNamespace(**{**vars(cfg.data), key: value}))
         with pytest.raises(UserError, match=rf"'data.{key}'.*{re.escape(words)}"):
             startup.check_shard(bad, info)

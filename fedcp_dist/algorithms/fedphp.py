@@ -15,6 +15,13 @@ models; it starts as the initial global model. A participant
 3. uploads w (averaged as FedAvg).
 
 The HPM is what is evaluated. The MMD² is FedCP's (the same RBF kernels).
+
+``fedphp_reference_compat=true`` is the reference library's 2023 variant, behind the FedCP paper's
+FedPHP figures: in round t (0-based) a client's model is m = (1 − μ_t)·w_global + μ_t·w_last, with
+μ_t = μ̄·t/T and w_last its own model after its last local training (the initial model before);
+m is what is evaluated before the round's training, training starts from m and distils from the
+received global model's features (not the HPM's), and the client keeps the trained model as its
+w_last. (The slot named ``hpm.`` then holds w_last.)
 """
 from __future__ import annotations
 
@@ -44,6 +51,9 @@ class FedPHP(FedAvg):
                "model's features)", within(0, 1)),
         Option("fedphp_mu", 0.9, "FedPHP: μ̄: the inherited model's moving-average weight μ rises from 0 to μ̄ over a "
                "client's expected participations", within(0, 1, high_open=True)),
+        Option("fedphp_reference_compat", False, "FedPHP: the reference library's 2023 variant: start from and evaluate "
+               "(1 − μ_t)·global + μ_t·the client's last local model, μ_t = fedphp_mu·round/rounds, distilling from "
+               "the global model, instead of the paper's inherited private model"),
     )
 
     def __init__(self, cfg, model, device):
@@ -73,12 +83,33 @@ class FedPHP(FedAvg):
             loss = (1.0 - self.lam) * loss + self.lam * step.mmd2(h, h_hpm)
         return loss
 
+    def _reference_mix(self, client_state, round_idx: int) -> dict:
+        """The reference's round-t model: (1 − μ_t)·global + μ_t·the client's last local model."""
+        rounds = int(self.cfg.rounds)
+        mu = float(self.cfg.fedphp_mu) * min(max(round_idx, 0), rounds) / rounds
+        return {k: ((1.0 - mu) * g + mu * client_state[HPM + k]) if g.is_floating_point() else g
+                for k, g in self.gs.items()}
+
     def phases(self, client_state, data, ctx):
+        if self.cfg.fedphp_reference_compat:  # start from the mix, distil from the received global model
+            start = {**self._reference_mix(client_state, ctx.round), **{HPM + k: v for k, v in self.gs.items()}}
+            return [(self.train_phase, ClientPhase(start))]
         hpm = {k: v for k, v in client_state.items() if k.startswith(HPM)}
         return [(self.train_phase, ClientPhase({**self.gs, **hpm}))]
 
+    def prepare_eval(self, client_state, data, ctx):
+        if not self.cfg.fedphp_reference_compat:
+            return client_state
+        return {**{HPM + k: v for k, v in self._reference_mix(client_state, ctx.round).items()},
+                COUNT: client_state[COUNT]}
+
     def finish(self, client_state, outcomes, ctx):
         o = outcomes[0]
+        if self.cfg.fedphp_reference_compat:  # the trained model is the client's last local model
+            return LocalResult(upload={key: o.values[key] for key in self.gs},
+                               client_state={**{HPM + key: o.values[key].clone() for key in self.gs},
+                                             COUNT: client_state[COUNT] + 1},
+                               loss_sum=o.loss_sum, samples=o.samples)
         k = int(client_state[COUNT].item())
         mu = hpm_momentum(float(self.cfg.fedphp_mu), k, self._participation(), int(self.cfg.rounds))
         with torch.no_grad():

@@ -10,6 +10,9 @@
 
 Evaluation: the current global f and G with the client's P: z + P(f(x)). (The paper's linear
 P-head; its hypernetwork variant is not implemented.)
+
+``fedrod_reference_compat=true`` is the reference library's variant: P starts as a copy of the
+initial generic head G₀ (the run seed's), so a new client's personalised predictor is z + G₀(f(x)).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch import nn
 from fedcp_dist.algorithms.base import LocalResult, load_module
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.local_train import ClientPhase, Phase
+from fedcp_dist.options import Option
 
 PERSONAL = "phead."
 LOG_PRIOR = "log_prior"  # the client's log label prior, a constant of its local training
@@ -37,11 +41,18 @@ def balanced_softmax_loss(step, logits: torch.Tensor, log_prior: torch.Tensor) -
 
 class FedRoD(FedAvg):
     name = "fedrod"
+    options = (
+        Option("fedrod_reference_compat", False, "FedRoD: the reference library's variant, the personal head P starting "
+               "as a copy of the initial generic head, instead of zero (the personalised predictor starting as the generic one)"),
+    )
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         head = self.model.head
         self.num_classes = head.out_features
+        # the initial generic head G₀ (the model as built from the run seed), for the reference's start of P
+        self.initial_head = {f"{PERSONAL}weight": head.weight.detach().clone(),
+                             f"{PERSONAL}bias": head.bias.detach().clone()}
         self.phead = nn.Linear(head.in_features, head.out_features).to(device)  # P, trained
         self.eval_phead = nn.Linear(head.in_features, head.out_features).to(device)
         for p in self.eval_phead.parameters():
@@ -52,6 +63,8 @@ class FedRoD(FedAvg):
         self.training_phases = [self.train_phase]
 
     def init_client_state(self, client):
+        if self.cfg.fedrod_reference_compat:
+            return {k: v.clone() for k, v in self.initial_head.items()}
         return {f"{PERSONAL}weight": torch.zeros_like(self.phead.weight.detach()),
                 f"{PERSONAL}bias": torch.zeros_like(self.phead.bias.detach())}
 

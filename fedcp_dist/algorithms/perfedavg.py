@@ -9,6 +9,11 @@ Each local step draws two batches D and D' (consecutive batches of the client's 
 The server averages the w's as FedAvg does. A client's personalised model is the global w after one
 adaptation step on one of its train batches (drawn from the evaluation stream), which is what
 ``prepare_eval`` returns; nothing persists per client.
+
+``perfedavg_reference_compat=true`` is the reference library's variant, behind the FedCP paper's
+Per-FedAvg figures: the outer step uses β = ``lr`` (not ``perfedavg_beta``) and a client runs its
+local training twice per round (two passes of ``local_epochs``, the second from where the first
+ended, each with its own batch order).
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ class PerFedAvg(FedAvg):
         Option("perfedavg_alpha", 0.005, "Per-FedAvg: step size α of the inner (adaptation) step, also used for the "
                "one-step adaptation at evaluation", above(0)),
         Option("perfedavg_beta", 0.001, "Per-FedAvg: step size β of the outer (meta) step (first-order variant)", above(0)),
+        Option("perfedavg_reference_compat", False, "Per-FedAvg: the reference library's variant (outer step β = lr, "
+               "local training run twice per round) instead of the paper's (β = perfedavg_beta, once)"),
     )
 
     def _grads(self, params, data, idx, amp: bool = True):
@@ -42,25 +49,28 @@ class PerFedAvg(FedAvg):
         copy_module(model, self.global_model)
         model.train()
         params = list(model.parameters())
-        batches = list(batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator))
-        # one meta step per pair of consecutive batches (an odd last batch is left out); a client with
-        # a single batch uses it as both D and D'
-        steps = max(1, len(batches) // 2) if batches else 0
+        compat = cfg.perfedavg_reference_compat
+        beta = cfg.lr if compat else cfg.perfedavg_beta
         loss_sum, seen = None, 0
-        for j in range(steps):
-            d_in, d_out = batches[2 * j], batches[(2 * j + 1) % len(batches)]
-            w = [p.detach().clone() for p in params]
-            _, g_in = self._grads(params, data, d_in)
-            with torch.no_grad():
-                torch._foreach_add_(params, g_in, alpha=-cfg.perfedavg_alpha)  # w̃
-            loss, g_out = self._grads(params, data, d_out)
-            with torch.no_grad():
-                torch._foreach_copy_(params, w)
-                torch._foreach_add_(params, g_out, alpha=-cfg.perfedavg_beta)
-            b = int(d_out.shape[0])
-            seen += b
-            contrib = loss.detach() * b
-            loss_sum = contrib if loss_sum is None else loss_sum + contrib
+        for _ in range(2 if compat else 1):
+            batches = list(batch_indices(data.n_train, cfg.batch_size, cfg.local_epochs, cfg.drop_last, ctx.generator))
+            # one meta step per pair of consecutive batches (an odd last batch is left out); a client with
+            # a single batch uses it as both D and D'
+            steps = max(1, len(batches) // 2) if batches else 0
+            for j in range(steps):
+                d_in, d_out = batches[2 * j], batches[(2 * j + 1) % len(batches)]
+                w = [p.detach().clone() for p in params]
+                _, g_in = self._grads(params, data, d_in)
+                with torch.no_grad():
+                    torch._foreach_add_(params, g_in, alpha=-cfg.perfedavg_alpha)  # w̃
+                loss, g_out = self._grads(params, data, d_out)
+                with torch.no_grad():
+                    torch._foreach_copy_(params, w)
+                    torch._foreach_add_(params, g_out, alpha=-beta)
+                b = int(d_out.shape[0])
+                seen += b
+                contrib = loss.detach() * b
+                loss_sum = contrib if loss_sum is None else loss_sum + contrib
         return LocalResult(
             upload=module_state("", model),
             client_state=None,

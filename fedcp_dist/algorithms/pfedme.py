@@ -9,7 +9,12 @@ the global model. On each local batch D:
 θ and w both start from the received global model each round and θ warm-starts across batches.
 The participants upload w (its floating buffers, BatchNorm's running statistics, are θ's: w itself
 never runs forward); the server mixes: new global = (1 − β)·old + β·Σ n_i w_i / Σ n_i.
-θ_i (persisted per client, the initial model until the client first trains) is what is evaluated.
+θ_i (persisted per client, the initial model until the client first trains) is what is evaluated,
+as in the pFedMe paper.
+
+``pfedme_reference_compat=true`` keeps and evaluates the client's local w after its training
+instead (what the FedCP authors' library of 2023 evaluated, its personalised parameters being an
+alias of the model's); training and uploads are unchanged.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ class PFedMe(FedAvgWithPersonalModel):
                above(0)),
         Option("pfedme_beta", 1.0, "pFedMe: server mixing β: new global = (1 − β)·old + β·average of the local w "
                "(1: plain averaging)", above(0)),
+        Option("pfedme_reference_compat", False, "pFedMe: keep and evaluate the client's local w after training (the "
+               "reference library's 2023 behaviour) instead of its personalised θ (the paper's)"),
     )
 
     def __init__(self, cfg, model, device):
@@ -74,7 +81,8 @@ class PFedMe(FedAvgWithPersonalModel):
                     b_w.copy_(b_th)
         return LocalResult(
             upload=module_state("", self.model),
-            client_state=module_state("", self.theta) if seen else client_state,
+            client_state=module_state("", self.model if cfg.pfedme_reference_compat else self.theta)
+            if seen else client_state,
             loss_sum=float(loss_sum) if loss_sum is not None else 0.0,
             samples=seen,
         )

@@ -34,6 +34,12 @@ class RunState:
     rounds_done: int
     #: the clients' states and their own BatchNorm statistics, as the engine keeps them
     store: ClientStore
+    #: the shard's ids of the run's clients 0 … K − 1 (``data.clients``; all of the shard's by default)
+    clients: object = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
 
     @property
     def global_state(self) -> dict:
@@ -54,11 +60,12 @@ class RunState:
         from fedcp_dist.data.resident import to_device
         from fedcp_dist.data.shards import load_clients
 
-        bad = [c for c in cids if not 0 <= c < self.info.num_clients]
+        bad = [c for c in cids if not 0 <= c < self.num_clients]
         if bad:
-            raise UserError(f"client {bad[0]} is not in {self.run_dir} (clients 0..{self.info.num_clients - 1})")
-        arrays = load_clients(self.cfg.data.path, cids)
-        return {c: to_device(c, arrays[c], self.info.mean, self.info.std, self.device) for c in cids}
+            raise UserError(f"client {bad[0]} is not in {self.run_dir} (clients 0..{self.num_clients - 1})")
+        arrays = load_clients(self.cfg.data.path, [int(self.clients[c]) for c in cids])
+        return {c: to_device(c, arrays[int(self.clients[c])], self.info.mean, self.info.std, self.device)
+                for c in cids}
 
 
 def run_config(run_dir: Path, data_path: Optional[str] = None, changes: Optional[dict] = None):
@@ -93,6 +100,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     from fedcp_dist.checkpoint import Checkpointer
     from fedcp_dist.data.shards import read_info
     from fedcp_dist.models import build_model
+    from fedcp_dist.startup import run_clients
 
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, data_path, changes)
@@ -107,17 +115,18 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     if info.num_clients != (cfg.data.num_clients or info.num_clients):
         raise UserError(f"{run_dir}: the shard {cfg.data.path} holds {info.num_clients} clients, the run "
                         f"had {cfg.data.num_clients}")
+    clients = run_clients(cfg, info)
     torch.manual_seed(cfg.seed)  # the run's initial model, as the engine builds it
     model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, mlp_hidden=cfg.mlp_hidden)
     algo = make_algorithm(cfg.method, cfg, model, dev)
-    algo.num_clients = info.num_clients
-    rounds_done, global_state, clients, _ = Checkpointer(str(run_dir), 0, 1, 1).load(
-        ckpt, range(info.num_clients), dev)
+    algo.num_clients = len(clients)
+    rounds_done, global_state, states, _ = Checkpointer(str(run_dir), 0, 1, 1).load(
+        ckpt, range(len(clients)), dev)
     template = algo.init_global_state()
     if set(template) - set(global_state):
         missing = sorted(set(template) - set(global_state))[0]
         raise UserError(f"checkpoint {ckpt} does not fit the run's {cfg.method} model (no '{missing}')")
     store = ClientStore.for_run(algo, global_state, cfg.aggregate_bn_stats)
-    store.load_state_dict(clients)
-    return RunState(run_dir, cfg, info, algo, dev, rounds_done, store)
+    store.load_state_dict(states)
+    return RunState(run_dir, cfg, info, algo, dev, rounds_done, store, clients)
 

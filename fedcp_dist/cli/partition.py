@@ -51,6 +51,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                   "CSV file itself)")
     p.add_argument("--download", action="store_true",
                    help="let torchvision download the source (mnist, fmnist, cifar10, cifar100)")
+    p.add_argument("--include-val", action="store_true",
+                   help="tinyimagenet: add the 10,000 val images (val/val_annotations.txt) after the "
+                        "100,000 train images; the default, as the paper, uses the train folder only")
     text = p.add_argument_group("text sources (agnews)")
     text.add_argument("--max-len", type=int, default=None,
                       help=f"tokens kept per text, padded with id 0 (default {DEFAULT_MAX_LEN})")
@@ -261,6 +264,8 @@ def main(argv=None) -> None:
     args = _build_parser().parse_args(argv)
     if args.describe and args.from_npz:
         raise UserError("--describe and --from-npz cannot be used together")
+    if (args.describe or args.from_npz) and args.include_val:
+        raise UserError("--include-val applies to --source tinyimagenet only")
     if args.describe or args.from_npz:
         text_options(args.max_len, args.vocab_size, args.min_freq, "image",
                      "--describe" if args.describe else "--from-npz")

@@ -10,6 +10,7 @@ names and with the same defaults; a sweep's ``partition`` block is one. Every mi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class PartitionSpec:
     vocab_size: Optional[int] = None
     #: text sources: fewest occurrences for a token to get its own id (None: the default)
     min_freq: Optional[int] = None
+    #: tinyimagenet: add the val folder's images after the train folder's (default: train only, as the paper)
+    include_val: bool = False
     #: imagefolder: N or HxW every image is resized to (None: the first image's size)
     image_size: Optional[str] = None
     #: imagefolder: 1 (greyscale) or 3 (RGB) (None: 1 when the first image is greyscale, else 3)
@@ -79,9 +82,10 @@ class PartitionSpec:
     def __post_init__(self) -> None:
         # an integer given for a float option is that float (as the command line reads "1" as 1.0),
         # so that the same partition always gets the same file name
+        types = _option_types()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if option_types()[f.name] is float and type_ok(value, float):
+            if types[f.name] is float and type_ok(value, float):
                 setattr(self, f.name, float(value))
 
     @classmethod
@@ -120,6 +124,8 @@ class PartitionSpec:
             raise UserError(f"--max-tries must be >= 1, got {self.max_tries}")
         if self.classes_per_client < 1:
             raise UserError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
+        if self.include_val and self.source != "tinyimagenet":
+            raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{self.source}'")
         own = {"image_size": "imagefolder", "channels": "imagefolder", "label_col": "csv",
                "client_col": "csv", "drop_cols": "csv"}
         for key, source in own.items():
@@ -145,6 +151,12 @@ class PartitionSpec:
 
 def option_types() -> dict:
     """option → the type its value must have (bool options are command-line flags)."""
+    return dict(_option_types())
+
+
+@functools.lru_cache(maxsize=None)
+def _option_types() -> dict:
+    # resolved once: typing.get_type_hints is slow, and a sweep's points check every option
     hints = typing.get_type_hints(PartitionSpec)
     return {f.name: hints[f.name] for f in dataclasses.fields(PartitionSpec)}
 
@@ -156,7 +168,7 @@ def _type_name(tp) -> str:
 
 def check_option(key: str, value) -> None:
     """A UserError when ``value`` has the wrong type for option ``key``."""
-    tp = option_types()[key]
+    tp = _option_types()[key]
     if not type_ok(value, tp):
         raise UserError(f"expected {_type_name(tp)}, got {value!r}")
 
@@ -233,10 +245,11 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
 
     spec.check()
     text_opts = text_options(spec.max_len, spec.vocab_size, spec.min_freq, source_kind(spec.source), spec.source)
+    source_opts = {"include_val": True} if spec.include_val else {}
     out = check_out(out, force)
 
     say(f"loading source {spec.source}" + (f" from {spec.root}" if spec.root else ""))
-    src = load_source(spec.source, root=spec.root, download=spec.download, **text_opts,
+    src = load_source(spec.source, root=spec.root, download=spec.download, **text_opts, **source_opts,
                       own_options=spec.own_options(say))
     vocab = f", vocabulary of {src.vocab_size} tokens" if src.kind == "text" else ""
     say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")

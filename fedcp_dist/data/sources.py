@@ -14,9 +14,11 @@ splits every client's share into its own train and test parts.
   rows, channel-major, and n labels in range).  Only numpy's array globals may appear in the
   pickles, so a planted pickle cannot run code.  ``download`` fetches the original archive
   through torchvision.
-* ``tinyimagenet``: the ``tiny-imagenet-200/`` folder (``wnids.txt``, ``train/<wnid>/images``,
-  ``val/images`` + ``val/val_annotations.txt``), 3x64x64 RGB, label = line of the wnid in
-  ``wnids.txt``.
+* ``tinyimagenet``: the ``tiny-imagenet-200/`` folder (``wnids.txt``, ``train/<wnid>/images``),
+  3x64x64 RGB, label = line of the wnid in ``wnids.txt``: the train folder's 100,000 images, the
+  paper's and the reference's data set. ``include_val`` adds ``val/images`` labelled by
+  ``val/val_annotations.txt`` (not by folder: some copies of the val folder are not reorganised
+  per class).
 * ``agnews``: the AG News ``train.csv`` / ``test.csv`` files, tokenised by
   :mod:`fedcp_dist.data.text` with a vocabulary from the training texts only.
 * ``imagefolder``, ``csv``: users' own image folders and tables, read by
@@ -408,7 +410,7 @@ def _decode_all(files: list, workers: int) -> np.ndarray:
     return x
 
 
-def _load_tinyimagenet(root, download, **_) -> Source:
+def _load_tinyimagenet(root, download, include_val: bool = False, **_) -> Source:
     name = "tinyimagenet"
     if download:
         _no_download(name, "fetch tiny-imagenet-200.zip yourself, unzip it, and pass the folder "
@@ -427,6 +429,17 @@ def _load_tinyimagenet(root, download, **_) -> Source:
             raise UserError(f"{folder} holds no .JPEG images")
         files += [folder / n for n in names]
         labels += [k] * len(names)
+    n_train = len(files)
+    n_val = _tiny_val(base, index, files, labels) if include_val else 0
+    workers = max(1, min(8, os.cpu_count() or 1))
+    x = _decode_all(files, workers)
+    src = _make_source(name, x, np.asarray(labels, dtype=np.int64), len(wnids))
+    src.params = {**src.params, "include_val": bool(include_val), "train_images": n_train, "val_images": n_val}
+    return src
+
+
+def _tiny_val(base: Path, index: dict, files: list, labels: list) -> int:
+    """Append the val images and their labels from ``val/val_annotations.txt``; their number."""
     ann = base / "val" / "val_annotations.txt"
     try:
         lines = ann.read_text(encoding="utf-8").splitlines()
@@ -450,9 +463,7 @@ def _load_tinyimagenet(root, download, **_) -> Source:
         n_val += 1
     if n_val == 0:
         raise UserError(f"{ann} lists no images")
-    workers = max(1, min(8, os.cpu_count() or 1))
-    x = _decode_all(files, workers)
-    return _make_source(name, x, np.asarray(labels, dtype=np.int64), len(wnids))
+    return n_val
 
 
 # ----------------------------------------------------------------------------- AG News
@@ -560,15 +571,19 @@ def source_kind(name: str) -> str:
 def load_source(name: str, root=None, download: bool = False, *,
                 max_len: int = textlib.DEFAULT_MAX_LEN,
                 vocab_size: int = textlib.DEFAULT_VOCAB_SIZE,
-                min_freq: int = textlib.DEFAULT_MIN_FREQ, own_options: Optional[dict] = None) -> Source:
+                min_freq: int = textlib.DEFAULT_MIN_FREQ, own_options: Optional[dict] = None,
+                include_val: bool = False) -> Source:
     """Load source ``name`` (train and test merged, train first) from ``root``.
 
     ``download`` lets torchvision fetch a missing data set into ``root`` (mnist, fmnist, cifar10,
     cifar100).  ``max_len``, ``vocab_size`` and ``min_freq`` apply to text sources only;
     ``own_options`` are the keyword arguments of :func:`~fedcp_dist.data.owndata.load_imagefolder`
-    or :func:`~fedcp_dist.data.owndata.load_csv` (imagefolder, csv).
+    or :func:`~fedcp_dist.data.owndata.load_csv` (imagefolder, csv); ``include_val`` applies to
+    tinyimagenet only (its val images after the train images).
     """
     check_source_name(name)
+    if include_val and name != "tinyimagenet":
+        raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{name}'")
     if name in OWN_SOURCES:
         from fedcp_dist.data import owndata
 
@@ -579,4 +594,6 @@ def load_source(name: str, root=None, download: bool = False, *,
     if source_kind(name) == "text":
         return _LOADERS[name](root, download, max_len=max_len, vocab_size=vocab_size,
                               min_freq=min_freq)
+    if name == "tinyimagenet":
+        return _LOADERS[name](root, download, include_val=include_val)
     return _LOADERS[name](root, download)

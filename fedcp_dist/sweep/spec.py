@@ -163,6 +163,8 @@ class Sweep:
     slurm: dict
     points: list = field(default_factory=list)
     partition_keys: list = field(default_factory=list)
+    #: the base config file's mapping, read once (every point's config starts from it)
+    base_values: Optional[dict] = None
 
     @property
     def dir(self) -> Path:
@@ -327,7 +329,8 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
                 raise UserError(f"sweep grid key '{key}': {exc}") from None
 
     sweep = Sweep(file=path, name=name, root=Path(root), base=base_path, overrides=overrides, grid=grid,
-                  partition=part_block, kind=kind, nproc=nproc, slurm=slurm, partition_keys=partition_keys)
+                  partition=part_block, kind=kind, nproc=nproc, slurm=slurm, partition_keys=partition_keys,
+                  base_values=read_yaml_mapping(base_path))
     _expand(sweep, override_args)
     return sweep
 
@@ -379,7 +382,7 @@ def _expand(sweep: Sweep, override_args: list) -> None:
 
 def point_config(sweep: Sweep, point: Point) -> Config:
     try:
-        return load_config(str(sweep.base), point.overrides, validate=False)
+        return load_config(str(sweep.base), point.overrides, validate=False, values=sweep.base_values)
     except UserError as exc:
         raise UserError(f"sweep point {point.name}: {exc}") from None
 
