@@ -6,7 +6,7 @@
         data.path=data/mnist_dir_n5000.h5 participation=0.01 threads=1 client_state=disk --eval
 
 It builds the run as ``fedcp-run`` does (``key=value`` overrides as there; ``out_dir`` defaults to a
-temporary folder), then trains rounds 2 … ``--rounds``+1 (round indices 1 …; none of them
+temporary folder, removed at the end), then trains rounds 2 … ``--rounds``+1 (round indices 1 …; none of them
 evaluates while ``eval_every`` > ``--rounds``), so that the figures are those of training rounds
 alone, whatever N: the run's own first round evaluates every client, which costs far more than a
 round's training at these client counts. ``--eval`` first runs round 1 with its evaluation of
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -71,6 +72,7 @@ def main(argv=None):
                 f"{m:.0f} MiB at the end")
     finally:
         rt.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -207,7 +207,9 @@ class DiskClientStore(ClientStore):
         os.replace(tmp, path)
 
     def prefetch(self, order) -> None:
-        """Clients are about to be used in this order: each :meth:`get` reads the next ones ahead."""
+        """Clients are about to be used in this order: each :meth:`get` reads the next ones ahead.
+        The writes of the last use finish first, so that no state is trained on while it is written."""
+        self.flush()
         self._order = [int(c) for c in order]
         self._pos = {c: i for i, c in enumerate(self._order)}
         for c in self._order[:PREFETCH_DEPTH]:
