@@ -153,3 +153,17 @@ def test_disk_store_reads_ahead_and_writes_back(tmp_path):
     again.load_state_dict(sd)
     assert again.get(2)["w"].tolist() == [20.0] * 3 and again.peek(5) is None
     store.close(), again.close()
+
+
+def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cohort", Path(__file__).resolve().parents[1] / "bench" / "cohort.py")
+    cohort = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cohort)
+    cohort.main(["--config", "configs/digits_ditto.yaml", "--rounds", "1", "--eval", f"data.path={digits6}",
+                 "participation=0.5", "threads=1", "client_state=disk"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ditto on 6 clients, 1 rank(s), rho=0.5; client states: disk (")
+    assert out[1].startswith("round 1: 3 participants") and out[2].startswith("round 2: 3 participants")
+    assert "evaluation 0.00 s" in out[2] and "evaluation 0.00 s" not in out[1]
+    assert out[3].startswith("rank 0: 6 clients, start-up ")
