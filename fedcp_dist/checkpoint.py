@@ -154,15 +154,17 @@ class Checkpointer:
             warn(f"checkpoint {d} is damaged ({problem}); trying the previous one")
         return None
 
-    def load(self, d: Path, owned: Iterable[int], device) -> tuple[int, dict, dict, dict]:
-        """(rounds done, global state, states of the ``owned`` clients, metadata)."""
+    def load(self, d: Path, owned: Iterable[int], device, mmap: bool = False) -> tuple[int, dict, dict, dict]:
+        """(rounds done, global state, states of the ``owned`` clients, metadata). ``mmap``: the
+        clients' parts are mapped into memory (on the host) rather than read whole."""
         owned = set(int(c) for c in owned)
         try:
             g = torch.load(d / "global.pt", map_location=device, weights_only=True)
             manifest = json.loads((d / MARKER).read_text())
             clients: dict = {}
             for r in range(int(manifest["world_size"])):
-                part = torch.load(d / f"clients_{r}.pt", map_location=device, weights_only=True)
+                part = torch.load(d / f"clients_{r}.pt", map_location="cpu" if mmap else device, weights_only=True,
+                                  **({"mmap": True} if mmap else {}))
                 for c, s in part["clients"].items():
                     if int(c) in owned:
                         clients[int(c)] = s

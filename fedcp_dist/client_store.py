@@ -8,6 +8,9 @@ Checkpoints take its :meth:`state_dict` and give it back through :meth:`load_sta
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Dict, Optional
 
 import torch
@@ -58,6 +61,19 @@ class ClientStore:
             self.states[cid] = self.algo.init_client_state(cid)
         return self.states[cid]
 
+    def peek(self, cid: int) -> Optional[State]:
+        """Client ``cid``'s kept state, None when it has none yet (nothing is created)."""
+        return self.states.get(cid)
+
+    def prefetch(self, order) -> None:
+        """Clients about to be used in this order (a store off the device reads ahead)."""
+
+    def flush(self) -> None:
+        """Every state handed to :meth:`put` is kept where the store keeps it."""
+
+    def close(self) -> None:
+        """End of the run."""
+
     def put(self, cid: int, state: Optional[State], upload: State) -> None:
         """Keep a trained client's new state; its BatchNorm statistics leave ``upload`` for the store."""
         if state is not None:
@@ -93,3 +109,201 @@ class ClientStore:
             if ef:
                 self.residuals[c] = ef
             self.states[c] = rest if rest else None
+
+
+# -- where the per-client states live --------------------------------------------------------------
+CLIENT_STATE_MODES = ("device", "host", "disk", "auto")
+#: clients whose states the disk store reads ahead of the one being used
+PREFETCH_DEPTH = 2
+
+
+def state_bytes(state: Optional[State]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values()) if state else 0
+
+
+def available_memory_bytes(device) -> int:
+    """What the budget of ``client_state: auto`` defaults to half of: the GPU's free memory on CUDA,
+    the host's available memory (``MemAvailable``) otherwise."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def resolve_mode(mode: str, per_client_bytes: int, clients: int, budget_mb: float, device) -> tuple[str, str]:
+    """(device | host | disk, why) for ``client_state``; ``auto`` keeps the states in memory
+    (on the device) when ``clients`` states fit the budget (``client_state_budget_mb``; 0: half the
+    memory available now), on disk otherwise."""
+    if mode != "auto":
+        return mode, "client_state"
+    need = per_client_bytes * clients
+    budget = budget_mb * 2**20 if budget_mb > 0 else available_memory_bytes(device) // 2
+    chosen = "device" if need <= budget else "disk"
+    return chosen, f"auto: {clients} x {per_client_bytes / 2**20:.2f} MiB vs a budget of {budget / 2**20:.0f} MiB"
+
+
+class HostClientStore(ClientStore):
+    """Client states kept in host memory, moved to the run's device when a client is used (on a
+    CPU run that is where they are already: then it keeps them as the device store does)."""
+
+    def __init__(self, algo, global_state: State, bn_keys=(), device="cpu"):
+        super().__init__(algo, global_state, bn_keys)
+        self.device = torch.device(device)
+
+    def get(self, cid: int) -> Optional[State]:
+        if cid not in self.states:
+            self.states[cid] = _to(self.algo.init_client_state(cid), "cpu")
+        return _to(self.states[cid], self.device)
+
+    def put(self, cid: int, state: Optional[State], upload: State) -> None:
+        super().put(cid, _to(state, "cpu"), upload)
+
+    def load_state_dict(self, states: Dict[int, State]) -> None:
+        super().load_state_dict({c: _to(s, "cpu") for c, s in states.items()})
+
+
+def _to(state: Optional[State], device) -> Optional[State]:
+    return None if state is None else {k: v.to(device) for k, v in state.items()}
+
+
+class DiskClientStore(ClientStore):
+    """Client states on local disk, one file per client (``client_{id}.pt`` in ``directory``),
+    each written atomically (temporary name, rename). A client that never trained has no file:
+    its state is the method's initial one, made again when asked for (``init_client_state`` is
+    the same every time). In memory are only the states in flight: those read ahead of their use
+    (:meth:`prefetch`) and those written back in the background; :meth:`flush` waits for the
+    writes. BatchNorm statistics and compression residuals stay in memory."""
+
+    def __init__(self, algo, global_state: State, bn_keys=(), directory: str = "", device="cpu"):
+        self.dir = Path(directory)
+        self.device = torch.device(device)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.glob("*client_*.pt*"):  # states of an earlier attempt: checkpoints rule
+            old.unlink()
+        self.saved: set = set()  # clients with a file
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state")
+        self._writing: Dict[int, tuple] = {}  # client -> (state, future) until its file is written
+        self._ahead: Dict[int, object] = {}  # client -> future of its read
+        self._order: list = []
+        self._pos: Dict[int, int] = {}
+        super().__init__(algo, global_state, bn_keys)
+
+    def _path(self, cid: int) -> Path:
+        return self.dir / f"client_{cid:07d}.pt"
+
+    def _read(self, cid: int) -> State:
+        return torch.load(self._path(cid), map_location=self.device, weights_only=True)
+
+    def _write(self, cid: int, state: State) -> None:
+        path = self._path(cid)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+        os.replace(tmp, path)
+
+    def prefetch(self, order) -> None:
+        """Clients are about to be used in this order: each :meth:`get` reads the next ones ahead.
+        The writes of the last use finish first, so that no state is trained on while it is written."""
+        self.flush()
+        self._order = [int(c) for c in order]
+        self._pos = {c: i for i, c in enumerate(self._order)}
+        for c in self._order[:PREFETCH_DEPTH]:
+            self._schedule(c)
+
+    def _schedule(self, cid: int) -> None:
+        if cid in self.saved and cid not in self._writing and cid not in self._ahead:
+            self._ahead[cid] = self._io.submit(self._read, cid)
+
+    def get(self, cid: int) -> Optional[State]:
+        i = self._pos.get(cid)
+        if i is not None:
+            for c in self._order[i + 1:i + 1 + PREFETCH_DEPTH]:
+                self._schedule(c)
+        pending = self._ahead.pop(cid, None)
+        if cid in self._writing:
+            if pending is not None:
+                pending.result()
+            return self._writing[cid][0]
+        if pending is not None:
+            return pending.result()
+        if cid in self.saved:
+            return self._read(cid)
+        return self.algo.init_client_state(cid)
+
+    def peek(self, cid: int) -> Optional[State]:
+        return self.get(cid) if cid in self.saved else None
+
+    def put(self, cid: int, state: Optional[State], upload: State) -> None:
+        if state is not None:
+            stale = self._ahead.pop(cid, None)
+            if stale is not None:
+                stale.result()
+            self._reap()
+            self._writing[cid] = (state, self._io.submit(self._write, cid, state))
+            self.saved.add(cid)
+        if self.bn_keys:
+            self.bn[cid] = {k: upload.pop(k) for k in self.bn_keys}
+
+    def _reap(self) -> None:
+        for c in [c for c, (_, f) in self._writing.items() if f.done()]:
+            self._writing.pop(c)[1].result()  # raises a failed write here
+
+    def flush(self) -> None:
+        """Wait for every write back; drop reads ahead that were not used."""
+        for c in list(self._writing):
+            self._writing.pop(c)[1].result()
+        for f in self._ahead.values():
+            f.result()
+        self._ahead.clear()
+        self._order, self._pos = [], {}
+
+    def close(self) -> None:
+        self.flush()
+        self._io.shutdown()
+
+    def state_dict(self) -> Dict[int, State]:
+        """As :meth:`ClientStore.state_dict`; the states are the clients' files mapped into memory
+        (read from disk as the checkpoint writes them, not held at once)."""
+        self.flush()
+        out = {c: {} for c in set(self.bn) | set(self.residuals) | self.saved}
+        for c in self.saved:
+            out[c].update(torch.load(self._path(c), map_location="cpu", weights_only=True, mmap=True))
+        for c, bn in self.bn.items():
+            out[c].update({BN_PREFIX + k: v for k, v in bn.items()})
+        for c, ef in self.residuals.items():
+            out[c].update({EF_PREFIX + k: v for k, v in ef.items()})
+        return out
+
+    def load_state_dict(self, states: Dict[int, State]) -> None:
+        for c, state in states.items():
+            bn = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
+            ef = {k[len(EF_PREFIX):]: v for k, v in state.items() if k.startswith(EF_PREFIX)}
+            rest = {k: v for k, v in state.items() if not k.startswith((BN_PREFIX, EF_PREFIX))}
+            if bn:
+                self.bn[c] = bn
+            if ef:
+                self.residuals[c] = ef
+            if rest:
+                self._write(c, rest)
+                self.saved.add(c)
+
+
+def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tuple[ClientStore, str]:
+    """The run's client-state store (``client_state``) and a few words for the start line."""
+    bn_keys = ClientStore.for_run(algo, global_state, cfg.aggregate_bn_stats).bn_keys
+    per_client = state_bytes(algo.init_client_state(int(owned[0]))) if len(owned) else 0
+    mode, why = resolve_mode(cfg.client_state, per_client, len(owned), cfg.client_state_budget_mb, device)
+    if mode == "disk":
+        root = Path(cfg.client_state_dir) if cfg.client_state_dir else Path(cfg.out_dir) / "client_state"
+        store = DiskClientStore(algo, global_state, bn_keys, root / f"rank_{rank}", device)
+        where = f"disk ({store.dir})"
+    elif mode == "host":
+        store, where = HostClientStore(algo, global_state, bn_keys, device), "host"
+    else:
+        store, where = ClientStore(algo, global_state, bn_keys), "device"
+    return store, f"client states: {where}" + (f" [{why}]" if why != "client_state" else "")

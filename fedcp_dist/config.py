@@ -19,6 +19,7 @@ from typing import Any, Optional
 import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
+from fedcp_dist.client_store import CLIENT_STATE_MODES
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import MODELS
 from fedcp_dist.placement import PARTICIPATION_DRAWS
@@ -94,6 +95,14 @@ class _Execution:
     fused: typing.Union[bool, str] = "auto"
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
+    #: where each client's persistent state lives between rounds: device | host (moved to the device when used) |
+    #: disk (one file per client, read ahead, written back in the background) | auto (device when this rank's states
+    #: fit client_state_budget_mb, disk otherwise)
+    client_state: str = "device"
+    #: client_state=auto: MiB this rank's client states may take in memory; 0: half the memory available at start
+    client_state_budget_mb: float = 0.0
+    #: client_state=disk: directory of the state files (a local scratch disk); empty: out_dir/client_state
+    client_state_dir: str = ""
     #: mixed precision of local training: none | bf16 (autocast; evaluation stays float32)
     amp: str = "none"
     #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
@@ -169,6 +178,10 @@ class _ConfigMethods:
             bad("threads", f"must be >= 0, got {self.threads}")
         if isinstance(self.fused, str) and self.fused != "auto":
             bad("fused", f"must be auto, true or false, got {self.fused!r}")
+        if self.client_state not in CLIENT_STATE_MODES:
+            bad("client_state", f"must be one of {', '.join(CLIENT_STATE_MODES)}, got {self.client_state!r}")
+        if not (math.isfinite(self.client_state_budget_mb) and self.client_state_budget_mb >= 0):
+            bad("client_state_budget_mb", f"must be a number >= 0 (MiB), got {self.client_state_budget_mb}")
         if self.fused_group < 0:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:

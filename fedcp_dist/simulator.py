@@ -17,7 +17,7 @@ from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, redu
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.client_store import ClientStore
+from fedcp_dist.client_store import DiskClientStore, make_store
 from fedcp_dist.compress import Compressor, byte_totals
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure, UserError
@@ -49,7 +49,7 @@ class Simulator:
         self.peer_bytes = startup.check_peer_memory(cfg, algo, self.num_clients,
                                                     int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
         global_state = algo.init_global_state()
-        self.store = ClientStore.for_run(self.algo, global_state, cfg.aggregate_bn_stats)
+        self.store, self.store_line = make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank)
         self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
@@ -80,7 +80,9 @@ class Simulator:
         d = self.ckpt.latest(warn=self.echo)
         if d is None:
             return
-        rounds_done, global_state, client_states, meta = self.ckpt.load(d, self.owned, self.rt.device)
+        # a disk store takes the states one by one from the checkpoint mapped into memory
+        mmap = isinstance(self.store, DiskClientStore)
+        rounds_done, global_state, client_states, meta = self.ckpt.load(d, self.owned, self.rt.device, mmap=mmap)
         check_resume_config(meta.get("config", {}), self.cfg.to_dict(), self.cfg.out_dir)
         if set(global_state) != set(self.global_state):
             raise UserError(f"checkpoint {d} does not hold this method's global state")
@@ -102,18 +104,20 @@ class Simulator:
     def evaluate(self, round_idx: int, probes: dict = None) -> EvalSums:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
         evaluation probes)."""
+        self.store.prefetch(self.owned)
         return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
                                 lambda t, c: self._generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes)
 
     def _train(self, t: int, cids: list, probe: bool = False):
         """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
-        items = [(self.store.get(c), self.data[c], Context(t, c, self._generator(STREAM_TRAIN, t, c), probe))
-                 for c in cids]
+        self.store.prefetch(cids)  # a store off the device reads the next clients' states while one trains
+        ctxs = [Context(t, c, self._generator(STREAM_TRAIN, t, c), probe) for c in cids]
         if self.fused:
+            items = [(self.store.get(c), self.data[c], ctx) for c, ctx in zip(cids, ctxs)]
             yield from zip(cids, self.algo.train_fused(items))
             return
-        for c, (_, d, ctx) in zip(cids, items):
-            yield c, self.algo.local_train(self.store.activate(c), d, ctx)
+        for c, ctx in zip(cids, ctxs):
+            yield c, self.algo.local_train(self.store.activate(c), self.data[c], ctx)
 
     def _probe_training(self, t: int, cid: int, res, table: ProbeTable) -> None:
         """Client ``cid``'s training probes of round t into ``table``; before its new state is kept."""
@@ -128,7 +132,7 @@ class Simulator:
         them, each row having a single non-zero contributor (so the sum is exact)."""
         buf = torch.zeros(self.num_clients, self.algo.client_vector_dim, dtype=torch.float32, device=self.rt.device)
         for c in self.owned:
-            buf[c] = self.algo.client_vector(self.store.states.get(c))
+            buf[c] = self.algo.client_vector(self.store.peek(c))
         return self.rt.all_reduce_sum_(buf).cpu().numpy()
 
     def _cohort(self, t: int):
@@ -158,6 +162,7 @@ class Simulator:
             with self.stop:
                 return self._run()
         finally:
+            self.store.close()
             self.writer.close()
             if self._lock is not None:
                 self._lock.close()
@@ -169,7 +174,7 @@ class Simulator:
         of = f" of the shard's {self.setup.info.num_clients}" if cfg.data.clients is not None else ""
         self.echo(f"fedcp_dist: {cfg.method} on {self.num_clients}{of} clients ({self.setup.info.source}), {rt.describe()}, "
                   f"{len(self.owned)} clients on rank 0, loaded in {self.setup.load_seconds:.2f} s; "
-                  f"training: {self.path}" + (f"; {note}" if (note := self.algo.describe()) else ""))
+                  f"training: {self.path}; {self.store_line}" + (f"; {note}" if (note := self.algo.describe()) else ""))
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)
             self.writer.log(record)

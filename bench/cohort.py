@@ -1,0 +1,79 @@
+"""Cohort benchmark: seconds per round against participants, start-up and memory, at thousands of clients.
+
+    python bench/cohort.py --config configs/mnist_dir0.1_fedcp.yaml data.path=data/mnist_dir_n10000.h5 \\
+        participation=0.01 threads=1
+    torchrun --nproc_per_node=2 bench/cohort.py --config configs/mnist_dir0.1_fedcp.yaml method=ditto \\
+        data.path=data/mnist_dir_n5000.h5 participation=0.01 threads=1 client_state=disk --eval
+
+It builds the run as ``fedcp-run`` does (``key=value`` overrides as there; ``out_dir`` defaults to a
+temporary folder, removed at the end), then trains rounds 2 … ``--rounds``+1 (round indices 1 …; none of them
+evaluates while ``eval_every`` > ``--rounds``), so that the figures are those of training rounds
+alone, whatever N: the run's own first round evaluates every client, which costs far more than a
+round's training at these client counts. ``--eval`` first runs round 1 with its evaluation of
+every client (what a real run does first; that is where a device store makes every client's
+state). Rank 0 prints one line per round (participants, seconds, training seconds) and, per rank,
+the start-up seconds (shard, placement, model, store), the peak RSS (the process's, ``ru_maxrss``)
+and where the client states live.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from fedcp_dist.config import load_config  # noqa: E402
+from fedcp_dist.runtime import init_runtime  # noqa: E402
+from fedcp_dist.simulator import Simulator  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--rounds", type=int, default=2, help="training rounds timed (default 2)")
+    p.add_argument("--eval", action="store_true", help="first run round 1 with its evaluation of every client")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="cohort-")
+    overrides = [f"out_dir={tmp}", "checkpoint_every=0", f"eval_every={a.rounds + 2}", *a.overrides]
+    cfg = load_config(a.config, overrides)
+    t0 = time.perf_counter()
+    rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
+    try:
+        sim = Simulator(cfg, rt, echo=lambda *_: None)
+        startup = time.perf_counter() - t0
+        rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        say = print if rt.is_main else (lambda *_: None)
+        say(f"{cfg.method} on {sim.num_clients} clients, {rt.world_size} rank(s), rho={cfg.participation}; "
+            f"{sim.store_line}; training: {sim.path}")
+        rounds = ([0] if a.eval else []) + list(range(1, a.rounds + 1))
+        for t in rounds:
+            rec, _ = sim.round(t)
+            say(f"round {t + 1}: {rec['participants']} participants, {rec['seconds']:.2f} s "
+                f"(training {rec['train_seconds']:.2f} s, evaluation {rec['eval_seconds']:.2f} s)")
+        sim.store.close()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        line = torch.tensor([startup, rss_start, rss, len(sim.owned)], dtype=torch.float64)
+        rows = [line.clone() for _ in range(rt.world_size)]
+        if rt.world_size > 1:
+            import torch.distributed as dist
+            dist.all_gather(rows, line)
+        for r, row in enumerate(rows):
+            s, m0, m, n = row.tolist()
+            say(f"rank {r}: {int(n)} clients, start-up {s:.2f} s, peak RSS {m0:.0f} MiB after start-up, "
+                f"{m:.0f} MiB at the end")
+    finally:
+        rt.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Where clients' states live between rounds (client_state: device | host | disk | auto): the
+stores give the same runs, bit for bit, and a disk store resumes from checkpoints exactly."""
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cmd
+from helpers import run
+from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.client_store import DiskClientStore, resolve_mode
+from fedcp_dist.errors import Preempted
+
+MiB = 2**20
+
+
+def _ditto(shard, out, *extra):
+    return [f"data.path={shard}", f"out_dir={out}", "rounds=3", "eval_every=2", "participation=0.5",
+            "checkpoint_every=1", "threads=1", *extra]
+
+
+def _records(out: Path):
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+
+
+def _final(out: Path):
+    ck = Checkpointer(str(out), 0, 1, 1)
+    _, g, clients, _ = ck.load(ck.latest(), range(100), "cpu")
+    return g, clients
+
+
+@pytest.fixture(scope="module")
+def device_run(digits6, tmp_path_factory):
+    out = tmp_path_factory.mktemp("device")
+    run("configs/digits_ditto.yaml", _ditto(digits6, out))
+    return out
+
+
+def _same(a: Path, b: Path):
+    assert _records(a) == _records(b)
+    (ga, ca), (gb, cb) = _final(a), _final(b)
+    assert all(torch.equal(ga[k], gb[k]) for k in ga)
+    # the device store also checkpoints the initial states of clients it only evaluated;
+    # a disk store keeps (and checkpoints) only the states of clients that trained
+    assert set(cb) <= set(ca) and cb
+    for c in cb:
+        assert cb[c].keys() == ca[c].keys() and all(torch.equal(ca[c][k], cb[c][k]) for k in ca[c])
+    return cb
+
+
+def test_disk_and_host_stores_give_the_device_stores_run_bit_for_bit(digits6, device_run, tmp_path):
+    disk = tmp_path / "disk"
+    lines = []
+    run("configs/digits_ditto.yaml", _ditto(digits6, disk, "client_state=disk"), echo=lines.append)
+    trained = _same(device_run, disk)
+    files = sorted(p.name for p in (disk / "client_state" / "rank_0").glob("*.pt"))
+    assert files == [f"client_{c:07d}.pt" for c in sorted(trained)]
+    assert "client states: disk (" in lines[0]
+    host = tmp_path / "host"
+    run("configs/digits_ditto.yaml", _ditto(digits6, host, "client_state=host"))
+    _same(device_run, host)
+
+
+class _PreemptAt:
+    """Sends the preemption signal to this process while round ``r`` (1-based) trains."""
+
+    def __init__(self, algo, r):
+        self.__dict__.update(algo=algo, r=r)
+
+    def __getattr__(self, name):
+        return getattr(self.algo, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.algo, name, value)
+
+    def local_train(self, state, data, ctx):
+        if ctx.round + 1 == self.r:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return self.algo.local_train(state, data, ctx)
+
+
+def test_disk_store_resumes_exactly_from_the_checkpoint_not_from_its_files(digits6, device_run, tmp_path):
+    out = tmp_path / "resumed"
+    args = _ditto(digits6, out, "client_state=disk", "checkpoint_every=0")
+    with pytest.raises(Preempted):
+        run("configs/digits_ditto.yaml", args, wrap=lambda a: _PreemptAt(a, 2))
+    # a state file newer than (or unlike) the checkpoint must not be used: the checkpoint rules
+    files = sorted((out / "client_state" / "rank_0").glob("client_*.pt"))
+    assert files
+    for f in files:
+        torch.save({k: v + 1 for k, v in torch.load(f, weights_only=True).items()}, f)
+    lines = []
+    run("configs/digits_ditto.yaml", args[:-1] + ["checkpoint_every=1"], echo=lines.append)
+    assert any("resuming from" in l and "(2 rounds done)" in l for l in lines)
+    _same(device_run, out)
+
+
+def test_bad_client_state_keys_are_one_line_errors(digits6, tmp_path):
+    for kv, key in (("client_state=ram", "client_state"), ("client_state_budget_mb=-1", "client_state_budget_mb")):
+        r = run_cmd(["fedcp-run", "--config", "configs/digits_ditto.yaml", f"data.path={digits6}",
+                     f"out_dir={tmp_path}", kv], timeout=60)
+        assert r.returncode != 0 and "Traceback" not in r.stderr
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and f"'{key}'" in err[0], r.stderr
+
+
+def test_auto_picks_memory_within_the_budget_and_disk_beyond_it():
+    # 1,000 clients of 2 MiB: 2,000 MiB
+    assert resolve_mode("auto", 2 * MiB, 1000, 2000, "cpu")[0] == "device"
+    mode, why = resolve_mode("auto", 2 * MiB, 1000, 1999, "cpu")
+    assert mode == "disk" and "1000 x 2.00 MiB vs a budget of 1999 MiB" in why
+    assert resolve_mode("host", 2 * MiB, 1000, 1, "cpu") == ("host", "client_state")
+
+
+class _Algo:
+    def __init__(self):
+        self.made = 0
+
+    def set_global(self, gs):
+        pass
+
+    def upload_keys(self, gs):
+        return list(gs)
+
+    def init_client_state(self, cid):
+        self.made += 1
+        return {"w": torch.full((3,), -1.0)}
+
+
+def test_disk_store_reads_ahead_and_writes_back(tmp_path):
+    algo = _Algo()
+    store = DiskClientStore(algo, {}, directory=str(tmp_path / "s"))
+    assert store.get(7)["w"].tolist() == [-1.0] * 3 and store.peek(7) is None  # never trained: no file
+    for c in (1, 2, 3):
+        store.put(c, {"w": torch.full((3,), float(c))}, {})
+    store.flush()
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [f"client_{c:07d}.pt" for c in (1, 2, 3)]
+    store.prefetch([3, 1, 2])
+    assert set(store._ahead) == {3, 1}  # the first two are read ahead at once
+    assert store.get(3)["w"].tolist() == [3.0] * 3
+    assert set(store._ahead) == {1, 2}  # using 3 read 2 ahead
+    assert [store.get(c)["w"].tolist()[0] for c in (1, 2)] == [1.0, 2.0]
+    store.put(2, {"w": torch.full((3,), 20.0)}, {})
+    assert store.get(2)["w"].tolist() == [20.0] * 3  # the state being written back is the one handed out
+    sd = store.state_dict()
+    assert {c: s["w"].tolist()[0] for c, s in sd.items()} == {1: 1.0, 2: 20.0, 3: 3.0}
+    again = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s"))  # a new run: old files go
+    assert list((tmp_path / "s").iterdir()) == []
+    again.load_state_dict(sd)
+    assert again.get(2)["w"].tolist() == [20.0] * 3 and again.peek(5) is None
+    store.close(), again.close()
+
+
+def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cohort", Path(__file__).resolve().parents[1] / "bench" / "cohort.py")
+    cohort = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cohort)
+    cohort.main(["--config", "configs/digits_ditto.yaml", "--rounds", "1", "--eval", f"data.path={digits6}",
+                 "participation=0.5", "threads=1", "client_state=disk"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ditto on 6 clients, 1 rank(s), rho=0.5; client states: disk (")
+    assert out[1].startswith("round 1: 3 participants") and out[2].startswith("round 2: 3 participants")
+    assert "evaluation 0.00 s" in out[2] and "evaluation 0.00 s" not in out[1]
+    assert out[3].startswith("rank 0: 6 clients, start-up ")
