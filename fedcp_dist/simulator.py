@@ -196,6 +196,7 @@ class Simulator:
         rt.phase = f"round {t + 1}"
         t_start = time.perf_counter()
         self.agg.zero()
+        self.algo.begin_round(t)
         evaluated = t % cfg.eval_every == 0
         table = ProbeTable(self.num_clients) if self.probe_every else None
         probe_train = table is not None and t % self.probe_every == 0
@@ -248,6 +249,11 @@ class Simulator:
                   "nonfinite_skipped": int(train.nonfinite_clients)}
         if self.compressor.enabled:
             record.update(self.compressor.round_bytes(len(cohort) - int(train.nonfinite_clients), len(cohort)))
+        saved = self.algo.uplink_saved_params(t)
+        if saved is not None:  # dense float32 bytes the uploaders sent and the parts they skipped
+            uploaders = len(cohort) - int(train.nonfinite_clients)
+            record.update(uplink_bytes_sent=4 * uploaders * (self.agg.num_params - saved),
+                          uplink_bytes_saved=4 * uploaders * saved)
         if self.select_by_features:
             record["cohort"] = [int(c) for c in cohort]
         if evaluated:
@@ -281,6 +287,10 @@ class Simulator:
             summary["shard_clients"] = self.setup.clients.tolist()
         if self.compressor.enabled:
             summary.update(byte_totals(self.records))
+        if any("uplink_bytes_saved" in r for r in self.records):
+            sent, saved = (int(sum(r.get(k, 0) for r in self.records)) for k in ("uplink_bytes_sent", "uplink_bytes_saved"))
+            summary.update(uplink_bytes_sent=sent, uplink_bytes_saved=saved,
+                           uplink_saved_fraction=saved / (sent + saved) if sent + saved else 0.0)
         if self.select_by_features:
             counts = [0] * self.num_clients
             for r in self.records:

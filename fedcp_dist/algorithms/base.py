@@ -169,6 +169,14 @@ class Algorithm:
         """
         return client_state
 
+    def begin_round(self, t: int) -> None:
+        """Called on every rank at the start of round t (0-based), before anything of it runs."""
+
+    def uplink_saved_params(self, t: int) -> Optional[int]:
+        """Parameters of its upload that one participant does not send in round t (a method that
+        skips parts of its upload in some rounds); None: it sends its whole upload every round."""
+        return None
+
     def server_update(self, global_state: State, averaged: State) -> State:
         """New global state from the sample-weighted mean of the round's uploads."""
         return {k: averaged[k].clone() if k in averaged else v for k, v in global_state.items()}

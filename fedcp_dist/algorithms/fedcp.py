@@ -238,7 +238,24 @@ def _positive_or_null(v) -> Optional[str]:
 POLICY_PREFIXES = ("cpn.", "vproj.")
 #: the extension keys that act on the CPN (refused where there is none: fedcp_cpn=false)
 _CPN_KEYS = ("policy_entropy", "cpn_warmup_rounds", "cpn_lr", "cpn_lr_schedule", "cpn_lr_min", "tau_final",
-             "tau_anneal", "cpn_hard", "cpn_hidden")
+             "tau_anneal", "cpn_hard", "cpn_hidden", "policy_refresh_every")
+#: the global-state prefix of Θ_prev, the policy's networks as refreshed before the last refresh
+PREV = "prev."
+
+
+def refresh_alpha(t: int, every: int) -> float:
+    """α of round t (0-based) under ``policy_refresh_every`` = P: j/P with j = t mod P (0 in a
+    refresh round, whose clients start from Θ_last: α = 1 of the pair before it, 0 of the pair after)."""
+    return (t % every) / every
+
+
+def interpolate(prev: torch.Tensor, last: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Θ = Θ_prev + α(Θ_last − Θ_prev) (Θ_last itself at α = 1, Θ_prev at α = 0)."""
+    if alpha == 0:
+        return prev
+    if alpha == 1:
+        return last
+    return prev + alpha * (last - prev)
 
 
 class FedCP(SGDAlgorithm):
@@ -275,6 +292,9 @@ class FedCP(SGDAlgorithm):
                "evaluation), the soft Gumbel-softmax gradient backward"),
         Option("cpn_hidden", 0, "FedCP: light CPN Linear(K, H) → ReLU → Linear(H, 2K) → norm → act with H = "
                "cpn_hidden (0: the paper's Linear(K, 2K))", at_least(0)),
+        Option("policy_refresh_every", 1, "FedCP: P: the CPN is trained, uploaded and aggregated only in rounds t with "
+               "t mod P = 0; in between it is frozen at Θ_prev + (t mod P)/P·(Θ_last − Θ_prev) of the last two "
+               "refreshed global CPNs (1: every round, the paper's)", at_least(1)),
     )
 
     @classmethod
@@ -303,6 +323,11 @@ class FedCP(SGDAlgorithm):
             return "tau_anneal", "needs tau_final"
         if cfg.cpn_hidden and getattr(cfg, "cpn_layers", 1) != 1:
             return "cpn_hidden", "is a one-hidden-layer CPN design; cpn_layers must stay 1"
+        if cfg.policy_refresh_every > 1:
+            if cfg.cpn_warmup_rounds:
+                return "policy_refresh_every", "freezes the CPN between refreshes itself: it does not combine with cpn_warmup_rounds"
+            if cfg.compress != "none":
+                return "policy_refresh_every", "skips the CPN's uploads, which compress does not account: use compress=none"
         return None
 
     def __init__(self, cfg, model, device):
@@ -339,6 +364,8 @@ class FedCP(SGDAlgorithm):
         self._init_head = module_state("head.", self.head_p)
         gen = torch.Generator().manual_seed(stream_seed(cfg.seed, STREAM_INIT))
         self._init_v = torch.rand(self.K, generator=gen).to(device)
+        self._round = 0  # the round being run (begin_round): the server update's refresh schedule
+        self._eval_policy_round = None  # the round whose interpolated policy evaluation holds (refresh)
         self.gs = self.init_global_state()
         self._declare_phases()
 
@@ -372,6 +399,8 @@ class FedCP(SGDAlgorithm):
         state = {**module_state("features.", self.fe), **module_state("head.", self.head_p), **module_state("cpn.", self.cpn)}
         if getattr(self, "vproj", None) is not None:
             state.update(module_state("vproj.", self.vproj))
+        if self.cfg.policy_refresh_every > 1:  # Θ_prev, as Θ_last (the cpn./vproj. values) at the start
+            state.update({PREV + k: v.clone() for k, v in state.items() if k.startswith(POLICY_PREFIXES)})
         return state
 
     def set_global(self, global_state):
@@ -381,6 +410,60 @@ class FedCP(SGDAlgorithm):
         if self.vproj is not None:
             load_module(self.vproj_g, global_state, "vproj.")
         self.gs = global_state
+        self._eval_policy_round = None
+
+    # -- policy caching (policy_refresh_every) and skipped CPN uploads ---------------------
+    def upload_keys(self, global_state):
+        """Every global value but Θ_prev (the server keeps it)."""
+        return [k for k in global_state if not k.startswith(PREV)]
+
+    def begin_round(self, t: int) -> None:
+        self._round = t
+
+    def policy_trained(self, t: int) -> bool:
+        """Whether round t's clients train the policy's networks (and upload them): a refresh round."""
+        return t % self.cfg.policy_refresh_every == 0
+
+    def policy_uploaded(self, t: int) -> bool:
+        """Whether round t's clients upload the policy's networks and the server aggregates them."""
+        return self.policy_trained(t)
+
+    def policy_values(self, t: int) -> dict:
+        """The policy's networks' values of round t: Θ_last (the global values) in a refresh round,
+        else Θ_prev + α(Θ_last − Θ_prev) with α = (t mod P)/P."""
+        keys = [k for k in self.gs if k.startswith(POLICY_PREFIXES)]
+        alpha = refresh_alpha(t, self.cfg.policy_refresh_every)
+        if alpha == 0:
+            return {k: self.gs[k] for k in keys}
+        return {k: interpolate(self.gs[PREV + k], self.gs[k], alpha) for k in keys}
+
+    def _load_eval_policy(self, t: int) -> None:
+        """The evaluated CPN (and projection) of round t's policy (refresh: interpolated)."""
+        if self.cfg.policy_refresh_every == 1 or self._eval_policy_round == t:
+            return
+        values = self.policy_values(t)
+        load_module(self.cpn_g, values, "cpn.")
+        if self.vproj is not None:
+            load_module(self.vproj_g, values, "vproj.")
+        self._eval_policy_round = t
+
+    def server_update(self, global_state, averaged):
+        """The sample-weighted mean; the policy's networks only in the rounds that upload them
+        (refresh: Θ_prev ← Θ_last then, else both kept)."""
+        new = super().server_update(global_state, averaged)
+        t = self._round
+        if not self.policy_uploaded(t):
+            new.update({k: global_state[k] for k in new if k.startswith(POLICY_PREFIXES)})
+        elif self.cfg.policy_refresh_every > 1:
+            new.update({PREV + k: global_state[k] for k in new if k.startswith(POLICY_PREFIXES)})
+        return new
+
+    def uplink_saved_params(self, t: int) -> Optional[int]:
+        """Parameters one uploader does not send in round t (None: this configuration skips none)."""
+        if self.cfg.policy_refresh_every == 1:
+            return None
+        return 0 if self.policy_uploaded(t) else sum(v.numel() for k, v in self.gs.items()
+                                                     if k.startswith(POLICY_PREFIXES))
 
     def init_client_state(self, client):
         """A copy of the initial global head, and one random client vector from the run seed
@@ -493,6 +576,9 @@ class FedCP(SGDAlgorithm):
             start.update({n: client_state[n] for n in k["emb."]})
         self._tau = self.tau_at(ctx.round)
         phase = self.warmup_phase if ctx.round < self.cfg.cpn_warmup_rounds else self.train_phase
+        if not self.policy_trained(ctx.round):  # between refreshes: the interpolated policy, frozen
+            start.update(self.policy_values(ctx.round))
+            phase = self.warmup_phase
         return [(phase, ClientPhase(start))]
 
     def finish(self, client_state, outcomes, ctx):
@@ -505,6 +591,8 @@ class FedCP(SGDAlgorithm):
             new_state = {**{n: v[n] for n in k["head."]}, "v": v["head.weight"].sum(dim=0)}
             if self.vproj is not None:
                 upload.update({n: v[n] for n in k["vproj."]})
+            if not self.policy_uploaded(ctx.round):  # not sent: the all-reduce slot carries the global values
+                upload.update({n: self.gs[n] for n in upload if n.startswith(POLICY_PREFIXES)})
             if self.emb_p is not None:
                 new_state.update({n: v[n] for n in k["emb."]})
         # probing: the trained values (no copies) for the loss after local learning
@@ -515,6 +603,7 @@ class FedCP(SGDAlgorithm):
     def _eval_heads(self, client_state, x, ctx):
         # evaluation before round t sees the model of round t − 1: that round's temperature
         self._tau = self.tau_at(ctx.round - 1)
+        self._load_eval_policy(ctx.round)  # evaluation before round t: the policy round t starts from
         load_module(self.head_p, client_state, "head.")
         self.head_p.eval()
         if self.emb_p is not None:
@@ -560,6 +649,7 @@ class FedCP(SGDAlgorithm):
         head and v). After: the client's trained extractor, CPN and head with its new v, the frozen
         received global head as in training; both without Gumbel noise unless ``cpn_eval_gumbel``."""
         load_module(self.head_p, before, "head.")
+        self._load_eval_policy(ctx.round)
         modes = {m: m.training for m in self.train_phase.modules.values()}
         try:
             self.head_p.eval()
