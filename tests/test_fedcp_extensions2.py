@@ -4,6 +4,7 @@ caching (policy_refresh_every), federated policy distillation with skipped CPN u
 sequential training with them on; one 1-vs-2-rank run with all of them, which also resumes
 bit-exactly."""
 import json
+import math
 import shutil
 import sys
 
@@ -14,9 +15,12 @@ from conftest import run_cmd
 from helpers import algo_with_moved_global, random_client, run, tiny_data
 from test_fedcp_extensions import _tiny_fedcp
 from fedcp_dist.algorithms.base import Context
-from fedcp_dist.algorithms.fedcp import PREV, FedCP, interpolate, refresh_alpha
-from fedcp_dist.config import load_config
+from fedcp_dist.algorithms.fedcp import (PREV, FedCP, combine_group_logits, group_pool, interpolate, policy,
+                                         policy_kl, refresh_alpha)
+from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import UserError
+
+CPU = torch.device("cpu")
 
 
 def _ctx(t, probe=False):
@@ -99,3 +103,165 @@ def test_bad_values_name_their_key(tmp_path, override, key):
     shard.write_bytes(b"")
     with pytest.raises(UserError, match=f"'{key}'"):
         load_config("configs/digits_fedcp.yaml", [f"data.path={shard}", "rounds=30", *override.split()])
+
+
+# ---------------------------------------------------------------- 9. policy distillation, skipped uploads
+
+
+def test_policy_kl_by_hand():
+    # K = 1: teacher (0.5, 0.5), student (0.75, 0.25): 0.5 ln(0.5/0.75) + 0.5 ln(0.5/0.25) = 0.5 ln(4/3)
+    teacher, student = torch.tensor([[0.0, 0.0]]), torch.tensor([[math.log(3.0), 0.0]])
+    assert policy_kl(teacher, student, 1, 1.0).item() == pytest.approx(0.5 * math.log(4 / 3), abs=1e-7)
+    # τ = 2 halves the logits: student (√3/(√3+1), 1/(√3+1))
+    q = math.sqrt(3) / (math.sqrt(3) + 1)
+    want = 0.5 * math.log(0.5 / q) + 0.5 * math.log(0.5 / (1 - q))
+    assert policy_kl(teacher, student, 1, 2.0).item() == pytest.approx(want, abs=1e-7)
+    # K = 2, two samples, per sample the sum over features; equal policies: 0
+    t2 = torch.tensor([[0.0, 1.0, 0.0, 1.0], [2.0, 0.0, 2.0, 0.0]])
+    got = policy_kl(t2, t2.clone(), 2, 1.0)
+    assert got.shape == (2,) and torch.allclose(got, torch.zeros(2), atol=1e-7)
+
+
+def test_distillation_term_in_the_loss():
+    from fedcp_dist.local_train import Step
+
+    kappa = 0.7
+    algo, gs = _tiny_fedcp(cpn_distill=kappa, cpn_train_gumbel=False)
+    plain, _ = _tiny_fedcp(cpn_train_gumbel=False)
+    d = tiny_data(n=8)
+    x, y = d.train_batch()
+    values = {"v": algo.init_client_state(0)["v"]}
+    modules = algo.train_phase.modules
+    # the working CPN differs from the received one (the teacher): the moved global state
+    loss = algo.loss(Step(x, y, modules, values, torch.Generator().manual_seed(1)))
+    base = plain.loss(Step(x, y, plain.train_phase.modules, values, torch.Generator().manual_seed(1)))
+    with torch.no_grad():
+        h = algo.fe(x)
+        c = torch.nn.functional.normalize(values["v"], dim=-1) * h
+        zt, zs = algo.cpn_g.net(c).view(-1, 2, 3), algo.cpn.net(c).view(-1, 2, 3)
+        pt, ps = torch.softmax(zt, -2), torch.softmax(zs, -2)
+        kl = (pt * (pt / ps).log()).sum((-2, -1)).mean()
+    assert kl > 1e-4
+    assert loss.item() == pytest.approx(base.item() + kappa * kl.item(), abs=1e-6)
+    # the teacher equal to the own CPN: no term
+    algo.set_global({**gs, **{"cpn." + n: p.detach().clone() for n, p in algo.cpn.named_parameters()}})
+    plain.set_global(algo.gs)
+    a = algo.loss(Step(x, y, modules, values, torch.Generator().manual_seed(1)))
+    b = plain.loss(Step(x, y, plain.train_phase.modules, values, torch.Generator().manual_seed(1)))
+    assert a.item() == pytest.approx(b.item(), abs=1e-7)
+
+
+def test_upload_every_trains_the_cpn_every_round_and_sends_it_every_third():
+    algo, gs = _tiny_fedcp(cpn_distill=0.5, cpn_upload_every=3)
+    keys = _policy_keys(gs)
+    n_cpn = sum(gs[k].numel() for k in keys)
+    assert n_cpn == 3 * 6 + 6 + 2 * 6  # Linear(3, 6) and LayerNorm(6)
+    d = tiny_data(n=16)
+    for t in range(4):
+        res = algo.local_train(algo.init_client_state(0), d, _ctx(t, probe=True))
+        moved = all(not torch.equal(res.extra["trained"][k], gs[k]) for k in keys if k.endswith("weight"))
+        assert moved, t  # trained in every round
+        sent = t % 3 == 0
+        assert all(torch.equal(res.upload[k], gs[k]) != sent for k in keys if k.endswith("weight")), t
+        assert algo.uplink_saved_params(t) == (0 if sent else n_cpn)
+    avg = {k: v + 1.0 for k, v in gs.items()}
+    algo.begin_round(1)
+    kept = algo.server_update(gs, avg)
+    assert all(torch.equal(kept[k], gs[k]) for k in keys) and torch.equal(kept["features.1.weight"], avg["features.1.weight"])
+    algo.begin_round(3)
+    assert all(torch.equal(algo.server_update(gs, avg)[k], avg[k]) for k in keys)
+    plain, _ = _tiny_fedcp(cpn_distill=0.5)
+    assert plain.uplink_saved_params(1) is None  # nothing skipped: no byte counts in the records
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cpn_distill=-1", "cpn_distill"), ("cpn_upload_every=0", "cpn_upload_every"),
+    ("cpn_upload_every=2 policy_refresh_every=2", "cpn_upload_every"),
+    ("cpn_distill=0.1 policy_refresh_every=2", "cpn_distill"),
+    ("cpn_upload_every=2 compress=topk compress_ratio=0.5", "cpn_upload_every"),
+    ("cpn_distill=0.1 fedcp_cpn=false", "cpn_distill"),
+])
+def test_bad_distillation_values_name_their_key(tmp_path, override, key):
+    test_bad_values_name_their_key(tmp_path, override, key)
+
+
+# ---------------------------------------------------------------- 7. hierarchical policy
+
+
+def test_group_combination_by_hand():
+    # K = 2, G = 1. Feature-level pairs: feature 0 (ln 3, 0) → s = 3/4; feature 1 (0, 0) → s = 1/2.
+    # Group pair (ln 2, 0) → s^group = 2/3. s_k = s·s^g / (s·s^g + r·r^g):
+    # feature 0: (3/4·2/3) / (3/4·2/3 + 1/4·1/3) = 6/7; feature 1: (1/2·2/3) / (1/2·2/3 + 1/2·1/3) = 2/3
+    logits = torch.tensor([[math.log(3.0), 0.0, 0.0, 0.0]])  # (B, 2K): the s-logits of both features, then r's
+    group = torch.tensor([[math.log(2.0), 0.0]])
+    s, r, _ = policy(combine_group_logits(logits, group, 2), 2, 1.0)
+    assert torch.allclose(s, torch.tensor([[6 / 7, 2 / 3]]), atol=1e-6)
+    assert torch.allclose(r, torch.tensor([[1 / 7, 1 / 3]]), atol=1e-6)
+    # K = 4, G = 2: features 0, 1 in group 0 and 2, 3 in group 1 (contiguous blocks)
+    z = torch.zeros(1, 8)
+    zg = torch.tensor([[math.log(3.0), 0.0, 0.0, math.log(3.0)]])  # group 0: s 3/4; group 1: s 1/4
+    s, r, _ = policy(combine_group_logits(z, zg, 4), 4, 1.0)
+    assert torch.allclose(s, torch.tensor([[0.75, 0.75, 0.25, 0.25]]), atol=1e-6)
+    # the pooled input: the mean of each block
+    c = torch.tensor([[1.0, 3.0, -2.0, 6.0]])
+    assert torch.equal(group_pool(c, 2), torch.tensor([[2.0, 2.0]]))
+
+
+class Small4(torch.nn.Module):
+    """features: 2x2 image → Linear(4, 4) → Tanh; head: Linear(4, 3) (K = 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.feature_dim = 4
+        self.features = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 4), torch.nn.Tanh())
+        self.head = torch.nn.Linear(4, 3)
+
+
+def _fedcp4(**kw):
+    cfg = Config(lr=0.1, batch_size=8, lam=0.5, rounds=6, **kw)
+    torch.manual_seed(0)
+    algo = FedCP(cfg, Small4(), CPU)
+    gs = algo.init_global_state()
+    g = torch.Generator().manual_seed(7)
+    gs = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in gs.items()}
+    algo.set_global(gs)
+    return algo, gs
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_group_policy_keeps_s_plus_r_one_and_trains(hard):
+    algo, gs = _fedcp4(cpn_groups=2, cpn_hard=hard, cpn_eval_gumbel=True)
+    assert sorted(k for k in gs if k.startswith("cpng.")) == ["cpng.0.bias", "cpng.0.weight", "cpng.1.bias",
+                                                              "cpng.1.weight"]
+    d = tiny_data(n=16)
+    state = algo.init_client_state(0)
+    x = d.train_batch()[0]
+    logits, s = algo.predict_probe(state, x, _ctx(1))
+    out = algo._eval_heads(state, x, _ctx(1))
+    r = out.policy_logits  # the combined pair logits; s + r = 1 per feature of every sample
+    assert s.shape == (16, 4)
+    s2, r2, _ = policy(r, 4, algo.cfg.tau)
+    assert torch.allclose(s2 + r2, torch.ones(16, 4), atol=1e-6)
+    assert ((s > 0) & (s < 1)).all() or hard
+    if hard:
+        assert set(s.unique().tolist()) <= {0.0, 1.0}
+    # the group network's values are the ones combined: its s-logit shift moves every feature of a group
+    with torch.no_grad():
+        h = algo.fe_g(x)
+        c = torch.nn.functional.normalize(state["v"], dim=-1) * h
+        want = combine_group_logits(algo.cpn_g.net(c), algo.cpng_g(group_pool(c, 2)), 4)
+    assert torch.allclose(out.policy_logits, want, atol=1e-6)
+    res = algo.local_train(state, d, _ctx(0))
+    for k in gs:
+        if k.startswith("cpng.") and k.endswith("weight"):
+            assert not torch.equal(res.upload[k], gs[k]), k
+
+
+def test_groups_must_divide_k_and_default_draws_nothing_more():
+    with pytest.raises(UserError, match="'cpn_groups'"):
+        _fedcp4(cpn_groups=3)
+    a, ga = _fedcp4()
+    b, gb = _fedcp4(cpn_groups=4)
+    assert all(torch.equal(ga[k], gb[k]) for k in ga)  # the group CPN is drawn after everything else
+    # Linear(4, 8): 4·8 + 8, LayerNorm(8): 2·8; FLOPs 2·4·8
+    assert "group policy (G=4): 56 parameters, 64 FLOPs/sample" in b.describe()

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcp_dist.errors import UserError
 from fedcp_dist.algorithms.base import LocalResult, SGDAlgorithm, freeze, load_module, module_state
 from fedcp_dist.local_train import ClientPhase, Phase, Step, split_policy
 from fedcp_dist.losses import MEDIAN, MMD_BANDWIDTHS
@@ -56,6 +57,8 @@ class Heads(NamedTuple):
     s: Optional[torch.Tensor]  # the personal share of each feature (None: no CPN); r = 1 − s
     #: Σ_k −(s_k log s_k + r_k log r_k) per sample, of the soft policy (only where the loss needs it)
     entropy: Optional[torch.Tensor] = None
+    c: Optional[torch.Tensor] = None  # the policy's input C
+    policy_logits: Optional[torch.Tensor] = None  # the pair logits (..., 2K) the policy is the softmax of
 
     @property
     def logits(self) -> torch.Tensor:
@@ -214,6 +217,30 @@ def policy(logits: torch.Tensor, feature_dim: int, tau: float, noise=None, hard:
     return p[..., 0, :], p[..., 1, :], ent
 
 
+def policy_kl(teacher: torch.Tensor, student: torch.Tensor, feature_dim: int, tau: float) -> torch.Tensor:
+    """Σ_k KL((s^T_k, r^T_k) ‖ (s_k, r_k)) per sample: the soft, noiseless policies at temperature τ
+    of two CPN outputs (..., 2K), the teacher's and the student's."""
+    zt = teacher.view(*teacher.shape[:-1], 2, feature_dim) / tau
+    zs = student.view(*student.shape[:-1], 2, feature_dim) / tau
+    log_t = torch.log_softmax(zt, dim=-2)
+    return (log_t.exp() * (log_t - torch.log_softmax(zs, dim=-2))).sum((-2, -1))
+
+
+def group_pool(c: torch.Tensor, groups: int) -> torch.Tensor:
+    """The policy input (..., K) pooled per group: the mean of each of ``groups`` contiguous blocks of K/G."""
+    return c.view(*c.shape[:-1], groups, c.shape[-1] // groups).mean(-1)
+
+
+def combine_group_logits(logits: torch.Tensor, group_logits: torch.Tensor, feature_dim: int) -> torch.Tensor:
+    """The hierarchical policy's pair logits (..., 2K): feature k's pair plus its group g(k)'s pair
+    (group_logits (..., 2G), feature k in group ⌊k·G/K⌋). Their softmax over the pair is
+    s_k = s_k^sample·s_g^group / (s_k^sample·s_g^group + r_k^sample·r_g^group), r_k = 1 − s_k."""
+    groups = group_logits.shape[-1] // 2
+    z = logits.view(*logits.shape[:-1], 2, feature_dim)
+    zg = group_logits.view(*group_logits.shape[:-1], 2, groups).repeat_interleave(feature_dim // groups, dim=-1)
+    return (z + zg).reshape(logits.shape)
+
+
 def _number_or_median(v) -> Optional[str]:
     if v == MEDIAN or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
         return None
@@ -233,12 +260,14 @@ def _positive_or_null(v) -> Optional[str]:
     return None if ok else f"must be null or a number > 0, got {v!r}"
 
 
-#: the value prefixes of the policy's trained networks: the CPN and the client vector's projection;
+#: the value prefixes of the policy's trained networks: the CPN, the client vector's projection and the
+#: group-level CPN;
 #: the warm-up freezes them and cpn_lr is their rate
-POLICY_PREFIXES = ("cpn.", "vproj.")
+POLICY_PREFIXES = ("cpn.", "vproj.", "cpng.")
 #: the extension keys that act on the CPN (refused where there is none: fedcp_cpn=false)
 _CPN_KEYS = ("policy_entropy", "cpn_warmup_rounds", "cpn_lr", "cpn_lr_schedule", "cpn_lr_min", "tau_final",
-             "tau_anneal", "cpn_hard", "cpn_hidden", "policy_refresh_every")
+             "tau_anneal", "cpn_hard", "cpn_hidden", "policy_refresh_every", "cpn_distill", "cpn_upload_every",
+             "cpn_groups")
 #: the global-state prefix of Θ_prev, the policy's networks as refreshed before the last refresh
 PREV = "prev."
 
@@ -295,6 +324,13 @@ class FedCP(SGDAlgorithm):
         Option("policy_refresh_every", 1, "FedCP: P: the CPN is trained, uploaded and aggregated only in rounds t with "
                "t mod P = 0; in between it is frozen at Θ_prev + (t mod P)/P·(Θ_last − Θ_prev) of the last two "
                "refreshed global CPNs (1: every round, the paper's)", at_least(1)),
+        Option("cpn_distill", 0.0, "FedCP: κ of the policy distillation term κ·mean Σ_k KL(teacher policy ‖ own "
+               "policy), the teacher being the last aggregated (received) CPN", at_least(0)),
+        Option("cpn_upload_every", 1, "FedCP: U: clients upload the CPN (and the server aggregates it) only in rounds "
+               "t with t mod U = 0; they train it every round", at_least(1)),
+        Option("cpn_groups", 0, "FedCP: G > 0 (dividing K): a group-level policy Linear(G, 2G) → LayerNorm → ReLU on "
+               "the policy input pooled over G contiguous blocks, combined with the feature-level one (0: none)",
+               at_least(0)),
     )
 
     @classmethod
@@ -328,6 +364,11 @@ class FedCP(SGDAlgorithm):
                 return "policy_refresh_every", "freezes the CPN between refreshes itself: it does not combine with cpn_warmup_rounds"
             if cfg.compress != "none":
                 return "policy_refresh_every", "skips the CPN's uploads, which compress does not account: use compress=none"
+            if cfg.cpn_upload_every > 1 or cfg.cpn_distill:
+                key = "cpn_upload_every" if cfg.cpn_upload_every > 1 else "cpn_distill"
+                return key, "does not combine with policy_refresh_every (the CPN is frozen at the cached policy between refreshes)"
+        if cfg.cpn_upload_every > 1 and cfg.compress != "none":
+            return "cpn_upload_every", "skips the CPN's uploads, which compress does not account: use compress=none"
         return None
 
     def __init__(self, cfg, model, device):
@@ -354,6 +395,14 @@ class FedCP(SGDAlgorithm):
             self.vproj_g = freeze(copy.deepcopy(self.vproj))
             if self.vector_kind == "head+embed":
                 self.emb_p = ClientEmbedding(int(cfg.cpn_embed_dim)).to(device)
+        self.cpng = None
+        if cfg.cpn_groups:  # drawn after the CPN and the projection: the default draws nothing more
+            if self.K % cfg.cpn_groups:
+                raise UserError(f"config key 'cpn_groups': {cfg.cpn_groups} does not divide the feature size "
+                                f"K = {self.K}")
+            g = int(cfg.cpn_groups)
+            self.cpng = nn.Sequential(nn.Linear(g, 2 * g), nn.LayerNorm(2 * g), nn.ReLU()).to(device)
+            self.cpng_g = freeze(copy.deepcopy(self.cpng))
         self._stats = {}  # client → s_i (head+stats), computed once from its training rows
         self.fe = model.features.to(device)  # W_i^fe, trained
         self.head_p = model.head.to(device)  # W_i^hd, trained
@@ -374,22 +423,30 @@ class FedCP(SGDAlgorithm):
         modules = {"features.": self.fe, "cpn.": self.cpn, "head.": self.head_p}
         if self.vproj is not None:
             modules["vproj."] = self.vproj
+        if self.cpng is not None:
+            modules["cpng."] = self.cpng
         if self.emb_p is not None:
             modules["emb."] = self.emb_p
+        # the distillation's teacher: the received CPN (and group CPN), applied alike to every client
+        shared = (self.fe_g, self.head_g)
+        if self.cfg.cpn_distill:
+            shared += (self.cpn_g,) + ((self.cpng_g,) if self.cpng is not None else ())
         self.train_phase = Phase(
             "train", self.loss, modules,
             trainable=tuple(p + n for p, m in modules.items() for n, t in m.named_parameters() if t.requires_grad),
-            epochs=self.cfg.local_epochs, shared=(self.fe_g, self.head_g))
+            epochs=self.cfg.local_epochs, shared=shared)
         # the CPN warm-up: the same loss, the policy's networks (the CPN and, with an extended client
         # vector, its projection) constants: they keep the received global values
         self.warmup_phase = Phase(
             "train-cpn-frozen", self.loss, modules,
             trainable=tuple(n for n in self.train_phase.trainable if not n.startswith(POLICY_PREFIXES)),
-            epochs=self.cfg.local_epochs, shared=(self.fe_g, self.head_g))
+            epochs=self.cfg.local_epochs, shared=shared)
         self.training_phases = [self.train_phase]
         self.eval_modules = {"features.": self.fe_g, "cpn.": self.cpn_g, "head.": self.head_p}
         if self.vproj is not None:
             self.eval_modules["vproj."] = self.vproj_g
+        if self.cpng is not None:
+            self.eval_modules["cpng."] = self.cpng_g
         if self.emb_p is not None:
             self.eval_modules["emb."] = self.emb_p
         self.keys = {p: list(module_state(p, m)) for p, m in modules.items()}
@@ -399,6 +456,8 @@ class FedCP(SGDAlgorithm):
         state = {**module_state("features.", self.fe), **module_state("head.", self.head_p), **module_state("cpn.", self.cpn)}
         if getattr(self, "vproj", None) is not None:
             state.update(module_state("vproj.", self.vproj))
+        if getattr(self, "cpng", None) is not None:
+            state.update(module_state("cpng.", self.cpng))
         if self.cfg.policy_refresh_every > 1:  # Θ_prev, as Θ_last (the cpn./vproj. values) at the start
             state.update({PREV + k: v.clone() for k, v in state.items() if k.startswith(POLICY_PREFIXES)})
         return state
@@ -409,6 +468,8 @@ class FedCP(SGDAlgorithm):
         load_module(self.cpn_g, global_state, "cpn.")
         if self.vproj is not None:
             load_module(self.vproj_g, global_state, "vproj.")
+        if self.cpng is not None:
+            load_module(self.cpng_g, global_state, "cpng.")
         self.gs = global_state
         self._eval_policy_round = None
 
@@ -426,7 +487,7 @@ class FedCP(SGDAlgorithm):
 
     def policy_uploaded(self, t: int) -> bool:
         """Whether round t's clients upload the policy's networks and the server aggregates them."""
-        return self.policy_trained(t)
+        return self.policy_trained(t) and t % self.cfg.cpn_upload_every == 0
 
     def policy_values(self, t: int) -> dict:
         """The policy's networks' values of round t: Θ_last (the global values) in a refresh round,
@@ -445,6 +506,8 @@ class FedCP(SGDAlgorithm):
         load_module(self.cpn_g, values, "cpn.")
         if self.vproj is not None:
             load_module(self.vproj_g, values, "vproj.")
+        if self.cpng is not None:
+            load_module(self.cpng_g, values, "cpng.")
         self._eval_policy_round = t
 
     def server_update(self, global_state, averaged):
@@ -460,7 +523,7 @@ class FedCP(SGDAlgorithm):
 
     def uplink_saved_params(self, t: int) -> Optional[int]:
         """Parameters one uploader does not send in round t (None: this configuration skips none)."""
-        if self.cfg.policy_refresh_every == 1:
+        if self.cfg.policy_refresh_every == 1 and self.cfg.cpn_upload_every == 1:
             return None
         return 0 if self.policy_uploaded(t) else sum(v.numel() for k, v in self.gs.items()
                                                      if k.startswith(POLICY_PREFIXES))
@@ -518,17 +581,28 @@ class FedCP(SGDAlgorithm):
         personal part), g(r ⊙ h; W^hd) (the frozen global head on the global part), h and s."""
         h = step.run("features", step.x)
         noise = step.gumbel_like if gumbel else None
-        logits = step.run("cpn.net", self.policy_input(step, h))
+        c = self.policy_input(step, h)
+        logits = step.run("cpn.net", c)
         cfg, ent = self.cfg, None
+        if self.cpng is not None:
+            logits = combine_group_logits(logits, step.run("cpng", group_pool(c, cfg.cpn_groups)), self.K)
         if cfg.cpn_hard or cfg.policy_entropy:
             s, r, ent = policy(logits, self.K, self._tau, noise, hard=cfg.cpn_hard, entropy=bool(cfg.policy_entropy))
         else:
             s, r = split_policy(logits, self.K, self._tau, noise)
-        return Heads(step.run("head", s * h), step.shared(self.head_g, r * h), h, s, ent)
+        return Heads(step.run("head", s * h), step.shared(self.head_g, r * h), h, s, ent, c, logits)
+
+    def teacher_logits(self, step, c):
+        """The received (last aggregated) CPN's pair logits on the policy input C, without gradient."""
+        logits = step.shared(self.cpn_g.net, c, grad=False)
+        if self.cpng is None:
+            return logits
+        return combine_group_logits(logits, step.shared(self.cpng_g, group_pool(c, self.cfg.cpn_groups), grad=False),
+                                    self.K)
 
     def loss(self, step):
         """CE(personalized output) + λ·MMD²(h, h of the frozen received extractor, batch statistics)
-        [+ β·mean policy entropy]."""
+        [+ β·mean policy entropy] [+ κ·mean Σ_k KL(teacher policy ‖ own policy)]."""
         cfg = self.cfg
         out = self.heads(step, cfg.cpn_train_gumbel)
         if out.s is not None and step.tallies is not None:  # probing: Σ over the batch of s̄ = (1/K) Σ_k s^k
@@ -539,6 +613,9 @@ class FedCP(SGDAlgorithm):
             loss = loss + cfg.lam * step.mmd2(out.h, h_g, self._bandwidths)
         if out.entropy is not None:
             loss = loss + cfg.policy_entropy * step.mean(out.entropy)
+        if cfg.cpn_distill:
+            kl = policy_kl(self.teacher_logits(step, out.c), out.policy_logits, self.K, self._tau)
+            loss = loss + cfg.cpn_distill * step.mean(kl)
         return loss
     # -- the per-round schedules (functions of the round number: a resumed run takes the same) ----
     def tau_at(self, t: int) -> float:
@@ -561,7 +638,11 @@ class FedCP(SGDAlgorithm):
     def describe(self) -> str:
         params, flops = cpn_cost(self.cpn)
         design = f"light, H={self.cfg.cpn_hidden}" if self.cfg.cpn_hidden else "Linear(K, 2K)"
-        return f"CPN ({design}, K={self.K}): {params} parameters, {flops} FLOPs/sample"
+        line = f"CPN ({design}, K={self.K}): {params} parameters, {flops} FLOPs/sample"
+        if self.cpng is not None:
+            gp, gf = cpn_cost(self.cpng)
+            line += f"; group policy (G={self.cfg.cpn_groups}): {gp} parameters, {gf} FLOPs/sample"
+        return line
 
 
     # -- local training ---------------------------------------------------
@@ -572,6 +653,8 @@ class FedCP(SGDAlgorithm):
         if self.vproj is not None:
             start.update({n: self.gs[n] for n in k["vproj."]})
             start.update(self._client_values(client_state, data, ctx.client))
+        if self.cpng is not None:
+            start.update({n: self.gs[n] for n in k["cpng."]})
         if self.emb_p is not None:
             start.update({n: client_state[n] for n in k["emb."]})
         self._tau = self.tau_at(ctx.round)
@@ -591,6 +674,8 @@ class FedCP(SGDAlgorithm):
             new_state = {**{n: v[n] for n in k["head."]}, "v": v["head.weight"].sum(dim=0)}
             if self.vproj is not None:
                 upload.update({n: v[n] for n in k["vproj."]})
+            if self.cpng is not None:
+                upload.update({n: v[n] for n in k["cpng."]})
             if not self.policy_uploaded(ctx.round):  # not sent: the all-reduce slot carries the global values
                 upload.update({n: self.gs[n] for n in upload if n.startswith(POLICY_PREFIXES)})
             if self.emb_p is not None:
