@@ -265,3 +265,97 @@ def test_groups_must_divide_k_and_default_draws_nothing_more():
     assert all(torch.equal(ga[k], gb[k]) for k in ga)  # the group CPN is drawn after everything else
     # Linear(4, 8): 4·8 + 8, LayerNorm(8): 2·8; FLOPs 2·4·8
     assert "group policy (G=4): 56 parameters, 64 FLOPs/sample" in b.describe()
+
+
+# ---------------------------------------------------------------- fused, ranks, resume
+
+
+@pytest.fixture
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("switches", [dict(policy_refresh_every=3, cpn_groups=8, tau=0.5),
+                                      dict(cpn_distill=0.5, cpn_upload_every=2, cpn_groups=8),
+                                      dict(cpn_distill=0.5, cpn_upload_every=2),
+                                      dict(cpn_groups=8, cpn_hard=True)])
+def test_switches_train_fused_as_sequentially(float64, switches):
+    algo, gs = algo_with_moved_global(FedCP, shape=(1, 16, 16), lam=1.0, lr=0.01, drop_last=False, rounds=6,
+                                      **switches)
+    assert algo.fused_reason() is None
+    datas = [random_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate((23, 7, 31))]
+    for t in (0, 1):  # a refresh (upload) round and one between
+        items = [({**algo.init_client_state(d.cid), "v": algo.init_client_state(d.cid)["v"] + 0.1 * d.cid}, d,
+                  Context(t, d.cid, torch.Generator().manual_seed(11 + d.cid))) for d in datas]
+        fus = algo.local_train_group(items)
+        seq = [algo.local_train(s, d, Context(t, c.client, torch.Generator().manual_seed(11 + c.client)))
+               for s, d, c in items]
+        for a, b in zip(seq, fus):
+            assert a.samples == b.samples and b.loss_sum == pytest.approx(a.loss_sum, rel=1e-9)
+            for k in a.upload:
+                assert torch.allclose(a.upload[k], b.upload[k], atol=1e-10, rtol=0), (t, k)
+            moved = {k for k in a.upload if not torch.equal(a.upload[k], gs[k])}
+            assert any(k.startswith("features.") for k in moved)
+            assert any(k.startswith("cpn.") for k in moved) == algo.policy_uploaded(t)
+            assert any(k.startswith("cpng.") for k in moved) == (algo.policy_uploaded(t) and algo.cpng is not None)
+
+
+ROUNDS = 4
+SWITCHES = ["policy_refresh_every=2", "cpn_groups=8"]
+DISTILL = ["cpn_distill=0.5", "cpn_upload_every=2", "cpn_groups=8"]
+
+
+def _args(shard, out, switches, *extra):
+    return ["--config", "configs/digits_fedcp.yaml", f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2",
+            "keep_checkpoints=2", f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *switches,
+            *extra]
+
+
+def _load(out):
+    state = torch.load(out / "final_global.pt", weights_only=True)
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return state, [l["acc"] for l in lines if "acc" in l], [l for l in lines if l.get("kind") == "round"]
+
+
+@pytest.mark.slow
+def test_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
+    """Two short runs, caching with groups and distillation with skipped uploads and groups,
+    each on one and two ranks in one two-rank launch each: the same trajectory; the skipped
+    bytes counted per round; caching resumes bit-exactly from its round-2 checkpoint (Θ_prev in the
+    checkpoint)."""
+    for name, switches in (("cache", SWITCHES), ("distill", DISTILL)):
+        one, two = tmp_path / f"{name}1", tmp_path / f"{name}2"
+        lines = []
+        summary = run("configs/digits_fedcp.yaml", _args(digits6, one, switches)[2:], echo=lines.append)
+        assert any("group policy (G=8): 160 parameters, 256 FLOPs/sample" in l for l in lines), lines[:1]
+        r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                     "-m", "fedcp_dist.run", *_args(digits6, two, switches)])
+        assert r.returncode == 0, r.stderr[-3000:]
+        (s1, acc1, rec1), (s2, acc2, rec2) = _load(one), _load(two)
+        assert set(s1) == set(s2) and any(k.startswith("cpng.") for k in s1)
+        assert any(k.startswith("prev.cpn.") for k in s1) == (name == "cache")
+        for k in s1:
+            assert torch.allclose(s1[k], s2[k], atol=1e-5, rtol=0), f"{name} {k} differs by {(s1[k] - s2[k]).abs().max()}"
+        assert len(acc1) == ROUNDS + 1 and acc1 == pytest.approx(acc2, abs=1e-9)
+        # rounds 1 and 3 (0-based) skip the CPN (K = 512: Linear(512, 1024) and LayerNorm(1024)) and the
+        # group CPN: 526336 + 2048 + 160 parameters per uploader, 4 bytes each
+        skipped = 526336 + 2048 + 160
+        for t, rec in enumerate(rec1):
+            assert rec["uplink_bytes_saved"] == (4 * rec["participants"] * skipped if t % 2 else 0), (name, t)
+            assert rec == {**rec, **{k: rec2[t][k] for k in ("uplink_bytes_saved", "uplink_bytes_sent")}}
+        assert summary["uplink_bytes_saved"] == sum(r["uplink_bytes_saved"] for r in rec1) > 0
+        total = summary["uplink_bytes_sent"] + summary["uplink_bytes_saved"]
+        assert summary["uplink_saved_fraction"] == pytest.approx(summary["uplink_bytes_saved"] / total)
+        if name != "cache":
+            continue
+        resumed = tmp_path / "resumed"
+        shutil.copytree(one, resumed)
+        for p in ("summary.json", "final_global.pt"):
+            (resumed / p).unlink()
+        shutil.rmtree(resumed / "checkpoints" / f"round_{ROUNDS:07d}")
+        run("configs/digits_fedcp.yaml", _args(digits6, resumed, switches)[2:])
+        s3, acc3, _ = _load(resumed)
+        assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1

@@ -594,6 +594,7 @@ class FedCP(SGDAlgorithm):
 
     def teacher_logits(self, step, c):
         """The received (last aggregated) CPN's pair logits on the policy input C, without gradient."""
+        c = c.detach()  # no gradient through the teacher on either path
         logits = step.shared(self.cpn_g.net, c, grad=False)
         if self.cpng is None:
             return logits
