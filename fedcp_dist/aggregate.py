@@ -2,6 +2,10 @@
 of the per-round exchange of client models (FedAMP, FedFomo).
 
 Layout of the buffer: ``[Σ n_i·θ_i (every upload tensor, flattened) | Σ n_i | metric sums | extra]``;
+with aggregation groups (a method whose clients upload some tensors in some rounds only) the one
+Σ n_i becomes one per group, then one count of contributing clients per extra group:
+``[Σ n_i·θ_i | Σ n_i (all) | Σ n_i (group 1) … | contributors (group 1) … | metric sums | extra]``;
+each tensor is then averaged over the clients that sent its group (its own sample-weighted mean).
 ``extra`` (absent unless asked for) carries the per-client rows of the probes (:mod:`fedcp_dist.probes`).
 The metric sums of the round (named :class:`Sums`) ride in the same all-reduce as the
 parameters. The buffer is float64 by default: the sums are then exact enough that the order in
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, Mapping, Sequence, Type
+from typing import Dict, Mapping, Optional, Sequence, Type
 
 import numpy as np
 import torch
@@ -60,8 +64,13 @@ class TrainSums(Sums):
 
 class FlatAggregator:
     def __init__(self, spec: Mapping[str, torch.Size], num_metrics: int, device: torch.device, dtype=torch.float64,
-                 extra: int = 0):
+                 extra: int = 0, groups: Optional[Mapping[str, str]] = None):
         self.names = list(spec)
+        #: {upload name: its aggregation group} for the names outside the main group (None: one group)
+        self.group_of = {k: g for k, g in (groups or {}).items() if k in spec}
+        #: the extra groups, in order (their slots follow the main weight)
+        self.groups = sorted(set(self.group_of.values()))
+        self.num_weights = 1 + 2 * len(self.groups)
         self.shapes = {k: torch.Size(spec[k]) for k in self.names}
         self.offsets = {}
         off = 0
@@ -71,8 +80,10 @@ class FlatAggregator:
         self.num_params = off
         self.num_metrics = num_metrics
         self.num_extra = extra
-        self.buffer = torch.zeros(off + 1 + num_metrics + extra, device=device, dtype=dtype)
+        self.buffer = torch.zeros(off + self.num_weights + num_metrics + extra, device=device, dtype=dtype)
         self.last_seconds = 0.0
+        #: after :meth:`reduce`: {extra group: (Σ weights, contributing clients)} summed over ranks
+        self.group_totals: Dict[str, tuple] = {}
 
     @property
     def nbytes(self) -> int:
@@ -81,19 +92,31 @@ class FlatAggregator:
     def zero(self) -> None:
         self.buffer.zero_()
 
-    def add(self, upload: Mapping[str, torch.Tensor], weight: float) -> None:
-        """Accumulate ``weight · upload`` and ``weight`` itself."""
-        assert set(upload) == set(self.names), "upload keys differ from the aggregation spec"
-        for k in self.names:
+    def group_numel(self, group: str) -> int:
+        """Values of the upload in the extra group ``group``."""
+        return sum(self.shapes[k].numel() for k, g in self.group_of.items() if g == group)
+
+    def add(self, upload: Mapping[str, torch.Tensor], weight: float, skip: Sequence[str] = ()) -> None:
+        """Accumulate ``weight · upload`` and ``weight`` itself; ``skip``: extra groups this client did
+        not send (their tensors may be absent from ``upload``; neither they nor the weight count there)."""
+        skip = set(skip)
+        assert skip <= set(self.groups), f"unknown aggregation groups {sorted(skip - set(self.groups))}"
+        sent = [k for k in self.names if self.group_of.get(k) not in skip]
+        assert set(sent) <= set(upload) and set(upload) <= set(self.names), "upload keys differ from the aggregation spec"
+        for k in sent:
             off = self.offsets[k]
             n = self.shapes[k].numel()
             self.buffer[off : off + n].add_(upload[k].detach().reshape(-1), alpha=float(weight))
         self.buffer[self.num_params] += float(weight)
+        for i, g in enumerate(self.groups):
+            if g not in skip:
+                self.buffer[self.num_params + 1 + i] += float(weight)
+                self.buffer[self.num_params + 1 + len(self.groups) + i] += 1.0
 
     def add_metrics(self, values: Sequence[float]) -> None:
         assert len(values) == self.num_metrics
-        end = self.num_params + 1 + self.num_metrics
-        self.buffer[self.num_params + 1 : end] += torch.as_tensor(values, dtype=self.buffer.dtype, device=self.buffer.device)
+        start = self.num_params + self.num_weights
+        self.buffer[start : start + self.num_metrics] += torch.as_tensor(values, dtype=self.buffer.dtype, device=self.buffer.device)
 
     def add_extra(self, values: torch.Tensor) -> None:
         """Add ``values`` (``extra`` long) to the buffer's extra part."""
@@ -108,18 +131,28 @@ class FlatAggregator:
         """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums).
 
         With ``base`` ({name: tensor}) the buffer holds weighted deltas and the mean is
-        base + Σ n_i·Δ_i / Σ n_i, added in the buffer's precision."""
+        base + Σ n_i·Δ_i / Σ n_i, added in the buffer's precision. With aggregation groups a
+        tensor is divided by its group's Σ n_i, and left out of the mean when no client sent it."""
         t0 = time.perf_counter()
         runtime.all_reduce_sum_(self.buffer)
-        tail = self.buffer[self.num_params : self.num_params + 1 + self.num_metrics].tolist()  # also synchronises the device
+        w = self.num_weights
+        tail = self.buffer[self.num_params : self.num_params + w + self.num_metrics].tolist()  # also synchronises the device
         self.last_seconds = time.perf_counter() - t0
-        total, metrics = tail[0], tail[1:]
+        total, metrics = tail[0], tail[w:]
+        ng = len(self.groups)
+        self.group_totals = {g: (tail[1 + i], tail[1 + ng + i]) for i, g in enumerate(self.groups)}
         mean = {}
         if total > 0:
             flat = self.buffer[: self.num_params] / total
             for k in self.names:
                 off = self.offsets[k]
-                part = flat[off : off + self.shapes[k].numel()].view(self.shapes[k])
+                if k in self.group_of:
+                    g_total = self.group_totals[self.group_of[k]][0]
+                    if g_total <= 0:
+                        continue
+                    part = (self.buffer[off : off + self.shapes[k].numel()] / g_total).view(self.shapes[k])
+                else:
+                    part = flat[off : off + self.shapes[k].numel()].view(self.shapes[k])
                 if base is not None:
                     part = base[k].to(part.dtype) + part
                 mean[k] = part.to(torch.float32)

@@ -53,9 +53,10 @@ class Simulator:
         self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
-        self.agg = FlatAggregator({k: global_state[k].shape for k in algo.upload_keys(global_state)
-                                   if k not in self.store.bn_keys}, sums_size(TrainSums, EvalSums), rt.device,
-                                  extra=ProbeTable.size(self.num_clients) if self.probe_every else 0)
+        upload = [k for k in algo.upload_keys(global_state) if k not in self.store.bn_keys]
+        self.agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
+                                  extra=ProbeTable.size(self.num_clients) if self.probe_every else 0,
+                                  groups=algo.aggregation_groups(upload))
         self.compressor = Compressor.from_config(cfg, self.agg.shapes)
         self.select_by_features = cfg.client_selection == "feature_difference"
         self.writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
@@ -223,7 +224,7 @@ class Simulator:
                 self.store.put_residual(cid, residual)
                 self.agg.add(delta, self.data[cid].n_train)
             else:
-                self.agg.add(res.upload, self.data[cid].n_train)
+                self.agg.add(res.upload, self.data[cid].n_train, skip=res.skipped)
             train += TrainSums(res.loss_sum, res.samples)
         t_train, cpu_train = time.perf_counter() - t_start - t_eval, time.process_time() - cpu_start
 
@@ -250,10 +251,12 @@ class Simulator:
         if self.compressor.enabled:
             record.update(self.compressor.round_bytes(len(cohort) - int(train.nonfinite_clients), len(cohort)))
         saved = self.algo.uplink_saved_params(t)
-        if saved is not None:  # dense float32 bytes the uploaders sent and the parts they skipped
+        if saved is not None or self.agg.groups:  # dense float32 bytes the uploaders sent and the parts they skipped
             uploaders = len(cohort) - int(train.nonfinite_clients)
-            record.update(uplink_bytes_sent=4 * uploaders * (self.agg.num_params - saved),
-                          uplink_bytes_saved=4 * uploaders * saved)
+            skipped = uploaders * (saved or 0) + sum((uploaders - int(n)) * self.agg.group_numel(g)
+                                                     for g, (_, n) in self.agg.group_totals.items())
+            record.update(uplink_bytes_sent=4 * (uploaders * self.agg.num_params - skipped),
+                          uplink_bytes_saved=4 * skipped)
         if self.select_by_features:
             record["cohort"] = [int(c) for c in cohort]
         if evaluated:

@@ -267,6 +267,68 @@ def test_groups_must_divide_k_and_default_draws_nothing_more():
     assert "group policy (G=4): 56 parameters, 64 FLOPs/sample" in b.describe()
 
 
+# ---------------------------------------------------------------- 8. asynchronous CPN
+
+
+class _OneRank:
+    def all_reduce_sum_(self, t):
+        return t
+
+
+def test_group_weights_in_the_one_buffer_by_hand():
+    from fedcp_dist.aggregate import FlatAggregator
+
+    spec = {"w": torch.Size([2]), "p": torch.Size([1])}
+    plain = FlatAggregator(spec, 1, CPU)
+    agg = FlatAggregator(spec, 1, CPU, groups={"p": "policy"})
+    assert plain.buffer.numel() == 3 + 1 + 1 and agg.buffer.numel() == 3 + 3 + 1  # Σn, Σn(policy), count(policy)
+    agg.add({"w": torch.tensor([1.0, 2.0]), "p": torch.tensor([10.0])}, 2)
+    agg.add({"w": torch.tensor([4.0, 8.0])}, 3, skip=("policy",))  # froze its CPN: sends none
+    agg.add_metrics([7.0])
+    mean, total, metrics = agg.reduce(_OneRank())
+    # w over both: (2·[1, 2] + 3·[4, 8]) / 5 = [2.8, 5.6]; p over the one that sent it: 2·10 / 2 = 10
+    # (diluted over both it would be 4)
+    assert torch.allclose(mean["w"], torch.tensor([2.8, 5.6])) and torch.equal(mean["p"], torch.tensor([10.0]))
+    assert total == 5 and metrics == [7.0] and agg.group_totals == {"policy": (2.0, 1.0)}
+    assert agg.group_numel("policy") == 1
+    agg.zero()
+    agg.add({"w": torch.tensor([4.0, 8.0])}, 3, skip=("policy",))
+    mean, total, _ = agg.reduce(_OneRank())
+    assert set(mean) == {"w"} and total == 3  # nobody sent p: the server keeps its value
+
+
+def test_async_rate_freezes_and_skips_the_cpn():
+    algo, gs = _tiny_fedcp(cpn_async_min_rate=0.5)
+    keys = _policy_keys(gs)
+    assert algo.aggregation_groups(list(gs)) == {k: "policy" for k in keys}
+    assert _tiny_fedcp()[0].aggregation_groups(list(gs)) is None
+    assert "cpn_async_min_rate" in algo.fused_reason()
+    state = algo.init_client_state(0)
+    assert torch.equal(state["participations"], torch.zeros(1))
+    # rate so far = rounds trained before t / t; round 0: 1
+    for t, count, frozen in ((0, 0, False), (4, 1, True), (4, 2, False), (3, 1, True), (2, 1, False)):
+        assert algo.async_frozen({**state, "participations": torch.tensor([float(count)])}, t) == frozen, (t, count)
+    d = tiny_data(n=16)
+    for count, frozen in ((1, True), (2, False)):
+        st = {**state, "participations": torch.tensor([float(count)])}
+        res = algo.local_train(st, d, _ctx(4, probe=True))
+        assert res.skipped == (("policy",) if frozen else ())
+        assert all((k in res.upload) != frozen for k in keys)
+        assert all(torch.equal(res.extra["trained"][k], gs[k]) == frozen for k in keys if k.endswith("weight"))
+        assert torch.equal(res.client_state["participations"], torch.tensor([count + 1.0]))
+        assert not torch.equal(res.upload["features.1.weight"], gs["features.1.weight"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cpn_async_min_rate=1.5", "cpn_async_min_rate"), ("cpn_async_min_rate=0.5 policy_refresh_every=2", "cpn_async_min_rate"),
+    ("cpn_async_min_rate=0.5 cpn_upload_every=2", "cpn_async_min_rate"),
+    ("cpn_async_min_rate=0.5 compress=topk compress_ratio=0.5", "cpn_async_min_rate"),
+    ("cpn_async_min_rate=0.5 fedcp_cpn=false", "cpn_async_min_rate"),
+])
+def test_bad_async_values_name_their_key(tmp_path, override, key):
+    test_bad_values_name_their_key(tmp_path, override, key)
+
+
 # ---------------------------------------------------------------- fused, ranks, resume
 
 
@@ -306,6 +368,7 @@ def test_switches_train_fused_as_sequentially(float64, switches):
 ROUNDS = 4
 SWITCHES = ["policy_refresh_every=2", "cpn_groups=8"]
 DISTILL = ["cpn_distill=0.5", "cpn_upload_every=2", "cpn_groups=8"]
+ASYNC = ["cpn_async_min_rate=0.6", "participation=0.5", "cpn_groups=8"]
 
 
 def _args(shard, out, switches, *extra):
@@ -322,11 +385,11 @@ def _load(out):
 
 @pytest.mark.slow
 def test_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
-    """Two short runs, caching with groups and distillation with skipped uploads and groups,
-    each on one and two ranks in one two-rank launch each: the same trajectory; the skipped
+    """Three short runs, caching with groups, distillation with skipped uploads and groups, and the
+    asynchronous CPN with groups at participation 0.5, each on one and two ranks: the same trajectory; the skipped
     bytes counted per round; caching resumes bit-exactly from its round-2 checkpoint (Θ_prev in the
     checkpoint)."""
-    for name, switches in (("cache", SWITCHES), ("distill", DISTILL)):
+    for name, switches in (("cache", SWITCHES), ("distill", DISTILL), ("async", ASYNC)):
         one, two = tmp_path / f"{name}1", tmp_path / f"{name}2"
         lines = []
         summary = run("configs/digits_fedcp.yaml", _args(digits6, one, switches)[2:], echo=lines.append)
@@ -344,7 +407,10 @@ def test_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
         # group CPN: 527360 + 176 parameters per uploader, 4 bytes each
         skipped = 527360 + 176  # the CPN as the start line counts it; Linear(8, 16): 8·16 + 16, LayerNorm(16): 2·16
         for t, rec in enumerate(rec1):
-            assert rec["uplink_bytes_saved"] == (4 * rec["participants"] * skipped if t % 2 else 0), (name, t)
+            if name == "async":  # whole CPNs of the clients whose rate fell below q (none in round 0)
+                assert rec["uplink_bytes_saved"] % (4 * skipped) == 0 and (t > 0 or rec["uplink_bytes_saved"] == 0)
+            else:
+                assert rec["uplink_bytes_saved"] == (4 * rec["participants"] * skipped if t % 2 else 0), (name, t)
             assert rec == {**rec, **{k: rec2[t][k] for k in ("uplink_bytes_saved", "uplink_bytes_sent")}}
         assert summary["uplink_bytes_saved"] == sum(r["uplink_bytes_saved"] for r in rec1) > 0
         total = summary["uplink_bytes_sent"] + summary["uplink_bytes_saved"]

@@ -47,6 +47,8 @@ class LocalResult:
     extra: dict = field(default_factory=dict)
     #: {name: Σ over the samples seen} of the loss's tallies (with ``Context.probe``; else empty)
     tallies: dict = field(default_factory=dict)
+    #: aggregation groups (:meth:`Algorithm.aggregation_groups`) this client did not send this round
+    skipped: tuple = ()
 
     def is_finite(self) -> bool:
         """The loss, the upload and the new client state (a personal-only method uploads nothing) are finite."""
@@ -171,6 +173,12 @@ class Algorithm:
 
     def begin_round(self, t: int) -> None:
         """Called on every rank at the start of round t (0-based), before anything of it runs."""
+
+    def aggregation_groups(self, upload_keys: list) -> Optional[Dict[str, str]]:
+        """{upload key: group} for the tensors some clients may leave out of their upload
+        (:attr:`LocalResult.skipped`); each such tensor is averaged over the clients that sent its
+        group. None (default): every client sends every tensor."""
+        return None
 
     def uplink_saved_params(self, t: int) -> Optional[int]:
         """Parameters of its upload that one participant does not send in round t (a method that

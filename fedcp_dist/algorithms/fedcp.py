@@ -44,7 +44,7 @@ from fedcp_dist.errors import UserError
 from fedcp_dist.algorithms.base import LocalResult, SGDAlgorithm, freeze, load_module, module_state
 from fedcp_dist.local_train import ClientPhase, Phase, Step, split_policy
 from fedcp_dist.losses import MEDIAN, MMD_BANDWIDTHS
-from fedcp_dist.options import Option, above, at_least, one_of
+from fedcp_dist.options import Option, above, at_least, one_of, within
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
 
@@ -267,7 +267,7 @@ POLICY_PREFIXES = ("cpn.", "vproj.", "cpng.")
 #: the extension keys that act on the CPN (refused where there is none: fedcp_cpn=false)
 _CPN_KEYS = ("policy_entropy", "cpn_warmup_rounds", "cpn_lr", "cpn_lr_schedule", "cpn_lr_min", "tau_final",
              "tau_anneal", "cpn_hard", "cpn_hidden", "policy_refresh_every", "cpn_distill", "cpn_upload_every",
-             "cpn_groups")
+             "cpn_groups", "cpn_async_min_rate")
 #: the global-state prefix of Θ_prev, the policy's networks as refreshed before the last refresh
 PREV = "prev."
 
@@ -331,6 +331,9 @@ class FedCP(SGDAlgorithm):
         Option("cpn_groups", 0, "FedCP: G > 0 (dividing K): a group-level policy Linear(G, 2G) → LayerNorm → ReLU on "
                "the policy input pooled over G contiguous blocks, combined with the feature-level one (0: none)",
                at_least(0)),
+        Option("cpn_async_min_rate", 0.0, "FedCP: q: a client whose participation rate so far (rounds it trained in "
+               "before this one / rounds before this one) is below q trains with the CPN frozen and uploads none; "
+               "the CPN is averaged over the clients that trained it (0: off)", within(0, 1)),
     )
 
     @classmethod
@@ -367,6 +370,11 @@ class FedCP(SGDAlgorithm):
             if cfg.cpn_upload_every > 1 or cfg.cpn_distill:
                 key = "cpn_upload_every" if cfg.cpn_upload_every > 1 else "cpn_distill"
                 return key, "does not combine with policy_refresh_every (the CPN is frozen at the cached policy between refreshes)"
+        if cfg.cpn_async_min_rate > 0:
+            if cfg.policy_refresh_every > 1 or cfg.cpn_upload_every > 1:
+                return "cpn_async_min_rate", "does not combine with policy_refresh_every or cpn_upload_every"
+            if cfg.compress != "none":
+                return "cpn_async_min_rate", "leaves CPNs out of some uploads, which compress does not handle: use compress=none"
         if cfg.cpn_upload_every > 1 and cfg.compress != "none":
             return "cpn_upload_every", "skips the CPN's uploads, which compress does not account: use compress=none"
         return None
@@ -478,6 +486,19 @@ class FedCP(SGDAlgorithm):
         """Every global value but Θ_prev (the server keeps it)."""
         return [k for k in global_state if not k.startswith(PREV)]
 
+    def aggregation_groups(self, upload_keys):
+        """cpn_async_min_rate: the policy's networks form their own group (averaged over the clients
+        that trained them)."""
+        if not self.cfg.cpn_async_min_rate:
+            return None
+        return {k: "policy" for k in upload_keys if k.startswith(POLICY_PREFIXES)}
+
+    def async_frozen(self, client_state, t: int) -> bool:
+        """Whether the client trains with its CPN frozen in round t: its participation rate so far
+        (rounds it trained in before t, over t) is below cpn_async_min_rate (round 0: rate 1)."""
+        q = self.cfg.cpn_async_min_rate
+        return bool(q) and t > 0 and float(client_state["participations"]) / t < q
+
     def begin_round(self, t: int) -> None:
         self._round = t
 
@@ -532,6 +553,8 @@ class FedCP(SGDAlgorithm):
         """A copy of the initial global head, and one random client vector from the run seed
         (head+embed: and a zero embedding)."""
         state = {**{k: v.clone() for k, v in self._init_head.items()}, "v": self._init_v.clone()}
+        if self.cfg.cpn_async_min_rate:  # the rounds it has trained in
+            state["participations"] = torch.zeros(1, device=self._init_v.device)
         if self.emb_p is not None:
             state["emb.e"] = torch.zeros_like(self.emb_p.e.detach())
         return state
@@ -551,6 +574,8 @@ class FedCP(SGDAlgorithm):
         return {**client_state, "stats": self._client_values(client_state, data, ctx.client)["stats"]}
 
     def fused_reason(self):
+        if self.cfg.cpn_async_min_rate:
+            return "cpn_async_min_rate freezes some clients' CPN: they train one at a time"
         if self.vector_kind != "head":
             return f"cpn_client_vector={self.vector_kind} trains one client at a time"
         return super().fused_reason()
@@ -663,7 +688,10 @@ class FedCP(SGDAlgorithm):
         if not self.policy_trained(ctx.round):  # between refreshes: the interpolated policy, frozen
             start.update(self.policy_values(ctx.round))
             phase = self.warmup_phase
-        return [(phase, ClientPhase(start))]
+        frozen = self.async_frozen(client_state, ctx.round)
+        if frozen:
+            phase = self.warmup_phase
+        return [(phase, ClientPhase(start, info={"async_frozen": frozen}))]
 
     def finish(self, client_state, outcomes, ctx):
         """Upload W_i^fe, (W^hd + W_i^hd)/2 and Θ_i; keep W_i^hd and v_i = its weight's column sums."""
@@ -679,11 +707,17 @@ class FedCP(SGDAlgorithm):
                 upload.update({n: v[n] for n in k["cpng."]})
             if not self.policy_uploaded(ctx.round):  # not sent: the all-reduce slot carries the global values
                 upload.update({n: self.gs[n] for n in upload if n.startswith(POLICY_PREFIXES)})
+            skipped = ()
+            if self.cfg.cpn_async_min_rate:
+                new_state["participations"] = client_state["participations"] + 1
+                if o.info.get("async_frozen"):  # trained with the CPN frozen: sends none
+                    upload = {n: t for n, t in upload.items() if not n.startswith(POLICY_PREFIXES)}
+                    skipped = ("policy",)
             if self.emb_p is not None:
                 new_state.update({n: v[n] for n in k["emb."]})
         # probing: the trained values (no copies) for the loss after local learning
         return LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples,
-                           extra={"trained": v} if ctx.probe else {}, tallies=o.tallies)
+                           extra={"trained": v} if ctx.probe else {}, tallies=o.tallies, skipped=skipped)
 
     # -- evaluation -------------------------------------------------------
     def _eval_heads(self, client_state, x, ctx):
