@@ -18,7 +18,7 @@ from fedcp_dist.data.resident import to_device
 from fedcp_dist.data.shards import load_clients, read_info
 from fedcp_dist.errors import UserError
 from fedcp_dist.evaluation import EvalSums, binary_metrics
-from helpers import run
+from helpers import expect_user_error, run
 
 CPU = torch.device("cpu")
 
@@ -26,17 +26,6 @@ CPU = torch.device("cpu")
 def cli(capsys, *argv):
     main([str(a) for a in argv])
     return capsys.readouterr()
-
-
-def expect_user_error(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    for fragment in fragments:
-        assert str(fragment) in err, err
-    return err
 
 
 def solid(path, rgb, size=(12, 10)):
