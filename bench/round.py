@@ -20,6 +20,9 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
   local training over its threads, against the GEMM's rate per CPU-second): on a machine shared
   with other work that is what compares variants fairly (use threads=1 there: with more threads
   the CPU time also counts their spin-waiting);
+* the ranks' local steps (batches × epochs) when every client trains, how the clients were placed
+  (config key ``placement``) and the imbalance max/mean steps per rank, for all clients and
+  averaged over the timed rounds' cohorts;
 * bytes and seconds of the round's all-reduce;
 * peak memory per rank (RSS on CPU, the process's peak so far, so with ``--compare`` the fused
   figure includes the sequential run's; max allocated on CUDA, per variant).
@@ -58,7 +61,7 @@ sys.path.insert(0, str(REPO))
 from fedcp_dist import fused  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
-from fedcp_dist.placement import STREAM_TRAIN, sample_cohort  # noqa: E402
+from fedcp_dist.placement import STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.simulator import Simulator  # noqa: E402
 
@@ -269,6 +272,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
         "matmul_peak_gflops_per_rank": per_rank[:, 3].tolist(),
         "peak_memory_mib_per_rank": (per_rank[:, 2] / 2**20).tolist(),
         "wall_seconds": wall,
+        **placement_figures(sim, cfg, rt, rounds),
     }
     res["train_fraction_of_peak"] = [g / pk for g, pk in zip(res["train_gflops_per_rank"], res["matmul_peak_gflops_per_rank"])]
     if on_cpu:
@@ -280,12 +284,28 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
     return res
 
 
+def placement_figures(sim, cfg, rt, rounds) -> dict:
+    """How the clients were placed (config key ``placement``) and the ranks' local steps: in a round
+    in which every client trains, and in the timed rounds' cohorts (max/mean over the ranks; 1 is
+    balanced). The same on every rank: a function of the config and the shard's counts."""
+    steps = client_steps(sim.setup.info.train_counts[sim.setup.clients], cfg.batch_size, cfg.local_epochs, cfg.drop_last)
+    per_round = []
+    for r in rounds:
+        cohort = sample_cohort(cfg.seed, r["round"] - 1, sim.num_clients, cfg.participation, cfg.participation_range,
+                               cfg.participation_draw)
+        per_round.append(imbalance(steps_per_rank(steps[cohort], sim.owner[cohort], rt.world_size)))
+    return {"placement": sim.setup.placement, "steps_per_rank": sim.setup.rank_steps.tolist(),
+            "steps_imbalance": sim.setup.imbalance, "cohort_steps_imbalance": float(np.mean(per_round))}
+
+
 def print_table(res: dict, warmup: int) -> None:
     fused_row = f"{res['training']}, at most {res['fused_slots']} clients at once" if res["fused"] else res["training"]
     rows = [
         ("setting", res["setting"]),
         ("local training", fused_row),
         ("ranks", f"{res['world_size']} ({res['launcher']}, {res['device']}, {res['threads_per_rank']} thread(s) each)"),
+        ("steps per rank", f"{'/'.join(str(v) for v in res['steps_per_rank'])} (placed by {res['placement']}), max/mean "
+                           f"{res['steps_imbalance']:.3f}; timed rounds' cohorts {res['cohort_steps_imbalance']:.3f}"),
         ("seconds per round", f"{res['seconds_per_round']:.2f}  (mean of {res['timed_rounds']} after {warmup} warm-up)"),
         ("  local training", f"{res['train_seconds']:.2f}"),
         ("  evaluation", f"{res['eval_seconds']:.2f}"),

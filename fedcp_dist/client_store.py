@@ -101,9 +101,7 @@ class ClientStore:
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
         for c, state in states.items():
-            bn = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
-            ef = {k[len(EF_PREFIX):]: v for k, v in state.items() if k.startswith(EF_PREFIX)}
-            rest = {k: v for k, v in state.items() if not k.startswith((BN_PREFIX, EF_PREFIX))}
+            bn, ef, rest = unpack(state)
             if bn:
                 self.bn[c] = bn
             if ef:
@@ -117,23 +115,24 @@ CLIENT_STATE_MODES = ("device", "host", "disk", "auto")
 PREFETCH_DEPTH = 2
 
 
+def unpack(state: State):
+    """A checkpointed client entry split into (BatchNorm statistics, error-feedback residual, state)."""
+    bn = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
+    ef = {k[len(EF_PREFIX):]: v for k, v in state.items() if k.startswith(EF_PREFIX)}
+    rest = {k: v for k, v in state.items() if not k.startswith((BN_PREFIX, EF_PREFIX))}
+    return bn, ef, rest
+
+
 def state_bytes(state: Optional[State]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values()) if state else 0
 
 
 def available_memory_bytes(device) -> int:
-    """What the budget of ``client_state: auto`` defaults to half of: the GPU's free memory on CUDA,
-    the host's available memory (``MemAvailable``) otherwise."""
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    """What the budget of ``client_state: auto`` defaults to half of: the device's free memory
+    (the same measure fused training sizes its groups by)."""
+    from fedcp_dist.fused import available_memory
+
+    return available_memory(torch.device(device))
 
 
 def resolve_mode(mode: str, per_client_bytes: int, clients: int, budget_mb: float, device) -> tuple[str, str]:
@@ -281,9 +280,7 @@ class DiskClientStore(ClientStore):
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
         for c, state in states.items():
-            bn = {k[len(BN_PREFIX):]: v for k, v in state.items() if k.startswith(BN_PREFIX)}
-            ef = {k[len(EF_PREFIX):]: v for k, v in state.items() if k.startswith(EF_PREFIX)}
-            rest = {k: v for k, v in state.items() if not k.startswith((BN_PREFIX, EF_PREFIX))}
+            bn, ef, rest = unpack(state)
             if bn:
                 self.bn[c] = bn
             if ef:

@@ -22,7 +22,7 @@ from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
 from fedcp_dist.client_store import CLIENT_STATE_MODES
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import MODELS
-from fedcp_dist.placement import PARTICIPATION_DRAWS
+from fedcp_dist.placement import PARTICIPATION_DRAWS, PLACEMENTS
 
 METHODS = tuple(ALGORITHMS)
 AMP_MODES = ("none", "bf16")
@@ -95,6 +95,9 @@ class _Execution:
     fused: typing.Union[bool, str] = "auto"
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
+    #: what clients are weighted by when placed on ranks (largest first, to the least-loaded rank): samples |
+    #: steps (local SGD steps: batches × local_epochs) | auto (steps unless fused=false)
+    placement: str = "auto"
     #: where each client's persistent state lives between rounds: device | host (moved to the device when used) |
     #: disk (one file per client, read ahead, written back in the background) | auto (device when this rank's states
     #: fit client_state_budget_mb, disk otherwise)
@@ -182,6 +185,8 @@ class _ConfigMethods:
             bad("client_state", f"must be one of {', '.join(CLIENT_STATE_MODES)}, got {self.client_state!r}")
         if not (math.isfinite(self.client_state_budget_mb) and self.client_state_budget_mb >= 0):
             bad("client_state_budget_mb", f"must be a number >= 0 (MiB), got {self.client_state_budget_mb}")
+        if self.placement not in PLACEMENTS:
+            bad("placement", f"must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if self.fused_group < 0:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:

@@ -45,10 +45,12 @@ def client_subset(clients, seed: int, num_clients: int) -> np.ndarray:
 
 
 def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
-    """Owner rank of every client: largest train-sample count first, to the least-loaded rank.
+    """Owner rank of every client: largest weight first, to the least-loaded rank (the
+    longest-processing-time greedy rule). The weights are the train-sample counts or the local
+    step counts (:func:`placement_weights`).
 
-    Ties (equal counts, equal loads) are broken by client id and rank, so the answer is the same
-    on every rank.
+    Ties (equal weights, equal loads) are broken by client id and rank, so the answer is a
+    function of the weights and the world size alone: the same on every rank.
     """
     counts = np.asarray(train_counts, dtype=np.int64)
     owner = np.empty(len(counts), dtype=np.int64)
@@ -59,6 +61,51 @@ def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
         owner[c] = r
         heapq.heappush(heap, (load + int(counts[c]), r))
     return owner
+
+
+#: how clients are weighted when placed on ranks (config key ``placement``)
+PLACEMENTS = ("auto", "samples", "steps")
+
+
+def client_steps(train_counts: Sequence[int], batch_size: int, epochs: int, drop_last: bool) -> np.ndarray:
+    """Local SGD steps of every client in a round: its batches per epoch × ``epochs`` (as
+    :func:`~fedcp_dist.local_train.num_batches` counts them)."""
+    from fedcp_dist.local_train import num_batches
+
+    return np.asarray([num_batches(int(n), int(batch_size), int(epochs), bool(drop_last)) for n in train_counts],
+                      dtype=np.int64)
+
+
+def placement_rule(placement: str, fused) -> str:
+    """``samples`` or ``steps``: what the clients are weighted by. ``auto`` weighs them by their
+    steps wherever training may run fused (``fused`` auto or true: a fused rank's time follows its
+    clients' steps, not their samples) and by their samples with ``fused=false``, as every run did
+    before (its results, which depend on the placement through the order of the sums, stay as
+    recorded)."""
+    if placement != "auto":
+        return placement
+    return "samples" if fused is False else "steps"
+
+
+def placement_weights(rule: str, train_counts: Sequence[int], batch_size: int, epochs: int,
+                      drop_last: bool) -> np.ndarray:
+    """The weight of every client under ``rule`` (``samples`` or ``steps``)."""
+    if rule == "steps":
+        return client_steps(train_counts, batch_size, epochs, drop_last)
+    return np.asarray(train_counts, dtype=np.int64)
+
+
+def steps_per_rank(steps: Sequence[int], owner: Sequence[int], world_size: int) -> np.ndarray:
+    """Every rank's total local steps when all its clients train (int64, (world_size,))."""
+    return np.bincount(np.asarray(owner, dtype=np.int64), weights=np.asarray(steps, dtype=np.float64),
+                       minlength=world_size).round().astype(np.int64)
+
+
+def imbalance(per_rank: Sequence[int]) -> float:
+    """max / mean of the ranks' loads (1.0: balanced; also 1.0 when no rank has any)."""
+    loads = np.asarray(per_rank, dtype=np.float64)
+    mean = float(loads.mean()) if loads.size else 0.0
+    return float(loads.max()) / mean if mean > 0 else 1.0
 
 
 def cohort_size(rho: float, num_clients: int) -> int:

@@ -72,6 +72,7 @@ NOT_DEFINING: dict = {
     "collective_timeout": "how long a rank waits for a silent peer",
     "fused": "whether a rank trains its clients one by one or in fused groups",
     "fused_group": "how many clients a fused group holds",
+    "placement": "which rank trains which client",
     "eval_batch_size": "how many test samples one forward pass takes",
     "peer_memory_mb": "a memory budget that refuses a run, never changes one",
     # probes: what is recorded besides the run (analysis.jsonl); the run's results are the same with them

@@ -175,6 +175,7 @@ class Simulator:
         of = f" of the shard's {self.setup.info.num_clients}" if cfg.data.clients is not None else ""
         self.echo(f"fedcp_dist: {cfg.method} on {self.num_clients}{of} clients ({self.setup.info.source}), {rt.describe()}, "
                   f"{len(self.owned)} clients on rank 0, loaded in {self.setup.load_seconds:.2f} s; "
+                  f"{self.setup.placement_line()}; "
                   f"training: {self.path}; {self.store_line}" + (f"; {note}" if (note := self.algo.describe()) else ""))
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)

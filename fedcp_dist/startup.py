@@ -14,7 +14,8 @@ from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import build_model
-from fedcp_dist.placement import client_subset, place_clients
+from fedcp_dist.placement import (client_subset, imbalance, place_clients, placement_rule, placement_weights,
+                                  steps_per_rank)
 
 
 @dataclass
@@ -29,6 +30,20 @@ class Setup:
     owned: List[int]  # this rank's clients
     data: Dict[int, ClientData]  # this rank's clients' data, on its device
     load_seconds: float
+    #: what the clients were weighted by when placed (``samples`` or ``steps``, see config key ``placement``)
+    placement: str = "samples"
+    #: every rank's local SGD steps in a round in which all the run's clients train
+    rank_steps: Optional[np.ndarray] = None
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the ranks' steps (1.0: balanced)."""
+        return imbalance(self.rank_steps) if self.rank_steps is not None else 1.0
+
+    def placement_line(self) -> str:
+        """How the start line says the clients were placed."""
+        return (f"placed by {self.placement}, max/mean steps per rank {self.imbalance:.3f} "
+                f"({'/'.join(str(int(s)) for s in self.rank_steps)})")
 
     @property
     def num_clients(self) -> int:
@@ -97,17 +112,29 @@ def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
     return model
 
 
+def place(cfg, train_counts, world_size: int) -> Tuple[np.ndarray, str, np.ndarray]:
+    """(owner rank of every client, the rule it was placed by, every rank's local steps in a round
+    in which every client trains): a function of the config and the clients' sample counts alone,
+    computed alike on every rank."""
+    rule = placement_rule(cfg.placement, cfg.fused)
+    steps = placement_weights("steps", train_counts, cfg.batch_size, cfg.local_epochs, cfg.drop_last)
+    weights = steps if rule == "steps" else placement_weights(rule, train_counts, cfg.batch_size,
+                                                              cfg.local_epochs, cfg.drop_last)
+    owner = place_clients(weights, world_size)
+    return owner, rule, steps_per_rank(steps, owner, world_size)
+
+
 def load(cfg, rt) -> Setup:
     """Read the shard's metadata, place the clients, load this rank's clients onto its device."""
     info = read_info(cfg.data.path)
     clients = run_clients(cfg, info)
-    owner = place_clients(info.train_counts[clients], rt.world_size)
+    owner, rule, rank_steps = place(cfg, info.train_counts[clients], rt.world_size)
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
     t0 = time.perf_counter()
     arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
     data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
-    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0)
+    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps)
 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -276,3 +277,17 @@ def quarters_shard(folder: Path) -> Path:
     out = folder / "small.h5"
     main(["--from-npz", str(folder), "--out", str(out), "--source", "quarters", "--num-classes", "4"])
     return out
+
+
+def expect_user_error(capsys, argv, *fragments):
+    """``fedcp-partition argv`` in-process: exit 2 with one ``error: …`` line holding every fragment."""
+    from fedcp_dist.cli.partition import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for fragment in fragments:
+        assert str(fragment) in err, err
+    return err

@@ -87,4 +87,10 @@ def test_bench_compare_table(digits6, tmp_path):
         assert v["train_flops_per_sample"] == fedcp_mnist_flops_per_sample()
         # the engine's CPU time of local training: one thread cannot spend more than the wall time
         assert 0 < v["train_cpu_seconds_per_thread"][0] <= 1.05 * v["train_seconds"] + 0.05
+    # placement: by samples with fused=false, by steps with fused=true; one rank holds every step
+    assert (seq["placement"], fus["placement"]) == ("samples", "steps")
+    steps = sum((int(n) // 10 if n >= 10 else 1) if n else 0 for n in counts)
+    for v in (seq, fus):
+        assert v["steps_per_rank"] == [steps] and v["steps_imbalance"] == v["cohort_steps_imbalance"] == 1.0
+    assert f"{steps} (placed by steps), max/mean 1.000; timed rounds' cohorts 1.000" in r.stdout
     assert "training / peak" in r.stdout and "fused / sequential" in r.stdout

@@ -19,7 +19,8 @@ MiB = 2**20
 
 def _ditto(shard, out, *extra):
     return [f"data.path={shard}", f"out_dir={out}", "rounds=3", "eval_every=2", "participation=0.5",
-            "checkpoint_every=1", "threads=1", *extra]
+            "checkpoint_every=1", "threads=1",
+            "fused=false", *extra]  # one client at a time: _PreemptAt wraps local_train
 
 
 def _records(out: Path):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import agnews_rows, make_cifar10, run, write_agnews, write_pickle
+from helpers import agnews_rows, expect_user_error, make_cifar10, run, write_agnews, write_pickle
 from fedcp_dist.cli.partition import main
 from fedcp_dist.data.partition import client_rows, make_partition
 from fedcp_dist.data.resident import to_device
@@ -38,17 +38,6 @@ CPU = torch.device("cpu")
 def run_cli(capsys, *argv):
     main([str(a) for a in argv])
     return capsys.readouterr()
-
-
-def expect_user_error(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    for fragment in fragments:
-        assert str(fragment) in err, err
-    return err
 
 
 def shard_samples(path):

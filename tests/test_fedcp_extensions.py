@@ -1,4 +1,4 @@
-"""FedCP's practitioner switches (issue 13, items 1-5) on small hand-computed numbers: the MMD
+"""FedCP's practitioner switches on small hand-computed numbers: the MMD
 kernel, the policy entropy term, the CPN warm-up and its own rate and schedule, the annealed and
 the straight-through hard Gumbel policy, the light CPN; fused training equals sequential training
 with all of them on; one 1-vs-2-rank run with all of them, which also resumes bit-exactly."""

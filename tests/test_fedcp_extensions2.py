@@ -1,7 +1,8 @@
-"""FedCP's practitioner switches (issue 13, items 6, 9, 7) on small hand-computed numbers: policy
-caching (policy_refresh_every), federated policy distillation with skipped CPN uploads
-(cpn_distill, cpn_upload_every), the hierarchical policy (cpn_groups); fused training equals
-sequential training with them on; one 1-vs-2-rank run with all of them, which also resumes
+"""FedCP's practitioner switches on small hand-computed numbers: policy caching
+(policy_refresh_every), federated policy distillation with skipped CPN uploads (cpn_distill,
+cpn_upload_every), the hierarchical policy (cpn_groups) and the asynchronous CPN
+(cpn_async_min_rate) with the per-group weights of the one all-reduce; fused training equals
+sequential training with them on; one 1-vs-2-rank run of each, two of which also resume
 bit-exactly."""
 import json
 import math

@@ -18,7 +18,7 @@ from fedcp_dist.data.resident import to_device
 from fedcp_dist.data.shards import load_clients, read_info
 from fedcp_dist.errors import UserError
 from fedcp_dist.evaluation import EvalSums, binary_metrics
-from helpers import run
+from helpers import expect_user_error, run
 
 CPU = torch.device("cpu")
 
@@ -26,17 +26,6 @@ CPU = torch.device("cpu")
 def cli(capsys, *argv):
     main([str(a) for a in argv])
     return capsys.readouterr()
-
-
-def expect_user_error(capsys, argv, *fragments):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    for fragment in fragments:
-        assert str(fragment) in err, err
-    return err
 
 
 def solid(path, rgb, size=(12, 10)):
@@ -262,7 +251,8 @@ def test_fraud_preset_runs_end_to_end_and_reports_binary_metrics(fraud_shard, tm
 def test_learned_client_embedding_is_per_client_and_persistent(fraud_shard, tmp_path):
     out = tmp_path / "run"
     over = [f"data.path={fraud_shard}", f"out_dir={out}", "rounds=2", "eval_every=2", "threads=1",
-            "checkpoint_every=1", "cpn_client_vector=head+embed", "cpn_embed_dim=5"]
+            "checkpoint_every=1", "cpn_client_vector=head+embed", "cpn_embed_dim=5",
+            "participation=1.0", "client_selection=uniform"]  # every bank trains in both rounds
     run(str(REPO / "configs" / "fraud_mlp_fedcp.yaml"), over)
     states = {}
     for r in (1, 2):

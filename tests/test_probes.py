@@ -16,7 +16,7 @@ from fedcp_dist.analysis.records import read_probes
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.probes import S_BINS, EvalTally, ProbeTable, keep_before, s_histogram
-from helpers import CPU, Tiny, nonfinite_at, run, tiny_data
+from helpers import CPU, Tiny, nonfinite_at, quarters_shard, run, tiny_data
 
 # ----------------------------------------------------------------------------- hand-made policies
 
@@ -147,23 +147,7 @@ ROUNDS = 3
 
 @pytest.fixture(scope="module")
 def small_shard(tmp_path_factory):
-    """4 clients of 16–24 learnable 28×28 images (class = which quarter is bright), 6 test each."""
-    from fedcp_dist.cli.partition import main
-
-    folder = tmp_path_factory.mktemp("npz")
-    rng = np.random.default_rng(0)
-    for split in ("train", "test"):
-        (folder / split).mkdir()
-    for i, n in enumerate((24, 16, 20, 18)):
-        for split, m in (("train", n), ("test", 6)):
-            y = rng.integers(0, 4, m) if i % 2 == 0 else rng.integers(1, 3, m)
-            x = rng.integers(0, 60, (m, 1, 28, 28)).astype(np.uint8)
-            for j, c in enumerate(y):
-                x[j, 0, (c // 2) * 14:(c // 2) * 14 + 14, (c % 2) * 14:(c % 2) * 14 + 14] += 180
-            np.savez_compressed(folder / split / f"{i}.npz", x=x, y=y)
-    out = folder / "small.h5"
-    main(["--from-npz", str(folder), "--out", str(out), "--source", "quarters", "--num-classes", "4"])
-    return out
+    return quarters_shard(tmp_path_factory.mktemp("npz"))
 
 
 def _args(shard, out, *extra):

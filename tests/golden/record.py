@@ -8,7 +8,8 @@ Each case runs ROUNDS rounds of a ``configs/digits_<method>.yaml`` config (plus 
 overrides) in this process on the embedded digits partition (20 clients, Dir(0.1), seed 1),
 evaluating every round and checkpointing after round 1. The digests were recorded when clients
 trained one by one by default: every case pins ``fused=false`` (the default is now ``auto``), and
-the ``-fused`` cases override it with ``fused=true``. Its digest covers the final global state,
+the ``-fused`` cases override it with ``fused=true`` and keep the placement by samples
+(``placement=samples``) that every run had then. Its digest covers the final global state,
 every client's persistent state in that checkpoint (all ranks' parts), the metric records without
 their timings, and the summary without its timings: SHA-256 over the exact bytes and float reprs.
 The file also records the machine it was made on (torch version, CPU capability): float results
@@ -34,8 +35,8 @@ METHODS = ("fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto
            "fedrod", "fedfomo", "fedphp")
 CASES = {
     **{m: (m, []) for m in METHODS},
-    "fedcp-fused": ("fedcp", ["fused=true"]),
-    "fedavg-fused": ("fedavg", ["fused=true"]),
+    "fedcp-fused": ("fedcp", ["fused=true", "placement=samples"]),
+    "fedavg-fused": ("fedavg", ["fused=true", "placement=samples"]),
     "fedcp-rho0.5": ("fedcp", ["participation=0.5"]),
     "fedavg-rho-range": ("fedavg", ["participation_range=[0.3, 0.8]"]),
     "fedcp-eval-gumbel": ("fedcp", ["cpn_eval_gumbel=true"]),

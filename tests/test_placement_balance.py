@@ -1,0 +1,117 @@
+"""Clients placed on ranks by their local steps (config key ``placement``): hand-computed owners
+and imbalance, the rule ``auto`` picks, the same placement on every rank of a 2-rank fused run,
+and that run's accuracy against the one recorded before (placement by samples)."""
+import json
+import re
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, run_cmd
+from fedcp_dist.config import load_config
+from fedcp_dist.errors import UserError
+from fedcp_dist.placement import (client_steps, imbalance, place_clients, placement_rule, placement_weights,
+                                  steps_per_rank)
+from fedcp_dist.startup import place
+
+# one client of 100 samples and ten of 11, batches of 10 without drop_last: 10 steps and 2 steps each
+SIZES = [100] + [11] * 10
+
+
+def test_client_steps_are_batches_times_epochs():
+    # drop_last: 19 → 1 batch, 9 (< B) → 1, 0 → 0; without: 19 → 2; two epochs double them
+    assert client_steps([19, 9, 0, 30], 10, 1, True).tolist() == [1, 1, 0, 3]
+    assert client_steps([19, 9, 0, 30], 10, 1, False).tolist() == [2, 1, 0, 3]
+    assert client_steps([19, 9, 0, 30], 10, 2, True).tolist() == [2, 2, 0, 6]
+    assert client_steps(SIZES, 10, 1, False).tolist() == [10] + [2] * 10
+
+
+def test_placement_by_samples_leaves_the_big_client_alone():
+    # samples: 100 → rank 0; the 11s go to rank 1 while its load stays ≤ 100: nine reach 99, the
+    # tenth meets 100 vs 99 and goes to rank 1 too → rank 0 holds 10 steps, rank 1 holds 20
+    owner = place_clients(placement_weights("samples", SIZES, 10, 1, False), 2)
+    assert owner.tolist() == [0] + [1] * 10
+    per_rank = steps_per_rank(client_steps(SIZES, 10, 1, False), owner, 2)
+    assert per_rank.tolist() == [10, 20]
+    assert imbalance(per_rank) == pytest.approx(20 / 15)
+
+
+def test_placement_by_steps_balances_the_steps():
+    # steps [10, 2×10]: 10 → r0; clients 1-5 → r1 (2, 4, …, 10); then the loads tie at 10/10 and
+    # alternate, rank 0 first: 6 → r0 (12), 7 → r1 (12), 8 → r0 (14), 9 → r1 (14), 10 → r0 (16)
+    owner = place_clients(placement_weights("steps", SIZES, 10, 1, False), 2)
+    assert owner.tolist() == [0, 1, 1, 1, 1, 1, 0, 1, 0, 1, 0]
+    per_rank = steps_per_rank(client_steps(SIZES, 10, 1, False), owner, 2)
+    assert per_rank.tolist() == [16, 14]
+    assert imbalance(per_rank) == pytest.approx(16 / 15)
+    # three ranks: 10 → r0, then 2s to r1, r2 alternately until both reach 10 → loads 10/10/10
+    owner3 = place_clients(placement_weights("steps", SIZES, 10, 1, False), 3)
+    assert owner3.tolist() == [0, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2]
+    assert steps_per_rank(client_steps(SIZES, 10, 1, False), owner3, 3).tolist() == [10, 10, 10]
+    assert imbalance([10, 10, 10]) == 1.0 and imbalance([0, 0]) == 1.0
+
+
+def test_auto_weighs_by_steps_unless_fused_is_off():
+    assert placement_rule("auto", "auto") == "steps"
+    assert placement_rule("auto", True) == "steps"
+    assert placement_rule("auto", False) == "samples"
+    assert placement_rule("samples", True) == "samples"
+    assert placement_rule("steps", False) == "steps"
+
+
+def test_place_is_a_function_of_config_and_sizes():
+    cfg = SimpleNamespace(placement="auto", fused="auto", batch_size=10, local_epochs=1, drop_last=False)
+    owner, rule, per_rank = place(cfg, np.asarray(SIZES), 2)
+    assert rule == "steps" and owner.tolist() == [0, 1, 1, 1, 1, 1, 0, 1, 0, 1, 0] and per_rank.tolist() == [16, 14]
+    again = place(cfg, np.asarray(SIZES), 2)
+    assert np.array_equal(again[0], owner)
+    cfg.fused = False
+    owner, rule, per_rank = place(cfg, np.asarray(SIZES), 2)
+    assert rule == "samples" and owner.tolist() == [0] + [1] * 10 and per_rank.tolist() == [10, 20]
+
+
+def test_bad_placement_is_a_one_line_error():
+    with pytest.raises(UserError, match="'placement': must be one of auto, samples, steps, got 'rows'"):
+        load_config(str(REPO / "configs" / "digits_fedcp.yaml"), ["placement=rows"])
+
+
+@pytest.mark.slow
+def test_two_rank_fused_run_places_alike_and_keeps_its_accuracy(digits20, tmp_path):
+    """One 2-rank fused run (placement by steps) of the golden fedcp-fused case: every client is
+    held by exactly the rank the placement names (ranks that computed different placements would
+    hold a client twice or not at all), the start line reports the imbalance, and the accuracy is
+    the one recorded with placement by samples, within the golden tolerance."""
+    from golden.record import ACC_TOLERANCE, ROUNDS
+
+    out = tmp_path / "run"
+    overrides = [f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=1", "keep_checkpoints=5", "threads=1",
+                 f"data.path={digits20}", f"out_dir={out}", "overwrite=true", "fused=true", "placement=auto"]
+    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", *overrides], timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+    from fedcp_dist.data.shards import read_info
+
+    cfg = load_config(str(REPO / "configs" / "digits_fedcp.yaml"), overrides)
+    counts = read_info(str(digits20)).train_counts
+    owner, rule, per_rank = place(cfg, counts, 2)
+    assert rule == "steps"
+    # on this shard the rule matters: by samples the clients land elsewhere
+    assert not np.array_equal(owner, place_clients(counts, 2))
+    ck = out / "checkpoints" / "round_0000001"
+    held = [sorted(int(c) for c in torch.load(ck / f"clients_{r}.pt", weights_only=True)["clients"]) for r in (0, 1)]
+    assert held == [np.flatnonzero(owner == r).tolist() for r in (0, 1)]
+
+    line = re.search(r"placed by (\w+), max/mean steps per rank ([0-9.]+) \((\d+)/(\d+)\)", r.stdout)
+    assert line, r.stdout[-2000:]
+    assert line.group(1) == "steps" and [int(line.group(3)), int(line.group(4))] == per_rank.tolist()
+    assert float(line.group(2)) == pytest.approx(imbalance(per_rank), abs=1e-3)
+    assert imbalance(per_rank) <= imbalance(steps_per_rank(client_steps(counts, 10, 1, True), place_clients(counts, 2), 2))
+
+    recorded = json.loads((REPO / "tests" / "golden" / "digests.json").read_text())["world_sizes"]["2"]["fedcp-fused"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert abs(summary["final_acc"] - recorded["final_acc"]) <= ACC_TOLERANCE
+    assert abs(summary["best_acc"] - recorded["best_acc"]) <= ACC_TOLERANCE
