@@ -9,7 +9,21 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (``make test``), worker gwN keeps every ``count``-th CPU from the N-th on,
+    so two workers on two cores each run on one core (their runs pick their threads from it)
+    instead of both asking for every core and spinning against each other; the processes a
+    test starts inherit it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= count:
+        os.sched_setaffinity(0, cpus[int(worker[2:]) % count :: count])
+
+
 def pytest_configure(config):
+    _pin_xdist_worker()
     config.addinivalue_line(
         "markers", "slow: takes 10 s or more (processes, launchers, many rounds); `-m 'not slow'` skips them")
 
