@@ -19,13 +19,33 @@ def _pin_xdist_worker() -> None:
         return
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= count:
+        ALL_CPUS.update(cpus)
         os.sched_setaffinity(0, cpus[int(worker[2:]) % count :: count])
+
+
+#: every CPU this process could use before an xdist worker kept its own (empty: not pinned)
+ALL_CPUS: set = set()
+
+
+def unpinned() -> None:
+    """``preexec_fn`` for daemons a test starts (the SLURM cluster): every CPU again, so that they
+    see the machine as it is, not the worker's share."""
+    if ALL_CPUS:
+        os.sched_setaffinity(0, ALL_CPUS)
 
 
 def pytest_configure(config):
     _pin_xdist_worker()
     config.addinivalue_line(
         "markers", "slow: takes 10 s or more (processes, launchers, many rounds); `-m 'not slow'` skips them")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests first (each file's tests in their order): under pytest-xdist's
+    ``--dist loadfile`` the long ones then start early and the fast files fill in around them,
+    instead of one long file running alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 def partition(out: Path, *args: str) -> Path:

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from conftest import BIN, REPO
+from conftest import BIN, REPO, unpinned
 from fedcp_dist.cli import report
 from fedcp_dist.cli import sweep as sweep_cli
 
@@ -46,7 +46,7 @@ def cluster():
                             env=_env(), timeout=60).returncode == 0
     try:
         p = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, env=_env(),
-                           stdin=subprocess.DEVNULL, timeout=600)
+                           stdin=subprocess.DEVNULL, timeout=600, preexec_fn=unpinned)
     except subprocess.TimeoutExpired:
         pytest.fail("slurm/local_cluster.sh start did not finish in 600 s (set FEDCP_SKIP_SLURM=1 to skip)")
     if p.returncode != 0:
