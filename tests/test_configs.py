@@ -104,3 +104,21 @@ def test_sweep_parses(path, capsys):
     out = capsys.readouterr().out
     m = re.search(r"sweep \S+: (\d+) points", out)
     assert m and int(m.group(1)) == len(load_sweep(path).points) > 0
+
+
+def test_digits_methods_sweep_runs_each_digits_preset():
+    """The README's headline sweep: 12 methods × 3 seeds = 36 points, each point the method's own
+    digits preset (configs/digits_<method>.yaml) but for the rounds, seed and where it is written."""
+    sw = load_sweep(REPO / "configs" / "sweeps" / "digits_methods.yaml")
+    assert len(sw.points) == 36
+    assert {(point_config(sw, p).method, point_config(sw, p).seed) for p in sw.points} == {
+        (m, s) for m in METHODS for s in (1, 2, 3)}
+    assert {(p.partition.source, p.partition.partition, p.partition.beta, p.partition.num_clients,
+             p.partition.seed) for p in sw.points} == {("digits", "dir", 0.1, 20, 1)}
+    for p in sw.points:
+        cfg = flatten(point_config(sw, p).to_dict())
+        preset = flatten(yaml.safe_load((REPO / "configs" / f"digits_{cfg['method']}.yaml").read_text()))
+        for key in ("rounds", "seed", "out_dir", "data.path"):
+            preset.pop(key)
+        assert {k: cfg[k] for k in preset} == preset, p.name
+        assert (cfg["rounds"], cfg["eval_every"], cfg["threads"]) == (50, 5, 1)
