@@ -145,9 +145,30 @@ class Compressor:
 BYTE_KEYS = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense")
 
 
+SAVED_KEYS = ("uplink_bytes_sent", "uplink_bytes_saved")
+
+
 def byte_totals(records) -> dict:
-    """The run's totals of the per-round byte counts (the rounds that have them)."""
-    return {k: int(sum(r.get(k, 0) for r in records)) for k in BYTE_KEYS}
+    """The run's totals of the per-round byte counts, for the kinds its rounds have (none for a
+    run without compression or skipped uploads); with skipped uploads also the fraction saved."""
+    out = {k: int(sum(r.get(k, 0) for r in records)) for k in (*BYTE_KEYS, *SAVED_KEYS)
+           if any(k in r for r in records)}
+    if "uplink_bytes_saved" in out:
+        total = out.get("uplink_bytes_sent", 0) + out["uplink_bytes_saved"]
+        out["uplink_saved_fraction"] = out["uplink_bytes_saved"] / total if total else 0.0
+    return out
+
+
+def uplink_record(compressor, agg, saved_params, uploaders: int, participants: int) -> dict:
+    """A round's byte counts: compressed uploads' (see :meth:`Compressor.round_bytes`), and where a
+    method skips parts of its upload (``saved_params`` per uploader, or aggregation groups some
+    clients did not send) the dense float32 bytes sent and saved."""
+    out = compressor.round_bytes(uploaders, participants) if compressor.enabled else {}
+    if saved_params is not None or agg.groups:
+        skipped = uploaders * (saved_params or 0) + sum((uploaders - int(n)) * agg.group_numel(g)
+                                                        for g, (_, n) in agg.group_totals.items())
+        out.update(uplink_bytes_sent=4 * (uploaders * agg.num_params - skipped), uplink_bytes_saved=4 * skipped)
+    return out
 
 
 def _peer_method(method: str) -> bool:

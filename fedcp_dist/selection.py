@@ -23,9 +23,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import numpy as np
+import torch
 
 from fedcp_dist.options import Option, one_of, within
-from fedcp_dist.placement import STREAM_COHORT, round_cohort_size, stream_seed
+from fedcp_dist.placement import STREAM_COHORT, round_cohort_size, sample_cohort, stream_seed
 
 SELECTION_MODES = ("uniform", "feature_difference")
 
@@ -90,3 +91,32 @@ class SelectionOptions:
             return "client_selection", (f"feature_difference needs a method that keeps a client vector (fedcp); "
                                         f"{cfg.method} keeps none")
         return None
+
+
+def gather_client_vectors(rt, algo, store, owned, num_clients: int) -> np.ndarray:
+    """Every client's vector v_i (N × K, float32, on the host), the same on every rank: each rank
+    writes its own clients' rows (an untrained client's initial vector) and one all-reduce adds
+    them, each row having a single non-zero contributor (so the sum is exact)."""
+    buf = torch.zeros(num_clients, algo.client_vector_dim, dtype=torch.float32, device=rt.device)
+    for c in owned:
+        buf[c] = algo.client_vector(store.peek(c))
+    return rt.all_reduce_sum_(buf).cpu().numpy()
+
+
+def draw_cohort(cfg, t: int, train_counts, vectors):
+    """Round t's sorted cohort: uniform, or with ``client_selection: feature_difference`` and
+    ρ < 1 drawn by feature difference from ``vectors()`` (called only then: it is a collective)."""
+    if cfg.client_selection != "feature_difference" or (cfg.participation >= 1 and cfg.participation_range is None):
+        return sample_cohort(cfg.seed, t, len(train_counts), cfg.participation, cfg.participation_range,
+                             cfg.participation_draw)
+    probs = selection_probabilities(train_counts, vectors(), cfg.selection_min_prob)
+    return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range, cfg.participation_draw)
+
+
+def selection_counts(records, num_clients: int) -> list:
+    """Rounds each client trained in, from the round records' ``cohort`` lists."""
+    counts = [0] * num_clients
+    for r in records:
+        for c in r.get("cohort", ()):
+            counts[c] += 1
+    return counts

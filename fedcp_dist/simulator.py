@@ -18,15 +18,15 @@ from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
 from fedcp_dist.client_store import DiskClientStore, make_store
-from fedcp_dist.compress import Compressor, byte_totals
+from fedcp_dist.compress import Compressor, byte_totals, uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure, UserError
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
-from fedcp_dist.placement import STREAM_EVAL, STREAM_PROBE, STREAM_TRAIN, sample_cohort, stream_seed
+from fedcp_dist.placement import STREAM_EVAL, STREAM_PROBE, STREAM_TRAIN, stream_seed
 from fedcp_dist.probes import ProbeTable
 from fedcp_dist.rundir import RunWriter, check_resume_config, prepare_out_dir, progress_line, result_table, run_summary
 from fedcp_dist.runtime import Runtime, StopSignals
-from fedcp_dist.selection import sample_cohort_weighted, selection_probabilities
+from fedcp_dist.selection import draw_cohort, gather_client_vectors, selection_counts
 
 
 class Simulator:
@@ -127,25 +127,10 @@ class Simulator:
         n = self.data[cid].n_train
         table.add_train(cid, res.samples, res.tallies.get("s", 0.0), bef, aft, n)
 
-    def _client_vectors(self):
-        """Every client's vector v_i (N × K, float32, on the host), the same on every rank: each rank
-        writes its own clients' rows (an untrained client's initial vector) and one all-reduce adds
-        them, each row having a single non-zero contributor (so the sum is exact)."""
-        buf = torch.zeros(self.num_clients, self.algo.client_vector_dim, dtype=torch.float32, device=self.rt.device)
-        for c in self.owned:
-            buf[c] = self.algo.client_vector(self.store.peek(c))
-        return self.rt.all_reduce_sum_(buf).cpu().numpy()
-
     def _cohort(self, t: int):
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
-        cfg = self.cfg
-        if not self.select_by_features or (cfg.participation >= 1 and cfg.participation_range is None):
-            return sample_cohort(cfg.seed, t, self.num_clients, cfg.participation, cfg.participation_range,
-                                 cfg.participation_draw)
-        probs = selection_probabilities(self.setup.info.train_counts[self.setup.clients], self._client_vectors(),
-                                        cfg.selection_min_prob)
-        return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range,
-                                      cfg.participation_draw)
+        return draw_cohort(self.cfg, t, self.setup.info.train_counts[self.setup.clients],
+                           lambda: gather_client_vectors(self.rt, self.algo, self.store, self.owned, self.num_clients))
 
     def _exchange_peers(self, t: int, cohort, payloads: dict) -> float:
         """One all-gather of the participants' peer payloads; the algorithm updates the global state."""
@@ -249,15 +234,8 @@ class Simulator:
                   **({"peer_exchange_seconds": peer_seconds} if peer_seconds is not None else {}),
                   "participants": int(len(cohort)), "train_loss": train.loss_sum / max(train.samples, 1.0),
                   "nonfinite_skipped": int(train.nonfinite_clients)}
-        if self.compressor.enabled:
-            record.update(self.compressor.round_bytes(len(cohort) - int(train.nonfinite_clients), len(cohort)))
-        saved = self.algo.uplink_saved_params(t)
-        if saved is not None or self.agg.groups:  # dense float32 bytes the uploaders sent and the parts they skipped
-            uploaders = len(cohort) - int(train.nonfinite_clients)
-            skipped = uploaders * (saved or 0) + sum((uploaders - int(n)) * self.agg.group_numel(g)
-                                                     for g, (_, n) in self.agg.group_totals.items())
-            record.update(uplink_bytes_sent=4 * (uploaders * self.agg.num_params - skipped),
-                          uplink_bytes_saved=4 * skipped)
+        record.update(uplink_record(self.compressor, self.agg, self.algo.uplink_saved_params(t),
+                                    len(cohort) - int(train.nonfinite_clients), len(cohort)))
         if self.select_by_features:
             record["cohort"] = [int(c) for c in cohort]
         if evaluated:
@@ -289,18 +267,9 @@ class Simulator:
                               self.setup.load_seconds)
         if cfg.data.clients is not None:  # which of the shard's clients the run's 0 … K − 1 are
             summary["shard_clients"] = self.setup.clients.tolist()
-        if self.compressor.enabled:
-            summary.update(byte_totals(self.records))
-        if any("uplink_bytes_saved" in r for r in self.records):
-            sent, saved = (int(sum(r.get(k, 0) for r in self.records)) for k in ("uplink_bytes_sent", "uplink_bytes_saved"))
-            summary.update(uplink_bytes_sent=sent, uplink_bytes_saved=saved,
-                           uplink_saved_fraction=saved / (sent + saved) if sent + saved else 0.0)
+        summary.update(byte_totals(self.records))
         if self.select_by_features:
-            counts = [0] * self.num_clients
-            for r in self.records:
-                for c in r.get("cohort", ()):
-                    counts[c] += 1
-            summary["selection_counts"] = counts
+            summary["selection_counts"] = selection_counts(self.records, self.num_clients)
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))
