@@ -48,6 +48,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path not in slow_files)
 
 
+@pytest.fixture
+def float64():
+    """float64 as torch's default dtype for the test (exact comparisons of two paths)."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
 def partition(out: Path, *args: str) -> Path:
     from fedcp_dist.cli.partition import main
 

@@ -311,14 +311,6 @@ ALL = dict(mmd_kernel="rbf", mmd_sigma="median", policy_entropy=0.05, cpn_warmup
            cpn_hidden=16, rounds=5)
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 @pytest.mark.parametrize("hard", [False, True])
 def test_all_switches_train_fused_as_sequentially(float64, hard):
     algo, gs = algo_with_moved_global(FedCP, shape=(1, 16, 16), lam=1.0, lr=0.01, drop_last=False,

@@ -333,14 +333,6 @@ def test_bad_async_values_name_their_key(tmp_path, override, key):
 # ---------------------------------------------------------------- fused, ranks, resume
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 @pytest.mark.parametrize("switches", [dict(policy_refresh_every=3, cpn_groups=8, tau=0.5),
                                       dict(cpn_distill=0.5, cpn_upload_every=2, cpn_groups=8),
                                       dict(cpn_distill=0.5, cpn_upload_every=2),

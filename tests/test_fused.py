@@ -44,14 +44,6 @@ SIZES = (23, 7, 40, 31)
 
 
 @pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
-@pytest.fixture
 def fused_calls(monkeypatch):
     """How many clients fused.train_fused trained, per phase name: proof that the fused path ran."""
     calls = {}
