@@ -99,7 +99,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     from fedcp_dist.algorithms import make_algorithm
     from fedcp_dist.checkpoint import Checkpointer
     from fedcp_dist.data.shards import read_info
-    from fedcp_dist.models import build_model
+    from fedcp_dist.models import build_model, model_options
     from fedcp_dist.startup import run_clients
 
     run_dir = Path(run_dir)
@@ -117,7 +117,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
                         f"had {cfg.data.num_clients}")
     clients = run_clients(cfg, info)
     torch.manual_seed(cfg.seed)  # the run's initial model, as the engine builds it
-    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, mlp_hidden=cfg.mlp_hidden)
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, **model_options(cfg))
     algo = make_algorithm(cfg.method, cfg, model, dev)
     algo.num_clients = len(clients)
     rounds_done, global_state, states, _ = Checkpointer(str(run_dir), 0, 1, 1).load(
