@@ -741,4 +741,6 @@ def test_agnews_two_fedcp_rounds(tmp_path, capsys):
     shard = tmp_path / "ag.h5"
     run_cli(capsys, "--source", "agnews", "--root", tmp_path / "root", "--max-len", 16,
             "--partition", "iid", "--num-clients", 2, "--out", shard)
-    run_fedcp(shard, tmp_path / "run", "agnews", "model=fasttext", "lr=0.5")
+    # the reference fastText averages over all 16 positions: its mean embeddings are about half
+    # the size of the earlier one's here, so it takes a larger step (lr=0.5 sufficed for that one)
+    run_fedcp(shard, tmp_path / "run", "agnews", "model=fasttext", "lr=2.0")
