@@ -390,6 +390,15 @@ def read_yaml_mapping(path, what: str = "config file") -> dict:
     return values
 
 
+def legacy_defaults(flat: dict) -> dict:
+    """For a saved config (flat) written before a key existed, the keys whose behaviour then differs
+    from today's default, with the value that was in effect: a fastText run made before
+    ``fasttext_mean`` existed averaged over the real tokens."""
+    if flat.get("model") == "fasttext" and "fasttext_mean" not in flat:
+        return {"fasttext_mean": "tokens"}
+    return {}
+
+
 def flatten(values: dict, prefix: str = "") -> dict:
     """``{"data": {"path": x}, "lr": 1}`` → ``{"data.path": x, "lr": 1}``."""
     out = {}

@@ -199,3 +199,38 @@ def test_earlier_fasttext_is_unchanged():
     with torch.no_grad():
         h.update(model(ids).numpy().tobytes())
     assert h.hexdigest() == "523f6ae33efba2cd920ad2f6c4c7a92d9227d29882b9eab5ac8911d8c78c7c05"
+
+
+def test_a_fasttext_run_from_before_the_key_is_read_as_it_ran():
+    """A saved config without ``fasttext_mean`` (written before it existed) averaged over the real
+    tokens: resuming it under today's default is refused naming the key, and with
+    ``fasttext_mean=tokens`` allowed; other models are not affected."""
+    from fedcp_dist.config import Config
+    from fedcp_dist.rundir import check_resume_config
+
+    old = Config(model="fasttext", method="fedcp").to_dict()
+    del old["fasttext_mean"]
+    with pytest.raises(UserError, match="'fasttext_mean' is 'padded' but the checkpointed run in out used 'tokens'"):
+        check_resume_config(old, Config(model="fasttext", method="fedcp").to_dict(), "out")
+    check_resume_config(old, Config(model="fasttext", method="fedcp", fasttext_mean="tokens").to_dict(), "out")
+    cnn = Config(method="fedcp").to_dict()
+    del cnn["fasttext_mean"]
+    check_resume_config(cnn, Config(method="fedcp").to_dict(), "out")
+
+
+def test_analysis_rebuilds_an_earlier_fasttext_run_with_its_mean(tmp_path):
+    import yaml
+
+    from fedcp_dist.analysis.runstate import run_config
+    from fedcp_dist.config import Config
+
+    shard = tmp_path / "ag.h5"
+    shard.write_bytes(b"")
+    saved = Config(model="fasttext", method="fedcp").to_dict()
+    saved["data"]["path"] = str(shard)
+    for mean, keep in (("tokens", False), ("padded", True)):
+        doc = dict(saved)
+        if not keep:
+            del doc["fasttext_mean"]
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(doc))
+        assert run_config(tmp_path).fasttext_mean == mean

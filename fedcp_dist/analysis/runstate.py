@@ -71,12 +71,14 @@ class RunState:
 def run_config(run_dir: Path, data_path: Optional[str] = None, changes: Optional[dict] = None):
     """The run's resolved config (``config.yaml``), with ``data.path`` replaced by ``data_path`` if
     given and attributes set from ``changes``; a missing shard is a one-line error."""
-    from fedcp_dist.config import load_config
+    from fedcp_dist.config import flatten, legacy_defaults, load_config, read_yaml_mapping
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = load_config(str(path), validate=False)
+    for key, value in legacy_defaults(flatten(read_yaml_mapping(path, "run config"))).items():
+        setattr(cfg, key, value)  # a run written before the key existed, as it ran
     if data_path is not None:
         cfg.data.path = data_path
     if not os.path.isfile(cfg.data.path):
