@@ -13,7 +13,7 @@ import torch
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
-from fedcp_dist.models import build_model
+from fedcp_dist.models import build_model, model_options
 from fedcp_dist.placement import (client_subset, imbalance, place_clients, placement_rule, placement_weights,
                                   steps_per_rank)
 
@@ -92,7 +92,7 @@ def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
     what = f"the inputs of {cfg.data.path} ({info.source} {info.kind}s of shape {shape})"
     try:
         model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size,
-                            mlp_hidden=cfg.mlp_hidden)
+                            **model_options(cfg))
     except ValueError as exc:
         raise UserError(f"config key 'model': {cfg.model!r} cannot take {what}: {exc}") from None
     x = torch.zeros(2, *shape, dtype=torch.long if info.vocab_size else torch.float32)
