@@ -171,9 +171,10 @@ class SmallTanh(Tiny):
         self.features[2] = nn.Tanh()
 
 
-def tiny_fedcp(**kw):
-    """FedCP on :class:`SmallTanh` with a received global state that differs from the working modules'
-    values (so the MMD against the received extractor is not 0). (algorithm, that global state)"""
+def tiny_fedcp(net=None, **kw):
+    """FedCP on ``net()`` (default :class:`SmallTanh`), built after seeding, with a received global
+    state that differs from the working modules' values (so the MMD against the received extractor
+    is not 0). (algorithm, that global state)"""
     from fedcp_dist.algorithms.fedcp import FedCP
 
     kw.setdefault("lr", 0.1)
@@ -182,7 +183,7 @@ def tiny_fedcp(**kw):
     kw.setdefault("rounds", 6)
     cfg = Config(**kw)
     torch.manual_seed(0)
-    algo = FedCP(cfg, SmallTanh(), CPU)
+    algo = FedCP(cfg, (net or SmallTanh)(), CPU)
     gs = algo.init_global_state()
     g = torch.Generator().manual_seed(7)
     gs = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in gs.items()}

@@ -14,7 +14,7 @@ from helpers import (algo_with_moved_global, assert_states_close, load_run, one_
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import (PREV, FedCP, combine_group_logits, group_pool, interpolate, policy,
                                          policy_kl, refresh_alpha)
-from fedcp_dist.config import Config, load_config
+from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
 
 CPU = torch.device("cpu")
@@ -214,14 +214,7 @@ class Small4(torch.nn.Module):
 
 
 def _fedcp4(**kw):
-    cfg = Config(lr=0.1, batch_size=8, lam=0.5, rounds=6, **kw)
-    torch.manual_seed(0)
-    algo = FedCP(cfg, Small4(), CPU)
-    gs = algo.init_global_state()
-    g = torch.Generator().manual_seed(7)
-    gs = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in gs.items()}
-    algo.set_global(gs)
-    return algo, gs
+    return tiny_fedcp(net=Small4, **kw)
 
 
 @pytest.mark.parametrize("hard", [False, True])
