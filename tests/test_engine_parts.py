@@ -221,3 +221,29 @@ def test_ranks_agree_on_a_failed_start():
         startup.agree(TwoRanks(torch.tensor([0.0])), UserError("mine"))
     assert startup.all_ok(TwoRanks(torch.tensor([0.0])), True)
     assert not startup.all_ok(TwoRanks(torch.tensor([1.0])), True)
+
+
+def test_round_record_by_hand():
+    from fedcp_dist.aggregate import TrainSums
+    from fedcp_dist.evaluation import EvalSums
+    from fedcp_dist.round_record import final_eval, round_record
+
+    class Agg:
+        last_seconds, nbytes = 0.5, 800
+
+    times = {"seconds": 2.0, "train_seconds": 1.0, "train_cpu_seconds": 0.75, "eval_seconds": 0.25}
+    train = TrainSums(loss_sum=6.0, samples=4.0, nonfinite_clients=1.0)
+    ev = EvalSums(correct=3.0, test_samples=4.0, acc_client_sum=1.5, clients=2.0, auc_weighted_sum=2.0, loss_sum=1.0)
+    rec = round_record(2, times, Agg, [4, 1, 7], train, {"uplink_bytes_saved": 12}, ev, with_cohort=True)
+    assert rec == {"kind": "round", "round": 3, **times, "allreduce_seconds": 0.5, "allreduce_bytes": 800,
+                   "participants": 3, "train_loss": 1.5, "nonfinite_skipped": 1, "uplink_bytes_saved": 12,
+                   "cohort": [4, 1, 7], "evaluated_after": 2, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
+                   "test_loss": 0.25}
+    assert list(rec)[:8] == ["kind", "round", "seconds", "train_seconds", "train_cpu_seconds", "eval_seconds",
+                             "allreduce_seconds", "allreduce_bytes"]  # metrics.jsonl's order
+    # no evaluation, no cohort list, a peer exchange: its time after the all-reduce's
+    rec = round_record(0, {**times, "peer_exchange_seconds": 0.125}, Agg, [0], TrainSums(), {}, None, False)
+    assert "acc" not in rec and "cohort" not in rec and rec["train_loss"] == 0.0
+    assert list(rec)[7:9] == ["allreduce_bytes", "peer_exchange_seconds"]
+    assert final_eval(5, ev.values()) == {"evaluated_after": 5, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
+                                          "test_loss": 0.25}
