@@ -165,6 +165,15 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     return True, f"fused ({setting}, {groups})"
 
 
+def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "") -> str:
+    """The run's first line: method, clients, ranks, loading, placement, the training path, where
+    client states live and the method's own note (e.g. FedCP's CPN cost)."""
+    of = f" of the shard's {setup.info.num_clients}" if cfg.data.clients is not None else ""
+    return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
+            f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s; {setup.placement_line()}; "
+            f"training: {path}; {store_line}" + (f"; {note}" if note else ""))
+
+
 def agree_on(rt, step: Callable[[], object]):
     """``step()`` on every rank; every rank stops (:func:`agree`) if it failed anywhere."""
     err, out = None, None

@@ -396,17 +396,19 @@ def _read_rgb(path: Path) -> np.ndarray:
     return rgb.transpose(2, 0, 1)
 
 
-def _decode_all(files: list, workers: int) -> np.ndarray:
-    """Decode ``files`` into one preallocated (n, 3, 64, 64) array, a block at a time."""
-    x = np.empty((len(files), 3, TINY_SIZE, TINY_SIZE), dtype=np.uint8)
+def decode_images(files: list, shape: tuple, read, workers: int, block: int) -> np.ndarray:
+    """Decode ``files`` with ``read`` (a path → a uint8 array of ``shape``) into one preallocated
+    (n, *shape) uint8 array, ``block`` files at a time on ``workers`` threads (one block of decoded
+    images is all that is held beyond the array)."""
+    x = np.empty((len(files),) + tuple(shape), dtype=np.uint8)
     bar = progress(None, total=len(files), desc="decoding images", unit="img")
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for start in range(0, len(files), _DECODE_BLOCK):
-                block = files[start:start + _DECODE_BLOCK]
-                for i, image in enumerate(pool.map(_read_rgb, block), start):
+            for start in range(0, len(files), block):
+                chunk = files[start:start + block]
+                for i, image in enumerate(pool.map(read, chunk), start):
                     x[i] = image
-                bar.update(len(block))
+                bar.update(len(chunk))
     finally:
         bar.close()
     return x
@@ -434,7 +436,7 @@ def _load_tinyimagenet(root, download, include_val: bool = False, **_) -> Source
     n_train = len(files)
     n_val = _tiny_val(base, index, files, labels) if include_val else 0
     workers = max(1, min(8, os.cpu_count() or 1))
-    x = _decode_all(files, workers)
+    x = decode_images(files, (3, TINY_SIZE, TINY_SIZE), _read_rgb, workers, _DECODE_BLOCK)
     src = _make_source(name, x, np.asarray(labels, dtype=np.int64), len(wnids))
     src.params = {**src.params, "include_val": bool(include_val), "train_images": n_train, "val_images": n_val}
     return src
