@@ -689,10 +689,13 @@ def run_in_workers(jobs: Sequence[Callable[[], object]]) -> list:
     import concurrent.futures
 
     threads = torch.get_num_threads()
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()  # thread-local in torch: carried over
 
     def one(job):
         torch.set_num_threads(1)  # per thread for OpenMP; the process-wide value is 1 meanwhile
-        return job()
+        torch.set_default_dtype(dtype)
+        with torch.set_grad_enabled(grad):
+            return job()
 
     try:
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
