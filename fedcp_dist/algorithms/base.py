@@ -283,14 +283,18 @@ class SGDAlgorithm(Algorithm):
             return []
         plans = plans or [self.phases(state, data, ctx) for state, data, ctx in items]
         datas = [d for _, d, _ in items]
-        slots = self.memory_plan(plans[0], datas).slots(self.device, len(items))
+        plan = self.memory_plan(plans[0], datas)
+        slots = plan.slots(self.device, len(items))
         cfg = self.cfg
         workers = fused.workers_for(cfg.fused_workers, self.device, torch.get_num_threads(), len(items))
         if workers > 1:
             parts = fused.worker_parts([fused.num_batches(d.n_train if p[0][1].index is None else int(p[0][1].index.numel()),
                                                           cfg.batch_size, cfg.local_epochs, cfg.drop_last)
                                         for d, p in zip(datas, plans)], workers)
-            per_worker = max(1, -(-slots // workers))
+            # each worker as many slots as one group has (a core's share of the cache suffices: measured
+            # 4 % less CPU per client-step than halving them), where memory holds them all
+            per_worker = slots if plan.per_slot * slots * workers <= fused.MEMORY_FRACTION * fused.available_memory(
+                self.device) else max(1, -(-slots // workers))
             outcomes = fused.run_in_workers(
                 [lambda part=part: self._fused_outcomes([items[i] for i in part], [plans[i] for i in part], per_worker)
                  for part in parts])
