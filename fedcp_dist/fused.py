@@ -54,6 +54,7 @@ Not fused
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
@@ -318,11 +319,17 @@ def _channelwise(m: nn.Module, a: Act) -> Act:
     return Act(y.view(*x.shape[:2], *y.shape[1:]), a.k)
 
 
+#: functional_call swaps a module's parameters in place while it runs: fused workers (threads)
+#: sharing a module take turns (the graph it records keeps the tensors, so the backward needs no lock)
+_FUNCTIONAL_CALL = threading.Lock()
+
+
 def _vmapped(m: nn.Module, p: Dict[str, Tensor], a: Act) -> Act:
     def one(params, x):
         return functional_call(m, params, (x,))
 
-    return Act(vmap(one)(p, a.client_major()), a.k)
+    with _FUNCTIONAL_CALL:
+        return Act(vmap(one)(p, a.client_major()), a.k)
 
 
 def grouped_forward(module: nn.Module, params: Dict[str, Tensor], x, k: int,

@@ -274,6 +274,8 @@ def test_vmapped_modules_and_unsplit_models_match_sequential():
     got = algo.local_train_group(items)
     assert fused._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
     _assert_same_results(_sequential(algo, items), got, gs)
+    algo.cfg.fused_workers = 2  # two threads sharing the module that functional_call reparametrises
+    _assert_same_results(_sequential(algo, items), algo.local_train_group(_items(algo, datas)), gs)
 
     algo, gs = _algo(FedCP, net=Odd(), fused=True)  # FedCP uses features and head separately
     items = _items(algo, datas)
