@@ -20,6 +20,8 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
   local training over its threads, against the GEMM's rate per CPU-second): on a machine shared
   with other work that is what compares variants fairly (use threads=1 there: with more threads
   the CPU time also counts their spin-waiting);
+* with ``fused`` on a CPU rank of several threads, how many fused groups train side by side
+  (config key ``fused_workers``, one thread each);
 * the ranks' local steps (batches × epochs) when every client trains, how the clients were placed
   (config key ``placement``) and the imbalance max/mean steps per rank, for all clients and
   averaged over the timed rounds' cohorts;
@@ -254,9 +256,13 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
         "fused": bool(sim.fused),
         "training": sim.path,
         "fused_slots": (fused.CUDA_SLOTS if rt.device.type == "cuda" else fused.CPU_SLOTS) if sim.fused else None,
+        # fused groups side by side on this rank's threads (config key fused_workers)
+        "fused_workers": fused.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.owned)) if sim.fused else None,
         "world_size": rt.world_size,
         "launcher": rt.launcher,
         "device": str(rt.device),
+        # the vector instruction set torch's CPU kernels use here (the fraction of peak depends on it)
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "threads_per_rank": rt.threads,
         "timed_rounds": len(rounds),
         "seconds_per_round": mean("seconds"),
@@ -300,10 +306,13 @@ def placement_figures(sim, cfg, rt, rounds) -> dict:
 
 def print_table(res: dict, warmup: int) -> None:
     fused_row = f"{res['training']}, at most {res['fused_slots']} clients at once" if res["fused"] else res["training"]
+    if res["fused"] and (res.get("fused_workers") or 1) > 1:
+        fused_row += f" per worker, {res['fused_workers']} workers of 1 thread side by side"
     rows = [
         ("setting", res["setting"]),
         ("local training", fused_row),
         ("ranks", f"{res['world_size']} ({res['launcher']}, {res['device']}, {res['threads_per_rank']} thread(s) each)"),
+        ("CPU instruction set", res.get("cpu_isa", "?")),
         ("steps per rank", f"{'/'.join(str(v) for v in res['steps_per_rank'])} (placed by {res['placement']}), max/mean "
                            f"{res['steps_imbalance']:.3f}; timed rounds' cohorts {res['cohort_steps_imbalance']:.3f}"),
         ("seconds per round", f"{res['seconds_per_round']:.2f}  (mean of {res['timed_rounds']} after {warmup} warm-up)"),

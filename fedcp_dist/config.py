@@ -103,6 +103,8 @@ class _Execution:
     fused: typing.Union[bool, str] = "auto"
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
+    #: fused groups trained side by side on a CPU rank, one thread each: auto (one per thread of the rank) | N
+    fused_workers: typing.Union[int, str] = "auto"
     #: what clients are weighted by when placed on ranks (largest first, to the least-loaded rank): samples |
     #: steps (local SGD steps: batches × local_epochs) | auto (steps unless fused=false)
     placement: str = "auto"
@@ -200,6 +202,9 @@ class _ConfigMethods:
             bad("client_state_budget_mb", f"must be a number >= 0 (MiB), got {self.client_state_budget_mb}")
         if self.placement not in PLACEMENTS:
             bad("placement", f"must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if not (self.fused_workers == "auto" or (isinstance(self.fused_workers, int) and not isinstance(self.fused_workers, bool)
+                                                 and self.fused_workers >= 1)):
+            bad("fused_workers", f"must be auto or an integer >= 1, got {self.fused_workers!r}")
         if self.fused_group < 0:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:

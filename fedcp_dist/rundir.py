@@ -72,6 +72,7 @@ NOT_DEFINING: dict = {
     "collective_timeout": "how long a rank waits for a silent peer",
     "fused": "whether a rank trains its clients one by one or in fused groups",
     "fused_group": "how many clients a fused group holds",
+    "fused_workers": "how many fused groups a CPU rank trains side by side",
     "placement": "which rank trains which client",
     "eval_batch_size": "how many test samples one forward pass takes",
     "peer_memory_mb": "a memory budget that refuses a run, never changes one",

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from fedcp_dist import fused
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
@@ -162,6 +163,9 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     if why:
         return False, f"sequential ({setting}: {why})" if cfg.fused == "auto" else f"sequential ({setting} not used: {why})"
     groups = f"groups of {cfg.fused_group}" if cfg.fused_group else "groups sized by memory"
+    workers = fused.workers_for(cfg.fused_workers, algo.device, torch.get_num_threads(), 2)
+    if workers > 1:  # e.g. "groups sized by memory, 2 at once with 1 thread each (fused_workers=auto)"
+        groups += f", {workers} at once with 1 thread each (fused_workers={cfg.fused_workers})"
     return True, f"fused ({setting}, {groups})"
 
 

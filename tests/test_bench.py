@@ -94,3 +94,7 @@ def test_bench_compare_table(digits6, tmp_path):
         assert v["steps_per_rank"] == [steps] and v["steps_imbalance"] == v["cohort_steps_imbalance"] == 1.0
     assert f"{steps} (placed by steps), max/mean 1.000; timed rounds' cohorts 1.000" in r.stdout
     assert "training / peak" in r.stdout and "fused / sequential" in r.stdout
+    # threads=1: one fused group (fused_workers=auto takes one per thread); the ISA is named
+    assert fus["fused_workers"] == 1 and seq["fused_workers"] is None
+    assert seq["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
+    assert any(line.startswith("CPU instruction set") and line.split()[-1] == seq["cpu_isa"] for line in r.stdout.splitlines())

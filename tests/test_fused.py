@@ -274,6 +274,8 @@ def test_vmapped_modules_and_unsplit_models_match_sequential():
     got = algo.local_train_group(items)
     assert fused._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
     _assert_same_results(_sequential(algo, items), got, gs)
+    algo.cfg.fused_workers = 2  # two threads sharing the module that functional_call reparametrises
+    _assert_same_results(_sequential(algo, items), algo.local_train_group(_items(algo, datas)), gs)
 
     algo, gs = _algo(FedCP, net=Odd(), fused=True)  # FedCP uses features and head separately
     items = _items(algo, datas)
@@ -369,7 +371,7 @@ def test_end_to_end_fused_run_equals_sequential_run(digits6, tmp_path, method):
     seq = _run(digits6, tmp_path / "seq", False, method)
     said = []
     fus = _run(digits6, tmp_path / "fus", None, method, said)
-    assert any("training: fused (fused=auto, groups of 4);" in line for line in said), said
+    assert any("training: fused (fused=auto, groups of 4" in line for line in said), said
     a = torch.load(tmp_path / "seq" / "final_global.pt")
     b = torch.load(tmp_path / "fus" / "final_global.pt")
     assert list(a) == list(b)
@@ -489,3 +491,38 @@ def test_fused_default_resumes_bit_for_bit(digits6, tmp_path):
     assert list(straight) == list(resumed)
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
+
+
+def test_worker_parts_balance_steps_and_keep_order():
+    # largest first, each to the part with fewer steps: 641 → A; 300, 250 → B (550); 100 → B (650); 10 → A (651)
+    assert fused.worker_parts([641, 100, 300, 250, 10], 2) == [[0, 4], [1, 2, 3]]
+    assert fused.worker_parts([5, 5, 5], 2) == [[0, 2], [1]]
+    assert fused.worker_parts([7], 3) == [[0]]  # no empty parts
+    assert fused.workers_for("auto", CPU, 2, 20) == 2
+    assert fused.workers_for("auto", CPU, 4, 3) == 3  # never more workers than clients
+    assert fused.workers_for("auto", CPU, 2, 1) == 1
+    assert fused.workers_for(1, CPU, 2, 20) == 1
+    assert fused.workers_for(3, CPU, 1, 20) == 3
+    assert fused.workers_for("auto", torch.device("cuda"), 8, 20) == 1
+
+
+@pytest.mark.parametrize("cls, kw", [(FedCP, {"lam": 0.5, "cpn_train_gumbel": True}), (FedProx, {"prox_mu": 0.1})])
+def test_fused_workers_train_side_by_side_as_one_group(float64, monkeypatch, cls, kw, fused_calls):
+    """fused_workers=2: two parts of the group, trained in two threads at once, give each client
+    the sequential result (float64, 1e-12) and the one-group result; the threads' count is restored."""
+    algo, gs = _algo(cls, shape=(1, 16, 16), drop_last=False, local_epochs=2, **kw)
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
+    items = _items(algo, datas)
+    seen = []
+    real = fused.run_in_workers
+    monkeypatch.setattr(fused, "run_in_workers", lambda jobs: seen.append(len(jobs)) or real(jobs))
+    threads = torch.get_num_threads()
+    algo.cfg.fused_workers = 1
+    one = algo.local_train_group(items)
+    assert seen == []
+    algo.cfg.fused_workers = 2
+    two = algo.local_train_group(_items(algo, datas))  # fresh generators
+    assert seen == [2] and torch.get_num_threads() == threads
+    assert list(fused_calls.values()) == [2 * len(SIZES)]  # both runs fused every client
+    _assert_same_results(_sequential(algo, items), two, gs, atol=1e-12)
+    _assert_same_results(one, two, atol=1e-13)
