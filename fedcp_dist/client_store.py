@@ -9,6 +9,7 @@ Checkpoints take its :meth:`state_dict` and give it back through :meth:`load_sta
 from __future__ import annotations
 
 import os
+import resource
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Optional
@@ -89,6 +90,12 @@ class ClientStore:
         if residual is not None:
             self.residuals[cid] = residual
 
+    def held_bytes(self) -> int:
+        """Bytes of per-client tensors this store holds in memory (states, BatchNorm statistics,
+        compression residuals); a disk store counts only the states in flight."""
+        return (sum(state_bytes(s) for s in self.states.values()) + sum(state_bytes(s) for s in self.bn.values())
+                + sum(state_bytes(s) for s in self.residuals.values()))
+
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> Dict[int, State]:
         """{client: its state, its BatchNorm statistics and its compression residual (both
@@ -125,6 +132,28 @@ def unpack(state: State):
 
 def state_bytes(state: Optional[State]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values()) if state else 0
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; elsewhere the peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (getrusage: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_record(store: "ClientStore") -> dict:
+    """The memory numbers of a round's record (rank 0's): resident memory now and at its peak, and
+    the bytes of per-client state the store holds in memory, each in MiB."""
+    mib = 2.0**20
+    return {"rss_mb": rss_bytes() / mib, "peak_rss_mb": peak_rss_bytes() / mib,
+            "client_state_held_mb": store.held_bytes() / mib}
 
 
 def available_memory_bytes(device) -> int:
@@ -264,6 +293,9 @@ class DiskClientStore(ClientStore):
     def close(self) -> None:
         self.flush()
         self._io.shutdown()
+
+    def held_bytes(self) -> int:
+        return super().held_bytes() + sum(state_bytes(s) for s, _ in self._writing.values())
 
     def state_dict(self) -> Dict[int, State]:
         """As :meth:`ClientStore.state_dict`; the states are the clients' files mapped into memory

@@ -17,7 +17,7 @@ from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, redu
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.client_store import DiskClientStore, make_store
+from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
 from fedcp_dist.compress import Compressor, byte_totals, uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure, UserError
@@ -236,6 +236,7 @@ class Simulator:
                   "nonfinite_skipped": int(train.nonfinite_clients)}
         record.update(uplink_record(self.compressor, self.agg, self.algo.uplink_saved_params(t),
                                     len(cohort) - int(train.nonfinite_clients), len(cohort)))
+        record.update(memory_record(self.store) if cfg.record_memory else {})
         if self.select_by_features:
             record["cohort"] = [int(c) for c in cohort]
         if evaluated:
