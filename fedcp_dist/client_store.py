@@ -151,8 +151,9 @@ def peak_rss_bytes() -> int:
 def memory_record(store: "ClientStore") -> dict:
     """The memory numbers of a round's record (rank 0's): resident memory now and at its peak, and
     the bytes of per-client state the store holds in memory, each in MiB."""
-    mib = 2.0**20
-    return {"rss_mb": rss_bytes() / mib, "peak_rss_mb": peak_rss_bytes() / mib,
+    mib, rss = 2.0**20, rss_bytes()
+    # the kernel updates the peak lazily: it may lag the current figure
+    return {"rss_mb": rss / mib, "peak_rss_mb": max(rss, peak_rss_bytes()) / mib,
             "client_state_held_mb": store.held_bytes() / mib}
 
 

@@ -168,3 +168,53 @@ def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys)
     assert out[1].startswith("round 1: 3 participants") and out[2].startswith("round 2: 3 participants")
     assert "evaluation 0.00 s" in out[2] and "evaluation 0.00 s" not in out[1]
     assert out[3].startswith("rank 0: 6 clients, start-up ")
+
+
+def test_micro_auc_is_scikit_learns_value_to_the_last_bit():
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+    from fedcp_dist.evaluation import micro_auc
+
+    # by hand: positives score 0.8 and 0.6, negatives 0.2 and 0.4 -> every pair ordered: 1.0
+    assert micro_auc(np.array([0, 1]), np.array([[0.8, 0.2], [0.4, 0.6]], dtype=np.float32)) == 1.0
+    assert micro_auc(np.array([0]), np.array([[0.3, 0.7]], dtype=np.float32)) == 0.0  # the one pair reversed
+    assert micro_auc(np.array([0, 1]), np.full((2, 2), 0.5, dtype=np.float32)) == 0.5  # all tied
+    assert np.isnan(micro_auc(np.array([], dtype=np.int64), np.zeros((0, 3), dtype=np.float32)))
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n, k = int(rng.integers(1, 120)), int(rng.integers(2, 11))
+        if trial % 2:  # few distinct scores: many ties, and collinear ROC points that are dropped
+            p = (rng.integers(0, 4, size=(n, k)) / 4).astype(np.float32)
+        else:
+            p = rng.random((n, k)).astype(np.float32)
+            p /= p.sum(1, keepdims=True)
+        y = rng.integers(0, k, size=n)
+        onehot = np.zeros(p.shape, dtype=np.int8)
+        onehot[np.arange(n), y] = 1
+        assert micro_auc(y, p) == float(roc_auc_score(onehot.ravel(), p.ravel())), (n, k, trial)
+
+
+def test_record_memory_adds_rank_0s_memory_to_every_round(digits6, tmp_path):
+    from fedcp_dist.client_store import ClientStore, memory_record, rss_bytes
+
+    out = tmp_path / "mem"
+    run("configs/digits_ditto.yaml", _ditto(digits6, out, "record_memory=true", "rounds=1"))
+    rounds = [r for r in _records(out) if r["kind"] == "round"]
+    assert len(rounds) == 1
+    for r in rounds:
+        assert 10 < r["rss_mb"] <= r["peak_rss_mb"] < 64 * 1024
+        assert r["client_state_held_mb"] > 0  # Ditto keeps a whole model per client
+    # off by default (the golden digests cover the records of runs without it)
+
+    class _A:
+        def init_client_state(self, c):
+            return None
+
+        def set_global(self, g):
+            pass
+
+    store = ClientStore(_A(), {})
+    store.put(0, {"w": torch.zeros(2**18)}, {})  # 1 MiB of float32
+    store.put_residual(1, {"e": torch.zeros(2**17, dtype=torch.float64)})  # 1 MiB
+    assert memory_record(store)["client_state_held_mb"] == 2.0
+    assert rss_bytes() > 0
