@@ -218,3 +218,33 @@ def test_record_memory_adds_rank_0s_memory_to_every_round(digits6, tmp_path):
     store.put_residual(1, {"e": torch.zeros(2**17, dtype=torch.float64)})  # 1 MiB
     assert memory_record(store)["client_state_held_mb"] == 2.0
     assert rss_bytes() > 0
+
+
+def test_soak_summary_compares_the_first_and_last_rounds(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[1] / "bench" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    rows = []
+    for r in range(1, 7):  # rounds 1-6; round 4 recorded twice (a resumed run): the later one counts
+        rec = {"kind": "round", "round": r, "seconds": float(r), "train_seconds": r / 2, "rss_mb": 100.0 + r,
+               "peak_rss_mb": 110.0 + r, "client_state_held_mb": 0.5}
+        if r % 3 == 1:
+            rec["evaluated_after"] = r - 1
+        rows.append(rec)
+        if r == 4:
+            rows.append({**rec, "seconds": 40.0})
+    rows.append({"kind": "final_eval", "round": 6})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ck = tmp_path / "checkpoints" / "round_0000006"
+    ck.mkdir(parents=True)
+    (ck / "global.pt").write_bytes(b"x" * 10)
+    (ck / "clients_0.pt").write_bytes(b"x" * 5)
+    s = soak.summarise(tmp_path, window=3)
+    assert s["rounds_done"] == 6 and s["checkpoints"] == [(6, 15, 10)]
+    f, l = s["first"], s["last"]
+    assert (f["rounds"], f["median_s"], f["median_s_no_eval"], f["median_train_s"]) == ("1-3", 2.0, 2.5, 1.0)
+    assert (l["rounds"], l["median_s"], l["mean_s"], l["median_s_no_eval"]) == ("4-6", 6.0, 17.0, 5.5)
+    assert (l["median_rss_mb"], l["max_rss_mb"], l["peak_rss_mb"], l["held_mb"]) == (105.0, 106.0, 116.0, 0.5)
+    text = soak.format_summary(s)
+    assert [l.split()[-2:] for l in text.splitlines() if l.startswith("median s/round ")] == [["2.000", "6.000"]]
