@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Optional
@@ -202,12 +203,17 @@ def _to(state: Optional[State], device) -> Optional[State]:
 
 
 class DiskClientStore(ClientStore):
-    """Client states on local disk, one file per client (``client_{id}.pt`` in ``directory``),
-    each written atomically (temporary name, rename). A client that never trained has no file:
-    its state is the method's initial one, made again when asked for (``init_client_state`` is
-    the same every time). In memory are only the states in flight: those read ahead of their use
-    (:meth:`prefetch`) and those written back in the background; :meth:`flush` waits for the
-    writes. BatchNorm statistics and compression residuals stay in memory."""
+    """Everything a client keeps on local disk, one file per client (``client_{id}.pt`` in
+    ``directory``), each written atomically (temporary name, rename): its state, its own BatchNorm
+    running statistics and its compression residual, in the checkpoint's layout (the last two under
+    ``__bn__/`` and ``__ef__/``). A client with nothing kept yet has no file: its state is the
+    method's initial one, made again when asked for (``init_client_state`` is the same every time).
+    In memory are only the entries in flight: those read ahead of their use (:meth:`prefetch`), the
+    last few used (``RECENT``) and those written back in the background; :meth:`flush` waits for
+    the writes. So a rank's memory does not grow with its number of clients."""
+
+    #: entries of the clients used last, kept to serve activate/get/residual of one client by one read
+    RECENT = 4
 
     def __init__(self, algo, global_state: State, bn_keys=(), directory: str = "", device="cpu"):
         self.dir = Path(directory)
@@ -217,8 +223,10 @@ class DiskClientStore(ClientStore):
             old.unlink()
         self.saved: set = set()  # clients with a file
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state")
-        self._writing: Dict[int, tuple] = {}  # client -> (state, future) until its file is written
+        self._writing: Dict[int, tuple] = {}  # client -> (entry, future) until its file is written
+        self._older: list = []  # futures of writes overtaken by a later write of the same client
         self._ahead: Dict[int, object] = {}  # client -> future of its read
+        self._recent: "OrderedDict[int, State]" = OrderedDict()
         self._order: list = []
         self._pos: Dict[int, int] = {}
         super().__init__(algo, global_state, bn_keys)
@@ -236,7 +244,7 @@ class DiskClientStore(ClientStore):
         os.replace(tmp, path)
 
     def prefetch(self, order) -> None:
-        """Clients are about to be used in this order: each :meth:`get` reads the next ones ahead.
+        """Clients are about to be used in this order: each use reads the next ones ahead.
         The writes of the last use finish first, so that no state is trained on while it is written."""
         self.flush()
         self._order = [int(c) for c in order]
@@ -245,45 +253,84 @@ class DiskClientStore(ClientStore):
             self._schedule(c)
 
     def _schedule(self, cid: int) -> None:
-        if cid in self.saved and cid not in self._writing and cid not in self._ahead:
+        if cid in self.saved and cid not in self._writing and cid not in self._ahead and cid not in self._recent:
             self._ahead[cid] = self._io.submit(self._read, cid)
 
-    def get(self, cid: int) -> Optional[State]:
+    def _entry(self, cid: int) -> Optional[State]:
+        """Client ``cid``'s whole kept entry (prefixed as in a checkpoint); None when it has no file."""
+        if cid in self._writing:
+            return self._writing[cid][0]
+        if cid in self._recent:
+            self._recent.move_to_end(cid)
+            return self._recent[cid]
         i = self._pos.get(cid)
         if i is not None:
             for c in self._order[i + 1:i + 1 + PREFETCH_DEPTH]:
                 self._schedule(c)
         pending = self._ahead.pop(cid, None)
-        if cid in self._writing:
-            if pending is not None:
-                pending.result()
-            return self._writing[cid][0]
         if pending is not None:
-            return pending.result()
-        if cid in self.saved:
-            return self._read(cid)
-        return self.algo.init_client_state(cid)
+            entry = pending.result()
+        elif cid in self.saved:
+            entry = self._read(cid)
+        else:
+            return None
+        self._recent[cid] = entry
+        while len(self._recent) > self.RECENT:
+            self._recent.popitem(last=False)
+        return entry
+
+    def _keep(self, cid: int, entry: State) -> None:
+        """Write ``entry`` back as client ``cid``'s file (in the background)."""
+        self._recent.pop(cid, None)
+        stale = self._ahead.pop(cid, None)
+        if stale is not None:
+            stale.result()
+        self._reap()
+        if cid in self._writing:
+            self._older.append(self._writing[cid][1])
+        self._writing[cid] = (entry, self._io.submit(self._write, cid, entry))
+        self.saved.add(cid)
+
+    def activate(self, cid: int) -> Optional[State]:
+        if self.bn_keys:
+            own = unpack(self._entry(cid) or {})[0]
+            self.algo.set_global({**self.global_state, **own} if own else self.global_state)
+        return self.get(cid)
+
+    def get(self, cid: int) -> Optional[State]:
+        rest = unpack(self._entry(cid) or {})[2]
+        return rest if rest else self.algo.init_client_state(cid)
 
     def peek(self, cid: int) -> Optional[State]:
-        return self.get(cid) if cid in self.saved else None
+        return (unpack(self._entry(cid) or {})[2] or None) if cid in self.saved else None
 
     def put(self, cid: int, state: Optional[State], upload: State) -> None:
-        if state is not None:
-            stale = self._ahead.pop(cid, None)
-            if stale is not None:
-                stale.result()
-            self._reap()
-            self._writing[cid] = (state, self._io.submit(self._write, cid, state))
-            self.saved.add(cid)
+        if state is None and not self.bn_keys:
+            return
+        bn, ef, rest = unpack(self._entry(cid) or {})
         if self.bn_keys:
-            self.bn[cid] = {k: upload.pop(k) for k in self.bn_keys}
+            bn = {k: upload.pop(k) for k in self.bn_keys}
+        self._keep(cid, pack(state if state is not None else rest, bn, ef))
+
+    def residual(self, cid: int) -> Optional[State]:
+        return unpack(self._entry(cid) or {})[1] or None
+
+    def put_residual(self, cid: int, residual: Optional[State]) -> None:
+        if residual is not None:
+            bn, _, rest = unpack(self._entry(cid) or {})
+            self._keep(cid, pack(rest, bn, residual))
 
     def _reap(self) -> None:
         for c in [c for c, (_, f) in self._writing.items() if f.done()]:
             self._writing.pop(c)[1].result()  # raises a failed write here
+        while self._older and self._older[0].done():
+            self._older.pop(0).result()
 
     def flush(self) -> None:
         """Wait for every write back; drop reads ahead that were not used."""
+        for f in self._older:
+            f.result()
+        self._older = []
         for c in list(self._writing):
             self._writing.pop(c)[1].result()
         for f in self._ahead.values():
@@ -296,31 +343,28 @@ class DiskClientStore(ClientStore):
         self._io.shutdown()
 
     def held_bytes(self) -> int:
-        return super().held_bytes() + sum(state_bytes(s) for s, _ in self._writing.values())
+        return (super().held_bytes() + sum(state_bytes(e) for e, _ in self._writing.values())
+                + sum(state_bytes(e) for e in self._recent.values()))
 
     def state_dict(self) -> Dict[int, State]:
-        """As :meth:`ClientStore.state_dict`; the states are the clients' files mapped into memory
-        (read from disk as the checkpoint writes them, not held at once)."""
+        """As :meth:`ClientStore.state_dict`: the clients' files mapped into memory (read from disk
+        as the checkpoint writes them, not held at once); they are already in its layout."""
         self.flush()
-        out = {c: {} for c in set(self.bn) | set(self.residuals) | self.saved}
-        for c in self.saved:
-            out[c].update(torch.load(self._path(c), map_location="cpu", weights_only=True, mmap=True))
-        for c, bn in self.bn.items():
-            out[c].update({BN_PREFIX + k: v for k, v in bn.items()})
-        for c, ef in self.residuals.items():
-            out[c].update({EF_PREFIX + k: v for k, v in ef.items()})
-        return out
+        self._recent.clear()
+        return {c: torch.load(self._path(c), map_location="cpu", weights_only=True, mmap=True) for c in self.saved}
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
+        self._recent.clear()
         for c, state in states.items():
-            bn, ef, rest = unpack(state)
-            if bn:
-                self.bn[c] = bn
-            if ef:
-                self.residuals[c] = ef
-            if rest:
-                self._write(c, rest)
+            if state:
+                self._write(c, dict(state))
                 self.saved.add(c)
+
+
+def pack(state: Optional[State], bn: Optional[State], ef: Optional[State]) -> State:
+    """A client's kept entry (its checkpoint layout) from its state, BatchNorm statistics and residual."""
+    return {**(state or {}), **{BN_PREFIX + k: v for k, v in (bn or {}).items()},
+            **{EF_PREFIX + k: v for k, v in (ef or {}).items()}}
 
 
 def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tuple[ClientStore, str]:

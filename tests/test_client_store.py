@@ -11,7 +11,7 @@ import torch
 from conftest import run_cmd
 from helpers import run
 from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.client_store import DiskClientStore, resolve_mode
+from fedcp_dist.client_store import ClientStore, DiskClientStore, resolve_mode
 from fedcp_dist.errors import Preempted
 
 MiB = 2**20
@@ -248,3 +248,64 @@ def test_soak_summary_compares_the_first_and_last_rounds(tmp_path):
     assert (l["median_rss_mb"], l["max_rss_mb"], l["peak_rss_mb"], l["held_mb"]) == (105.0, 106.0, 116.0, 0.5)
     text = soak.format_summary(s)
     assert [l.split()[-2:] for l in text.splitlines() if l.startswith("median s/round ")] == [["2.000", "6.000"]]
+
+
+# FedCP with a BatchNorm in its CPN (each client keeps its own running statistics) and top-k uploads
+# with error feedback (each client keeps its residual): with client_state=disk both live in the
+# clients' files, not in memory, and the run is the device store's, bit for bit, resumed or not
+def _fedcp_bn_ef(shard, out, *extra):
+    return [f"data.path={shard}", f"out_dir={out}", "rounds=3", "eval_every=2", "participation=0.5",
+            "checkpoint_every=1", "threads=1", "fused=false", "cpn_layers=2", "cpn_norm=batchnorm",
+            "compress=topk", "compress_ratio=0.5", "compress_error_feedback=true", *extra]
+
+
+def test_bn_statistics_and_residuals_live_in_the_disk_stores_files_and_resume_exactly(digits6, tmp_path):
+    from fedcp_dist.client_store import BN_PREFIX, EF_PREFIX
+
+    dev = tmp_path / "device"
+    run("configs/digits_fedcp.yaml", _fedcp_bn_ef(digits6, dev))
+    disk = tmp_path / "disk"
+    run("configs/digits_fedcp.yaml", _fedcp_bn_ef(digits6, disk, "client_state=disk"))
+    trained = _same(dev, disk)
+    _, clients = _final(disk)
+    for c in trained:  # each trained client's entry holds its statistics and its residual
+        assert any(k.startswith(BN_PREFIX) for k in clients[c]) and any(k.startswith(EF_PREFIX) for k in clients[c])
+    on_disk = torch.load(disk / "client_state" / "rank_0" / f"client_{min(trained):07d}.pt", weights_only=True)
+    assert on_disk.keys() == clients[min(trained)].keys()
+    # stopped in round 2 (its checkpoint after round 1 kept), files spoiled, resumed: the same run
+    out = tmp_path / "resumed"
+    args = _fedcp_bn_ef(digits6, out, "client_state=disk", "checkpoint_every=0")
+    with pytest.raises(Preempted):
+        run("configs/digits_fedcp.yaml", args, wrap=lambda a: _PreemptAt(a, 2))
+    for f in (out / "client_state" / "rank_0").glob("client_*.pt"):
+        torch.save({k: v + 1 for k, v in torch.load(f, weights_only=True).items()}, f)
+    run("configs/digits_fedcp.yaml", args[:-1] + ["checkpoint_every=1"])
+    _same(dev, out)
+
+
+def test_disk_store_holds_no_per_client_state_in_memory():
+    """Memory held by a disk store does not grow with its clients: N=50 vs N=200 clients, each with
+    a state, BatchNorm statistics and a residual."""
+    import tempfile
+
+    def held(n):
+        with tempfile.TemporaryDirectory() as d:
+            algo = _Algo()
+            mem, disk = ClientStore(algo, {}, ["bn.running_mean"]), DiskClientStore(algo, {}, ["bn.running_mean"], d)
+            for store in (mem, disk):
+                store.prefetch(range(n))
+                for c in range(n):
+                    store.activate(c)
+                    store.put(c, {"w": torch.full((256,), float(c))}, {"bn.running_mean": torch.zeros(64)})
+                    store.put_residual(c, {"e": torch.ones(128)})
+                store.flush()
+            got = mem.held_bytes(), disk.held_bytes()
+            back = disk.state_dict()
+            assert back[n - 1]["w"][0] == n - 1 and back[3]["__ef__/e"].sum() == 128 and len(back) == n
+            assert disk.residual(7)["e"].tolist() == [1.0] * 128 and disk.peek(7)["w"][0] == 7.0
+            disk.close()
+            return got
+
+    (m50, d50), (m200, d200) = held(50), held(200)
+    assert m50 == 50 * (256 + 64 + 128) * 4 and m200 == 4 * m50  # in memory: N entries
+    assert d50 == d200 <= DiskClientStore.RECENT * (256 + 64 + 128) * 4  # on disk: a few entries in flight
