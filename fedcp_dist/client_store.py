@@ -149,12 +149,26 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def anon_rss_bytes() -> int:
+    """This process's resident anonymous memory (its own, not files mapped into memory: the page
+    cache the kernel may drop); 0 where /proc/self/status is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def memory_record(store: "ClientStore") -> dict:
-    """The memory numbers of a round's record (rank 0's): resident memory now and at its peak, and
-    the bytes of per-client state the store holds in memory, each in MiB."""
+    """The memory numbers of a round's record (rank 0's): resident memory now (all of it, and the
+    anonymous part) and at its peak, and the bytes of per-client state the store holds in memory,
+    each in MiB."""
     mib, rss = 2.0**20, rss_bytes()
     # the kernel updates the peak lazily: it may lag the current figure
-    return {"rss_mb": rss / mib, "peak_rss_mb": max(rss, peak_rss_bytes()) / mib,
+    return {"rss_mb": rss / mib, "rss_anon_mb": anon_rss_bytes() / mib, "peak_rss_mb": max(rss, peak_rss_bytes()) / mib,
             "client_state_held_mb": store.held_bytes() / mib}
 
 
@@ -229,7 +243,37 @@ class DiskClientStore(ClientStore):
         self._recent: "OrderedDict[int, State]" = OrderedDict()
         self._order: list = []
         self._pos: Dict[int, int] = {}
+        #: global tensors with a row per client (FedAMP's and FedFomo's banks) mapped from files here
+        self.mapped_keys = tuple(getattr(algo, "bank_keys", ())) if self.device.type == "cpu" else ()
+        self._mapped: Dict[str, torch.Tensor] = {}
         super().__init__(algo, global_state, bn_keys)
+
+    def set_global(self, global_state: State) -> None:
+        """As :meth:`ClientStore.set_global`; the method's per-client banks (``bank_keys``) are kept
+        in files of this directory mapped into memory (``global_{key}.f32``): the page cache holds
+        what is used, the kernel may drop it, and the process's own memory does not grow with N."""
+        for key in self.mapped_keys:
+            if key in global_state and global_state[key] is not self._mapped.get(key):
+                global_state[key] = self._map(key, global_state[key])
+        super().set_global(global_state)
+
+    def _map(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        """``src`` copied into a file-backed tensor of the same shape (rows of zeros are not written:
+        the file is sparse). Rows are copied a few at a time, so ``src`` may itself be mapped."""
+        path = self.dir / f"global_{key}.f32"
+        self._mapped.pop(key, None)
+        with open(path, "wb") as f:
+            f.truncate(src.numel() * 4)
+        out = torch.from_file(str(path), shared=True, size=src.numel(), dtype=torch.float32).view(src.shape)
+        rows = src.reshape(src.shape[0], -1) if src.dim() else src.reshape(1, 1)
+        dst = out.reshape(rows.shape)
+        step = max(1, (4 << 20) // max(1, rows.shape[1] * 4))
+        for i in range(0, rows.shape[0], step):
+            chunk = rows[i:i + step]
+            if bool(chunk.any()):
+                dst[i:i + step] = chunk
+        self._mapped[key] = out
+        return out
 
     def _path(self, cid: int) -> Path:
         return self.dir / f"client_{cid:07d}.pt"

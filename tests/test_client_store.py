@@ -309,3 +309,26 @@ def test_disk_store_holds_no_per_client_state_in_memory():
     (m50, d50), (m200, d200) = held(50), held(200)
     assert m50 == 50 * (256 + 64 + 128) * 4 and m200 == 4 * m50  # in memory: N entries
     assert d50 == d200 <= DiskClientStore.RECENT * (256 + 64 + 128) * 4  # on disk: a few entries in flight
+
+
+@pytest.mark.parametrize("method", ["fedamp", "fedfomo"])
+def test_peer_banks_live_in_mapped_files_and_resume_exactly(method, digits6, tmp_path):
+    """FedAMP's bank and FedFomo's bank and affinity matrix (a row per client) are files of the disk
+    store mapped into memory: the same run as the device store's, bit for bit, resumed or not."""
+    cfg = f"configs/digits_{method}.yaml"
+    dev, disk = tmp_path / "device", tmp_path / "disk"
+    run(cfg, _ditto(digits6, dev))
+    run(cfg, _ditto(digits6, disk, "client_state=disk"))
+    _same(dev, disk)
+    g, _ = _final(disk)
+    keys = ("bank", "affinity") if method == "fedfomo" else ("bank",)
+    for key in keys:
+        mapped = torch.from_file(str(disk / "client_state" / "rank_0" / f"global_{key}.f32"), shared=False,
+                                 size=g[key].numel(), dtype=torch.float32).view(g[key].shape)
+        assert torch.equal(mapped, g[key]) and bool(g[key].any())
+    out = tmp_path / "resumed"
+    args = _ditto(digits6, out, "client_state=disk", "checkpoint_every=0")
+    with pytest.raises(Preempted):
+        run(cfg, args, wrap=lambda a: _PreemptAt(a, 2))
+    run(cfg, args[:-1] + ["checkpoint_every=1"])
+    _same(dev, out)

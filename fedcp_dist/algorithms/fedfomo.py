@@ -39,6 +39,8 @@ class FedFomo(PeerBankMethod):
         Option("fedfomo_eps_decay", 0.05, "FedFomo: ε falls by this much every round (not below 0)", at_least(0)),
     )
 
+    bank_keys = ("bank", "affinity")
+
     def extra_peer_dim(self):
         return self.num_clients  # the client's row of weights w_i·
 
@@ -51,7 +53,7 @@ class FedFomo(PeerBankMethod):
 
     def receive_peers(self, round_idx, global_state, peers):
         out = super().receive_peers(round_idx, global_state, peers)
-        affinity = global_state["affinity"].clone()
+        affinity = global_state["affinity"]  # updated in place, as the bank is (no N x N copy)
         for cid, vec in peers.items():
             affinity[cid] += vec[self.model_dim :]
         out["affinity"] = affinity
