@@ -42,6 +42,8 @@ def window_summary(records: list) -> dict:
         rss = [r["rss_mb"] for r in records]
         out.update(median_rss_mb=statistics.median(rss), max_rss_mb=max(rss), peak_rss_mb=records[-1]["peak_rss_mb"],
                    held_mb=statistics.median(r["client_state_held_mb"] for r in records))
+    if all("rss_anon_mb" in r for r in records):
+        out["median_rss_anon_mb"] = statistics.median(r["rss_anon_mb"] for r in records)
     return out
 
 
@@ -68,7 +70,8 @@ def summarise(run_dir: Path, window: int = 100) -> dict:
 def format_summary(s: dict) -> str:
     keys = [("rounds", "rounds", "{}"), ("median_s", "median s/round", "{:.3f}"), ("mean_s", "mean s/round", "{:.3f}"),
             ("median_s_no_eval", "median s/round, no eval", "{:.3f}"), ("median_train_s", "median train s", "{:.3f}"),
-            ("median_rss_mb", "median RSS MiB (rank 0)", "{:.1f}"), ("max_rss_mb", "max RSS MiB", "{:.1f}"),
+            ("median_rss_mb", "median RSS MiB (rank 0)", "{:.1f}"),
+            ("median_rss_anon_mb", "median anonymous RSS MiB", "{:.1f}"), ("max_rss_mb", "max RSS MiB", "{:.1f}"),
             ("peak_rss_mb", "peak RSS MiB at end", "{:.1f}"), ("held_mb", "client state held MiB", "{:.3f}")]
     lines = [f"rounds done: {s['rounds_done']}", f"{'':26s} {'first':>12s} {'last':>12s}"]
     for key, label, fmt in keys:

@@ -332,3 +332,18 @@ def test_peer_banks_live_in_mapped_files_and_resume_exactly(method, digits6, tmp
         run(cfg, args, wrap=lambda a: _PreemptAt(a, 2))
     run(cfg, args[:-1] + ["checkpoint_every=1"])
     _same(dev, out)
+
+
+def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
+    from types import SimpleNamespace
+    from fedcp_dist.errors import UserError
+    from fedcp_dist.startup import check_peer_memory
+
+    algo = SimpleNamespace(peer_dim=2**18 - 1, peer_memory_bytes=lambda n: n * 2**20)  # 1 MiB a client
+    cfg = SimpleNamespace(client_state="device", device="cpu", peer_memory_mb=100.0, method="fedamp")
+    # 2 ranks x 10 owned x 1 MiB exchange rows + 50 MiB bank = 70 MiB: fits; 1000 clients' bank does not
+    assert check_peer_memory(cfg, algo, 50, 10, 2) == 70 * 2**20
+    with pytest.raises(UserError, match="peer_memory_mb=100"):
+        check_peer_memory(cfg, algo, 1000, 10, 2)
+    cfg.client_state = "disk"  # the bank is a file mapped into memory: only the exchange rows count
+    assert check_peer_memory(cfg, algo, 1000, 10, 2) == 20 * 2**20
