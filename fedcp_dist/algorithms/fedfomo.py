@@ -46,7 +46,7 @@ class FedFomo(PeerBankMethod):
 
     def init_global_state(self):
         n = self.num_clients
-        return {**super().init_global_state(), "affinity": torch.zeros(n, n, device=self.device)}
+        return {**super().init_global_state(), "affinity": self.zeros_per_client(n)}
 
     def peer_memory_bytes(self, num_clients):
         return super().peer_memory_bytes(num_clients) + num_clients * num_clients * 4

@@ -83,10 +83,18 @@ class PeerBankMethod(SGDAlgorithm):
         """Values a participant shares beyond its model (default none)."""
         return 0
 
+    def zeros_per_client(self, cols: int) -> torch.Tensor:
+        """An (N, cols) tensor of zeros for a ``bank_keys`` entry. With ``client_state: disk`` on the CPU
+        the store copies it into a file mapped into memory at once: then it is one row expanded, so
+        that N rows are never allocated."""
+        if getattr(self.cfg, "client_state", "device") == "disk" and torch.device(self.device).type == "cpu":
+            return torch.zeros(1, cols).expand(self.num_clients, cols)
+        return torch.zeros(self.num_clients, cols, device=self.device)
+
     def init_global_state(self) -> State:
         n, dev = self.num_clients, self.device
         return {
-            "bank": torch.zeros(n, self.model_dim, device=dev),
+            "bank": self.zeros_per_client(self.model_dim),
             "fresh": torch.zeros(n, device=dev),
             "seen": torch.zeros(n, device=dev),
         }
