@@ -5,7 +5,8 @@
 Reads ``RUN_DIR/metrics.jsonl`` (a run made with ``record_memory=true`` has rank 0's resident
 memory in each round's record) and the checkpoints kept under ``RUN_DIR/checkpoints``, and prints,
 for the first and the last ``--window`` rounds recorded: the median and the mean seconds per round
-(all rounds, and the rounds without an evaluation), the median training seconds, the resident
+(all rounds, and the rounds without an evaluation), the median training seconds (wall and rank 0's
+CPU: on a loaded machine the CPU seconds are the steadier measure), the resident
 memory (median and largest), the peak resident memory at the window's end, and the MiB of client
 state held in memory; then the kept checkpoints' sizes (what a run keeps grows only by its round
 records). Medians, because seconds per round on a shared machine are noisy.
@@ -38,6 +39,8 @@ def window_summary(records: list) -> dict:
            "median_s": statistics.median(secs), "mean_s": statistics.fmean(secs),
            "median_s_no_eval": statistics.median(plain) if plain else float("nan"),
            "median_train_s": statistics.median(r["train_seconds"] for r in records)}
+    if all("train_cpu_seconds" in r for r in records):  # what load on a shared machine inflates least
+        out["median_train_cpu_s"] = statistics.median(r["train_cpu_seconds"] for r in records)
     if all("rss_mb" in r for r in records):
         rss = [r["rss_mb"] for r in records]
         out.update(median_rss_mb=statistics.median(rss), max_rss_mb=max(rss), peak_rss_mb=records[-1]["peak_rss_mb"],
@@ -70,6 +73,7 @@ def summarise(run_dir: Path, window: int = 100) -> dict:
 def format_summary(s: dict) -> str:
     keys = [("rounds", "rounds", "{}"), ("median_s", "median s/round", "{:.3f}"), ("mean_s", "mean s/round", "{:.3f}"),
             ("median_s_no_eval", "median s/round, no eval", "{:.3f}"), ("median_train_s", "median train s", "{:.3f}"),
+            ("median_train_cpu_s", "median train CPU s", "{:.3f}"),
             ("median_rss_mb", "median RSS MiB (rank 0)", "{:.1f}"),
             ("median_rss_anon_mb", "median anonymous RSS MiB", "{:.1f}"), ("max_rss_mb", "max RSS MiB", "{:.1f}"),
             ("peak_rss_mb", "peak RSS MiB at end", "{:.1f}"), ("held_mb", "client state held MiB", "{:.3f}")]

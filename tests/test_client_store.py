@@ -227,7 +227,8 @@ def test_soak_summary_compares_the_first_and_last_rounds(tmp_path):
     spec.loader.exec_module(soak)
     rows = []
     for r in range(1, 7):  # rounds 1-6; round 4 recorded twice (a resumed run): the later one counts
-        rec = {"kind": "round", "round": r, "seconds": float(r), "train_seconds": r / 2, "rss_mb": 100.0 + r,
+        rec = {"kind": "round", "round": r, "seconds": float(r), "train_seconds": r / 2, "train_cpu_seconds": r / 4,
+               "rss_mb": 100.0 + r,
                "peak_rss_mb": 110.0 + r, "client_state_held_mb": 0.5}
         if r % 3 == 1:
             rec["evaluated_after"] = r - 1
@@ -245,6 +246,7 @@ def test_soak_summary_compares_the_first_and_last_rounds(tmp_path):
     f, l = s["first"], s["last"]
     assert (f["rounds"], f["median_s"], f["median_s_no_eval"], f["median_train_s"]) == ("1-3", 2.0, 2.5, 1.0)
     assert (l["rounds"], l["median_s"], l["mean_s"], l["median_s_no_eval"]) == ("4-6", 6.0, 17.0, 5.5)
+    assert (f["median_train_cpu_s"], l["median_train_cpu_s"]) == (0.5, 1.25)
     assert (l["median_rss_mb"], l["max_rss_mb"], l["peak_rss_mb"], l["held_mb"]) == (105.0, 106.0, 116.0, 0.5)
     text = soak.format_summary(s)
     assert [l.split()[-2:] for l in text.splitlines() if l.startswith("median s/round ")] == [["2.000", "6.000"]]
