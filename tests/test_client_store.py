@@ -349,3 +349,31 @@ def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
         check_peer_memory(cfg, algo, 1000, 10, 2)
     cfg.client_state = "disk"  # the bank is a file mapped into memory: only the exchange rows count
     assert check_peer_memory(cfg, algo, 1000, 10, 2) == 20 * 2**20
+
+
+def test_fedfomo_on_disk_keeps_8_bytes_per_client_outside_the_store(tmp_path):
+    """Host memory the method holds outside the store, N = 50 vs N = 200: the bank (N x P) and the
+    affinity matrix (N x N) are files mapped into memory; only fresh and seen (4 bytes each) remain."""
+    from fedcp_dist.algorithms import make_algorithm
+    from fedcp_dist.config import load_config
+    from fedcp_dist.models import build_model
+
+    own = {}
+    for n in (50, 200):
+        cfg = load_config("configs/digits_fedfomo.yaml", ["client_state=disk", f"out_dir={tmp_path}", "device=cpu"])
+        algo = make_algorithm("fedfomo", cfg, build_model("cnn", (1, 28, 28), 10), "cpu")
+        algo.num_clients = n
+        g = algo.init_global_state()
+        assert g["bank"].stride()[0] == 0 and g["affinity"].stride()[0] == 0  # one zero row, expanded
+        store = DiskClientStore(algo, g, (), str(tmp_path / f"s{n}"), "cpu")
+        gs = store.global_state
+        assert {k: tuple(gs[k].shape) for k in store.mapped_keys} == {"bank": (n, algo.model_dim), "affinity": (n, n)}
+        own[n] = sum(t.numel() * t.element_size() for k, t in gs.items() if t is not store._mapped.get(k))
+        vec = torch.arange(algo.peer_dim, dtype=torch.float32)
+        out = algo.receive_peers(0, gs, {3: vec, 7: 2 * vec})
+        store.set_global(out)
+        assert out["bank"] is store._mapped["bank"] and out["affinity"] is store._mapped["affinity"]  # in place
+        assert torch.equal(gs["bank"][7], 2 * vec[:algo.model_dim]) and float(gs["affinity"][3, 1]) == algo.model_dim + 1
+        assert float(gs["bank"][5].abs().sum()) == 0 and out["fresh"].tolist().count(1.0) == 2
+        store.close()
+    assert own == {50: 50 * 8, 200: 200 * 8}
