@@ -154,7 +154,7 @@ def main(argv=None):
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             held = sum(d.train_x.numel() + d.test_x.numel() for d in sim.data.values()) / 2**20
             print(f"rank {rt.rank}: {len(sim.owned)} of {sim.num_clients} clients, start-up {startup:.2f} s "
-                  f"(loading the shard {sim.load_seconds:.2f} s), {held:.1f} MiB of images held, peak RSS {rss:.0f} MiB",
+                  f"(loading the shard {sim.setup.load_seconds:.2f} s), {held:.1f} MiB of images held, peak RSS {rss:.0f} MiB",
                   flush=True)
             rt.close()
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -203,7 +203,7 @@ def train_flops_per_sample(sim, cfg, batches: int = 8) -> float:
     if getattr(d, "train_len", None) is not None:
         cut["train_len"] = d.train_len[:m]
     d = dataclasses.replace(d, **cut)
-    train_flops = count_flops(lambda: sim.algo.local_train(sim.store.get(big), d, Context(0, big, sim._generator(STREAM_TRAIN, 0, big))))
+    train_flops = count_flops(lambda: sim.algo.local_train(sim.store.get(big), d, Context(0, big, sim.trainer.generator(STREAM_TRAIN, 0, big))))
     return train_flops / num_batches_samples(d.n_train, cfg)
 
 

@@ -6,6 +6,9 @@ with aggregation groups (a method whose clients upload some tensors in some roun
 Σ n_i becomes one per group, then one count of contributing clients per extra group:
 ``[Σ n_i·θ_i | Σ n_i (all) | Σ n_i (group 1) … | contributors (group 1) … | metric sums | extra]``;
 each tensor is then averaged over the clients that sent its group (its own sample-weighted mean).
+A group that no client sends in a round (the method says which: ``skipped_groups(t)``, the same on
+every rank) leaves the round's buffer altogether: its tensors are not packed (the all-reduce is that
+much shorter), its weight and count are 0 and the server keeps its values as they were.
 ``extra`` (absent unless asked for) carries the per-client rows of the probes (:mod:`fedcp_dist.probes`).
 The metric sums of the round (named :class:`Sums`) ride in the same all-reduce as the
 parameters. The buffer is float64 by default: the sums are then exact enough that the order in
@@ -72,25 +75,35 @@ class FlatAggregator:
         self.groups = sorted(set(self.group_of.values()))
         self.num_weights = 1 + 2 * len(self.groups)
         self.shapes = {k: torch.Size(spec[k]) for k in self.names}
-        self.offsets = {}
-        off = 0
-        for k in self.names:
-            self.offsets[k] = off
-            off += self.shapes[k].numel()
-        self.num_params = off
+        #: values of the whole upload (what one client sends when it skips nothing)
+        self.num_params = sum(s.numel() for s in self.shapes.values())
         self.num_metrics = num_metrics
         self.num_extra = extra
-        self.buffer = torch.zeros(off + self.num_weights + num_metrics + extra, device=device, dtype=dtype)
+        self._storage = torch.zeros(self.num_params + self.num_weights + num_metrics + extra, device=device, dtype=dtype)
         self.last_seconds = 0.0
         #: after :meth:`reduce`: {extra group: (Σ weights, contributing clients)} summed over ranks
         self.group_totals: Dict[str, tuple] = {}
+        self.begin_round()
+
+    def begin_round(self, skipped_groups: Sequence[str] = ()) -> None:
+        """Lay out and zero the buffer of a round whose clients all leave out ``skipped_groups``:
+        their tensors are not in it (the buffer is the first part of the full one), the rest packed
+        in order. A group none of whose tensors is aggregated here is no group of this buffer."""
+        self.round_skipped = frozenset(skipped_groups) & set(self.groups)
+        #: the tensors in this round's buffer, and where each starts
+        self.sent = [k for k in self.names if self.group_of.get(k) not in self.round_skipped]
+        self.offsets, off = {}, 0
+        for k in self.sent:
+            self.offsets[k] = off
+            off += self.shapes[k].numel()
+        #: values of this round's upload in the buffer
+        self.sent_params = off
+        self.buffer = self._storage[: off + self.num_weights + self.num_metrics + self.num_extra]
+        self.buffer.zero_()
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
-
-    def zero(self) -> None:
-        self.buffer.zero_()
 
     def group_numel(self, group: str) -> int:
         """Values of the upload in the extra group ``group``."""
@@ -98,24 +111,26 @@ class FlatAggregator:
 
     def add(self, upload: Mapping[str, torch.Tensor], weight: float, skip: Sequence[str] = ()) -> None:
         """Accumulate ``weight · upload`` and ``weight`` itself; ``skip``: extra groups this client did
-        not send (their tensors may be absent from ``upload``; neither they nor the weight count there)."""
+        not send (their tensors may be absent from ``upload``; neither they nor the weight count there);
+        the round's skipped groups (:meth:`begin_round`) count as skipped by every client."""
         skip = set(skip)
         assert skip <= set(self.groups), f"unknown aggregation groups {sorted(skip - set(self.groups))}"
-        sent = [k for k in self.names if self.group_of.get(k) not in skip]
+        skip |= self.round_skipped
+        sent = [k for k in self.sent if self.group_of.get(k) not in skip]
         assert set(sent) <= set(upload) and set(upload) <= set(self.names), "upload keys differ from the aggregation spec"
         for k in sent:
             off = self.offsets[k]
             n = self.shapes[k].numel()
             self.buffer[off : off + n].add_(upload[k].detach().reshape(-1), alpha=float(weight))
-        self.buffer[self.num_params] += float(weight)
+        self.buffer[self.sent_params] += float(weight)
         for i, g in enumerate(self.groups):
             if g not in skip:
-                self.buffer[self.num_params + 1 + i] += float(weight)
-                self.buffer[self.num_params + 1 + len(self.groups) + i] += 1.0
+                self.buffer[self.sent_params + 1 + i] += float(weight)
+                self.buffer[self.sent_params + 1 + len(self.groups) + i] += 1.0
 
     def add_metrics(self, values: Sequence[float]) -> None:
         assert len(values) == self.num_metrics
-        start = self.num_params + self.num_weights
+        start = self.sent_params + self.num_weights
         self.buffer[start : start + self.num_metrics] += torch.as_tensor(values, dtype=self.buffer.dtype, device=self.buffer.device)
 
     def add_extra(self, values: torch.Tensor) -> None:
@@ -125,26 +140,27 @@ class FlatAggregator:
 
     def extra(self) -> torch.Tensor:
         """The extra part (after :meth:`reduce`: summed over ranks), on the CPU."""
-        return self.buffer[self.buffer.numel() - self.num_extra :].cpu()
+        return self.buffer[self.sent_params + self.num_weights + self.num_metrics :].cpu()
 
     def reduce(self, runtime, base=None) -> tuple[dict, float, list]:
         """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums).
 
         With ``base`` ({name: tensor}) the buffer holds weighted deltas and the mean is
         base + Σ n_i·Δ_i / Σ n_i, added in the buffer's precision. With aggregation groups a
-        tensor is divided by its group's Σ n_i, and left out of the mean when no client sent it."""
+        tensor is divided by its group's Σ n_i, and left out of the mean when no client sent it (as
+        are the round's skipped groups)."""
         t0 = time.perf_counter()
         runtime.all_reduce_sum_(self.buffer)
         w = self.num_weights
-        tail = self.buffer[self.num_params : self.num_params + w + self.num_metrics].tolist()  # also synchronises the device
+        tail = self.buffer[self.sent_params : self.sent_params + w + self.num_metrics].tolist()  # also synchronises the device
         self.last_seconds = time.perf_counter() - t0
         total, metrics = tail[0], tail[w:]
         ng = len(self.groups)
         self.group_totals = {g: (tail[1 + i], tail[1 + ng + i]) for i, g in enumerate(self.groups)}
         mean = {}
         if total > 0:
-            flat = self.buffer[: self.num_params] / total
-            for k in self.names:
+            flat = self.buffer[: self.sent_params] / total
+            for k in self.sent:
                 off = self.offsets[k]
                 if k in self.group_of:
                     g_total = self.group_totals[self.group_of[k]][0]

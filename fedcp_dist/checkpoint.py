@@ -154,6 +154,24 @@ class Checkpointer:
             warn(f"checkpoint {d} is damaged ({problem}); trying the previous one")
         return None
 
+    def resume(self, store, cfg, owned: Iterable[int], device, echo, mmap: bool = False) -> Optional[tuple]:
+        """Load the newest intact checkpoint into ``store`` (the global state and the ``owned``
+        clients' states) after checking that it was made by the same experiment; (rounds done, the
+        records, the rounds' seconds), or None when there is no checkpoint."""
+        from fedcp_dist.rundir import check_resume_config
+
+        d = self.latest(warn=echo)
+        if d is None:
+            return None
+        rounds_done, global_state, client_states, meta = self.load(d, owned, device, mmap=mmap)
+        check_resume_config(meta.get("config", {}), cfg.to_dict(), cfg.out_dir)
+        if set(global_state) != set(store.global_state):
+            raise UserError(f"checkpoint {d} does not hold this method's global state")
+        store.set_global(global_state)
+        store.load_state_dict(client_states)
+        echo(f"resuming from {d} ({rounds_done} rounds done)")
+        return rounds_done, meta["records"], meta["round_seconds"]
+
     def load(self, d: Path, owned: Iterable[int], device, mmap: bool = False) -> tuple[int, dict, dict, dict]:
         """(rounds done, global state, states of the ``owned`` clients, metadata). ``mmap``: the
         clients' parts are mapped into memory (on the host) rather than read whole."""

@@ -107,12 +107,17 @@ class Compressor:
     def __init__(self, mode: str, ratio: float, bits: int, error_feedback: bool, shapes: Mapping[str, torch.Size]):
         self.mode, self.ratio, self.bits, self.error_feedback = mode, float(ratio), int(bits), bool(error_feedback)
         self.names = list(shapes)
-        sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
+        self.sizes = {k: int(torch.Size(s).numel()) for k, s in shapes.items()}
         #: bytes of one client's dense float32 upload (and of one participant's download)
-        self.dense_bytes = 4 * sum(sizes)
+        self.dense_bytes = 4 * sum(self.sizes.values())
         #: bytes one client sends (the dense upload when compression is off)
-        self.client_bytes = (sum(tensor_bytes(n, self.ratio, self.bits) for n in sizes) if self.enabled
-                             else self.dense_bytes)
+        self.client_bytes = self.sent_bytes(self.names)
+
+    def sent_bytes(self, names) -> int:
+        """Bytes one client sends for the tensors ``names`` (dense float32 when compression is off)."""
+        if not self.enabled:
+            return 4 * sum(self.sizes[k] for k in names)
+        return sum(tensor_bytes(self.sizes[k], self.ratio, self.bits) for k in names)
 
     @classmethod
     def from_config(cls, cfg, shapes) -> "Compressor":
@@ -124,9 +129,14 @@ class Compressor:
 
     def compress(self, upload: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor],
                  residual: Optional[State] = None) -> Tuple[State, Optional[State]]:
-        """(Δ̂ per tensor, the new residual or None without error feedback) of one client's upload."""
+        """(Δ̂ per tensor, the new residual or None without error feedback) of one client's upload;
+        a tensor it does not send (absent from ``upload``) keeps its residual for a later round."""
         decoded, new_residual = {}, {} if self.error_feedback else None
         for k in self.names:
+            if k not in upload:
+                if self.error_feedback and residual is not None and k in residual:
+                    new_residual[k] = residual[k]
+                continue
             delta = upload[k].detach().to(torch.float32) - global_state[k].to(torch.float32)
             if self.error_feedback and residual is not None and k in residual:
                 delta = delta + residual[k]
@@ -135,9 +145,12 @@ class Compressor:
                 new_residual[k] = delta - decoded[k]
         return decoded, new_residual
 
-    def round_bytes(self, uploaders: int, participants: int) -> dict:
-        """The round's accounting: ``uploaders`` clients sent, ``participants`` received the model."""
-        return {"uplink_bytes": uploaders * self.client_bytes, "uplink_bytes_dense": uploaders * self.dense_bytes,
+    def round_bytes(self, uploaders: int, participants: int, sent=None) -> dict:
+        """The round's accounting: ``uploaders`` clients sent the tensors ``sent`` (None: all; the
+        dense bytes are those of the same tensors), ``participants`` received the whole model."""
+        sent = self.names if sent is None else sent
+        return {"uplink_bytes": uploaders * self.sent_bytes(sent),
+                "uplink_bytes_dense": uploaders * 4 * sum(self.sizes[k] for k in sent),
                 "downlink_bytes": participants * self.dense_bytes,
                 "downlink_bytes_dense": participants * self.dense_bytes}
 
@@ -159,14 +172,13 @@ def byte_totals(records) -> dict:
     return out
 
 
-def uplink_record(compressor, agg, saved_params, uploaders: int, participants: int) -> dict:
-    """A round's byte counts: compressed uploads' (see :meth:`Compressor.round_bytes`), and where a
-    method skips parts of its upload (``saved_params`` per uploader, or aggregation groups some
-    clients did not send) the dense float32 bytes sent and saved."""
-    out = compressor.round_bytes(uploaders, participants) if compressor.enabled else {}
-    if saved_params is not None or agg.groups:
-        skipped = uploaders * (saved_params or 0) + sum((uploaders - int(n)) * agg.group_numel(g)
-                                                        for g, (_, n) in agg.group_totals.items())
+def uplink_record(compressor, agg, uploaders: int, participants: int) -> dict:
+    """A round's byte counts: compressed uploads' (see :meth:`Compressor.round_bytes`; of the
+    tensors in the round's buffer), and where a method has aggregation groups (parts of the upload
+    some clients, or all of a round's, do not send) the dense float32 bytes sent and saved."""
+    out = compressor.round_bytes(uploaders, participants, agg.sent) if compressor.enabled else {}
+    if agg.groups:
+        skipped = sum((uploaders - int(n)) * agg.group_numel(g) for g, (_, n) in agg.group_totals.items())
         out.update(uplink_bytes_sent=4 * (uploaders * agg.num_params - skipped), uplink_bytes_saved=4 * skipped)
     return out
 

@@ -21,7 +21,7 @@ import yaml
 from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
 from fedcp_dist.client_store import CLIENT_STATE_MODES
 from fedcp_dist.errors import UserError
-from fedcp_dist.models import MODELS
+from fedcp_dist.models import FASTTEXT_FEATURES, FASTTEXT_MEANS, MODELS
 from fedcp_dist.placement import PARTICIPATION_DRAWS, PLACEMENTS
 
 METHODS = tuple(ALGORITHMS)
@@ -58,6 +58,14 @@ class _Experiment:
     model: str = "cnn"
     #: mlp: width H of its two hidden layers (the feature dimension K)
     mlp_hidden: int = 64
+    #: fasttext: embedding and feature width K (32, as the FedCP authors' AG News runs)
+    fasttext_dim: int = 32
+    #: fasttext: padded averages the embeddings over all max_len positions, padding included (the authors'
+    #: model); tokens over the real tokens only (this project's first variant)
+    fasttext_mean: str = "padded"
+    #: fasttext: where the head starts: linear = after Linear(K, K) (the authors' FedCP repository);
+    #: log_softmax = after a log-softmax on it (PFLlib's fastText of 2021-2024 under its head split)
+    fasttext_feature: str = "linear"
     #: BatchNorm running statistics (ResNet-18): false keeps each client's own (the reference's behaviour);
     #: true averages them across participants with the same sample weights as the parameters
     aggregate_bn_stats: bool = False
@@ -167,9 +175,14 @@ class _ConfigMethods:
             bad("model", f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size", "mlp_hidden"):
+        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size", "mlp_hidden",
+                    "fasttext_dim"):
             if getattr(self, key) <= 0:
                 bad(key, f"must be > 0, got {getattr(self, key)}")
+        if self.fasttext_mean not in FASTTEXT_MEANS:
+            bad("fasttext_mean", f"must be one of {', '.join(FASTTEXT_MEANS)}, got {self.fasttext_mean!r}")
+        if self.fasttext_feature not in FASTTEXT_FEATURES:
+            bad("fasttext_feature", f"must be one of {', '.join(FASTTEXT_FEATURES)}, got {self.fasttext_feature!r}")
         if self.on_nonfinite not in ("error", "skip"):
             bad("on_nonfinite", f"must be error or skip, got {self.on_nonfinite!r}")
         if self.resume not in ("auto", "never"):
@@ -378,6 +391,15 @@ def read_yaml_mapping(path, what: str = "config file") -> dict:
     if not isinstance(values, dict):
         raise UserError(f"{what} {path} must hold a mapping of keys to values")
     return values
+
+
+def legacy_defaults(flat: dict) -> dict:
+    """For a saved config (flat) written before a key existed, the keys whose behaviour then differs
+    from today's default, with the value that was in effect: a fastText run made before
+    ``fasttext_mean`` existed averaged over the real tokens."""
+    if flat.get("model") == "fasttext" and "fasttext_mean" not in flat:
+        return {"fasttext_mean": "tokens"}
+    return {}
 
 
 def flatten(values: dict, prefix: str = "") -> dict:

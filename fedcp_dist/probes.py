@@ -105,6 +105,50 @@ class ProbeTable:
         return out
 
 
+class RoundProbes:
+    """One round's probes on this rank, from what the round gathers to the lines rank 0 writes.
+
+    The simulator hands :attr:`evals` to the evaluation (which fills it; None: no evaluation
+    probes this round), adds each trained client's row with :meth:`add_train` where :attr:`train`
+    says so, puts :meth:`pack` at the end of the round's all-reduce (one call in) and turns the
+    reduced values into ``analysis.jsonl`` lines with :meth:`records` (one call out). With the
+    probes off (``every`` = 0) nothing is gathered, :meth:`pack` is None and :meth:`records` empty.
+    ``final``: the evaluation after the last round (no training rows)."""
+
+    def __init__(self, every: int, num_clients: int, t: int, evaluated: bool, final: bool = False):
+        self.on, self.num_clients, self.t, self.final = every > 0, num_clients, t, final
+        #: whether round t trains with probes (rounds 1, k + 1, 2k + 1, … of analysis_every: k)
+        self.train = self.on and not final and t % every == 0
+        #: {client: EvalTally} the evaluation fills (None: no evaluation probes this round)
+        self.evals: Optional[Dict[int, EvalTally]] = {} if self.on and evaluated else None
+        self.table = ProbeTable(num_clients, train=not final) if self.on else None
+
+    @staticmethod
+    def size(every: int, num_clients: int, final: bool = False) -> int:
+        """Values :meth:`pack` adds to the all-reduce (0: probes off)."""
+        return ProbeTable.size(num_clients, train=not final) if every else 0
+
+    def add_train(self, cid: int, result, losses: tuple, loss_samples: int) -> None:
+        """Client ``cid``'s training probes: its round's samples and Σ s̄ (from the result's
+        tallies), and (Σ loss before, Σ loss after) over ``loss_samples`` training samples."""
+        self.table.add_train(cid, result.samples, result.tallies.get("s", 0.0), *losses, loss_samples)
+
+    def pack(self) -> Optional[torch.Tensor]:
+        """This rank's table, flat, for the all-reduce (its rows are non-zero on their owners only)."""
+        if not self.on:
+            return None
+        self.table.add_evals(self.evals or {})
+        return self.table.flat()
+
+    def records(self, reduced: torch.Tensor) -> List[dict]:
+        """The ``analysis.jsonl`` lines of the reduced table: the evaluation (after t rounds, if the
+        round evaluated) and round t's training (if it probed)."""
+        if not self.on:
+            return []
+        table = ProbeTable.from_flat(reduced, self.num_clients, train=not self.final)
+        return table.records(self.t if self.train else None, self.t if self.evals is not None else None)
+
+
 def _share(v: float) -> float:
     """A mean of values in [0, 1], kept there against rounding."""
     return min(1.0, max(0.0, v))

@@ -27,7 +27,7 @@ from typing import IO, Any, Optional
 import numpy as np
 import yaml
 
-from fedcp_dist.config import Config, flatten
+from fedcp_dist.config import Config, flatten, legacy_defaults
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
 
@@ -122,8 +122,10 @@ def _same(key: str, a: Any, b: Any) -> bool:
 
 
 def _flat_with_defaults(config: dict) -> dict:
-    """A config (nested or flat) as a flat dict; keys it lacks (an older version's) take their defaults."""
-    return {**flatten(Config().to_dict()), **flatten(config)}
+    """A config (nested or flat) as a flat dict; keys it lacks (an older version's) take their defaults,
+    or the value then in effect where that differs (:func:`~fedcp_dist.config.legacy_defaults`)."""
+    flat = flatten(config)
+    return {**flatten(Config().to_dict()), **legacy_defaults(flat), **flat}
 
 
 def config_changes(before: dict, after: dict) -> list:

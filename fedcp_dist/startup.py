@@ -13,7 +13,7 @@ import torch
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
-from fedcp_dist.models import build_model
+from fedcp_dist.models import build_model, model_options
 from fedcp_dist.placement import (client_subset, imbalance, place_clients, placement_rule, placement_weights,
                                   steps_per_rank)
 
@@ -92,7 +92,7 @@ def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
     what = f"the inputs of {cfg.data.path} ({info.source} {info.kind}s of shape {shape})"
     try:
         model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size,
-                            mlp_hidden=cfg.mlp_hidden)
+                            **model_options(cfg))
     except ValueError as exc:
         raise UserError(f"config key 'model': {cfg.model!r} cannot take {what}: {exc}") from None
     x = torch.zeros(2, *shape, dtype=torch.long if info.vocab_size else torch.float32)
@@ -166,6 +166,15 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
         return False, f"sequential ({setting}: {why})" if cfg.fused == "auto" else f"sequential ({setting} not used: {why})"
     groups = f"groups of {cfg.fused_group}" if cfg.fused_group else "groups sized by memory"
     return True, f"fused ({setting}, {groups})"
+
+
+def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "") -> str:
+    """The run's first line: method, clients, ranks, loading, placement, the training path, where
+    client states live and the method's own note (e.g. FedCP's CPN cost)."""
+    of = f" of the shard's {setup.info.num_clients}" if cfg.data.clients is not None else ""
+    return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
+            f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s; {setup.placement_line()}; "
+            f"training: {path}; {store_line}" + (f"; {note}" if note else ""))
 
 
 def agree_on(rt, step: Callable[[], object]):

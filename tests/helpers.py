@@ -70,6 +70,47 @@ def run(config: str, overrides, wrap=None, echo=lambda *_: None) -> dict:
         rt.close()
 
 
+def one_vs_two_ranks(config: str, overrides_for, one: Path, two: Path, echo=lambda *_: None) -> dict:
+    """The same run on one rank in this process and on two ranks under torchrun; ``overrides_for(out)``
+    gives the overrides of the run writing to ``out``. Returns the one-rank run's summary."""
+    from conftest import run_cmd
+
+    summary = run(config, overrides_for(one), echo=echo)
+    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 "-m", "fedcp_dist.run", "--config", config, *overrides_for(two)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return summary
+
+
+def load_run(out: Path) -> tuple:
+    """(final global state, the accuracies of metrics.jsonl in order, its round records) of a run."""
+    import json
+
+    state = torch.load(out / "final_global.pt", weights_only=True)
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return state, [l["acc"] for l in lines if "acc" in l], [l for l in lines if l.get("kind") == "round"]
+
+
+def assert_states_close(a: dict, b: dict, atol: float = 1e-5, label: str = "") -> None:
+    assert set(a) == set(b), f"{label} keys differ: {sorted(set(a) ^ set(b))}"
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), f"{label} {k} differs by {(a[k] - b[k]).abs().max()}"
+
+
+def resume_before_last_checkpoint(config: str, overrides_for, done: Path, resumed: Path, rounds: int) -> tuple:
+    """A copy of the finished run ``done`` as it stood at its previous checkpoint (the summary, the
+    final model and the last round's checkpoint removed), continued to the end in this process;
+    :func:`load_run` of the result."""
+    import shutil
+
+    shutil.copytree(done, resumed)
+    for p in ("summary.json", "final_global.pt"):
+        (resumed / p).unlink()
+    shutil.rmtree(resumed / "checkpoints" / f"round_{rounds:07d}")
+    run(config, overrides_for(resumed))
+    return load_run(resumed)
+
+
 # ---------------------------------------------------------------- small clients and models
 
 CPU = torch.device("cpu")
@@ -120,6 +161,34 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.head(self.features(x))
+
+
+class SmallTanh(Tiny):
+    """Tiny with a Tanh feature (K = 3): no dead features, so every part gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.features[2] = nn.Tanh()
+
+
+def tiny_fedcp(net=None, **kw):
+    """FedCP on ``net()`` (default :class:`SmallTanh`), built after seeding, with a received global
+    state that differs from the working modules' values (so the MMD against the received extractor
+    is not 0). (algorithm, that global state)"""
+    from fedcp_dist.algorithms.fedcp import FedCP
+
+    kw.setdefault("lr", 0.1)
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("lam", 0.5)
+    kw.setdefault("rounds", 6)
+    cfg = Config(**kw)
+    torch.manual_seed(0)
+    algo = FedCP(cfg, (net or SmallTanh)(), CPU)
+    gs = algo.init_global_state()
+    g = torch.Generator().manual_seed(7)
+    gs = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in gs.items()}
+    algo.set_global(gs)
+    return algo, gs
 
 
 def tiny_data(n=8, shape=(1, 2, 2), labels=None, seed=0):

@@ -100,6 +100,35 @@ def test_round_and_run_byte_accounting():
     assert not off.enabled and off.client_bytes == off.dense_bytes == 40
 
 
+def test_a_round_that_skips_a_group_sends_and_counts_only_the_rest():
+    # "p" (the policy group) is out of the round: not compressed, its residual kept for later,
+    # its bytes neither sent nor in the dense figure but saved
+    from fedcp_dist.compress import uplink_record
+
+    shapes = {"a": torch.Size([10]), "p": torch.Size([2, 3])}
+    c = Compressor("topk", 0.5, 8, True, shapes)
+    agg = FlatAggregator(shapes, 1, torch.device("cpu"), groups={"p": "policy"})
+    agg.begin_round(("policy",))
+    assert agg.sent == ["a"] and agg.buffer.numel() == 10 + 3 + 1
+    g = {"a": torch.zeros(10), "p": torch.zeros(2, 3)}
+    old = {"a": torch.zeros(10), "p": torch.full((2, 3), 0.5)}
+    decoded, residual = c.compress({"a": torch.arange(10.0)}, g, old)
+    assert set(decoded) == {"a"} and residual["p"] is old["p"]
+    agg.add(decoded, 3)
+    agg.add(decoded, 2)
+    agg.add_metrics([0.0])
+    agg.reduce(_OneRank(), base=g)
+    # a: k = 5, 5 codes + scale and offset 8 + min(5 indices, a 2-byte bitmap) = 15 bytes (40 dense) per uploader
+    assert uplink_record(c, agg, 2, 2) == {"uplink_bytes": 2 * 15, "uplink_bytes_dense": 2 * 40,
+                                           "downlink_bytes": 2 * 64, "downlink_bytes_dense": 2 * 64,
+                                           "uplink_bytes_sent": 2 * 40, "uplink_bytes_saved": 2 * 24}
+
+
+class _OneRank:
+    def all_reduce_sum_(self, t):
+        return t
+
+
 def test_the_residual_is_part_of_the_checkpointed_client_state():
     class Algo:
         def set_global(self, g):

@@ -221,3 +221,62 @@ def test_ranks_agree_on_a_failed_start():
         startup.agree(TwoRanks(torch.tensor([0.0])), UserError("mine"))
     assert startup.all_ok(TwoRanks(torch.tensor([0.0])), True)
     assert not startup.all_ok(TwoRanks(torch.tensor([1.0])), True)
+
+
+def test_round_record_by_hand():
+    from fedcp_dist.aggregate import TrainSums
+    from fedcp_dist.evaluation import EvalSums
+    from fedcp_dist.round_record import final_eval, round_record
+
+    class Agg:
+        last_seconds, nbytes = 0.5, 800
+
+    times = {"seconds": 2.0, "train_seconds": 1.0, "train_cpu_seconds": 0.75, "eval_seconds": 0.25}
+    train = TrainSums(loss_sum=6.0, samples=4.0, nonfinite_clients=1.0)
+    ev = EvalSums(correct=3.0, test_samples=4.0, acc_client_sum=1.5, clients=2.0, auc_weighted_sum=2.0, loss_sum=1.0)
+    rec = round_record(2, times, Agg, [4, 1, 7], train, {"uplink_bytes_saved": 12}, ev, with_cohort=True)
+    assert rec == {"kind": "round", "round": 3, **times, "allreduce_seconds": 0.5, "allreduce_bytes": 800,
+                   "participants": 3, "train_loss": 1.5, "nonfinite_skipped": 1, "uplink_bytes_saved": 12,
+                   "cohort": [4, 1, 7], "evaluated_after": 2, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
+                   "test_loss": 0.25}
+    assert list(rec)[:8] == ["kind", "round", "seconds", "train_seconds", "train_cpu_seconds", "eval_seconds",
+                             "allreduce_seconds", "allreduce_bytes"]  # metrics.jsonl's order
+    # no evaluation, no cohort list, a peer exchange: its time after the all-reduce's
+    rec = round_record(0, {**times, "peer_exchange_seconds": 0.125}, Agg, [0], TrainSums(), {}, None, False)
+    assert "acc" not in rec and "cohort" not in rec and rec["train_loss"] == 0.0
+    assert list(rec)[7:9] == ["allreduce_bytes", "peer_exchange_seconds"]
+    assert final_eval(5, ev.values()) == {"evaluated_after": 5, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
+                                          "test_loss": 0.25}
+
+
+def test_cohort_trainer_trains_owned_clients_and_leaves_a_nonfinite_one_out(capsys):
+    """Rank 0 of two trains the cohort's clients it owns, each from its own stream; client 3's NaN
+    result is neither kept nor aggregated; the rest go into the buffer weighted by their samples."""
+    from fedcp_dist.compress import Compressor
+    from fedcp_dist.config import Config
+    from fedcp_dist.probes import RoundProbes
+    from fedcp_dist.training import CohortTrainer
+
+    class Algo(Recorder):
+        peer_dim, seen = 0, []
+
+        def local_train(self, state, data, ctx):
+            self.seen.append((ctx.round, ctx.client, torch.rand(1, generator=ctx.generator).item()))
+            w = torch.full((2,), float("nan") if ctx.client == 3 else ctx.client + 1.0)
+            return LocalResult(upload={"w": w}, client_state={"w": 2 * w}, loss_sum=float(data.n_train),
+                               samples=data.n_train)
+
+    algo = Algo()
+    store = ClientStore(algo, {"w": torch.zeros(2)})
+    agg = FlatAggregator({"w": torch.Size([2])}, 0, CPU)
+    data = {c: SimpleNamespace(n_train=n) for c, n in ((0, 4), (1, 2), (3, 5))}
+    trainer = CohortTrainer(Config(seed=1), SimpleNamespace(rank=0, device=CPU), algo, store, data,
+                            np.array([0, 0, 1, 0]), False, agg, Compressor("none", 1.0, 32, False, agg.shapes))
+    train, payloads = trainer.train(5, [0, 1, 2, 3], RoundProbes(0, 4, 5, False))
+    assert [(t, c) for t, c, _ in algo.seen] == [(5, 0), (5, 1), (5, 3)]  # client 2 lives on rank 1
+    assert algo.seen[0][2] == torch.rand(1, generator=trainer.generator(2, 5, 0)).item()  # STREAM_TRAIN, t, client
+    assert (train.loss_sum, train.samples, train.nonfinite_clients, train.nonfinite_client_id_sum) == (6, 6, 1, 3)
+    assert payloads == {} and "client 3 produced a non-finite loss" in capsys.readouterr().out
+    assert store.get(1)["w"].tolist() == [4.0, 4.0] and store.peek(3)["w"].tolist() == [3.0, 3.0]  # its initial one
+    # Σ n_i·w_i = 4·[1, 1] + 2·[2, 2], Σ n_i = 6
+    assert agg.buffer.tolist() == [8.0, 8.0, 6.0]

@@ -2,16 +2,13 @@
 kernel, the policy entropy term, the CPN warm-up and its own rate and schedule, the annealed and
 the straight-through hard Gumbel policy, the light CPN; fused training equals sequential training
 with all of them on; one 1-vs-2-rank run with all of them, which also resumes bit-exactly."""
-import json
 import math
-import shutil
-import sys
 
 import pytest
 import torch
 
-from conftest import run_cmd
-from helpers import Tiny, algo_with_moved_global, random_client, run, tiny_data
+from helpers import (algo_with_moved_global, assert_states_close, load_run, one_vs_two_ranks, random_client,
+                     resume_before_last_checkpoint, tiny_data, tiny_fedcp)
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import CPN, FedCP, annealed_tau, cpn_cost, cpn_rate, policy
 from fedcp_dist.config import Config, load_config
@@ -20,31 +17,6 @@ from fedcp_dist.local_train import Step
 from fedcp_dist.losses import grouped_mmd2, median_sq_dist, mmd2
 
 CPU = torch.device("cpu")
-
-
-class Small(Tiny):
-    """Tiny with a Tanh feature (K = 3): no dead features, so every part gets a gradient."""
-
-    def __init__(self):
-        super().__init__()
-        self.features[2] = torch.nn.Tanh()
-
-
-def _tiny_fedcp(**kw):
-    """FedCP on :class:`Small` with a received global state that differs from the working modules'
-    values (so the MMD against the received extractor is not 0)."""
-    kw.setdefault("lr", 0.1)
-    kw.setdefault("batch_size", 8)
-    kw.setdefault("lam", 0.5)
-    kw.setdefault("rounds", 6)
-    cfg = Config(**kw)
-    torch.manual_seed(0)
-    algo = FedCP(cfg, Small(), CPU)
-    gs = algo.init_global_state()
-    g = torch.Generator().manual_seed(7)
-    gs = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in gs.items()}
-    algo.set_global(gs)
-    return algo, gs
 
 
 # ---------------------------------------------------------------- 1. the MMD kernel
@@ -84,13 +56,13 @@ def test_grouped_median_mmd_uses_each_slots_real_rows():
 
 
 def test_kernel_switches_pick_the_bandwidths():
-    assert _tiny_fedcp()[0]._bandwidths == (10.0, 15.0, 20.0, 50.0)
-    assert _tiny_fedcp(mmd_bandwidths=[1, 2.5])[0]._bandwidths == (1.0, 2.5)
-    assert _tiny_fedcp(mmd_kernel="rbf", mmd_sigma=2)[0]._bandwidths == (4.0,)
-    assert _tiny_fedcp(mmd_kernel="rbf")[0]._bandwidths == "median"
+    assert tiny_fedcp()[0]._bandwidths == (10.0, 15.0, 20.0, 50.0)
+    assert tiny_fedcp(mmd_bandwidths=[1, 2.5])[0]._bandwidths == (1.0, 2.5)
+    assert tiny_fedcp(mmd_kernel="rbf", mmd_sigma=2)[0]._bandwidths == (4.0,)
+    assert tiny_fedcp(mmd_kernel="rbf")[0]._bandwidths == "median"
     # the loss's MMD term is λ·MMD² with that kernel: λ = 1, no other difference than the kernel
-    algo, _ = _tiny_fedcp(mmd_kernel="rbf", mmd_sigma=1.0, lam=1.0, cpn_train_gumbel=False)
-    ref, _ = _tiny_fedcp(lam=0.0, cpn_train_gumbel=False)
+    algo, _ = tiny_fedcp(mmd_kernel="rbf", mmd_sigma=1.0, lam=1.0, cpn_train_gumbel=False)
+    ref, _ = tiny_fedcp(lam=0.0, cpn_train_gumbel=False)
     d = tiny_data()
     x, y = d.train_batch()
     v = {"v": algo.init_client_state(0)["v"]}
@@ -130,8 +102,8 @@ def test_entropy_sign_pushes_to_decisive_or_to_half(beta):
 
 
 def test_entropy_term_in_the_loss():
-    algo, _ = _tiny_fedcp(policy_entropy=0.3, cpn_train_gumbel=False)
-    ref, _ = _tiny_fedcp(cpn_train_gumbel=False)
+    algo, _ = tiny_fedcp(policy_entropy=0.3, cpn_train_gumbel=False)
+    ref, _ = tiny_fedcp(cpn_train_gumbel=False)
     d = tiny_data()
     x, y = d.train_batch()
     v = {"v": algo.init_client_state(0)["v"]}
@@ -158,16 +130,55 @@ def test_cpn_rate_per_round():
 
 @pytest.mark.parametrize("vector", ["head", "head+embed"])
 def test_warmup_freezes_the_cpn_and_its_upload(vector):
-    algo, gs = _tiny_fedcp(cpn_warmup_rounds=2, cpn_client_vector=vector)
+    algo, gs = tiny_fedcp(cpn_warmup_rounds=2, cpn_client_vector=vector)
     assert any(k.startswith("vproj.") for k in gs) == (vector != "head")
     d = tiny_data(n=16)
     for t, frozen in ((0, True), (1, True), (2, False)):
-        res = algo.local_train(algo.init_client_state(0), d, Context(t, 0, torch.Generator().manual_seed(3)))
+        res = algo.local_train(algo.init_client_state(0), d, Context(t, 0, torch.Generator().manual_seed(3), True))
+        assert algo.skipped_groups(t) == (("policy",) if frozen else ())  # nobody sends the CPN in a warm-up round
         for k in gs:
             if k.startswith(("cpn.", "vproj.")):
-                assert torch.equal(res.upload[k], gs[k]) == frozen, (t, k)
+                assert torch.equal(res.extra["trained"][k], gs[k]) == frozen, (t, k)
+                assert (k in res.upload) != frozen, (t, k)
         assert not torch.equal(res.upload["features.1.weight"], gs["features.1.weight"])
         assert not torch.equal(res.client_state["head.weight"], gs["head.weight"])
+
+
+class _OneRank:
+    def all_reduce_sum_(self, t):
+        return t
+
+
+def test_warmup_round_keeps_the_cpn_out_of_the_all_reduce():
+    """A warm-up round's all-reduce holds no CPN: the global CPN after it is the one before, bit for
+    bit, and its bytes count as saved; the first round after the warm-up sends and averages it."""
+    from fedcp_dist.aggregate import FlatAggregator
+    from fedcp_dist.compress import Compressor, uplink_record
+
+    algo, gs = tiny_fedcp(cpn_warmup_rounds=1)
+    upload = algo.upload_keys(gs)
+    agg = FlatAggregator({k: gs[k].shape for k in upload}, 1, CPU, groups=algo.aggregation_groups(upload))
+    # parameters: extractor Linear(4, 3) 15, head Linear(3, 3) 12, CPN Linear(3, 6) 24 + LayerNorm(6) 12 = 36
+    assert agg.num_params == 63 and agg.group_numel("policy") == 36 and agg.groups == ["policy"]
+    off = Compressor("none", 1.0, 32, False, agg.shapes)
+    datas = [tiny_data(n=16, seed=1), tiny_data(n=8, seed=2)]
+    for t in (0, 1):
+        algo.begin_round(t)
+        agg.begin_round(algo.skipped_groups(t))
+        # the buffer: the sent values, Σ n, Σ n and count of the policy group, one metric
+        assert agg.buffer.numel() == (63 - 36 if t == 0 else 63) + 3 + 1
+        for i, d in enumerate(datas):
+            res = algo.local_train(algo.init_client_state(i), d, Context(t, i, torch.Generator().manual_seed(i)))
+            agg.add(res.upload, d.n_train, skip=res.skipped)
+        agg.add_metrics([0.0])
+        mean, total, _ = agg.reduce(_OneRank())
+        new = algo.server_update(gs, mean)
+        cpn = [k for k in gs if k.startswith("cpn.")]
+        assert total == 24 and all(torch.equal(new[k], gs[k]) == (t == 0) for k in cpn), t
+        assert not torch.equal(new["features.1.weight"], gs["features.1.weight"])
+        # two uploaders: 4 bytes per parameter sent, the CPN's 36 saved in the warm-up round
+        assert uplink_record(off, agg, 2, 2) == ({"uplink_bytes_sent": 4 * 2 * 27, "uplink_bytes_saved": 4 * 2 * 36}
+                                                if t == 0 else {"uplink_bytes_sent": 4 * 2 * 63, "uplink_bytes_saved": 0})
 
 
 def test_cpn_learning_rate_scales_only_the_cpn_step():
@@ -175,7 +186,7 @@ def test_cpn_learning_rate_scales_only_the_cpn_step():
     d = tiny_data(n=8)
     deltas = {}
     for rate in (None, 0.2):
-        algo, gs = _tiny_fedcp(cpn_lr=rate)
+        algo, gs = tiny_fedcp(cpn_lr=rate)
         res = algo.local_train(algo.init_client_state(0), d, Context(0, 0, torch.Generator().manual_seed(3)))
         deltas[rate] = {k: res.upload[k] - gs[k] for k in gs}
     for k in deltas[None]:
@@ -188,12 +199,12 @@ def test_cpn_learning_rate_scales_only_the_cpn_step():
 
 
 def test_cosine_rate_reaches_the_sequential_sgd_per_round():
-    algo, gs = _tiny_fedcp(cpn_lr=0.2, cpn_lr_schedule="cosine", cpn_lr_min=0.05, rounds=3)
+    algo, gs = tiny_fedcp(cpn_lr=0.2, cpn_lr_schedule="cosine", cpn_lr_min=0.05, rounds=3)
     # the policy's networks: the CPN, (with an extended client vector) its projection and (cpn_groups) the group CPN
     assert algo._sgd_kwargs(Context(0, 0, None))["param_lr"] == {"cpn.": 0.2, "vproj.": 0.2, "cpng.": 0.2}
     assert algo._sgd_kwargs(Context(1, 0, None))["param_lr"]["cpn."] == pytest.approx(0.125)
     assert algo._sgd_kwargs(Context(2, 0, None))["param_lr"]["cpn."] == pytest.approx(0.05)
-    assert "param_lr" not in _tiny_fedcp()[0]._sgd_kwargs(Context(0, 0, None))
+    assert "param_lr" not in tiny_fedcp()[0]._sgd_kwargs(Context(0, 0, None))
 
 
 # ---------------------------------------------------------------- 4. the Gumbel temperature
@@ -209,7 +220,7 @@ def test_tau_anneal_per_round():
 
 
 def test_round_temperature_reaches_training_and_evaluation(monkeypatch):
-    algo, _ = _tiny_fedcp(tau=1.0, tau_final=0.25, tau_anneal="linear", rounds=5)
+    algo, _ = tiny_fedcp(tau=1.0, tau_final=0.25, tau_anneal="linear", rounds=5)
     seen = []
     import fedcp_dist.algorithms.fedcp as fedcp_mod
     real = fedcp_mod.split_policy
@@ -236,7 +247,7 @@ def test_hard_policy_is_zero_one_forward_and_soft_backward():
 
 
 def test_hard_policy_in_training_and_evaluation():
-    algo, _ = _tiny_fedcp(cpn_hard=True, tau=0.5)
+    algo, _ = tiny_fedcp(cpn_hard=True, tau=0.5)
     d = tiny_data(n=8)
     state = algo.init_client_state(0)
     x, y = d.train_batch()
@@ -269,11 +280,11 @@ def test_light_cpn_shape_cost_and_values():
 
 
 def test_light_cpn_in_fedcp_and_its_start_line_note():
-    algo, gs = _tiny_fedcp(cpn_hidden=4)
+    algo, gs = tiny_fedcp(cpn_hidden=4)
     assert sorted(k for k in gs if k.startswith("cpn.")) == [
         "cpn.net.0.bias", "cpn.net.0.weight", "cpn.net.2.bias", "cpn.net.2.weight", "cpn.net.3.bias", "cpn.net.3.weight"]
     assert algo.describe() == "CPN (light, H=4, K=3): 58 parameters, 72 FLOPs/sample"
-    assert _tiny_fedcp()[0].describe() == "CPN (Linear(K, 2K), K=3): 36 parameters, 36 FLOPs/sample"
+    assert tiny_fedcp()[0].describe() == "CPN (Linear(K, 2K), K=3): 36 parameters, 36 FLOPs/sample"
     res = algo.local_train(algo.init_client_state(0), tiny_data(), Context(0, 0, torch.Generator().manual_seed(3)))
     assert not torch.equal(res.upload["cpn.net.0.weight"], gs["cpn.net.0.weight"])
 
@@ -325,11 +336,12 @@ def test_all_switches_train_fused_as_sequentially(float64, hard):
                for s, d, c in items]
         for a, b in zip(seq, fus):
             assert a.samples == b.samples and b.loss_sum == pytest.approx(a.loss_sum, rel=1e-9)
+            assert set(a.upload) == set(b.upload)
             for k in a.upload:
                 assert torch.allclose(a.upload[k], b.upload[k], atol=1e-10, rtol=0), (t, k)
-            moved = {k for k in gs if not torch.equal(a.upload[k], gs[k])}
+            moved = {k for k in a.upload if not torch.equal(a.upload[k], gs[k])}
             assert any(k.startswith("features.") for k in moved)
-            assert any(k.startswith("cpn.") for k in moved) == (t >= 1)
+            assert any(k.startswith("cpn.") for k in moved) == (t >= 1)  # the warm-up sends no CPN
 
 
 ROUNDS = 4
@@ -338,41 +350,32 @@ SWITCHES = ["mmd_kernel=rbf", "mmd_sigma=median", "policy_entropy=0.01", "cpn_wa
             "cpn_hard=true", "cpn_hidden=32"]
 
 
-def _args(shard, out, *extra):
-    return ["--config", "configs/digits_fedcp.yaml", f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2",
-            "keep_checkpoints=2", f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *SWITCHES, *extra]
-
-
-def _load(out):
-    state = torch.load(out / "final_global.pt", weights_only=True)
-    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return state, [l["acc"] for l in lines if "acc" in l]
+def _overrides(shard):
+    return lambda out: [f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2", "keep_checkpoints=2",
+                        f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *SWITCHES]
 
 
 @pytest.mark.slow
 def test_all_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
     """One short run with every switch on (τ = 0.5, hard policy): one rank and two ranks give the
-    same trajectory; it learns; a resume from the round-2 checkpoint ends bit-identically."""
-    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    lines = []
-    run("configs/digits_fedcp.yaml", _args(digits6, one)[2:], echo=lines.append)
-    assert any("CPN (light, H=32, K=512): 52256 parameters, 98304 FLOPs/sample" in l for l in lines), lines[:1]
-    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "fedcp_dist.run", *_args(digits6, two)])
-    assert r.returncode == 0, r.stderr[-3000:]
-    (s1, acc1), (s2, acc2) = _load(one), _load(two)
-    assert set(s1) == set(s2) and any(k.startswith("cpn.net.2.") for k in s1)
-    for k in s1:
-        assert torch.allclose(s1[k], s2[k], atol=1e-5, rtol=0), f"{k} differs by {(s1[k] - s2[k]).abs().max()}"
+    same trajectory; it learns; the warm-up round sends no CPN (its bytes saved, the all-reduce
+    shorter by it); a resume from the round-2 checkpoint ends bit-identically."""
+    config, overrides, lines = "configs/digits_fedcp.yaml", _overrides(digits6), []
+    one_vs_two_ranks(config, overrides, tmp_path / "one", tmp_path / "two", echo=lines.append)
+    cpn = 52256  # the light CPN as the start line counts it: Linear(512, 32), Linear(32, 1024), LayerNorm(1024)
+    assert any(f"CPN (light, H=32, K=512): {cpn} parameters, 98304 FLOPs/sample" in l for l in lines), lines[:1]
+    (s1, acc1, rec1), (s2, acc2, rec2) = load_run(tmp_path / "one"), load_run(tmp_path / "two")
+    assert any(k.startswith("cpn.net.2.") for k in s1)
+    assert_states_close(s1, s2)
     assert len(acc1) == ROUNDS + 1 and acc1 == pytest.approx(acc2, abs=1e-9)
     assert acc1[-1] > acc1[0] + 0.2  # τ = 0.5 with the hard policy learns
-    # resume: the run as it stood after round 2 (its round-2 checkpoint), continued to the end
-    shutil.copytree(one, resumed)
-    for p in ("summary.json", "final_global.pt"):
-        (resumed / p).unlink()
-    shutil.rmtree(resumed / "checkpoints" / f"round_{ROUNDS:07d}")
-    run("configs/digits_fedcp.yaml", _args(digits6, resumed)[2:])
-    s3, acc3 = _load(resumed)
+    # round 1 (W = 1) leaves the CPN out: 4 bytes a parameter per uploader saved, 8 (float64) out of the all-reduce
+    n = rec1[0]["participants"]
+    assert [r["uplink_bytes_saved"] for r in rec1] == [4 * n * cpn] + [0] * (ROUNDS - 1)
+    assert rec1[0]["uplink_bytes_sent"] == rec1[1]["uplink_bytes_sent"] - 4 * n * cpn
+    assert rec1[0]["allreduce_bytes"] == rec1[1]["allreduce_bytes"] - 8 * cpn
+    assert [r["uplink_bytes_saved"] for r in rec2] == [r["uplink_bytes_saved"] for r in rec1]
+    s3, acc3, _ = resume_before_last_checkpoint(config, overrides, tmp_path / "one", tmp_path / "resumed", ROUNDS)
     assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1
 
 

@@ -4,21 +4,17 @@ cpn_upload_every), the hierarchical policy (cpn_groups) and the asynchronous CPN
 (cpn_async_min_rate) with the per-group weights of the one all-reduce; fused training equals
 sequential training with them on; one 1-vs-2-rank run of each, two of which also resume
 bit-exactly."""
-import json
 import math
-import shutil
-import sys
 
 import pytest
 import torch
 
-from conftest import run_cmd
-from helpers import algo_with_moved_global, random_client, run, tiny_data
-from test_fedcp_extensions import _tiny_fedcp
+from helpers import (algo_with_moved_global, assert_states_close, load_run, one_vs_two_ranks, random_client,
+                     resume_before_last_checkpoint, tiny_data, tiny_fedcp)
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import (PREV, FedCP, combine_group_logits, group_pool, interpolate, policy,
                                          policy_kl, refresh_alpha)
-from fedcp_dist.config import Config, load_config
+from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
 
 CPU = torch.device("cpu")
@@ -48,7 +44,7 @@ def test_refresh_schedule_and_interpolation_by_hand():
 
 @pytest.mark.parametrize("vector", ["head", "head+embed"])
 def test_refresh_rounds_train_and_upload_the_cpn_and_between_them_interpolate(vector):
-    algo, gs = _tiny_fedcp(policy_refresh_every=3, cpn_client_vector=vector)
+    algo, gs = tiny_fedcp(policy_refresh_every=3, cpn_client_vector=vector)
     keys = _policy_keys(gs)
     assert keys and all(PREV + k in gs for k in keys) and not any(k.startswith(PREV) for k in algo.upload_keys(gs))
     d = tiny_data(n=16)
@@ -57,18 +53,18 @@ def test_refresh_rounds_train_and_upload_the_cpn_and_between_them_interpolate(ve
         trained = res.extra["trained"]
         if t % 3 == 0:  # refresh: trained from Θ_last and uploaded
             assert all(not torch.equal(res.upload[k], gs[k]) for k in keys if k.endswith("weight")), t
-            assert algo.uplink_saved_params(t) == 0
-        else:  # frozen at Θ_prev + (t mod 3)/3 (Θ_last − Θ_prev); the upload's slot holds Θ_last unchanged
+            assert algo.skipped_groups(t) == ()
+        else:  # frozen at Θ_prev + (t mod 3)/3 (Θ_last − Θ_prev); not sent, out of the round's all-reduce
             a = (t % 3) / 3
             for k in keys:
                 assert torch.equal(trained[k], gs[PREV + k] + a * (gs[k] - gs[PREV + k])), (t, k)
-                assert torch.equal(res.upload[k], gs[k]), (t, k)
-            assert algo.uplink_saved_params(t) == sum(gs[k].numel() for k in keys)
+                assert k not in res.upload, (t, k)
+            assert algo.skipped_groups(t) == ("policy",)
         assert not torch.equal(res.upload["features.1.weight"], gs["features.1.weight"])
 
 
 def test_refresh_server_update_and_evaluated_policy():
-    algo, gs = _tiny_fedcp(policy_refresh_every=2)
+    algo, gs = tiny_fedcp(policy_refresh_every=2)
     keys = _policy_keys(gs)
     avg = {k: v + 1.0 for k, v in gs.items() if not k.startswith(PREV)}
     algo.begin_round(0)  # a refresh: Θ_prev ← Θ_last, Θ_last ← the mean
@@ -76,8 +72,8 @@ def test_refresh_server_update_and_evaluated_policy():
     for k in keys:
         assert torch.equal(new[PREV + k], gs[k]) and torch.equal(new[k], avg[k])
     assert torch.equal(new["features.1.weight"], avg["features.1.weight"])
-    algo.begin_round(1)  # between refreshes: both kept whatever arrived
-    newer = algo.server_update(new, {k: v + 5.0 for k, v in avg.items()})
+    algo.begin_round(1)  # between refreshes: the policy is not in the mean (out of the all-reduce), both kept
+    newer = algo.server_update(new, {k: v + 5.0 for k, v in avg.items() if k not in keys})
     for k in keys:
         assert torch.equal(newer[PREV + k], new[PREV + k]) and torch.equal(newer[k], new[k])
     assert torch.equal(newer["features.1.weight"], avg["features.1.weight"] + 5.0)
@@ -127,8 +123,8 @@ def test_distillation_term_in_the_loss():
     from fedcp_dist.local_train import Step
 
     kappa = 0.7
-    algo, gs = _tiny_fedcp(cpn_distill=kappa, cpn_train_gumbel=False)
-    plain, _ = _tiny_fedcp(cpn_train_gumbel=False)
+    algo, gs = tiny_fedcp(cpn_distill=kappa, cpn_train_gumbel=False)
+    plain, _ = tiny_fedcp(cpn_train_gumbel=False)
     d = tiny_data(n=8)
     x, y = d.train_batch()
     values = {"v": algo.init_client_state(0)["v"]}
@@ -153,7 +149,7 @@ def test_distillation_term_in_the_loss():
 
 
 def test_upload_every_trains_the_cpn_every_round_and_sends_it_every_third():
-    algo, gs = _tiny_fedcp(cpn_distill=0.5, cpn_upload_every=3)
+    algo, gs = tiny_fedcp(cpn_distill=0.5, cpn_upload_every=3)
     keys = _policy_keys(gs)
     n_cpn = sum(gs[k].numel() for k in keys)
     assert n_cpn == 3 * 6 + 6 + 2 * 6  # Linear(3, 6) and LayerNorm(6)
@@ -163,16 +159,15 @@ def test_upload_every_trains_the_cpn_every_round_and_sends_it_every_third():
         moved = all(not torch.equal(res.extra["trained"][k], gs[k]) for k in keys if k.endswith("weight"))
         assert moved, t  # trained in every round
         sent = t % 3 == 0
-        assert all(torch.equal(res.upload[k], gs[k]) != sent for k in keys if k.endswith("weight")), t
-        assert algo.uplink_saved_params(t) == (0 if sent else n_cpn)
+        assert all((k in res.upload) == sent for k in keys), t
+        assert all(not torch.equal(res.upload[k], gs[k]) for k in keys if k.endswith("weight") and sent), t
+        assert algo.skipped_groups(t) == (() if sent else ("policy",))
+    assert algo.aggregation_groups(list(gs)) == {k: "policy" for k in keys}  # n_cpn values saved per uploader
     avg = {k: v + 1.0 for k, v in gs.items()}
-    algo.begin_round(1)
-    kept = algo.server_update(gs, avg)
-    assert all(torch.equal(kept[k], gs[k]) for k in keys) and torch.equal(kept["features.1.weight"], avg["features.1.weight"])
     algo.begin_round(3)
     assert all(torch.equal(algo.server_update(gs, avg)[k], avg[k]) for k in keys)
-    plain, _ = _tiny_fedcp(cpn_distill=0.5)
-    assert plain.uplink_saved_params(1) is None  # nothing skipped: no byte counts in the records
+    plain, _ = tiny_fedcp(cpn_distill=0.5)
+    assert plain.aggregation_groups(list(gs)) is None and plain.skipped_groups(1) == ()  # no byte counts in records
 
 
 @pytest.mark.parametrize("override, key", [
@@ -219,14 +214,7 @@ class Small4(torch.nn.Module):
 
 
 def _fedcp4(**kw):
-    cfg = Config(lr=0.1, batch_size=8, lam=0.5, rounds=6, **kw)
-    torch.manual_seed(0)
-    algo = FedCP(cfg, Small4(), CPU)
-    gs = algo.init_global_state()
-    g = torch.Generator().manual_seed(7)
-    gs = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in gs.items()}
-    algo.set_global(gs)
-    return algo, gs
+    return tiny_fedcp(net=Small4, **kw)
 
 
 @pytest.mark.parametrize("hard", [False, True])
@@ -292,17 +280,17 @@ def test_group_weights_in_the_one_buffer_by_hand():
     assert torch.allclose(mean["w"], torch.tensor([2.8, 5.6])) and torch.equal(mean["p"], torch.tensor([10.0]))
     assert total == 5 and metrics == [7.0] and agg.group_totals == {"policy": (2.0, 1.0)}
     assert agg.group_numel("policy") == 1
-    agg.zero()
+    agg.begin_round()
     agg.add({"w": torch.tensor([4.0, 8.0])}, 3, skip=("policy",))
     mean, total, _ = agg.reduce(_OneRank())
     assert set(mean) == {"w"} and total == 3  # nobody sent p: the server keeps its value
 
 
 def test_async_rate_freezes_and_skips_the_cpn():
-    algo, gs = _tiny_fedcp(cpn_async_min_rate=0.5)
+    algo, gs = tiny_fedcp(cpn_async_min_rate=0.5)
     keys = _policy_keys(gs)
     assert algo.aggregation_groups(list(gs)) == {k: "policy" for k in keys}
-    assert _tiny_fedcp()[0].aggregation_groups(list(gs)) is None
+    assert tiny_fedcp()[0].aggregation_groups(list(gs)) is None
     assert "cpn_async_min_rate" in algo.fused_reason()
     state = algo.init_client_state(0)
     assert torch.equal(state["participations"], torch.zeros(1))
@@ -350,6 +338,7 @@ def test_switches_train_fused_as_sequentially(float64, switches):
                for s, d, c in items]
         for a, b in zip(seq, fus):
             assert a.samples == b.samples and b.loss_sum == pytest.approx(a.loss_sum, rel=1e-9)
+            assert set(a.upload) == set(b.upload)
             for k in a.upload:
                 assert torch.allclose(a.upload[k], b.upload[k], atol=1e-10, rtol=0), (t, k)
             moved = {k for k in a.upload if not torch.equal(a.upload[k], gs[k])}
@@ -364,37 +353,27 @@ DISTILL = ["cpn_distill=0.5", "cpn_upload_every=2", "cpn_groups=8"]
 ASYNC = ["cpn_async_min_rate=0.6", "participation=0.5", "cpn_groups=8"]
 
 
-def _args(shard, out, switches, *extra):
-    return ["--config", "configs/digits_fedcp.yaml", f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2",
-            "keep_checkpoints=2", f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *switches,
-            *extra]
-
-
-def _load(out):
-    state = torch.load(out / "final_global.pt", weights_only=True)
-    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return state, [l["acc"] for l in lines if "acc" in l], [l for l in lines if l.get("kind") == "round"]
+def _overrides(shard, switches):
+    return lambda out: [f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2", "keep_checkpoints=2",
+                        f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *switches]
 
 
 @pytest.mark.slow
 def test_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
     """Three short runs, caching with groups, distillation with skipped uploads and groups, and the
     asynchronous CPN with groups at participation 0.5, each on one and two ranks: the same trajectory; the skipped
-    bytes counted per round; caching (Θ_prev in the global state) and the asynchronous CPN (the
-    participation counts in the client states) resume bit-exactly from their round-2 checkpoints."""
+    bytes counted per round, the rounds nobody sends the CPN in with an all-reduce shorter by it;
+    caching (Θ_prev in the global state) and the asynchronous CPN (the participation counts in the
+    client states) resume bit-exactly from their round-2 checkpoints."""
+    config = "configs/digits_fedcp.yaml"
     for name, switches in (("cache", SWITCHES), ("distill", DISTILL), ("async", ASYNC)):
-        one, two = tmp_path / f"{name}1", tmp_path / f"{name}2"
-        lines = []
-        summary = run("configs/digits_fedcp.yaml", _args(digits6, one, switches)[2:], echo=lines.append)
+        one, two, lines = tmp_path / f"{name}1", tmp_path / f"{name}2", []
+        summary = one_vs_two_ranks(config, _overrides(digits6, switches), one, two, echo=lines.append)
         assert any("group policy (G=8): 176 parameters, 256 FLOPs/sample" in l for l in lines), lines[:1]
-        r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                     "-m", "fedcp_dist.run", *_args(digits6, two, switches)])
-        assert r.returncode == 0, r.stderr[-3000:]
-        (s1, acc1, rec1), (s2, acc2, rec2) = _load(one), _load(two)
-        assert set(s1) == set(s2) and any(k.startswith("cpng.") for k in s1)
+        (s1, acc1, rec1), (s2, acc2, rec2) = load_run(one), load_run(two)
+        assert any(k.startswith("cpng.") for k in s1)
         assert any(k.startswith("prev.cpn.") for k in s1) == (name == "cache")
-        for k in s1:
-            assert torch.allclose(s1[k], s2[k], atol=1e-5, rtol=0), f"{name} {k} differs by {(s1[k] - s2[k]).abs().max()}"
+        assert_states_close(s1, s2, label=name)
         assert len(acc1) == ROUNDS + 1 and acc1 == pytest.approx(acc2, abs=1e-9)
         # rounds 1 and 3 (0-based) skip the CPN (K = 512: Linear(512, 1024) and LayerNorm(1024)) and the
         # group CPN: 527360 + 176 parameters per uploader, 4 bytes each
@@ -404,17 +383,13 @@ def test_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
                 assert rec["uplink_bytes_saved"] % (4 * skipped) == 0 and (t > 0 or rec["uplink_bytes_saved"] == 0)
             else:
                 assert rec["uplink_bytes_saved"] == (4 * rec["participants"] * skipped if t % 2 else 0), (name, t)
+                # nobody sends the CPN: it leaves the round's (float64) all-reduce
+                assert rec["allreduce_bytes"] == rec1[0]["allreduce_bytes"] - (8 * skipped if t % 2 else 0), (name, t)
             assert rec == {**rec, **{k: rec2[t][k] for k in ("uplink_bytes_saved", "uplink_bytes_sent")}}
         assert summary["uplink_bytes_saved"] == sum(r["uplink_bytes_saved"] for r in rec1) > 0
         total = summary["uplink_bytes_sent"] + summary["uplink_bytes_saved"]
         assert summary["uplink_saved_fraction"] == pytest.approx(summary["uplink_bytes_saved"] / total)
-        if name == "distill":
-            continue
-        resumed = tmp_path / f"{name}-resumed"
-        shutil.copytree(one, resumed)
-        for p in ("summary.json", "final_global.pt"):
-            (resumed / p).unlink()
-        shutil.rmtree(resumed / "checkpoints" / f"round_{ROUNDS:07d}")
-        run("configs/digits_fedcp.yaml", _args(digits6, resumed, switches)[2:])
-        s3, acc3, _ = _load(resumed)
-        assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1
+        if name != "distill":
+            s3, acc3, _ = resume_before_last_checkpoint(config, _overrides(digits6, switches), one,
+                                                        tmp_path / f"{name}-resumed", ROUNDS)
+            assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1

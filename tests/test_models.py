@@ -269,7 +269,8 @@ def test_fasttext_shapes_split_and_count():
 
 
 def test_fasttext_mean_ignores_padding():
-    pool = MeanEmbedding(10, dim=2)
+    # fasttext_mean: tokens, this project's first variant (the default, padded: test_fasttext_ref.py)
+    pool = MeanEmbedding(10, dim=2, mean="tokens")
     with torch.no_grad():
         pool.embedding.weight.copy_(torch.tensor([[100.0, -100.0]] + [[float(i), float(-2 * i)] for i in range(1, 10)]))
     ids = torch.tensor([
@@ -281,7 +282,7 @@ def test_fasttext_mean_ignores_padding():
     expected = torch.tensor([[4.0, -8.0], [0.0, 0.0], [16 / 3, -32 / 3], [9.0, -18.0]])
     assert torch.allclose(pool(ids), expected, atol=1e-6)
 
-    model = FastText(10, 3, dim=2)
+    model = FastText(10, 3, dim=2, mean="tokens")
     model.features[0].load_state_dict(pool.state_dict())
     with torch.no_grad():
         model.features[1].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))

@@ -178,6 +178,66 @@ def test_fedfomo_without_candidates_trains_its_own_model_on_the_training_split_o
     assert res.extra["peer"][P:].abs().sum() == 0
 
 
+def test_fedfomo_reference_compat_weights_and_average_for_three_clients_by_hand():
+    """fedfomo_reference_compat: the top M of P (itself included, ε ignored), weights against the
+    model before the last training with a +1e-5 distance, the new model the weighted average."""
+    algo, gs = _algo(FedFomo, n_clients=3, fedfomo_m=2, fedfomo_eps=1.0, fedfomo_eps_decay=0.0,
+                     fedfomo_reference_compat=True, lr=1e-12)
+    assert torch.equal(gs["affinity"], torch.eye(3))  # P starts as the identity
+    data = _data(n=10)
+    state = algo.init_client_state(0)
+    old = algo.flat(state).clone()
+    assert torch.equal(state["fomo_old"], old)  # before any training: the initial model
+    theta = old + 2.0 * _unit(0)  # client 0's model after its last training: ‖θ − θ_old‖ = 2
+    state.update(algo.unflat(theta.clone()))
+    b1 = old + 3.0 * _unit(1) + 4.0 * _unit(2)  # ‖θ_1 − θ_old‖ = 5
+    b2 = old - 1.0 * _unit(3)
+    gs["bank"][0], gs["bank"][1], gs["bank"][2] = theta, b1, b2
+    gs["seen"][:] = 1.0
+    gs["fresh"][:] = 1.0
+    gs["affinity"][0] = torch.tensor([1.0, 0.5, 0.2])  # top 2: itself and client 1, never 2
+    losses = {0: 1.0, 1: 0.6, 2: 0.8, 3: 0.1}  # validation losses of θ_old, θ, θ_1, θ_2
+
+    def fake_loss(s, data, idx):
+        d = algo.flat(s) - old
+        return losses[0 if not d.any() else 1 if d[0] else 2 if d[1] else 3]
+
+    algo.batch_mean_loss = fake_loss
+    res = algo.local_train(state, data, _ctx(client=0, rnd=4))
+    w0 = (1.0 - 0.6) / (2.0 + 1e-5)  # its own trained model, against the one before training
+    w1 = (1.0 - 0.8) / (5.0 + 1e-5)
+    assert res.extra["peer"][P:].tolist() == pytest.approx([w0, w1, 0.0], rel=1e-6)
+    mixed = (w0 * theta + w1 * b1) / (w0 + w1)  # ≈ 5/6·θ + 1/6·θ_1
+    assert w0 / (w0 + w1) == pytest.approx(5 / 6, abs=1e-5)
+    assert torch.allclose(res.client_state["fomo_old"], mixed, atol=1e-6)  # the next reference point
+    assert torch.allclose(algo.flat(res.client_state), mixed, atol=1e-6)  # trained from it (lr ≈ 0)
+    new = algo.receive_peers(4, gs, {0: res.extra["peer"]})
+    assert new["affinity"][0].tolist() == pytest.approx([1.0 + w0, 0.5 + w1, 0.2], rel=1e-6)
+
+    # no weight positive: the client keeps its current model
+    losses.update({1: 1.5, 2: 1.2})
+    res = algo.local_train(state, data, _ctx(client=0, rnd=4))
+    assert torch.allclose(algo.flat(res.client_state), theta, atol=1e-6)
+    assert torch.equal(res.client_state["fomo_old"], theta)
+    # nothing arrived in the last round (the first round): no model is downloaded
+    gs["fresh"][:] = 0.0
+    assert algo.choose(0, 0, torch.Generator().manual_seed(0)) == []
+
+
+def test_fedfomo_reference_compat_validation_loss_is_the_mean_of_batch_means():
+    algo, _ = _algo(FedFomo, fedfomo_reference_compat=True, batch_size=2)
+    data = _data(n=5, labels=[0, 1, 2, 2, 0])
+    state = algo.init_client_state(0)
+    net = Tiny()
+    load_module(net, state, "")
+    idx = torch.arange(5)
+    with torch.no_grad():
+        per = [float(F.cross_entropy(net(data.train_batch(idx[a:b])[0]), data.train_batch(idx[a:b])[1]))
+               for a, b in ((0, 2), (2, 4), (4, 5))]
+    assert algo.batch_mean_loss(state, data, idx) == pytest.approx(sum(per) / 3, rel=1e-6)
+    assert algo.batch_mean_loss(state, data, idx) != pytest.approx(algo.mean_loss(state, data, idx), rel=1e-4)
+
+
 # ----------------------------------------------------------------------------------------------
 # the engine: runs, the memory budget
 

@@ -15,7 +15,7 @@ from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.analysis.records import read_probes
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.probes import S_BINS, EvalTally, ProbeTable, keep_before, s_histogram
+from fedcp_dist.probes import S_BINS, EvalTally, ProbeTable, RoundProbes, keep_before, s_histogram
 from helpers import CPU, Tiny, nonfinite_at, quarters_shard, run, tiny_data
 
 # ----------------------------------------------------------------------------- hand-made policies
@@ -49,6 +49,34 @@ def test_pir_and_histogram_of_a_known_policy():
     assert summed.records(None, None) == []
     assert keep_before({"kind": "train", "round": 3}, 3) and not keep_before({"kind": "train", "round": 4}, 3)
     assert keep_before({"kind": "eval", "evaluated_after": 2}, 3) and not keep_before({"kind": "eval", "evaluated_after": 3}, 3)
+
+
+def test_round_probes_in_one_call_out_in_one():
+    """A round's probes on two ranks: each packs its rows (one call in), the sum turns into the
+    round's analysis lines (one call out); off, a round without training probes, and the final one."""
+    off = RoundProbes(0, 3, 0, evaluated=True)
+    assert (off.train, off.evals, off.pack(), off.records(torch.zeros(0))) == (False, None, None, [])
+    assert RoundProbes.size(0, 3) == 0 and RoundProbes.size(2, 3) == 3 * (6 + 3 + S_BINS)
+    a, b = RoundProbes(2, 3, 4, evaluated=True), RoundProbes(2, 3, 4, evaluated=True)
+    assert a.train and a.evals == {}  # round 5 of analysis_every: 2 trains with probes
+    a.evals[1] = EvalTally()
+    a.evals[1].add(torch.tensor([[0.5, 1.0]]))
+
+    class Result:
+        samples, tallies = 8, {"s": 2.0}
+
+    b.add_train(2, Result, (16.0, 4.0), 10)
+    hist = [0] * S_BINS
+    hist[25] = hist[49] = 1
+    assert a.records(a.pack() + b.pack()) == [
+        {"kind": "eval", "evaluated_after": 4, "client": 1, "samples": 1, "pir": 0.75, "s_hist": hist},
+        {"kind": "train", "round": 5, "client": 2, "samples": 8, "pir": 0.25, "loss_bef": 1.6, "loss_aft": 0.4}]
+    between = RoundProbes(2, 3, 5, evaluated=False)
+    assert not between.train and between.evals is None and between.records(between.pack()) == []
+    final = RoundProbes(2, 3, 6, evaluated=True, final=True)
+    final.evals[0] = a.evals[1]
+    assert not final.train and final.pack().numel() == RoundProbes.size(2, 3, final=True) == 3 * (3 + S_BINS)
+    assert [r["evaluated_after"] for r in final.records(final.pack())] == [6]
 
 
 # ----------------------------------------------------------------------------- FedCP's probes

@@ -180,10 +180,11 @@ class Algorithm:
         group. None (default): every client sends every tensor."""
         return None
 
-    def uplink_saved_params(self, t: int) -> Optional[int]:
-        """Parameters of its upload that one participant does not send in round t (a method that
-        skips parts of its upload in some rounds); None: it sends its whole upload every round."""
-        return None
+    def skipped_groups(self, t: int) -> tuple:
+        """The aggregation groups that no participant sends in round t (a function of t alone, so
+        every rank agrees): the engine leaves them out of the round's all-reduce, counts their bytes
+        as saved and keeps their global values. Default: none."""
+        return ()
 
     def server_update(self, global_state: State, averaged: State) -> State:
         """New global state from the sample-weighted mean of the round's uploads."""

@@ -487,11 +487,19 @@ class FedCP(SGDAlgorithm):
         return [k for k in global_state if not k.startswith(PREV)]
 
     def aggregation_groups(self, upload_keys):
-        """cpn_async_min_rate: the policy's networks form their own group (averaged over the clients
-        that trained them)."""
-        if not self.cfg.cpn_async_min_rate:
+        """With a switch that leaves the policy's networks out of uploads (the warm-up, caching,
+        cpn_upload_every, the asynchronous CPN) they form their own group: averaged over the
+        clients that sent them, and out of the all-reduce in rounds nobody sends them."""
+        cfg = self.cfg
+        if not (cfg.cpn_async_min_rate or cfg.cpn_warmup_rounds or cfg.policy_refresh_every > 1
+                or cfg.cpn_upload_every > 1):
             return None
         return {k: "policy" for k in upload_keys if k.startswith(POLICY_PREFIXES)}
+
+    def skipped_groups(self, t: int) -> tuple:
+        """Round t's clients send no policy networks in a warm-up round (t < W) and in a round that
+        does not upload them (caching between refreshes, cpn_upload_every)."""
+        return ("policy",) if t < self.cfg.cpn_warmup_rounds or not self.policy_uploaded(t) else ()
 
     def async_frozen(self, client_state, t: int) -> bool:
         """Whether the client trains with its CPN frozen in round t: its participation rate so far
@@ -532,22 +540,12 @@ class FedCP(SGDAlgorithm):
         self._eval_policy_round = t
 
     def server_update(self, global_state, averaged):
-        """The sample-weighted mean; the policy's networks only in the rounds that upload them
-        (refresh: Θ_prev ← Θ_last then, else both kept)."""
+        """The sample-weighted mean (the policy's networks are in it only in the rounds that upload
+        them: else they stay as they were); caching's refresh round also sets Θ_prev ← Θ_last."""
         new = super().server_update(global_state, averaged)
-        t = self._round
-        if not self.policy_uploaded(t):
-            new.update({k: global_state[k] for k in new if k.startswith(POLICY_PREFIXES)})
-        elif self.cfg.policy_refresh_every > 1:
+        if self.cfg.policy_refresh_every > 1 and self.policy_uploaded(self._round):
             new.update({PREV + k: global_state[k] for k in new if k.startswith(POLICY_PREFIXES)})
         return new
-
-    def uplink_saved_params(self, t: int) -> Optional[int]:
-        """Parameters one uploader does not send in round t (None: this configuration skips none)."""
-        if self.cfg.policy_refresh_every == 1 and self.cfg.cpn_upload_every == 1:
-            return None
-        return 0 if self.policy_uploaded(t) else sum(v.numel() for k, v in self.gs.items()
-                                                     if k.startswith(POLICY_PREFIXES))
 
     def init_client_state(self, client):
         """A copy of the initial global head, and one random client vector from the run seed
@@ -705,14 +703,13 @@ class FedCP(SGDAlgorithm):
                 upload.update({n: v[n] for n in k["vproj."]})
             if self.cpng is not None:
                 upload.update({n: v[n] for n in k["cpng."]})
-            if not self.policy_uploaded(ctx.round):  # not sent: the all-reduce slot carries the global values
-                upload.update({n: self.gs[n] for n in upload if n.startswith(POLICY_PREFIXES)})
             skipped = ()
             if self.cfg.cpn_async_min_rate:
                 new_state["participations"] = client_state["participations"] + 1
                 if o.info.get("async_frozen"):  # trained with the CPN frozen: sends none
-                    upload = {n: t for n, t in upload.items() if not n.startswith(POLICY_PREFIXES)}
                     skipped = ("policy",)
+            if skipped or self.skipped_groups(ctx.round):  # not sent (nobody sends it this round)
+                upload = {n: t for n, t in upload.items() if not n.startswith(POLICY_PREFIXES)}
             if self.emb_p is not None:
                 new_state.update({n: v[n] for n in k["emb."]})
         # probing: the trained values (no copies) for the loss after local learning

@@ -341,10 +341,10 @@ def server_copy(state, cid: int, knowledge: str, local_steps: int) -> ServerCopy
     """The server's copy of client ``cid``'s local training in the run ``state``: the method's model
     built afresh, the global state the server sent (with the client's own BatchNorm statistics,
     which the client does not upload), and the client's private state only with ``oracle``."""
-    from fedcp_dist.models import build_model
+    from fedcp_dist.models import build_model, model_options
 
     cfg, info = state.cfg, state.info
-    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, mlp_hidden=cfg.mlp_hidden).to(state.device)
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, **model_options(cfg)).to(state.device)
     sent = state.sent(cid)
     private = None
     if knowledge == "oracle" and cfg.method != "fedavg":

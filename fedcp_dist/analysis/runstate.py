@@ -71,12 +71,14 @@ class RunState:
 def run_config(run_dir: Path, data_path: Optional[str] = None, changes: Optional[dict] = None):
     """The run's resolved config (``config.yaml``), with ``data.path`` replaced by ``data_path`` if
     given and attributes set from ``changes``; a missing shard is a one-line error."""
-    from fedcp_dist.config import load_config
+    from fedcp_dist.config import flatten, legacy_defaults, load_config, read_yaml_mapping
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = load_config(str(path), validate=False)
+    for key, value in legacy_defaults(flatten(read_yaml_mapping(path, "run config"))).items():
+        setattr(cfg, key, value)  # a run written before the key existed, as it ran
     if data_path is not None:
         cfg.data.path = data_path
     if not os.path.isfile(cfg.data.path):
@@ -99,7 +101,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     from fedcp_dist.algorithms import make_algorithm
     from fedcp_dist.checkpoint import Checkpointer
     from fedcp_dist.data.shards import read_info
-    from fedcp_dist.models import build_model
+    from fedcp_dist.models import build_model, model_options
     from fedcp_dist.startup import run_clients
 
     run_dir = Path(run_dir)
@@ -117,7 +119,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
                         f"had {cfg.data.num_clients}")
     clients = run_clients(cfg, info)
     torch.manual_seed(cfg.seed)  # the run's initial model, as the engine builds it
-    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, mlp_hidden=cfg.mlp_hidden)
+    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, **model_options(cfg))
     algo = make_algorithm(cfg.method, cfg, model, dev)
     algo.num_clients = len(clients)
     rounds_done, global_state, states, _ = Checkpointer(str(run_dir), 0, 1, 1).load(

@@ -4,7 +4,7 @@ Three modes::
 
     fedcp-partition --source digits --partition dir --num-clients 20 --beta 0.1 --seed 1 \\
         --out data/digits_dir0.1_n20.h5
-    fedcp-partition --source agnews --root DIR --max-len 200 --vocab-size 50000 --min-freq 1 \\
+    fedcp-partition --source agnews --root DIR --max-len 200 --text-pipeline reference \\
         --partition dir --num-clients 20 --out data/agnews_dir0.1_n20.h5
     fedcp-partition --source imagefolder --root CT/ --partition folders --image-size 64 \\
         --channels 1 --out data/ct_folders.h5            # CT/<hospital>/<class>/<image>
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcp_dist.data.make import PartitionSpec, check_out, make_shard, say_written, text_options, with_progress
-from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_VOCAB_SIZE
+from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE, TEXT_PIPELINES
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 
 NPZ_NAME = re.compile(r"^(\d+)\.npz$")
@@ -57,11 +57,16 @@ def _build_parser() -> argparse.ArgumentParser:
     text = p.add_argument_group("text sources (agnews)")
     text.add_argument("--max-len", type=int, default=None,
                       help=f"tokens kept per text, padded with id 0 (default {DEFAULT_MAX_LEN})")
+    text.add_argument("--text-pipeline", default=DEFAULT_TEXT_PIPELINE, metavar="|".join(TEXT_PIPELINES),
+                      help="reference (default): the FedCP authors' AG News pipeline, torchtext's "
+                           "basic_english tokens and a vocabulary of the train and test texts, "
+                           "uncapped; alnum: runs of [a-z0-9] and a vocabulary of the training "
+                           f"texts only, capped at {DEFAULT_VOCAB_SIZE} ids")
     text.add_argument("--vocab-size", type=int, default=None,
-                      help=f"most token ids, padding (0) and unknown (1) included "
-                           f"(default {DEFAULT_VOCAB_SIZE})")
+                      help=f"most token ids, padding (0) and unknown (1) included (default: no cap "
+                           f"with --text-pipeline reference, {DEFAULT_VOCAB_SIZE} with alnum)")
     text.add_argument("--min-freq", type=int, default=None,
-                      help=f"fewest occurrences in the training texts for a token to get its own "
+                      help=f"fewest occurrences in the counted texts for a token to get its own "
                            f"id (default {DEFAULT_MIN_FREQ})")
     own = p.add_argument_group("your own data (imagefolder, csv)")
     own.add_argument("--image-size", default=None, metavar="N|HxW",
@@ -268,7 +273,7 @@ def main(argv=None) -> None:
         raise UserError("--include-val applies to --source tinyimagenet only")
     if args.describe or args.from_npz:
         text_options(args.max_len, args.vocab_size, args.min_freq, "image",
-                     "--describe" if args.describe else "--from-npz")
+                     "--describe" if args.describe else "--from-npz", args.text_pipeline)
     if args.all and not args.describe:
         raise UserError("--all applies to --describe only")
     if args.describe:

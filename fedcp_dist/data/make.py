@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from fedcp_dist.config import type_ok
-from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_VOCAB_SIZE
+from fedcp_dist.data.text import (DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE,
+                                  TEXT_PIPELINES)
 from fedcp_dist.errors import UserError
 
 SCHEMES = ("dir", "pat", "iid", "folders", "column")
@@ -62,10 +63,14 @@ class PartitionSpec:
     max_tries: int = 10000
     #: text sources: tokens kept per text (None: the default)
     max_len: Optional[int] = None
-    #: text sources: most token ids, padding and unknown included (None: the default)
+    #: text sources: most token ids, padding and unknown included (None: the pipeline's, i.e. no cap for
+    #: reference, 50,000 for alnum)
     vocab_size: Optional[int] = None
     #: text sources: fewest occurrences for a token to get its own id (None: the default)
     min_freq: Optional[int] = None
+    #: text sources: reference (the FedCP authors' pipeline: basic_english tokens, vocabulary of train + test,
+    #: uncapped) | alnum (runs of [a-z0-9], vocabulary of the training texts, 50,000 ids)
+    text_pipeline: str = DEFAULT_TEXT_PIPELINE
     #: tinyimagenet: add the val folder's images after the train folder's (default: train only, as the paper)
     include_val: bool = False
     #: imagefolder: N or HxW every image is resized to (None: the first image's size)
@@ -124,6 +129,8 @@ class PartitionSpec:
             raise UserError(f"--max-tries must be >= 1, got {self.max_tries}")
         if self.classes_per_client < 1:
             raise UserError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
+        if self.text_pipeline not in TEXT_PIPELINES:
+            raise UserError(f"--text-pipeline must be one of {', '.join(TEXT_PIPELINES)}, got {self.text_pipeline!r}")
         if self.include_val and self.source != "tinyimagenet":
             raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{self.source}'")
         own = {"image_size": "imagefolder", "channels": "imagefolder", "label_col": "csv",
@@ -182,19 +189,26 @@ def check_option_values(spec: PartitionSpec) -> None:
 
 
 def text_options(max_len: Optional[int], vocab_size: Optional[int], min_freq: Optional[int], kind: str,
-                 source_name: str) -> dict:
-    """The text options given, defaults filled in, for a text source; an error if given for another."""
+                 source_name: str, text_pipeline: str = DEFAULT_TEXT_PIPELINE) -> dict:
+    """The text options given, defaults filled in, for a text source; an error if given for another.
+
+    ``text_pipeline`` is checked by :meth:`PartitionSpec.check`; a pipeline other than the default
+    is an error for a source that is not text."""
     given = {"max_len": max_len, "vocab_size": vocab_size, "min_freq": min_freq}
     if kind != "text":
         for key, value in given.items():
             if value is not None:
                 raise UserError(f"{flag(key)} applies to text sources (agnews) only, not to '{source_name}'")
+        if text_pipeline != DEFAULT_TEXT_PIPELINE:
+            raise UserError(f"--text-pipeline applies to text sources (agnews) only, not to '{source_name}'")
         return {}
-    defaults = {"max_len": DEFAULT_MAX_LEN, "vocab_size": DEFAULT_VOCAB_SIZE, "min_freq": DEFAULT_MIN_FREQ}
+    defaults = {"max_len": DEFAULT_MAX_LEN, "min_freq": DEFAULT_MIN_FREQ,
+                "vocab_size": DEFAULT_VOCAB_SIZE if text_pipeline == "alnum" else None}
     opts = {k: (defaults[k] if v is None else v) for k, v in given.items()}
+    opts["text_pipeline"] = text_pipeline
     if opts["max_len"] < 1:
         raise UserError(f"--max-len must be >= 1, got {opts['max_len']}")
-    if opts["vocab_size"] < 3:
+    if opts["vocab_size"] is not None and opts["vocab_size"] < 3:
         raise UserError(f"--vocab-size must be >= 3 (it counts the padding and unknown ids), got {opts['vocab_size']}")
     if opts["min_freq"] < 1:
         raise UserError(f"--min-freq must be >= 1, got {opts['min_freq']}")
@@ -244,7 +258,8 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
     from fedcp_dist.data.sources import load_source, source_kind
 
     spec.check()
-    text_opts = text_options(spec.max_len, spec.vocab_size, spec.min_freq, source_kind(spec.source), spec.source)
+    text_opts = text_options(spec.max_len, spec.vocab_size, spec.min_freq, source_kind(spec.source), spec.source,
+                             spec.text_pipeline)
     source_opts = {"include_val": True} if spec.include_val else {}
     out = check_out(out, force)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -135,21 +134,11 @@ def _first_image(path: Path) -> tuple[tuple, int]:
 
 def _decode(files: list, size: tuple, channels: int) -> np.ndarray:
     """Decode ``files`` into one preallocated (n, channels, H, W) array, a block at a time."""
-    from fedcp_dist.data.sources import progress
+    from fedcp_dist.data.sources import decode_images
 
-    x = np.empty((len(files), channels) + tuple(size), dtype=np.uint8)
     workers = max(1, min(8, os.cpu_count() or 1))
-    bar = progress(None, total=len(files), desc="decoding images", unit="img")
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for start in range(0, len(files), DECODE_BLOCK):
-                block = files[start:start + DECODE_BLOCK]
-                for i, image in enumerate(pool.map(lambda f: _read_image(f, size, channels), block), start):
-                    x[i] = image
-                bar.update(len(block))
-    finally:
-        bar.close()
-    return x
+    return decode_images(files, (channels,) + tuple(size), lambda f: _read_image(f, size, channels), workers,
+                         DECODE_BLOCK)
 
 
 def load_imagefolder(root, *, image_size=None, channels=None, natural: bool = False,

@@ -20,7 +20,9 @@ splits every client's share into its own train and test parts.
   ``val/val_annotations.txt`` (not by folder: some copies of the val folder are not reorganised
   per class).
 * ``agnews``: the AG News ``train.csv`` / ``test.csv`` files, tokenised by
-  :mod:`fedcp_dist.data.text` with a vocabulary from the training texts only.
+  :mod:`fedcp_dist.data.text`: by default (``text_pipeline="reference"``) as the FedCP authors did,
+  torchtext's basic_english rules and a vocabulary of the train and test texts, uncapped;
+  ``text_pipeline="alnum"``: ``[a-z0-9]`` runs and a vocabulary of the training texts only.
 * ``imagefolder``, ``csv``: users' own image folders and tables, read by
   :mod:`fedcp_dist.data.owndata` with their own options (``load_source(..., own_options=...)``).
 """
@@ -394,17 +396,19 @@ def _read_rgb(path: Path) -> np.ndarray:
     return rgb.transpose(2, 0, 1)
 
 
-def _decode_all(files: list, workers: int) -> np.ndarray:
-    """Decode ``files`` into one preallocated (n, 3, 64, 64) array, a block at a time."""
-    x = np.empty((len(files), 3, TINY_SIZE, TINY_SIZE), dtype=np.uint8)
+def decode_images(files: list, shape: tuple, read, workers: int, block: int) -> np.ndarray:
+    """Decode ``files`` with ``read`` (a path → a uint8 array of ``shape``) into one preallocated
+    (n, *shape) uint8 array, ``block`` files at a time on ``workers`` threads (one block of decoded
+    images is all that is held beyond the array)."""
+    x = np.empty((len(files),) + tuple(shape), dtype=np.uint8)
     bar = progress(None, total=len(files), desc="decoding images", unit="img")
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for start in range(0, len(files), _DECODE_BLOCK):
-                block = files[start:start + _DECODE_BLOCK]
-                for i, image in enumerate(pool.map(_read_rgb, block), start):
+            for start in range(0, len(files), block):
+                chunk = files[start:start + block]
+                for i, image in enumerate(pool.map(read, chunk), start):
                     x[i] = image
-                bar.update(len(block))
+                bar.update(len(chunk))
     finally:
         bar.close()
     return x
@@ -432,7 +436,7 @@ def _load_tinyimagenet(root, download, include_val: bool = False, **_) -> Source
     n_train = len(files)
     n_val = _tiny_val(base, index, files, labels) if include_val else 0
     workers = max(1, min(8, os.cpu_count() or 1))
-    x = _decode_all(files, workers)
+    x = decode_images(files, (3, TINY_SIZE, TINY_SIZE), _read_rgb, workers, _DECODE_BLOCK)
     src = _make_source(name, x, np.asarray(labels, dtype=np.int64), len(wnids))
     src.params = {**src.params, "include_val": bool(include_val), "train_images": n_train, "val_images": n_val}
     return src
@@ -512,13 +516,18 @@ def read_agnews_csv(path) -> tuple[np.ndarray, list[str]]:
     return np.asarray(labels, dtype=np.int64), texts
 
 
-def _load_agnews(root, download, max_len=textlib.DEFAULT_MAX_LEN,
-                 vocab_size=textlib.DEFAULT_VOCAB_SIZE, min_freq=textlib.DEFAULT_MIN_FREQ) -> Source:
+def _load_agnews(root, download, max_len=textlib.DEFAULT_MAX_LEN, vocab_size=None,
+                 min_freq=textlib.DEFAULT_MIN_FREQ, text_pipeline=textlib.DEFAULT_TEXT_PIPELINE) -> Source:
+    """``vocab_size`` None: the pipeline's own cap (reference: none; alnum: 50,000)."""
     name = "agnews"
     try:
+        textlib.check_pipeline(text_pipeline)
+        if vocab_size is None and text_pipeline == "alnum":
+            vocab_size = textlib.DEFAULT_VOCAB_SIZE
         textlib.check_text_options(max_len, vocab_size, min_freq)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    tokenizer = textlib.tokenizer_for(text_pipeline)
     if download:
         _no_download(name, "fetch the AG News train.csv and test.csv yourself and pass their "
                            "folder (or the folder holding ag_news_csv) as --root")
@@ -526,15 +535,19 @@ def _load_agnews(root, download, max_len=textlib.DEFAULT_MAX_LEN,
     base = _find_base(name, root, AGNEWS_FOLDER, "train.csv")
     train_y, train_texts = read_agnews_csv(base / "train.csv")
     test_y, test_texts = read_agnews_csv(base / "test.csv")
-    vocab = textlib.build_vocab(train_texts, vocab_size, min_freq, progress=progress,
-                                total=len(train_texts))
     texts = train_texts + test_texts
-    del train_texts, test_texts
-    ids, lengths = textlib.encode_texts(texts, vocab, max_len, progress=progress)
+    # the reference counts the tokens of every text, this project's first pipeline the training texts'
+    counted = texts if text_pipeline == "reference" else train_texts
+    vocab = textlib.build_vocab(counted, vocab_size, min_freq, progress=progress, total=len(counted),
+                                tokenizer=tokenizer)
+    del train_texts, test_texts, counted
+    ids, lengths = textlib.encode_texts(texts, vocab, max_len, progress=progress, tokenizer=tokenizer)
+    params = {"max_len": int(max_len), "vocab_size_cap": 0 if vocab_size is None else int(vocab_size),
+              "min_freq": int(min_freq)}
+    if text_pipeline != "alnum":  # alnum shards keep the parameters (and bytes) they always had
+        params["text_pipeline"] = text_pipeline
     return Source(x=ids, y=np.concatenate([train_y, test_y]), num_classes=AGNEWS_CLASSES,
-                  mean=(), std=(), name=name, kind="text", lengths=lengths, vocab=vocab,
-                  params={"max_len": int(max_len), "vocab_size_cap": int(vocab_size),
-                          "min_freq": int(min_freq)})
+                  mean=(), std=(), name=name, kind="text", lengths=lengths, vocab=vocab, params=params)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -570,13 +583,15 @@ def source_kind(name: str) -> str:
 
 def load_source(name: str, root=None, download: bool = False, *,
                 max_len: int = textlib.DEFAULT_MAX_LEN,
-                vocab_size: int = textlib.DEFAULT_VOCAB_SIZE,
+                vocab_size: Optional[int] = None,
                 min_freq: int = textlib.DEFAULT_MIN_FREQ, own_options: Optional[dict] = None,
-                include_val: bool = False) -> Source:
+                include_val: bool = False,
+                text_pipeline: str = textlib.DEFAULT_TEXT_PIPELINE) -> Source:
     """Load source ``name`` (train and test merged, train first) from ``root``.
 
     ``download`` lets torchvision fetch a missing data set into ``root`` (mnist, fmnist, cifar10,
-    cifar100).  ``max_len``, ``vocab_size`` and ``min_freq`` apply to text sources only;
+    cifar100).  ``max_len``, ``vocab_size`` (None: the pipeline's cap), ``min_freq`` and
+    ``text_pipeline`` (:data:`~fedcp_dist.data.text.TEXT_PIPELINES`) apply to text sources only;
     ``own_options`` are the keyword arguments of :func:`~fedcp_dist.data.owndata.load_imagefolder`
     or :func:`~fedcp_dist.data.owndata.load_csv` (imagefolder, csv); ``include_val`` applies to
     tinyimagenet only (its val images after the train images).
@@ -593,7 +608,7 @@ def load_source(name: str, root=None, download: bool = False, *,
         return loader(root, **(own_options or {}))
     if source_kind(name) == "text":
         return _LOADERS[name](root, download, max_len=max_len, vocab_size=vocab_size,
-                              min_freq=min_freq)
+                              min_freq=min_freq, text_pipeline=text_pipeline)
     if name == "tinyimagenet":
         return _LOADERS[name](root, download, include_val=include_val)
     return _LOADERS[name](root, download)

@@ -2,7 +2,8 @@
 
 * ``cnn`` — the paper's 4-layer CNN, sized from the image shape (K = 512);
 * ``resnet18`` — torchvision's ResNet-18 from scratch, 3-channel images (K = 512);
-* ``fasttext`` — fastText on int64 token ids (B, max_len) with 0 as padding (K = 32);
+* ``fasttext`` — fastText on int64 token ids (B, max_len) with 0 as padding (K = ``fasttext_dim``,
+  32; ``fasttext_mean`` and ``fasttext_feature`` choose the variant, see :mod:`.fasttext`);
 * ``mlp`` — two ReLU layers on standardised table rows (B, F) (K = ``mlp_hidden``).
 
 Also two helpers for methods that must treat BatchNorm (or dropout) with care:
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from fedcp_dist.models.cnn import CNN
-from fedcp_dist.models.fasttext import FastText
+from fedcp_dist.models.fasttext import EMBED_DIM, FEATURES as FASTTEXT_FEATURES, MEANS as FASTTEXT_MEANS, FastText
 from fedcp_dist.models.mlp import DEFAULT_HIDDEN, MLP
 from fedcp_dist.models.resnet import ResNet18
 
@@ -23,13 +24,23 @@ MODELS = ("cnn", "resnet18", "fasttext", "mlp")
 MODEL_KINDS = {"cnn": "image", "resnet18": "image", "fasttext": "text", "mlp": "table"}
 
 
+#: the model keys of a config that build_model takes (besides the model's name)
+MODEL_KEYS = ("mlp_hidden", "fasttext_dim", "fasttext_mean", "fasttext_feature")
+
+
+def model_options(cfg) -> dict:
+    """The keyword arguments of :func:`build_model` that a config sets (its :data:`MODEL_KEYS`)."""
+    return {key: getattr(cfg, key) for key in MODEL_KEYS}
+
+
 def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0,
-                mlp_hidden: int = DEFAULT_HIDDEN) -> nn.Module:
+                mlp_hidden: int = DEFAULT_HIDDEN, fasttext_dim: int = EMBED_DIM,
+                fasttext_mean: str = "padded", fasttext_feature: str = "linear") -> nn.Module:
     """Build a model with ``.features``, ``.head`` and ``.feature_dim``.
 
     ``input_shape`` is one sample's shape: [C, H, W] for the image models, [max_len] for fasttext,
-    which also needs the ``vocab_size`` (ids 0 .. vocab_size - 1, 0 the padding), [F] for mlp
-    (``mlp_hidden`` wide).
+    which also needs the ``vocab_size`` (ids 0 .. vocab_size - 1, 0 the padding) and takes
+    ``fasttext_dim``, ``fasttext_mean``, ``fasttext_feature``, [F] for mlp (``mlp_hidden`` wide).
     Parameters are drawn from torch's global RNG: seed it first for identical models on every rank.
     """
     shape = tuple(int(s) for s in input_shape)
@@ -38,12 +49,14 @@ def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0,
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     if num_classes < 1:
         raise ValueError(f"model {name!r} needs at least one class, got num_classes={num_classes}")
-    model = _build(name, shape, num_classes, vocab_size, mlp_hidden)
+    fasttext = {"dim": int(fasttext_dim), "mean": fasttext_mean, "feature": fasttext_feature}
+    model = _build(name, shape, num_classes, vocab_size, mlp_hidden, fasttext)
     model.input_kind, model.input_shape = MODEL_KINDS[name], shape  # for methods that read the data's shape
     return model
 
 
-def _build(name: str, shape: tuple, num_classes: int, vocab_size: int, mlp_hidden: int) -> nn.Module:
+def _build(name: str, shape: tuple, num_classes: int, vocab_size: int, mlp_hidden: int,
+           fasttext: dict) -> nn.Module:
     if name in ("cnn", "resnet18"):
         if len(shape) != 3 or min(shape) < 1:
             raise ValueError(f"model {name!r} takes images [C, H, W], got input shape {list(shape)}")
@@ -63,7 +76,9 @@ def _build(name: str, shape: tuple, num_classes: int, vocab_size: int, mlp_hidde
         raise ValueError(f"model 'fasttext' takes token ids [max_len], got input shape {list(shape)}")
     if int(vocab_size) < 1:
         raise ValueError(f"model 'fasttext' needs the vocabulary size (> 0, id 0 is padding), got vocab_size={vocab_size}")
-    return FastText(int(vocab_size), num_classes)
+    if fasttext["dim"] < 1:
+        raise ValueError(f"model 'fasttext' needs fasttext_dim >= 1, got {fasttext['dim']}")
+    return FastText(int(vocab_size), num_classes, **fasttext)
 
 
 def mode_dependent(module: nn.Module) -> bool:

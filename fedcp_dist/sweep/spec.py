@@ -25,6 +25,7 @@ import yaml
 
 from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping, type_ok
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
+from fedcp_dist.data.sources import TEXT_SOURCES
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir import FINISHED, RunDir, defining_changes, format_value
 
@@ -94,7 +95,8 @@ def partition_file_name(spec: PartitionSpec) -> str:
     """A readable shard name from a partition spec: ``digits_dir0.1_n20_s1.h5``.
 
     Options other than source, scheme, its parameter, clients and seed that differ from the
-    defaults add a short hash, so that different partitions never share a name.
+    defaults add a short hash, so that different partitions never share a name; a text source's
+    ``text_pipeline`` always enters the hash.
     """
     scheme = spec.partition
     if scheme == "dir":
@@ -106,6 +108,10 @@ def partition_file_name(spec: PartitionSpec) -> str:
              *PARTITION_LOCATION_KEYS}
     defaults = PartitionSpec().to_dict()
     extra = {k: v for k, v in spec.to_dict().items() if k not in named and v != defaults[k]}
+    if spec.source in TEXT_SOURCES:
+        # always named, so that a shard made before the reference pipeline became the default
+        # (same options, other tokens) is never taken for one made with it
+        extra["text_pipeline"] = spec.text_pipeline
     if extra:
         name += "_" + hashlib.sha1(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8]
     return _UNSAFE.sub("_", name) + ".h5"

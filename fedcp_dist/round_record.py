@@ -1,0 +1,52 @@
+"""What the round loop reports: a round's record (one line of metrics.jsonl), the final
+evaluation's, and the run's summary (summary.json), assembled from the round's reduced sums, its
+times and the aggregator's byte counts. Rank 0's :class:`~fedcp_dist.rundir.RunWriter` writes them."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from fedcp_dist.aggregate import TrainSums
+from fedcp_dist.compress import byte_totals
+from fedcp_dist.evaluation import EvalSums
+from fedcp_dist.rundir import run_summary
+from fedcp_dist.selection import selection_counts
+
+#: the times of a round's record, in its order (peer_exchange_seconds only where the method exchanges models)
+TIMES = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds")
+
+
+def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSums, uplink: dict,
+                 ev: Optional[EvalSums], with_cohort: bool) -> dict:
+    """Round t's record (0-based t): ``times`` (:data:`TIMES`, and ``peer_exchange_seconds`` where
+    there was an exchange), the all-reduce's time and size, the cohort's size and train loss from the
+    reduced ``train`` sums, the byte counts ``uplink``, the cohort itself (``with_cohort``) and the
+    evaluation before the round (``ev``; None: the round did not evaluate)."""
+    record = {"kind": "round", "round": t + 1, **{k: times[k] for k in TIMES},
+              "allreduce_seconds": agg.last_seconds, "allreduce_bytes": agg.nbytes,
+              **({"peer_exchange_seconds": times["peer_exchange_seconds"]} if "peer_exchange_seconds" in times else {}),
+              "participants": int(len(cohort)), "train_loss": train.loss_sum / max(train.samples, 1.0),
+              "nonfinite_skipped": int(train.nonfinite_clients), **uplink}
+    if with_cohort:
+        record["cohort"] = [int(c) for c in cohort]
+    if ev is not None:
+        record.update({"evaluated_after": t, **ev.summary()})
+    return record
+
+
+def final_eval(rounds: int, values: Sequence[float]) -> dict:
+    """The evaluation after the last round from its reduced :class:`EvalSums` values."""
+    return {"evaluated_after": rounds, **EvalSums.from_values(list(values)).summary()}
+
+
+def summary(cfg, rt, setup, num_clients: int, records: list, final: dict, round_seconds: list,
+            with_selection: bool) -> dict:
+    """summary.json: :func:`~fedcp_dist.rundir.run_summary`, which of the shard's clients the run's
+    0 … K − 1 are (a run on part of a shard), the run's byte totals and, with feature-difference
+    selection, the rounds each client trained in."""
+    out = run_summary(cfg, rt, setup.info.source, num_clients, records, final, round_seconds, setup.load_seconds)
+    if cfg.data.clients is not None:
+        out["shard_clients"] = setup.clients.tolist()
+    out.update(byte_totals(records))
+    if with_selection:
+        out["selection_counts"] = selection_counts(records, num_clients)
+    return out

@@ -1,0 +1,76 @@
+"""A round's local training on one rank: the owned members of the cohort train (one by one or in
+fused groups, each from its own seeded stream), a non-finite result is left out, the training
+probes are taken, each new client state is kept in the store and each upload goes into the round's
+all-reduce buffer (compressed first when ``compress`` is on). The algorithm computes; this unit
+moves its results to where the round needs them."""
+from __future__ import annotations
+
+import torch
+
+from fedcp_dist.aggregate import TrainSums
+from fedcp_dist.algorithms.base import Context
+from fedcp_dist.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
+
+
+def stream_generator(seed: int, device, *keys: int) -> torch.Generator:
+    """A generator on ``device`` seeded with the stream (seed, *keys): the same on every rank."""
+    return torch.Generator(device=device).manual_seed(stream_seed(seed, *keys))
+
+
+class CohortTrainer:
+    """Trains this rank's participants of a round. ``owner``: every client's rank; ``data``: the
+    owned clients' data; ``fused``: train in fused groups."""
+
+    def __init__(self, cfg, rt, algo, store, data, owner, fused: bool, agg, compressor):
+        self.cfg, self.rt, self.algo, self.store, self.data, self.owner = cfg, rt, algo, store, data, owner
+        self.fused, self.agg, self.compressor = fused, agg, compressor
+
+    def generator(self, *keys: int) -> torch.Generator:
+        return stream_generator(self.cfg.seed, self.rt.device, *keys)
+
+    def train(self, t: int, cohort, probes) -> tuple[TrainSums, dict]:
+        """Round t's training of the cohort's owned clients, each finite result probed (when
+        ``probes.train``), kept and added to the all-reduce. (Sums of the round's training,
+        {client: peer payload} for a method that exchanges models.)"""
+        train, bad, payloads = TrainSums(), [], {}
+        for cid, res in self._results(t, [int(c) for c in cohort if self.owner[int(c)] == self.rt.rank], probes.train):
+            if not res.is_finite():
+                bad.append(cid)
+                print(f"rank {self.rt.rank}: round {t + 1}: client {cid} produced a non-finite loss or update "
+                      f"({'left out of the round' if self.cfg.on_nonfinite == 'skip' else 'stopping'})", flush=True)
+                continue  # neither aggregated nor kept as the client's new state
+            if probes.train:
+                self._probe(t, cid, res, probes)
+            self.store.put(cid, res.client_state, res.upload)
+            if self.algo.peer_dim:
+                payloads[cid] = self.algo.peer_payload(res)
+            self._upload(cid, res)
+            train += TrainSums(res.loss_sum, res.samples)
+        train += TrainSums(nonfinite_clients=len(bad), nonfinite_client_id_sum=sum(bad))
+        return train, payloads
+
+    def _results(self, t: int, cids: list, probe: bool):
+        """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
+        self.store.prefetch(cids)  # a store off the device reads the next clients' states while one trains
+        ctxs = [Context(t, c, self.generator(STREAM_TRAIN, t, c), probe) for c in cids]
+        if self.fused:
+            items = [(self.store.get(c), self.data[c], ctx) for c, ctx in zip(cids, ctxs)]
+            yield from zip(cids, self.algo.train_fused(items))
+            return
+        for c, ctx in zip(cids, ctxs):
+            yield c, self.algo.local_train(self.store.activate(c), self.data[c], ctx)
+
+    def _probe(self, t: int, cid: int, res, probes) -> None:
+        """Client ``cid``'s training probes of round t; before its new state is kept (the state it
+        had before the round, the global state as it received it)."""
+        ctx = Context(t, cid, self.generator(STREAM_PROBE, t, cid))
+        losses = self.algo.probe_losses(self.store.activate(cid), res, self.data[cid], ctx)
+        probes.add_train(cid, res, losses, self.data[cid].n_train)
+
+    def _upload(self, cid: int, res) -> None:
+        """n_i·θ_i into the all-reduce; with compression n_i·Δ̂_i (added to the global state after it)."""
+        upload = res.upload
+        if self.compressor.enabled:
+            upload, residual = self.compressor.compress(upload, self.store.global_state, self.store.residual(cid))
+            self.store.put_residual(cid, residual)
+        self.agg.add(upload, self.data[cid].n_train, skip=res.skipped)
