@@ -12,8 +12,10 @@ alone, whatever N: the run's own first round evaluates every client, which costs
 round's training at these client counts. ``--eval`` first runs round 1 with its evaluation of
 every client (what a real run does first; that is where a device store makes every client's
 state). Rank 0 prints one line per round (participants, seconds, training seconds) and, per rank,
-the start-up seconds (shard, placement, model, store), the peak RSS (the process's, ``ru_maxrss``)
-and where the client states live.
+the start-up seconds (shard, placement, model, store), the peak RSS (the process's, ``ru_maxrss``;
+it counts pages of files mapped into memory too, such as a disk store's FedAMP/FedFomo banks), the
+largest anonymous RSS (the process's own memory, ``RssAnon``) sampled after each round, and where
+the client states live.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from fedcp_dist.client_store import anon_rss_bytes  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.simulator import Simulator  # noqa: E402
@@ -55,21 +58,23 @@ def main(argv=None):
         say(f"{cfg.method} on {sim.num_clients} clients, {rt.world_size} rank(s), rho={cfg.participation}; "
             f"{sim.store_line}; training: {sim.path}")
         rounds = ([0] if a.eval else []) + list(range(1, a.rounds + 1))
+        anon = anon_rss_bytes() / 2**20
         for t in rounds:
             rec, _ = sim.round(t)
+            anon = max(anon, anon_rss_bytes() / 2**20)
             say(f"round {t + 1}: {rec['participants']} participants, {rec['seconds']:.2f} s "
                 f"(training {rec['train_seconds']:.2f} s, evaluation {rec['eval_seconds']:.2f} s)")
         sim.store.close()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        line = torch.tensor([startup, rss_start, rss, len(sim.owned)], dtype=torch.float64)
+        line = torch.tensor([startup, rss_start, rss, len(sim.owned), anon], dtype=torch.float64)
         rows = [line.clone() for _ in range(rt.world_size)]
         if rt.world_size > 1:
             import torch.distributed as dist
             dist.all_gather(rows, line)
         for r, row in enumerate(rows):
-            s, m0, m, n = row.tolist()
+            s, m0, m, n, an = row.tolist()
             say(f"rank {r}: {int(n)} clients, start-up {s:.2f} s, peak RSS {m0:.0f} MiB after start-up, "
-                f"{m:.0f} MiB at the end")
+                f"{m:.0f} MiB at the end; anonymous RSS after a round at most {an:.0f} MiB")
     finally:
         rt.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -177,7 +177,8 @@ class Checkpointer:
         clients' parts are mapped into memory (on the host) rather than read whole."""
         owned = set(int(c) for c in owned)
         try:
-            g = torch.load(d / "global.pt", map_location=device, weights_only=True)
+            on_host = mmap and torch.device(device).type == "cpu"  # a disk store maps large global tensors too
+            g = torch.load(d / "global.pt", map_location=device, weights_only=True, **({"mmap": True} if on_host else {}))
             manifest = json.loads((d / MARKER).read_text())
             clients: dict = {}
             for r in range(int(manifest["world_size"])):

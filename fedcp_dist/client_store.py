@@ -9,6 +9,8 @@ Checkpoints take its :meth:`state_dict` and give it back through :meth:`load_sta
 from __future__ import annotations
 
 import os
+import resource
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Optional
@@ -89,6 +91,12 @@ class ClientStore:
         if residual is not None:
             self.residuals[cid] = residual
 
+    def held_bytes(self) -> int:
+        """Bytes of per-client tensors this store holds in memory (states, BatchNorm statistics,
+        compression residuals); a disk store counts only the states in flight."""
+        return (sum(state_bytes(s) for s in self.states.values()) + sum(state_bytes(s) for s in self.bn.values())
+                + sum(state_bytes(s) for s in self.residuals.values()))
+
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> Dict[int, State]:
         """{client: its state, its BatchNorm statistics and its compression residual (both
@@ -125,6 +133,43 @@ def unpack(state: State):
 
 def state_bytes(state: Optional[State]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values()) if state else 0
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; elsewhere the peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (getrusage: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def anon_rss_bytes() -> int:
+    """This process's resident anonymous memory (its own, not files mapped into memory: the page
+    cache the kernel may drop); 0 where /proc/self/status is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def memory_record(store: "ClientStore") -> dict:
+    """The memory numbers of a round's record (rank 0's): resident memory now (all of it, and the
+    anonymous part) and at its peak, and the bytes of per-client state the store holds in memory,
+    each in MiB."""
+    mib, rss = 2.0**20, rss_bytes()
+    # the kernel updates the peak lazily: it may lag the current figure
+    return {"rss_mb": rss / mib, "rss_anon_mb": anon_rss_bytes() / mib, "peak_rss_mb": max(rss, peak_rss_bytes()) / mib,
+            "client_state_held_mb": store.held_bytes() / mib}
 
 
 def available_memory_bytes(device) -> int:
@@ -172,12 +217,17 @@ def _to(state: Optional[State], device) -> Optional[State]:
 
 
 class DiskClientStore(ClientStore):
-    """Client states on local disk, one file per client (``client_{id}.pt`` in ``directory``),
-    each written atomically (temporary name, rename). A client that never trained has no file:
-    its state is the method's initial one, made again when asked for (``init_client_state`` is
-    the same every time). In memory are only the states in flight: those read ahead of their use
-    (:meth:`prefetch`) and those written back in the background; :meth:`flush` waits for the
-    writes. BatchNorm statistics and compression residuals stay in memory."""
+    """Everything a client keeps on local disk, one file per client (``client_{id}.pt`` in
+    ``directory``), each written atomically (temporary name, rename): its state, its own BatchNorm
+    running statistics and its compression residual, in the checkpoint's layout (the last two under
+    ``__bn__/`` and ``__ef__/``). A client with nothing kept yet has no file: its state is the
+    method's initial one, made again when asked for (``init_client_state`` is the same every time).
+    In memory are only the entries in flight: those read ahead of their use (:meth:`prefetch`), the
+    last few used (``RECENT``) and those written back in the background; :meth:`flush` waits for
+    the writes. So a rank's memory does not grow with its number of clients."""
+
+    #: entries of the clients used last, kept to serve activate/get/residual of one client by one read
+    RECENT = 4
 
     def __init__(self, algo, global_state: State, bn_keys=(), directory: str = "", device="cpu"):
         self.dir = Path(directory)
@@ -187,11 +237,43 @@ class DiskClientStore(ClientStore):
             old.unlink()
         self.saved: set = set()  # clients with a file
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state")
-        self._writing: Dict[int, tuple] = {}  # client -> (state, future) until its file is written
+        self._writing: Dict[int, tuple] = {}  # client -> (entry, future) until its file is written
+        self._older: list = []  # futures of writes overtaken by a later write of the same client
         self._ahead: Dict[int, object] = {}  # client -> future of its read
+        self._recent: "OrderedDict[int, State]" = OrderedDict()
         self._order: list = []
         self._pos: Dict[int, int] = {}
+        #: global tensors with a row per client (FedAMP's and FedFomo's banks) mapped from files here
+        self.mapped_keys = tuple(getattr(algo, "bank_keys", ())) if self.device.type == "cpu" else ()
+        self._mapped: Dict[str, torch.Tensor] = {}
         super().__init__(algo, global_state, bn_keys)
+
+    def set_global(self, global_state: State) -> None:
+        """As :meth:`ClientStore.set_global`; the method's per-client banks (``bank_keys``) are kept
+        in files of this directory mapped into memory (``global_{key}.f32``): the page cache holds
+        what is used, the kernel may drop it, and the process's own memory does not grow with N."""
+        for key in self.mapped_keys:
+            if key in global_state and global_state[key] is not self._mapped.get(key):
+                global_state[key] = self._map(key, global_state[key])
+        super().set_global(global_state)
+
+    def _map(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        """``src`` copied into a file-backed tensor of the same shape (rows of zeros are not written:
+        the file is sparse). Rows are copied a few at a time, so ``src`` may itself be mapped."""
+        path = self.dir / f"global_{key}.f32"
+        self._mapped.pop(key, None)
+        with open(path, "wb") as f:
+            f.truncate(src.numel() * 4)
+        out = torch.from_file(str(path), shared=True, size=src.numel(), dtype=torch.float32).view(src.shape)
+        rows = src.reshape(src.shape[0], -1) if src.dim() else src.reshape(1, 1)
+        dst = out.reshape(rows.shape)
+        step = max(1, (4 << 20) // max(1, rows.shape[1] * 4))
+        for i in range(0, rows.shape[0], step):
+            chunk = rows[i:i + step]
+            if bool(chunk.any()):
+                dst[i:i + step] = chunk
+        self._mapped[key] = out
+        return out
 
     def _path(self, cid: int) -> Path:
         return self.dir / f"client_{cid:07d}.pt"
@@ -206,7 +288,7 @@ class DiskClientStore(ClientStore):
         os.replace(tmp, path)
 
     def prefetch(self, order) -> None:
-        """Clients are about to be used in this order: each :meth:`get` reads the next ones ahead.
+        """Clients are about to be used in this order: each use reads the next ones ahead.
         The writes of the last use finish first, so that no state is trained on while it is written."""
         self.flush()
         self._order = [int(c) for c in order]
@@ -215,45 +297,84 @@ class DiskClientStore(ClientStore):
             self._schedule(c)
 
     def _schedule(self, cid: int) -> None:
-        if cid in self.saved and cid not in self._writing and cid not in self._ahead:
+        if cid in self.saved and cid not in self._writing and cid not in self._ahead and cid not in self._recent:
             self._ahead[cid] = self._io.submit(self._read, cid)
 
-    def get(self, cid: int) -> Optional[State]:
+    def _entry(self, cid: int) -> Optional[State]:
+        """Client ``cid``'s whole kept entry (prefixed as in a checkpoint); None when it has no file."""
+        if cid in self._writing:
+            return self._writing[cid][0]
+        if cid in self._recent:
+            self._recent.move_to_end(cid)
+            return self._recent[cid]
         i = self._pos.get(cid)
         if i is not None:
             for c in self._order[i + 1:i + 1 + PREFETCH_DEPTH]:
                 self._schedule(c)
         pending = self._ahead.pop(cid, None)
-        if cid in self._writing:
-            if pending is not None:
-                pending.result()
-            return self._writing[cid][0]
         if pending is not None:
-            return pending.result()
-        if cid in self.saved:
-            return self._read(cid)
-        return self.algo.init_client_state(cid)
+            entry = pending.result()
+        elif cid in self.saved:
+            entry = self._read(cid)
+        else:
+            return None
+        self._recent[cid] = entry
+        while len(self._recent) > self.RECENT:
+            self._recent.popitem(last=False)
+        return entry
+
+    def _keep(self, cid: int, entry: State) -> None:
+        """Write ``entry`` back as client ``cid``'s file (in the background)."""
+        self._recent.pop(cid, None)
+        stale = self._ahead.pop(cid, None)
+        if stale is not None:
+            stale.result()
+        self._reap()
+        if cid in self._writing:
+            self._older.append(self._writing[cid][1])
+        self._writing[cid] = (entry, self._io.submit(self._write, cid, entry))
+        self.saved.add(cid)
+
+    def activate(self, cid: int) -> Optional[State]:
+        if self.bn_keys:
+            own = unpack(self._entry(cid) or {})[0]
+            self.algo.set_global({**self.global_state, **own} if own else self.global_state)
+        return self.get(cid)
+
+    def get(self, cid: int) -> Optional[State]:
+        rest = unpack(self._entry(cid) or {})[2]
+        return rest if rest else self.algo.init_client_state(cid)
 
     def peek(self, cid: int) -> Optional[State]:
-        return self.get(cid) if cid in self.saved else None
+        return (unpack(self._entry(cid) or {})[2] or None) if cid in self.saved else None
 
     def put(self, cid: int, state: Optional[State], upload: State) -> None:
-        if state is not None:
-            stale = self._ahead.pop(cid, None)
-            if stale is not None:
-                stale.result()
-            self._reap()
-            self._writing[cid] = (state, self._io.submit(self._write, cid, state))
-            self.saved.add(cid)
+        if state is None and not self.bn_keys:
+            return
+        bn, ef, rest = unpack(self._entry(cid) or {})
         if self.bn_keys:
-            self.bn[cid] = {k: upload.pop(k) for k in self.bn_keys}
+            bn = {k: upload.pop(k) for k in self.bn_keys}
+        self._keep(cid, pack(state if state is not None else rest, bn, ef))
+
+    def residual(self, cid: int) -> Optional[State]:
+        return unpack(self._entry(cid) or {})[1] or None
+
+    def put_residual(self, cid: int, residual: Optional[State]) -> None:
+        if residual is not None:
+            bn, _, rest = unpack(self._entry(cid) or {})
+            self._keep(cid, pack(rest, bn, residual))
 
     def _reap(self) -> None:
         for c in [c for c, (_, f) in self._writing.items() if f.done()]:
             self._writing.pop(c)[1].result()  # raises a failed write here
+        while self._older and self._older[0].done():
+            self._older.pop(0).result()
 
     def flush(self) -> None:
         """Wait for every write back; drop reads ahead that were not used."""
+        for f in self._older:
+            f.result()
+        self._older = []
         for c in list(self._writing):
             self._writing.pop(c)[1].result()
         for f in self._ahead.values():
@@ -265,29 +386,29 @@ class DiskClientStore(ClientStore):
         self.flush()
         self._io.shutdown()
 
+    def held_bytes(self) -> int:
+        return (super().held_bytes() + sum(state_bytes(e) for e, _ in self._writing.values())
+                + sum(state_bytes(e) for e in self._recent.values()))
+
     def state_dict(self) -> Dict[int, State]:
-        """As :meth:`ClientStore.state_dict`; the states are the clients' files mapped into memory
-        (read from disk as the checkpoint writes them, not held at once)."""
+        """As :meth:`ClientStore.state_dict`: the clients' files mapped into memory (read from disk
+        as the checkpoint writes them, not held at once); they are already in its layout."""
         self.flush()
-        out = {c: {} for c in set(self.bn) | set(self.residuals) | self.saved}
-        for c in self.saved:
-            out[c].update(torch.load(self._path(c), map_location="cpu", weights_only=True, mmap=True))
-        for c, bn in self.bn.items():
-            out[c].update({BN_PREFIX + k: v for k, v in bn.items()})
-        for c, ef in self.residuals.items():
-            out[c].update({EF_PREFIX + k: v for k, v in ef.items()})
-        return out
+        self._recent.clear()
+        return {c: torch.load(self._path(c), map_location="cpu", weights_only=True, mmap=True) for c in self.saved}
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
+        self._recent.clear()
         for c, state in states.items():
-            bn, ef, rest = unpack(state)
-            if bn:
-                self.bn[c] = bn
-            if ef:
-                self.residuals[c] = ef
-            if rest:
-                self._write(c, rest)
+            if state:
+                self._write(c, dict(state))
                 self.saved.add(c)
+
+
+def pack(state: Optional[State], bn: Optional[State], ef: Optional[State]) -> State:
+    """A client's kept entry (its checkpoint layout) from its state, BatchNorm statistics and residual."""
+    return {**(state or {}), **{BN_PREFIX + k: v for k, v in (bn or {}).items()},
+            **{EF_PREFIX + k: v for k, v in (ef or {}).items()}}
 
 
 def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tuple[ClientStore, str]:

@@ -116,6 +116,9 @@ class _Execution:
     client_state_budget_mb: float = 0.0
     #: client_state=disk: directory of the state files (a local scratch disk); empty: out_dir/client_state
     client_state_dir: str = ""
+    #: each round's record gains rank 0's resident memory now and at its peak and the MiB of client state
+    #: its store holds in memory (rss_mb, peak_rss_mb, client_state_held_mb): for soak runs
+    record_memory: bool = False
     #: mixed precision of local training: none | bf16 (autocast; evaluation stays float32)
     amp: str = "none"
     #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)

@@ -80,6 +80,7 @@ NOT_DEFINING: dict = {
     "analysis": "whether the probes write analysis.jsonl",
     "analysis_every": "how often the training probes are taken",
     "logger": "where the metrics are written besides metrics.jsonl",
+    "record_memory": "whether round records carry the memory numbers",
     # failures: a run that meets no non-finite update runs the same under either policy, and one that
     # meets it under 'error' has stopped; switching to 'skip' on resume is how such a run goes on
     "on_nonfinite": "what a non-finite client update does to the run",

@@ -19,7 +19,7 @@ from fedcp_dist import startup
 from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.client_store import DiskClientStore, make_store
+from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
 from fedcp_dist.compress import Compressor, uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
@@ -182,6 +182,7 @@ class Simulator:
         uplink = uplink_record(self.compressor, self.agg, len(cohort) - int(train.nonfinite_clients), len(cohort))
         record = round_record(t, times, self.agg, cohort, train, uplink, ev if evaluated else None,
                               self.select_by_features)
+        record.update(memory_record(self.store) if cfg.record_memory else {})
         if evaluated:
             self.echo(progress_line(cfg.rounds, record, record))
         self.writer.log_analysis(probes.records(self.agg.extra()))

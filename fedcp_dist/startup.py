@@ -143,7 +143,10 @@ def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: i
     dim = algo.peer_dim
     if not dim:
         return 0
-    need = algo.peer_memory_bytes(num_clients) + world_size * max_owned * (dim + 1) * 4
+    # client_state=disk on the CPU: the banks are files mapped into memory (page cache), not the process's own
+    dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    on_disk = cfg.client_state == "disk" and torch.device(dev).type == "cpu"
+    need = (0 if on_disk else algo.peer_memory_bytes(num_clients)) + world_size * max_owned * (dim + 1) * 4
     if need > cfg.peer_memory_mb * 2**20:
         raise UserError(
             f"{cfg.method} needs {need / 2**20:.0f} MiB per rank for other clients' models ({num_clients} clients, "

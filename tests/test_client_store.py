@@ -11,7 +11,7 @@ import torch
 from conftest import run_cmd
 from helpers import run
 from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.client_store import DiskClientStore, resolve_mode
+from fedcp_dist.client_store import ClientStore, DiskClientStore, resolve_mode
 from fedcp_dist.errors import Preempted
 
 MiB = 2**20
@@ -168,3 +168,212 @@ def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys)
     assert out[1].startswith("round 1: 3 participants") and out[2].startswith("round 2: 3 participants")
     assert "evaluation 0.00 s" in out[2] and "evaluation 0.00 s" not in out[1]
     assert out[3].startswith("rank 0: 6 clients, start-up ")
+
+
+def test_micro_auc_is_scikit_learns_value_to_the_last_bit():
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+    from fedcp_dist.evaluation import micro_auc
+
+    # by hand: positives score 0.8 and 0.6, negatives 0.2 and 0.4 -> every pair ordered: 1.0
+    assert micro_auc(np.array([0, 1]), np.array([[0.8, 0.2], [0.4, 0.6]], dtype=np.float32)) == 1.0
+    assert micro_auc(np.array([0]), np.array([[0.3, 0.7]], dtype=np.float32)) == 0.0  # the one pair reversed
+    assert micro_auc(np.array([0, 1]), np.full((2, 2), 0.5, dtype=np.float32)) == 0.5  # all tied
+    assert np.isnan(micro_auc(np.array([], dtype=np.int64), np.zeros((0, 3), dtype=np.float32)))
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n, k = int(rng.integers(1, 120)), int(rng.integers(2, 11))
+        if trial % 2:  # few distinct scores: many ties, and collinear ROC points that are dropped
+            p = (rng.integers(0, 4, size=(n, k)) / 4).astype(np.float32)
+        else:
+            p = rng.random((n, k)).astype(np.float32)
+            p /= p.sum(1, keepdims=True)
+        y = rng.integers(0, k, size=n)
+        onehot = np.zeros(p.shape, dtype=np.int8)
+        onehot[np.arange(n), y] = 1
+        assert micro_auc(y, p) == float(roc_auc_score(onehot.ravel(), p.ravel())), (n, k, trial)
+
+
+def test_record_memory_adds_rank_0s_memory_to_every_round(digits6, tmp_path):
+    from fedcp_dist.client_store import ClientStore, memory_record, rss_bytes
+
+    out = tmp_path / "mem"
+    run("configs/digits_ditto.yaml", _ditto(digits6, out, "record_memory=true", "rounds=1"))
+    rounds = [r for r in _records(out) if r["kind"] == "round"]
+    assert len(rounds) == 1
+    for r in rounds:
+        assert 10 < r["rss_mb"] <= r["peak_rss_mb"] < 64 * 1024
+        assert r["client_state_held_mb"] > 0  # Ditto keeps a whole model per client
+    # off by default (the golden digests cover the records of runs without it)
+
+    class _A:
+        def init_client_state(self, c):
+            return None
+
+        def set_global(self, g):
+            pass
+
+    store = ClientStore(_A(), {})
+    store.put(0, {"w": torch.zeros(2**18)}, {})  # 1 MiB of float32
+    store.put_residual(1, {"e": torch.zeros(2**17, dtype=torch.float64)})  # 1 MiB
+    assert memory_record(store)["client_state_held_mb"] == 2.0
+    assert rss_bytes() > 0
+
+
+def test_soak_summary_compares_the_first_and_last_rounds(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[1] / "bench" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    rows = []
+    for r in range(1, 7):  # rounds 1-6; round 4 recorded twice (a resumed run): the later one counts
+        rec = {"kind": "round", "round": r, "seconds": float(r), "train_seconds": r / 2, "train_cpu_seconds": r / 4,
+               "rss_mb": 100.0 + r,
+               "peak_rss_mb": 110.0 + r, "client_state_held_mb": 0.5}
+        if r % 3 == 1:
+            rec["evaluated_after"] = r - 1
+        rows.append(rec)
+        if r == 4:
+            rows.append({**rec, "seconds": 40.0})
+    rows.append({"kind": "final_eval", "round": 6})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ck = tmp_path / "checkpoints" / "round_0000006"
+    ck.mkdir(parents=True)
+    (ck / "global.pt").write_bytes(b"x" * 10)
+    (ck / "clients_0.pt").write_bytes(b"x" * 5)
+    s = soak.summarise(tmp_path, window=3)
+    assert s["rounds_done"] == 6 and s["checkpoints"] == [(6, 15, 10)]
+    f, l = s["first"], s["last"]
+    assert (f["rounds"], f["median_s"], f["median_s_no_eval"], f["median_train_s"]) == ("1-3", 2.0, 2.5, 1.0)
+    assert (l["rounds"], l["median_s"], l["mean_s"], l["median_s_no_eval"]) == ("4-6", 6.0, 17.0, 5.5)
+    assert (f["median_train_cpu_s"], l["median_train_cpu_s"]) == (0.5, 1.25)
+    assert (l["median_rss_mb"], l["max_rss_mb"], l["peak_rss_mb"], l["held_mb"]) == (105.0, 106.0, 116.0, 0.5)
+    text = soak.format_summary(s)
+    assert [l.split()[-2:] for l in text.splitlines() if l.startswith("median s/round ")] == [["2.000", "6.000"]]
+
+
+# FedCP with a BatchNorm in its CPN (each client keeps its own running statistics) and top-k uploads
+# with error feedback (each client keeps its residual): with client_state=disk both live in the
+# clients' files, not in memory, and the run is the device store's, bit for bit, resumed or not
+def _fedcp_bn_ef(shard, out, *extra):
+    return [f"data.path={shard}", f"out_dir={out}", "rounds=3", "eval_every=2", "participation=0.5",
+            "checkpoint_every=1", "threads=1", "fused=false", "cpn_layers=2", "cpn_norm=batchnorm",
+            "compress=topk", "compress_ratio=0.5", "compress_error_feedback=true", *extra]
+
+
+def test_bn_statistics_and_residuals_live_in_the_disk_stores_files_and_resume_exactly(digits6, tmp_path):
+    from fedcp_dist.client_store import BN_PREFIX, EF_PREFIX
+
+    dev = tmp_path / "device"
+    run("configs/digits_fedcp.yaml", _fedcp_bn_ef(digits6, dev))
+    disk = tmp_path / "disk"
+    run("configs/digits_fedcp.yaml", _fedcp_bn_ef(digits6, disk, "client_state=disk"))
+    trained = _same(dev, disk)
+    _, clients = _final(disk)
+    for c in trained:  # each trained client's entry holds its statistics and its residual
+        assert any(k.startswith(BN_PREFIX) for k in clients[c]) and any(k.startswith(EF_PREFIX) for k in clients[c])
+    on_disk = torch.load(disk / "client_state" / "rank_0" / f"client_{min(trained):07d}.pt", weights_only=True)
+    assert on_disk.keys() == clients[min(trained)].keys()
+    # stopped in round 2 (its checkpoint after round 1 kept), files spoiled, resumed: the same run
+    out = tmp_path / "resumed"
+    args = _fedcp_bn_ef(digits6, out, "client_state=disk", "checkpoint_every=0")
+    with pytest.raises(Preempted):
+        run("configs/digits_fedcp.yaml", args, wrap=lambda a: _PreemptAt(a, 2))
+    for f in (out / "client_state" / "rank_0").glob("client_*.pt"):
+        torch.save({k: v + 1 for k, v in torch.load(f, weights_only=True).items()}, f)
+    run("configs/digits_fedcp.yaml", args[:-1] + ["checkpoint_every=1"])
+    _same(dev, out)
+
+
+def test_disk_store_holds_no_per_client_state_in_memory():
+    """Memory held by a disk store does not grow with its clients: N=50 vs N=200 clients, each with
+    a state, BatchNorm statistics and a residual."""
+    import tempfile
+
+    def held(n):
+        with tempfile.TemporaryDirectory() as d:
+            algo = _Algo()
+            mem, disk = ClientStore(algo, {}, ["bn.running_mean"]), DiskClientStore(algo, {}, ["bn.running_mean"], d)
+            for store in (mem, disk):
+                store.prefetch(range(n))
+                for c in range(n):
+                    store.activate(c)
+                    store.put(c, {"w": torch.full((256,), float(c))}, {"bn.running_mean": torch.zeros(64)})
+                    store.put_residual(c, {"e": torch.ones(128)})
+                store.flush()
+            got = mem.held_bytes(), disk.held_bytes()
+            back = disk.state_dict()
+            assert back[n - 1]["w"][0] == n - 1 and back[3]["__ef__/e"].sum() == 128 and len(back) == n
+            assert disk.residual(7)["e"].tolist() == [1.0] * 128 and disk.peek(7)["w"][0] == 7.0
+            disk.close()
+            return got
+
+    (m50, d50), (m200, d200) = held(50), held(200)
+    assert m50 == 50 * (256 + 64 + 128) * 4 and m200 == 4 * m50  # in memory: N entries
+    assert d50 == d200 <= DiskClientStore.RECENT * (256 + 64 + 128) * 4  # on disk: a few entries in flight
+
+
+@pytest.mark.parametrize("method", ["fedamp", "fedfomo"])
+def test_peer_banks_live_in_mapped_files_and_resume_exactly(method, digits6, tmp_path):
+    """FedAMP's bank and FedFomo's bank and affinity matrix (a row per client) are files of the disk
+    store mapped into memory: the same run as the device store's, bit for bit, resumed or not."""
+    cfg = f"configs/digits_{method}.yaml"
+    dev, disk = tmp_path / "device", tmp_path / "disk"
+    run(cfg, _ditto(digits6, dev))
+    run(cfg, _ditto(digits6, disk, "client_state=disk"))
+    _same(dev, disk)
+    g, _ = _final(disk)
+    keys = ("bank", "affinity") if method == "fedfomo" else ("bank",)
+    for key in keys:
+        mapped = torch.from_file(str(disk / "client_state" / "rank_0" / f"global_{key}.f32"), shared=False,
+                                 size=g[key].numel(), dtype=torch.float32).view(g[key].shape)
+        assert torch.equal(mapped, g[key]) and bool(g[key].any())
+    out = tmp_path / "resumed"
+    args = _ditto(digits6, out, "client_state=disk", "checkpoint_every=0")
+    with pytest.raises(Preempted):
+        run(cfg, args, wrap=lambda a: _PreemptAt(a, 2))
+    run(cfg, args[:-1] + ["checkpoint_every=1"])
+    _same(dev, out)
+
+
+def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
+    from types import SimpleNamespace
+    from fedcp_dist.errors import UserError
+    from fedcp_dist.startup import check_peer_memory
+
+    algo = SimpleNamespace(peer_dim=2**18 - 1, peer_memory_bytes=lambda n: n * 2**20)  # 1 MiB a client
+    cfg = SimpleNamespace(client_state="device", device="cpu", peer_memory_mb=100.0, method="fedamp")
+    # 2 ranks x 10 owned x 1 MiB exchange rows + 50 MiB bank = 70 MiB: fits; 1000 clients' bank does not
+    assert check_peer_memory(cfg, algo, 50, 10, 2) == 70 * 2**20
+    with pytest.raises(UserError, match="peer_memory_mb=100"):
+        check_peer_memory(cfg, algo, 1000, 10, 2)
+    cfg.client_state = "disk"  # the bank is a file mapped into memory: only the exchange rows count
+    assert check_peer_memory(cfg, algo, 1000, 10, 2) == 20 * 2**20
+
+
+def test_fedfomo_on_disk_keeps_8_bytes_per_client_outside_the_store(tmp_path):
+    """Host memory the method holds outside the store, N = 50 vs N = 200: the bank (N x P) and the
+    affinity matrix (N x N) are files mapped into memory; only fresh and seen (4 bytes each) remain."""
+    from fedcp_dist.algorithms import make_algorithm
+    from fedcp_dist.config import load_config
+    from fedcp_dist.models import build_model
+
+    own = {}
+    for n in (50, 200):
+        cfg = load_config("configs/digits_fedfomo.yaml", ["client_state=disk", f"out_dir={tmp_path}", "device=cpu"])
+        algo = make_algorithm("fedfomo", cfg, build_model("cnn", (1, 28, 28), 10), "cpu")
+        algo.num_clients = n
+        g = algo.init_global_state()
+        assert g["bank"].stride()[0] == 0 and g["affinity"].stride()[0] == 0  # one zero row, expanded
+        store = DiskClientStore(algo, g, (), str(tmp_path / f"s{n}"), "cpu")
+        gs = store.global_state
+        assert {k: tuple(gs[k].shape) for k in store.mapped_keys} == {"bank": (n, algo.model_dim), "affinity": (n, n)}
+        own[n] = sum(t.numel() * t.element_size() for k, t in gs.items() if t is not store._mapped.get(k))
+        vec = torch.arange(algo.peer_dim, dtype=torch.float32)
+        out = algo.receive_peers(0, gs, {3: vec, 7: 2 * vec})
+        store.set_global(out)
+        assert out["bank"] is store._mapped["bank"] and out["affinity"] is store._mapped["affinity"]  # in place
+        assert torch.equal(gs["bank"][7], 2 * vec[:algo.model_dim]) and float(gs["affinity"][3, 1]) == algo.model_dim + 1
+        assert float(gs["bank"][5].abs().sum()) == 0 and out["fresh"].tolist().count(1.0) == 2
+        store.close()
+    assert own == {50: 50 * 8, 200: 200 * 8}

@@ -68,6 +68,8 @@ class FedFomo(PeerBankMethod):
                "its last training, the new model the weighted average of the chosen ones"),
     )
 
+    bank_keys = ("bank", "affinity")
+
     def extra_peer_dim(self):
         return self.num_clients  # the client's row of weights w_i·
 
@@ -77,7 +79,8 @@ class FedFomo(PeerBankMethod):
 
     def init_global_state(self):
         n = self.num_clients
-        affinity = torch.eye(n, device=self.device) if self.compat else torch.zeros(n, n, device=self.device)
+        # compat: the identity (materialised even with client_state=disk: its diagonal is not zero)
+        affinity = torch.eye(n, device=self.device) if self.compat else self.zeros_per_client(n)
         return {**super().init_global_state(), "affinity": affinity}
 
     def init_client_state(self, client):
@@ -91,7 +94,7 @@ class FedFomo(PeerBankMethod):
 
     def receive_peers(self, round_idx, global_state, peers):
         out = super().receive_peers(round_idx, global_state, peers)
-        affinity = global_state["affinity"].clone()
+        affinity = global_state["affinity"]  # updated in place, as the bank is (no N x N copy)
         for cid, vec in peers.items():
             affinity[cid] += vec[self.model_dim :]
         out["affinity"] = affinity

@@ -12,7 +12,8 @@ state, so it is checkpointed with it and identical on every rank:
 * ``fresh`` (N,): 1 for the clients whose model arrived in the last round, else 0;
 * ``seen``  (N,): 1 for the clients whose model has ever arrived.
 
-Memory per rank: N·P·4 bytes for the bank (the engine adds its exchange buffer and refuses a run
+Memory per rank: N·P·4 bytes for the bank (with ``client_state: disk`` a file mapped into memory,
+see :class:`~fedcp_dist.client_store.DiskClientStore`) (the engine adds its exchange buffer and refuses a run
 above ``peer_memory_mb``); for the 4-layer CNN on MNIST (P ≈ 582 k) that is 2.2 MiB per client.
 """
 from __future__ import annotations
@@ -29,6 +30,9 @@ from fedcp_dist.options import Option, above
 
 
 class PeerBankMethod(SGDAlgorithm):
+    #: global tensors with a row per client: a disk client store (client_state=disk) keeps them in
+    #: files mapped into memory, so they are updated in place, never copied whole
+    bank_keys = ("bank",)
     options = (
         Option("peer_memory_mb", 4096.0, "FedAMP/FedFomo: MiB per rank that the models exchanged between clients may "
                "use; a run above it is refused", above(0)),
@@ -79,10 +83,18 @@ class PeerBankMethod(SGDAlgorithm):
         """Values a participant shares beyond its model (default none)."""
         return 0
 
+    def zeros_per_client(self, cols: int) -> torch.Tensor:
+        """An (N, cols) tensor of zeros for a ``bank_keys`` entry. With ``client_state: disk`` on the CPU
+        the store copies it into a file mapped into memory at once: then it is one row expanded, so
+        that N rows are never allocated."""
+        if getattr(self.cfg, "client_state", "device") == "disk" and torch.device(self.device).type == "cpu":
+            return torch.zeros(1, cols).expand(self.num_clients, cols)
+        return torch.zeros(self.num_clients, cols, device=self.device)
+
     def init_global_state(self) -> State:
         n, dev = self.num_clients, self.device
         return {
-            "bank": torch.zeros(n, self.model_dim, device=dev),
+            "bank": self.zeros_per_client(self.model_dim),
             "fresh": torch.zeros(n, device=dev),
             "seen": torch.zeros(n, device=dev),
         }
