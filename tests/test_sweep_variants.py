@@ -126,6 +126,14 @@ def test_report_rows_by_variant_with_several_metrics(tmp_path, capsys):
     md = (tmp_path / "rep2" / "report.md").read_text()
     assert "| method | variant=cache | variant=hard | variant=plain |" in md
     assert "| fedcp | 92.00 ± 0.00 | 83.00 ± 3.00 | 92.00 ± 2.00 |" in md
+    # byte counts no run records (nothing skipped): n/a, where a misspelt key stops
+    for p in sw.points:
+        if p.params["variant"] == "cache":
+            (p.run_dir / "summary.json").unlink()
+    report.main([str(sw.dir), "--rows", "variant", "--metric", "best_acc,uplink_bytes_per_round,uplink_bytes_sent",
+                 "--out", str(tmp_path / "rep3"), "--no-plots"])
+    md = (tmp_path / "rep3" / "report.md").read_text()
+    assert "| plain | 92.00 ± 2.00 | n/a | n/a |" in md and "| cache | – (0/2) | – (0/2) | – (0/2) |" in md
     capsys.readouterr()
     assert "'variants'" in cli_error(capsys, report.main, [str(sw.dir), "--rows", "variants"])
     assert "'uplink'" in cli_error(capsys, report.main, [str(sw.dir), "--metric", "best_acc,uplink"])

@@ -42,6 +42,10 @@ DERIVED = {
                                          if _numeric(s.get("uplink_bytes_sent")) and _numeric(s.get("rounds"))
                                          and s["rounds"] > 0 else None),
 }
+#: summary keys only some runs have (fedcp_dist.compress.byte_totals: compressed or skipped uploads):
+#: a report of runs that have none of them says n/a rather than stopping
+OPTIONAL = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense", "uplink_bytes_sent",
+            "uplink_bytes_saved", "uplink_saved_fraction", *DERIVED)
 #: a cell whose finished runs do not record the metric (a byte count of a run that skips nothing)
 NA_CELL = "n/a"
 SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
@@ -327,7 +331,7 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     runs = col.runs
     scale = 100.0 if _is_percent(metric) else 1.0
     finished = [r for r in runs if r.finished]
-    if finished and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
+    if finished and metric not in OPTIONAL and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
         raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
                         f" (and, computed from them: {', '.join(DERIVED)})")
