@@ -314,8 +314,8 @@ class Table:
         if cell is None:
             return ""
         if not cell.values:
-            if cell.not_recorded == cell.expected:
-                return NA_CELL
+            if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
+                return NA_CELL + (f" ({cell.not_recorded}/{cell.expected})" if cell.not_recorded < cell.expected else "")
             return f"{MISSING_CELL} (0/{cell.expected})"
         scale_fmt = "{:.2f}" if _is_percent(self.metric) else ("{:.4g}" if "fraction" in self.metric or
                                                                  abs(cell.mean) < 1e4 else "{:.0f}")
