@@ -3,11 +3,14 @@
     fedcp-report runs/sweeps/digits_smoke                  # report.md, report.csv, *.png in that directory
     fedcp-report runs/sweeps/client_count --out reports/n --metric final_acc
     fedcp-report runs/ --by lam                            # columns by lam, whatever else differs
+    fedcp-report runs/sweeps/extensions --rows variant --metric best_acc,final_acc   # a row per variant
 
 A run is a directory holding ``config.yaml``; it is finished when ``summary.json`` is there too.
 Rows are methods, columns are settings: the values of the swept keys other than ``seed`` and
 ``method`` (a sweep's grid keys when a ``sweep.json`` is found, else the config keys whose values
-differ between runs, or ``--by``). A cell is mean ± std over seeds of 100·metric. Runs that are
+differ between runs, or ``--by``); ``--rows KEY`` makes the rows by another key (a sweep's
+``variant``, say), and ``--metric`` may list several summary keys, each then a column per setting.
+A cell is mean ± std over seeds of the metric (100·metric for accuracies and AUCs). Runs that are
 missing or unfinished are listed and their cells marked ``(finished/expected)``; they are never
 averaged in.
 """
@@ -33,6 +36,18 @@ from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 #: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not
 #: define an experiment, fedcp_dist.rundir.NOT_DEFINING, never are either)
 ROW_KEYS = ("method", "seed")
+#: metrics computed from a summary's keys: name -> (function of the summary, or None where it lacks them)
+DERIVED = {
+    "uplink_bytes_per_round": lambda s: (s["uplink_bytes_sent"] / s["rounds"]
+                                         if _numeric(s.get("uplink_bytes_sent")) and _numeric(s.get("rounds"))
+                                         and s["rounds"] > 0 else None),
+}
+#: summary keys only some runs have (fedcp_dist.compress.byte_totals: compressed or skipped uploads):
+#: a report of runs that have none of them says n/a rather than stopping
+OPTIONAL = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense", "uplink_bytes_sent",
+            "uplink_bytes_saved", "uplink_saved_fraction", *DERIVED)
+#: a cell whose finished runs do not record the metric (a byte count of a run that skips nothing)
+NA_CELL = "n/a"
 SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
 MISSING_CELL = "–"
 
@@ -48,6 +63,8 @@ class Run:
     #: why it has no result, when it has none
     why: str = ""
     sweep: Optional[str] = None
+    #: the key whose value is the run's row (``--rows``)
+    row_key: str = "method"
     _curve: Optional[list] = field(default=None, repr=False)
 
     @property
@@ -61,7 +78,16 @@ class Run:
 
     @property
     def method(self) -> str:
-        return str(self.value("method"))
+        """The run's row: its method, or its value of the ``--rows`` key."""
+        return str(self.value(self.row_key))
+
+    def metric(self, name: str):
+        """The summary's value of ``name`` (or of a :data:`DERIVED` metric); None when it has none."""
+        if self.summary is None:
+            return None
+        if name in DERIVED and name not in self.summary:
+            return DERIVED[name](self.summary)
+        return self.summary.get(name)
 
     @property
     def seed(self):
@@ -131,6 +157,8 @@ class Collection:
     grid_keys: Optional[list]
     method_order: list
     sweeps: list
+    #: key -> its values in the sweep files' order (the grid's lists, the variants' names)
+    orders: dict = field(default_factory=dict)
 
 
 def collect(root) -> Collection:
@@ -142,6 +170,7 @@ def collect(root) -> Collection:
     by_path: dict = {}
     grid_keys: list = []
     method_order: list = []
+    orders: dict = {}
     sweeps: list = []
     expected = []  # (path, params, sweep name) from manifests
     for mpath in manifest_paths:
@@ -159,6 +188,9 @@ def collect(root) -> Collection:
         for v in (m.get("grid") or {}).get("method", []):
             if v not in method_order:
                 method_order.append(v)
+        for k, values in [*(m.get("grid") or {}).items(), ("variant", list(m.get("variants") or {}))]:
+            order = orders.setdefault(k, [])
+            order += [v for v in (values if isinstance(values, list) else []) if v not in order]
         for point in m["points"]:
             path = (mpath.parent / point["run_dir"]).resolve()
             if not (path == root_abs or root_abs in path.parents):
@@ -187,11 +219,12 @@ def collect(root) -> Collection:
         runs.append(Run(path, {}, config, summary, "", "" if summary else f"no {SUMMARY}: unfinished or failed"))
     if not runs:
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
-    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps)
+    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders)
 
 
-def setting_keys(col: Collection, by: Optional[list]) -> list:
+def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:
     runs = col.runs
+    row_keys = ROW_KEYS if rows == "method" else ("seed", rows)
     if by:
         for key in by:
             if not any(r.value(key) is not None for r in runs):
@@ -199,19 +232,19 @@ def setting_keys(col: Collection, by: Optional[list]) -> list:
                 raise UserError(f"fedcp-report: --by '{key}' is not a key of any run; keys: {', '.join(known)}")
         return list(by)
     if col.grid_keys is not None:
-        keys = [k for k in col.grid_keys if k not in ROW_KEYS]
+        keys = [k for k in col.grid_keys if k not in row_keys]
         extra = [r for r in runs if r.sweep is None]
         if extra:  # runs outside the sweeps: add what else tells them apart
-            keys += [k for k in _differing(runs) if k not in keys]
+            keys += [k for k in _differing(runs, row_keys) if k not in keys]
         if len(col.sweeps) > 1:
             keys = ["sweep"] + keys
             for r in runs:
                 r.params.setdefault("sweep", r.sweep or "-")
         return keys
-    return _differing(runs)
+    return _differing(runs, row_keys)
 
 
-def _differing(runs) -> list:
+def _differing(runs, row_keys=ROW_KEYS) -> list:
     keys: list = []
     for r in runs:
         for k in r.config:
@@ -219,7 +252,7 @@ def _differing(runs) -> list:
                 keys.append(k)
     out = []
     for k in keys:
-        if k in ROW_KEYS or k in NOT_DEFINING:
+        if k in row_keys or k in NOT_DEFINING:
             continue
         values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
         if len(values) > 1:
@@ -242,6 +275,8 @@ class Cell:
     runs: list
     values: list = field(default_factory=list)
     seeds: list = field(default_factory=list)
+    #: finished runs that do not record the metric
+    not_recorded: int = 0
 
     @property
     def n(self) -> int:
@@ -279,8 +314,11 @@ class Table:
         if cell is None:
             return ""
         if not cell.values:
+            if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
+                return NA_CELL + (f" ({cell.not_recorded}/{cell.expected})" if cell.not_recorded < cell.expected else "")
             return f"{MISSING_CELL} (0/{cell.expected})"
-        scale_fmt = "{:.2f}" if _is_percent(self.metric) else "{:.4g}"
+        scale_fmt = "{:.2f}" if _is_percent(self.metric) else ("{:.4g}" if "fraction" in self.metric or
+                                                                 abs(cell.mean) < 1e4 else "{:.0f}")
         s = f"{scale_fmt.format(cell.mean)} ± {scale_fmt.format(cell.std)}"
         if cell.n < cell.expected:
             s += f" ({cell.n}/{cell.expected})"
@@ -293,9 +331,10 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     runs = col.runs
     scale = 100.0 if _is_percent(metric) else 1.0
     finished = [r for r in runs if r.finished]
-    if finished and not any(isinstance(r.summary.get(metric), (int, float)) for r in finished):
+    if finished and metric not in OPTIONAL and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-        raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}")
+        raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
+                        f" (and, computed from them: {', '.join(DERIVED)})")
     cells: dict = {}
     settings: dict = {}
     missing = []
@@ -306,7 +345,10 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         key = (r.method, setting)
         cell = cells.setdefault(key, Cell(r.method, setting, "", []))
         cell.runs.append(r)
-        value = r.summary.get(metric) if r.finished else None
+        value = r.metric(metric) if r.finished else None
+        if r.finished and value is None and metric not in r.summary:  # e.g. bytes a run that skips nothing lacks
+            cell.not_recorded += 1
+            continue
         if r.finished and not isinstance(value, (int, float)):
             r.why = f"{SUMMARY} has no numeric '{metric}'"
         if r.finished and isinstance(value, (int, float)) and math.isfinite(value):
@@ -324,7 +366,9 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     for (method, s), cell in cells.items():
         cell.label = dict(labels)[s]
     present = []
-    for m in col.method_order + sorted({r.method for r in runs}):
+    row_key = runs[0].row_key if runs else "method"
+    order = col.method_order if row_key == "method" else col.orders.get(row_key, [])
+    for m in [str(v) for v in order] + sorted({r.method for r in runs}):
         if m not in present and any(r.method == m for r in runs):
             present.append(m)
     complete = [c.n for c in cells.values() if c.values and c.n == c.expected]
@@ -333,42 +377,64 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     return Table(metric, keys, present, labels, cells, missing, typical, warnings)
 
 
-def markdown(table: Table, title: str) -> str:
-    unit = f"100·{table.metric} (%)" if _is_percent(table.metric) else table.metric
+def _unit(metric: str) -> str:
+    return f"100·{metric} (%)" if _is_percent(metric) else metric
+
+
+def markdown(table, title: str, row_name: str = "method") -> str:
+    """The report: one table, or a list of tables of several metrics side by side (a column per
+    setting and metric); missing runs and warnings below it."""
+    tables = table if isinstance(table, list) else [table]
+    first = tables[0]
+    units = "; ".join(_unit(t.metric) for t in tables)
     lines = [f"# {title}", "",
-             f"Mean ± std over seeds of {unit}; std is the population standard deviation (ddof = 0). "
-             f"Columns: {', '.join(table.keys) if table.keys else 'one setting'}. "
+             f"Mean ± std over seeds of {units}; std is the population standard deviation (ddof = 0). "
+             f"Columns: {', '.join(first.keys) if first.keys else 'one setting'}. "
              f"A cell marked (k/n) has k of its n runs finished; (n=k) counts seeds when they differ from "
-             f"the usual {table.typical_n}.", ""]
-    header = ["method"] + [label for _, label in table.settings]
+             f"the usual {first.typical_n}"
+             + (f"; {NA_CELL}: the runs do not record the metric" if any(
+                 c.not_recorded for t in tables for c in t.cells.values()) else "") + ".", ""]
+    columns = []  # (table, setting, label)
+    for s, label in first.settings:
+        for t in tables:
+            name = label if len(tables) == 1 else (t.metric if len(first.settings) == 1 else f"{label} {t.metric}")
+            columns.append((t, s, name))
+    header = [row_name] + [name for _, _, name in columns]
     lines.append("| " + " | ".join(header) + " |")
-    lines.append("| " + " | ".join(["---"] + ["---:"] * len(table.settings)) + " |")
-    for m in table.methods:
-        row = [m] + [table.text(table.cells.get((m, s))) for s, _ in table.settings]
+    lines.append("| " + " | ".join(["---"] + ["---:"] * len(columns)) + " |")
+    for m in first.methods:
+        row = [m] + [t.text(t.cells.get((m, s))) for t, s, _ in columns]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
-    if table.missing:
-        lines.append(f"missing: {len(table.missing)} run(s) without a result, not averaged:")
-        for r in sorted(table.missing, key=lambda r: str(r.path)):
+    missing = {id(r): r for t in tables for r in t.missing}.values()
+    if missing:
+        lines.append(f"missing: {len(missing)} run(s) without a result, not averaged:")
+        for r in sorted(missing, key=lambda r: str(r.path)):
             lines.append(f"- {r.method} {r.label}: {r.path} ({r.why})")
         lines.append("")
-    for w in table.warnings:
-        lines.append(f"warning: {w}")
+    for t in tables:
+        for w in t.warnings:
+            if f"warning: {w}" not in lines:
+                lines.append(f"warning: {w}")
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_csv(table: Table, path: Path) -> None:
+def write_csv(table, path: Path, row_name: str = "method") -> None:
+    """report.csv: a line per row and setting (and metric, with several: then a ``metric`` column)."""
+    tables = table if isinstance(table, list) else [table]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["method", "setting", "n_seeds", "mean", "std", "seeds", "n_expected"])
-    for m in table.methods:
-        for s, label in table.settings:
-            cell = table.cells.get((m, s))
-            if cell is None:
-                continue
-            w.writerow([m, label, cell.n, repr(cell.mean) if cell.values else "",
-                        repr(cell.std) if cell.values else "", " ".join(str(x) for x in cell.seeds),
-                        cell.expected])
+    several = len(tables) > 1
+    w.writerow([row_name, "setting", *(["metric"] if several else []), "n_seeds", "mean", "std", "seeds", "n_expected"])
+    for m in tables[0].methods:
+        for s, _ in tables[0].settings:
+            for t in tables:
+                cell = t.cells.get((m, s))
+                if cell is None:
+                    continue
+                w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), cell.n, repr(cell.mean) if cell.values else "",
+                            repr(cell.std) if cell.values else "", " ".join(str(x) for x in cell.seeds),
+                            cell.expected])
     path.write_text(buf.getvalue(), encoding="utf-8")
 
 
@@ -533,7 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="directory holding runs (any depth) and perhaps a sweep.json")
     p.add_argument("--out", help="where report.md, report.csv and the plots go (default: DIR)")
     p.add_argument("--by", help="comma-separated keys that make the columns (default: the swept keys)")
-    p.add_argument("--metric", default="best_acc", help="summary.json key to tabulate (default best_acc)")
+    p.add_argument("--metric", default="best_acc",
+                   help="summary.json key(s) to tabulate, comma-separated (default best_acc); also "
+                        "uplink_bytes_per_round (uplink_bytes_sent / rounds)")
+    p.add_argument("--rows", default="method", help="the key whose values make the rows (default method; "
+                                                     "a sweep's named variants: variant)")
     p.add_argument("--no-plots", action="store_true", help="write the table only")
     return p
 
@@ -544,19 +614,29 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     col = collect(args.dir)
     by = [k.strip() for k in args.by.split(",") if k.strip()] if args.by else None
-    keys = setting_keys(col, by)
+    rows = args.rows.strip()
+    if rows != "method" and not any(r.value(rows) is not None for r in col.runs):
+        known = sorted({k for r in col.runs for k in (*r.params, *r.config)})
+        raise UserError(f"fedcp-report: --rows '{rows}' is not a key of any run; keys: {', '.join(known)}")
+    for r in col.runs:
+        r.row_key = rows
+    keys = setting_keys(col, by, rows)
     for r in col.runs:
         r.label = _label({"seed": r.seed, **{k: r.value(k) for k in keys}}, [*keys, "seed"])
-    table = build_table(col, keys, args.metric)
+    metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
+    if not metrics:
+        raise UserError("fedcp-report: --metric names no summary key")
+    tables = [build_table(col, keys, m) for m in metrics]
+    table = tables[0]
     out = Path(args.out) if args.out else Path(args.dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"fedcp-report: cannot create --out {out}: {exc.strerror}") from None
     title = f"Report: {', '.join(col.sweeps) if col.sweeps else Path(args.dir).resolve().name}"
-    md = markdown(table, title)
+    md = markdown(tables, title, rows)
     (out / "report.md").write_text(md, encoding="utf-8")
-    write_csv(table, out / "report.csv")
+    write_csv(tables, out / "report.csv", rows)
     print(md, end="")
     written = [out / "report.md", out / "report.csv"]
     if not args.no_plots:

@@ -29,7 +29,7 @@ def dry_run(sweep: Sweep) -> None:
     """Print every point's status and command, the shards and (slurm) the job; make and submit nothing."""
     statuses = [(s := p.status(), config_drift(sweep, p) if s == FINISHED else []) for p in sweep.points]
     counts = collections.Counter(s for s, _ in statuses)
-    print(f"sweep {sweep.name}: {len(sweep.points)} points over {' × '.join(sweep.grid)}; "
+    print(f"sweep {sweep.name}: {len(sweep.points)} points over {' × '.join(sweep.dimensions)}; "
           f"{counts[FINISHED]} finished, {len(sweep.points) - counts[FINISHED]} to run "
           f"(executor {sweep.kind}, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)")
     print(f"directory {display_path(sweep.dir)}")

@@ -1,7 +1,9 @@
 """A sweep file, its grid, its points and their names.
 
 A sweep file names a base run config, overrides applied to every point and a grid (a cartesian
-product of config keys). Every point has a stable run directory named after its parameters,
+product of config keys), and optionally named variants (``variants: {name: {key: value, ...}}``:
+sets of config keys that belong together, crossed with the grid as one more dimension, the point's
+parameter ``variant``). Every point has a stable run directory named after its parameters,
 ``<root>/<name>/runs/<key>=<value>,...``; an optional ``partition`` block makes the shards the grid
 needs, one file per distinct partition, under ``<root>/<name>/data/``.
 """
@@ -30,7 +32,9 @@ from fedcp_dist.errors import UserError
 from fedcp_dist.rundir import FINISHED, RunDir, defining_changes, format_value
 
 DEFAULT_ROOT = "runs/sweeps"
-TOP_KEYS = ("name", "root", "base", "overrides", "grid", "partition", "executor")
+TOP_KEYS = ("name", "root", "base", "overrides", "grid", "variants", "partition", "executor")
+#: the parameter that names a point's variant (a key of the sweep's ``variants``)
+VARIANT = "variant"
 EXECUTOR_KEYS = ("kind", "nproc", "slurm")
 EXECUTORS = ("local", "slurm")
 #: the slurm block: key -> (type, meaning)
@@ -171,6 +175,13 @@ class Sweep:
     partition_keys: list = field(default_factory=list)
     #: the base config file's mapping, read once (every point's config starts from it)
     base_values: Optional[dict] = None
+    #: variant name -> its flat config keys (empty: no variants)
+    variants: dict = field(default_factory=dict)
+
+    @property
+    def dimensions(self) -> list:
+        """The keys a point's parameters have: the grid's, then ``variant`` when there are variants."""
+        return list(self.grid) + ([VARIANT] if self.variants else [])
 
     @property
     def dir(self) -> Path:
@@ -286,10 +297,15 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     except UserError as exc:
         raise UserError(f"sweep key 'overrides': {exc}") from None
 
+    variants = _check_variants(raw.get("variants"), overrides, override_args, base_path)
+
     # grid
     grid = raw.get("grid")
-    if not isinstance(grid, dict) or not grid:
-        raise UserError("sweep key 'grid' is required: a mapping of config keys to lists of values")
+    if grid is None and variants:
+        grid = {}
+    elif not isinstance(grid, dict) or not grid:
+        raise UserError("sweep key 'grid' is required: a mapping of config keys to lists of values"
+                        + ("" if "variants" in raw else " (or 'variants')"))
     grid = flatten(grid)
     config_keys = set(flatten(Config().to_dict()))
     part_block = raw.get("partition")
@@ -313,6 +329,9 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
             raise UserError(f"sweep grid key '{key}': {key} is set by the sweep (one run directory per point)")
         if key in overrides:
             raise UserError(f"sweep grid key '{key}' is also set in overrides; keep it in one place")
+        in_variant = [n for n, keys in variants.items() if key in keys]
+        if in_variant:
+            raise UserError(f"sweep grid key '{key}' is also set by variant '{in_variant[0]}'; keep it in one place")
         opt = key[len("partition."):] if key.startswith("partition.") else key
         is_partition = key.startswith("partition.") or (key not in config_keys and opt in PARTITION_KEYS)
         if is_partition:
@@ -336,9 +355,39 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
 
     sweep = Sweep(file=path, name=name, root=Path(root), base=base_path, overrides=overrides, grid=grid,
                   partition=part_block, kind=kind, nproc=nproc, slurm=slurm, partition_keys=partition_keys,
-                  base_values=read_yaml_mapping(base_path))
+                  base_values=read_yaml_mapping(base_path), variants=variants)
     _expand(sweep, override_args)
     return sweep
+
+
+def _check_variants(raw, overrides: dict, override_args: list, base_path: Path) -> dict:
+    """The ``variants`` block: name -> flat config keys (nested or dotted; empty or null: the base)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"sweep key 'variants' must be a non-empty mapping of names to config keys, got {raw!r}")
+    variants = {}
+    for name, keys in raw.items():
+        where = f"sweep variant '{name}'"
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name):
+            raise UserError(f"sweep key 'variants': name {name!r} must be plain (letters, digits, . _ + -)")
+        if keys is None:
+            keys = {}
+        if not isinstance(keys, dict):
+            raise UserError(f"{where} must be a mapping of config keys to values, got {keys!r}")
+        keys = flatten(keys)
+        for key in keys:
+            if key in RESERVED:
+                raise UserError(f"{where}: {key} is set by the sweep (one run directory per point)")
+            if key in overrides:
+                raise UserError(f"{where} sets '{key}', which overrides also sets; keep it in one place")
+        try:
+            load_config(str(base_path), override_args + [f"{k}={yaml_value(v)}" for k, v in keys.items()],
+                        validate=False)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
+        variants[name] = keys
+    return variants
 
 
 def _point_partition(sweep: Sweep, params: dict) -> PartitionSpec:
@@ -363,15 +412,21 @@ def _expand(sweep: Sweep, override_args: list) -> None:
     runs_dir = (sweep.dir / "runs").resolve()
     data_dir = (sweep.dir / "data").resolve()
     names: dict = {}
-    for index, combo in enumerate(itertools.product(*(sweep.grid[k] for k in keys))):
+    # the variants vary fastest: a sweep stopped part-way has every variant for its first grid values
+    variants = list(sweep.variants) or [None]
+    for index, (*combo, variant) in enumerate(itertools.product(*(sweep.grid[k] for k in keys), variants)):
         params = dict(zip(keys, combo))
+        if variant is not None:
+            params[VARIANT] = variant
         name = point_name(params)
         if name in names:
             raise UserError(f"sweep points {names[name]} and {params} get the same directory name {name!r}; "
                             f"make the grid values distinct")
         names[name] = params
         args = list(override_args)
-        args += [f"{k}={yaml_value(v)}" for k, v in params.items() if k not in sweep.partition_keys]
+        if variant is not None:
+            args += [f"{k}={yaml_value(v)}" for k, v in sweep.variants[variant].items()]
+        args += [f"{k}={yaml_value(v)}" for k, v in params.items() if k not in sweep.partition_keys and k != VARIANT]
         spec = data_path = None
         if sweep.partition is not None:
             spec = _point_partition(sweep, params)
