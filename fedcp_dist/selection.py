@@ -29,6 +29,7 @@ from fedcp_dist.options import Option, one_of, within
 from fedcp_dist.placement import STREAM_COHORT, round_cohort_size, sample_cohort, stream_seed
 
 SELECTION_MODES = ("uniform", "feature_difference")
+SELECTION_VECTORS = ("client", "features")
 
 
 def selection_weights(sizes: Sequence[float], vectors) -> np.ndarray:
@@ -80,6 +81,9 @@ class SelectionOptions:
                "p_i ∝ |D_i|·(1 − cos(v_i, mean v)))", one_of(*SELECTION_MODES)),
         Option("selection_min_prob", 0.01, "client_selection=feature_difference: floor of a client's draw "
                "probability before renormalising, in (0, 1]", within(0, 1, low_open=True)),
+        Option("selection_vector", "client", "client_selection=feature_difference: the v_i compared: client (the "
+               "method's client vector; FedCP: the head's column sums) | features (FedCP: the mean of the client's "
+               "features h over its last local training)", one_of(*SELECTION_VECTORS)),
     )
 
     @classmethod
@@ -87,6 +91,9 @@ class SelectionOptions:
         if cfg.client_selection == "uniform" and cfg.selection_min_prob != 0.01:
             return "selection_min_prob", (f"applies with client_selection=feature_difference only (it is uniform), "
                                           f"got {cfg.selection_min_prob!r}")
+        if cfg.client_selection == "uniform" and cfg.selection_vector != "client":
+            return "selection_vector", (f"applies with client_selection=feature_difference only (it is uniform), "
+                                        f"got {cfg.selection_vector!r}")
         if cfg.client_selection == "feature_difference" and not _keeps_client_vector(cfg.method):
             return "client_selection", (f"feature_difference needs a method that keeps a client vector (fedcp); "
                                         f"{cfg.method} keeps none")

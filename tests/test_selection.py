@@ -56,6 +56,9 @@ def test_the_draw_prefers_the_heavy_client_and_depends_on_seed_round_and_probabi
     (["client_selection=best"], "client_selection"),
     (["client_selection=feature_difference", "selection_min_prob=0"], "selection_min_prob"),
     (["selection_min_prob=0.1"], "selection_min_prob"),  # uniform selection has no floor
+    (["selection_vector=features"], "selection_vector"),  # uniform selection compares no vectors
+    (["client_selection=feature_difference", "selection_vector=head"], "selection_vector"),
+    (["client_selection=feature_difference", "selection_vector=features", "fused=true"], "selection_vector"),
 ])
 def test_bad_selection_settings_name_the_key(overrides, key):
     with pytest.raises(UserError, match=f"config key '{key}'"):
@@ -80,3 +83,51 @@ def test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_wh
     assert (head - state["head.weight"]).abs().max() > 1e-2  # the head trained
     assert torch.equal(algo.client_vector(res.client_state), head.sum(dim=0))
     assert torch.allclose(head.sum(dim=0), state["head.weight"].sum(dim=0), atol=1e-6)
+
+
+def test_feature_means_as_the_selection_vector_and_their_probabilities():
+    """selection_vector=features: v_i is the mean of the client's features h over its local
+    training (zero before it trained), gathered like the client vectors; p_i worked out by hand."""
+    import torch
+
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.fedcp import FedCP
+    from fedcp_dist.selection import gather_client_vectors
+    from helpers import Tiny, algo_with_moved_global, tiny_data
+
+    # one batch of all 8 samples, one epoch: every h comes from the received (global) extractor
+    algo, _ = algo_with_moved_global(FedCP, Tiny(), shape=(1, 2, 2), lr=0.5, batch_size=8, lam=0.0,
+                                     client_selection="feature_difference", selection_vector="features")
+    assert algo.fused_reason() and torch.equal(algo.client_vector(None), torch.zeros(3))
+    data = tiny_data(8)
+    res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(1)))
+    with torch.no_grad():
+        expected = algo.fe_g(data.train_batch(torch.arange(8))[0]).mean(dim=0)
+    assert expected.abs().sum() > 0
+    assert torch.allclose(algo.client_vector(res.client_state), expected, atol=1e-6)
+    # the CPN's v_i is still the head's column sums
+    assert torch.equal(res.client_state["v"], res.client_state["head.weight"].sum(dim=0))
+
+    # given feature means [2, 0, 0], [0, 2, 0] and an untrained client (zero), sizes 10, 20, 30:
+    # v̄ = [2/3, 2/3, 0], cos = 1/√2, 1/√2, 0 → w = [10c, 20c, 30] with c = 1 − 1/√2
+    states = {0: {"fmean": torch.tensor([2.0, 0, 0])}, 1: {"fmean": torch.tensor([0, 2.0, 0])}}
+
+    class OneRank:
+        device = torch.device("cpu")
+
+        @staticmethod
+        def all_reduce_sum_(t):
+            return t
+
+    class Store:
+        @staticmethod
+        def peek(c):
+            return states.get(c)
+
+    vectors = gather_client_vectors(OneRank, algo, Store, [0, 1, 2], 3)
+    assert vectors.tolist() == [[2, 0, 0], [0, 2, 0], [0, 0, 0]]
+    c = 1 - 1 / math.sqrt(2)
+    w = [10 * c, 20 * c, 30]
+    p = selection_probabilities([10, 20, 30], vectors, 0.01)
+    assert p.tolist() == pytest.approx([x / sum(w) for x in w], abs=1e-12)
+    assert p.tolist() == pytest.approx([0.075514, 0.151028, 0.773459], abs=1e-6)
