@@ -131,3 +131,47 @@ def test_feature_means_as_the_selection_vector_and_their_probabilities():
     p = selection_probabilities([10, 20, 30], vectors, 0.01)
     assert p.tolist() == pytest.approx([x / sum(w) for x in w], abs=1e-12)
     assert p.tolist() == pytest.approx([0.075514, 0.151028, 0.773459], abs=1e-6)
+
+
+def test_report_plots_how_often_each_client_was_chosen(tmp_path):
+    """fedcp-report --selection: counts from summary.json, from the rounds' cohorts, or (uniform
+    sampling) drawn again from the config; one bar per client and mode in selection_counts.png."""
+    import json
+
+    from fedcp_dist.cli import report
+    from fedcp_dist.config import Config, dump_config
+
+    def fake(name, selection, summary_extra, cohorts=None):
+        folder = tmp_path / "runs" / name
+        folder.mkdir(parents=True)
+        cfg = Config(method="fedcp", seed=3, rounds=3, eval_every=3, participation=0.5, client_selection=selection,
+                     out_dir=str(folder))
+        cfg.data.path, cfg.data.num_clients = "missing.h5", 4
+        (folder / "config.yaml").write_text(dump_config(cfg))
+        with open(folder / "metrics.jsonl", "w") as f:
+            for t in range(3):
+                f.write(json.dumps({"kind": "round", "round": t + 1, **({"cohort": cohorts[t]} if cohorts else {}),
+                                    **({"evaluated_after": 2, "acc": 0.5} if t == 2 else {})}) + "\n")
+        (folder / "summary.json").write_text(json.dumps({"method": "fedcp", "best_acc": 0.5, "final_acc": 0.5,
+                                                         "num_clients": 4, **summary_extra}))
+        return folder
+
+    fake("u", "uniform", {})
+    fake("f", "feature_difference", {"selection_counts": [3, 1, 2, 0]})
+    col = report.collect(tmp_path / "runs")
+    by_name = {r.path.name: r for r in col.runs}
+    uniform = report.selection_counts(by_name["u"])
+    expected = [0] * 4
+    for t in range(3):  # ⌊0.5 · 4⌋ = 2 clients a round, the engine's own draw
+        for c in sample_cohort(3, t, 4, 0.5):
+            expected[int(c)] += 1
+    assert uniform == expected and sum(uniform) == 6
+    assert report.selection_counts(by_name["f"]) == [3, 1, 2, 0]
+    # without the summary's counts they come from the cohorts the rounds record
+    g = fake("g", "feature_difference", {}, cohorts=[[0, 1], [0, 2], [0, 2]])
+    col = report.collect(tmp_path / "runs")
+    assert report.selection_counts(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
+    table = report.build_table(col, report.setting_keys(col, None), "best_acc")
+    png = tmp_path / "selection_counts.png"
+    assert report.plot_selection(table, png)  # what `fedcp-report --selection` adds to the plots
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
