@@ -9,7 +9,10 @@ replacement with first-draw probabilities
 
 v_i the client vector the method keeps (FedCP: the column sums of the personal head's weight;
 a client that has not trained yet has its initial vector), |D_i| its training samples and
-p_min = ``selection_min_prob``. cos is 0 where a vector is zero; a weight below 0 (rounding) is 0;
+p_min = ``selection_min_prob``. With ``selection_vector=features`` v_i is instead the mean of the
+client's features h over every sample of its last local training (FedCP keeps it in the client's
+state as ``fmean``; zero before the client has trained): with cross-entropy and SGD a linear head's
+column sums never change, so FedCP's own v_i tells trained clients apart from untrained ones only. cos is 0 where a vector is zero; a weight below 0 (rounding) is 0;
 if every weight is 0 (all vectors parallel, as before anyone trained) w_i = |D_i|, and if those are
 all 0 too, every client weighs the same.
 
