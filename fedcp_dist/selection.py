@@ -13,8 +13,9 @@ p_min = ``selection_min_prob``. With ``selection_vector=features`` v_i is instea
 client's features h over every sample of its last local training (FedCP keeps it in the client's
 state as ``fmean``; zero before the client has trained): with cross-entropy and SGD a linear head's
 column sums never change, so FedCP's own v_i tells trained clients apart from untrained ones only.
-cos is 0 where a vector is zero; a weight below 0 (rounding) is 0; if every weight is 0 (all vectors parallel, as before anyone trained) w_i = |D_i|, and if those are
-all 0 too, every client weighs the same.
+cos is 0 where a vector is zero; a weight below 0 (rounding) is 0; if every weight is 0 (all
+vectors parallel, as before anyone trained) w_i = |D_i|, and if those are all 0 too, every client
+weighs the same.
 
 The draw is a function of (seed, round, the vectors, the sizes) only: the engine gathers the N × K
 vectors in one collective, and every rank computes the same probabilities in float64 and draws
