@@ -585,10 +585,13 @@ def plot_selection(table: Table, path: Path) -> bool:
             if mode != "uniform":
                 mode += f", {r.value('selection_vector') or 'client'} vector"
             panel = _label({k: r.value(k) for k in split}, split) if split else ""
-            panels[panel].setdefault(f"{m}: {mode}" if len(table.methods) > 1 else mode, []).append(counts)
+            panels[panel].setdefault((m, mode), []).append(counts)
             sizes.setdefault(panel, _train_sizes(r, len(counts)))
     if not panels:
         return False
+    several = len({m for series in panels.values() for m, _ in series}) > 1
+    panels = {p: {(f"{m}: {mode}" if several else mode): c for (m, mode), c in series.items()}
+              for p, series in panels.items()}
     plt = _pyplot()
     names = sorted(panels, key=lambda p: [_sort_key(v) for v in p.split(",")])
     fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.8 * len(names)), squeeze=False)
