@@ -9,9 +9,13 @@ replacement with first-draw probabilities
 
 v_i the client vector the method keeps (FedCP: the column sums of the personal head's weight;
 a client that has not trained yet has its initial vector), |D_i| its training samples and
-p_min = ``selection_min_prob``. cos is 0 where a vector is zero; a weight below 0 (rounding) is 0;
-if every weight is 0 (all vectors parallel, as before anyone trained) w_i = |D_i|, and if those are
-all 0 too, every client weighs the same.
+p_min = ``selection_min_prob``. With ``selection_vector=features`` v_i is instead the mean of the
+client's features h over every sample of its last local training (FedCP keeps it in the client's
+state as ``fmean``; zero before the client has trained): with cross-entropy and SGD a linear head's
+column sums never change, so FedCP's own v_i tells trained clients apart from untrained ones only.
+cos is 0 where a vector is zero; a weight below 0 (rounding) is 0; if every weight is 0 (all
+vectors parallel, as before anyone trained) w_i = |D_i|, and if those are all 0 too, every client
+weighs the same.
 
 The draw is a function of (seed, round, the vectors, the sizes) only: the engine gathers the N × K
 vectors in one collective, and every rank computes the same probabilities in float64 and draws
@@ -29,6 +33,7 @@ from fedcp_dist.options import Option, one_of, within
 from fedcp_dist.placement import STREAM_COHORT, round_cohort_size, sample_cohort, stream_seed
 
 SELECTION_MODES = ("uniform", "feature_difference")
+SELECTION_VECTORS = ("client", "features")
 
 
 def selection_weights(sizes: Sequence[float], vectors) -> np.ndarray:
@@ -80,6 +85,9 @@ class SelectionOptions:
                "p_i ∝ |D_i|·(1 − cos(v_i, mean v)))", one_of(*SELECTION_MODES)),
         Option("selection_min_prob", 0.01, "client_selection=feature_difference: floor of a client's draw "
                "probability before renormalising, in (0, 1]", within(0, 1, low_open=True)),
+        Option("selection_vector", "client", "client_selection=feature_difference: the v_i compared: client (the "
+               "method's client vector; FedCP: the head's column sums) | features (FedCP: the mean of the client's "
+               "features h over its last local training)", one_of(*SELECTION_VECTORS)),
     )
 
     @classmethod
@@ -87,6 +95,9 @@ class SelectionOptions:
         if cfg.client_selection == "uniform" and cfg.selection_min_prob != 0.01:
             return "selection_min_prob", (f"applies with client_selection=feature_difference only (it is uniform), "
                                           f"got {cfg.selection_min_prob!r}")
+        if cfg.client_selection == "uniform" and cfg.selection_vector != "client":
+            return "selection_vector", (f"applies with client_selection=feature_difference only (it is uniform), "
+                                        f"got {cfg.selection_vector!r}")
         if cfg.client_selection == "feature_difference" and not _keeps_client_vector(cfg.method):
             return "client_selection", (f"feature_difference needs a method that keeps a client vector (fedcp); "
                                         f"{cfg.method} keeps none")

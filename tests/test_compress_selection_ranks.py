@@ -1,4 +1,5 @@
-"""Compressed uploads with error feedback and feature-difference selection together: 1 and 2 ranks
+"""Compressed uploads with error feedback and feature-difference selection (by the clients' mean
+features, selection_vector=features, whose vectors differ from client to client) together: 1 and 2 ranks
 give the same run, and a run resumed (on another world size) from a checkpoint continues it bit
 for bit — one short run of each, checked several ways."""
 import json
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 ROUNDS = 3
 SWITCHES = ["compress=topk", "compress_ratio=0.05", "compress_bits=8", "compress_error_feedback=true",
-            "client_selection=feature_difference", "participation=0.5"]
+            "client_selection=feature_difference", "selection_vector=features", "participation=0.5"]
 
 
 def _overrides(shard, out):
@@ -67,6 +68,10 @@ def test_one_and_two_ranks_and_a_resumed_run_agree(digits6, tmp_path):
     trained = {c for cohort in cohorts for c in cohort}
     assert {c for c, s in states.items() if any(k.startswith("__ef__/") for k in s)} == trained
     assert any(s["__ef__/features.0.weight"].abs().sum() > 0 for c, s in states.items() if c in trained)
+    # so are the mean features the selection compares: one per trained client, and they differ
+    means = {c: s["fmean"] for c, s in states.items() if c in trained}
+    assert len(means) == len(trained) and all(m.shape == (512,) and m.abs().sum() > 0 for m in means.values())
+    assert len({tuple(m.tolist()) for m in means.values()}) == len(means)
 
     # resume the 2-rank run after round 1 on 1 rank: the same cohorts and model as both straight runs
     for d in sorted((two / "checkpoints").iterdir())[1:]:

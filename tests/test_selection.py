@@ -56,6 +56,9 @@ def test_the_draw_prefers_the_heavy_client_and_depends_on_seed_round_and_probabi
     (["client_selection=best"], "client_selection"),
     (["client_selection=feature_difference", "selection_min_prob=0"], "selection_min_prob"),
     (["selection_min_prob=0.1"], "selection_min_prob"),  # uniform selection has no floor
+    (["selection_vector=features"], "selection_vector"),  # uniform selection compares no vectors
+    (["client_selection=feature_difference", "selection_vector=head"], "selection_vector"),
+    (["client_selection=feature_difference", "selection_vector=features", "fused=true"], "selection_vector"),
 ])
 def test_bad_selection_settings_name_the_key(overrides, key):
     with pytest.raises(UserError, match=f"config key '{key}'"):
@@ -80,3 +83,95 @@ def test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_wh
     assert (head - state["head.weight"]).abs().max() > 1e-2  # the head trained
     assert torch.equal(algo.client_vector(res.client_state), head.sum(dim=0))
     assert torch.allclose(head.sum(dim=0), state["head.weight"].sum(dim=0), atol=1e-6)
+
+
+def test_feature_means_as_the_selection_vector_and_their_probabilities():
+    """selection_vector=features: v_i is the mean of the client's features h over its local
+    training (zero before it trained), gathered like the client vectors; p_i worked out by hand."""
+    import torch
+
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.fedcp import FedCP
+    from fedcp_dist.selection import gather_client_vectors
+    from helpers import Tiny, algo_with_moved_global, tiny_data
+
+    # one batch of all 8 samples, one epoch: every h comes from the received (global) extractor
+    algo, _ = algo_with_moved_global(FedCP, Tiny(), shape=(1, 2, 2), lr=0.5, batch_size=8, lam=0.0,
+                                     client_selection="feature_difference", selection_vector="features")
+    assert algo.fused_reason() and torch.equal(algo.client_vector(None), torch.zeros(3))
+    data = tiny_data(8)
+    res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(1)))
+    with torch.no_grad():
+        expected = algo.fe_g(data.train_batch(torch.arange(8))[0]).mean(dim=0)
+    assert expected.abs().sum() > 0
+    assert torch.allclose(algo.client_vector(res.client_state), expected, atol=1e-6)
+    # the CPN's v_i is still the head's column sums
+    assert torch.equal(res.client_state["v"], res.client_state["head.weight"].sum(dim=0))
+
+    # given feature means [2, 0, 0], [0, 2, 0] and an untrained client (zero), sizes 10, 20, 30:
+    # v̄ = [2/3, 2/3, 0], cos = 1/√2, 1/√2, 0 → w = [10c, 20c, 30] with c = 1 − 1/√2
+    states = {0: {"fmean": torch.tensor([2.0, 0, 0])}, 1: {"fmean": torch.tensor([0, 2.0, 0])}}
+
+    class OneRank:
+        device = torch.device("cpu")
+
+        @staticmethod
+        def all_reduce_sum_(t):
+            return t
+
+    class Store:
+        @staticmethod
+        def peek(c):
+            return states.get(c)
+
+    vectors = gather_client_vectors(OneRank, algo, Store, [0, 1, 2], 3)
+    assert vectors.tolist() == [[2, 0, 0], [0, 2, 0], [0, 0, 0]]
+    c = 1 - 1 / math.sqrt(2)
+    w = [10 * c, 20 * c, 30]
+    p = selection_probabilities([10, 20, 30], vectors, 0.01)
+    assert p.tolist() == pytest.approx([x / sum(w) for x in w], abs=1e-12)
+    assert p.tolist() == pytest.approx([0.075514, 0.151028, 0.773459], abs=1e-6)
+
+
+def test_report_plots_how_often_each_client_was_chosen(tmp_path):
+    """fedcp-report --selection: counts from summary.json, from the rounds' cohorts, or (uniform
+    sampling) drawn again from the config; one bar per client and mode in selection_counts.png."""
+    import json
+
+    from fedcp_dist.cli import report
+    from fedcp_dist.config import Config, dump_config
+
+    def fake(name, selection, summary_extra, cohorts=None):
+        folder = tmp_path / "runs" / name
+        folder.mkdir(parents=True)
+        cfg = Config(method="fedcp", seed=3, rounds=3, eval_every=3, participation=0.5, client_selection=selection,
+                     out_dir=str(folder))
+        cfg.data.path, cfg.data.num_clients = "missing.h5", 4
+        (folder / "config.yaml").write_text(dump_config(cfg))
+        with open(folder / "metrics.jsonl", "w") as f:
+            for t in range(3):
+                f.write(json.dumps({"kind": "round", "round": t + 1, **({"cohort": cohorts[t]} if cohorts else {}),
+                                    **({"evaluated_after": 2, "acc": 0.5} if t == 2 else {})}) + "\n")
+        (folder / "summary.json").write_text(json.dumps({"method": "fedcp", "best_acc": 0.5, "final_acc": 0.5,
+                                                         "num_clients": 4, **summary_extra}))
+        return folder
+
+    fake("u", "uniform", {})
+    fake("f", "feature_difference", {"selection_counts": [3, 1, 2, 0]})
+    col = report.collect(tmp_path / "runs")
+    by_name = {r.path.name: r for r in col.runs}
+    uniform = report.selection_counts(by_name["u"])
+    expected = [0] * 4
+    for t in range(3):  # ⌊0.5 · 4⌋ = 2 clients a round, the engine's own draw
+        for c in sample_cohort(3, t, 4, 0.5):
+            expected[int(c)] += 1
+    assert uniform == expected and sum(uniform) == 6
+    assert report.selection_counts(by_name["f"]) == [3, 1, 2, 0]
+    # without the summary's counts they come from the cohorts the rounds record
+    g = fake("g", "feature_difference", {}, cohorts=[[0, 1], [0, 2], [0, 2]])
+    col = report.collect(tmp_path / "runs")
+    assert report.selection_counts(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
+    table = report.build_table(col, report.setting_keys(col, None), "best_acc")
+    png = tmp_path / "selection_counts.png"
+    assert report.plot_selection(table, png)  # what `fedcp-report --selection` adds to the plots
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

@@ -338,6 +338,8 @@ class FedCP(SGDAlgorithm):
 
     @classmethod
     def check_config(cls, cfg):
+        if getattr(cfg, "selection_vector", "client") == "features" and cfg.fused is True:
+            return "selection_vector", "features averages each client's features on the sequential path: set fused=false or auto"
         if cfg.cpn_client_vector != "head":
             if cfg.fused is True:
                 return "cpn_client_vector", f"{cfg.cpn_client_vector} trains on the sequential path: set fused=false or auto"
@@ -412,6 +414,9 @@ class FedCP(SGDAlgorithm):
             self.cpng = nn.Sequential(nn.Linear(g, 2 * g), nn.LayerNorm(2 * g), nn.ReLU()).to(device)
             self.cpng_g = freeze(copy.deepcopy(self.cpng))
         self._stats = {}  # client → s_i (head+stats), computed once from its training rows
+        # selection_vector=features: Σ h (float64) and the samples seen over the client in training
+        self.track_features = getattr(cfg, "selection_vector", "client") == "features"
+        self._feature_sum, self._feature_n = None, 0
         self.fe = model.features.to(device)  # W_i^fe, trained
         self.head_p = model.head.to(device)  # W_i^hd, trained
         # received global parts, frozen: the MMD reference, the global head, and what evaluation uses
@@ -555,6 +560,8 @@ class FedCP(SGDAlgorithm):
             state["participations"] = torch.zeros(1, device=self._init_v.device)
         if self.emb_p is not None:
             state["emb.e"] = torch.zeros_like(self.emb_p.e.detach())
+        if self.track_features:  # selection_vector=features: no features seen yet
+            state["fmean"] = torch.zeros_like(self._init_v)
         return state
 
     def _client_values(self, client_state, data, cid: int) -> dict:
@@ -576,6 +583,8 @@ class FedCP(SGDAlgorithm):
             return "cpn_async_min_rate freezes some clients' CPN: they train one at a time"
         if self.vector_kind != "head":
             return f"cpn_client_vector={self.vector_kind} trains one client at a time"
+        if self.track_features:
+            return "selection_vector=features averages each client's features one client at a time"
         return super().fused_reason()
 
     has_client_vector = True
@@ -586,7 +595,10 @@ class FedCP(SGDAlgorithm):
 
     def client_vector(self, client_state):
         """v_i: the column sums of the personal head's weight after the client's last round (the
-        random initial vector before it has trained)."""
+        random initial vector before it has trained); with ``selection_vector=features`` the mean
+        of its features h over the samples of its last local training (zero before it has trained)."""
+        if self.track_features:
+            return torch.zeros_like(self._init_v) if client_state is None else client_state["fmean"]
         return self._init_v if client_state is None else client_state["v"]
 
     # -- the personalized model and its loss, written once for training, fused training and evaluation
@@ -629,6 +641,9 @@ class FedCP(SGDAlgorithm):
         [+ β·mean policy entropy] [+ κ·mean Σ_k KL(teacher policy ‖ own policy)]."""
         cfg = self.cfg
         out = self.heads(step, cfg.cpn_train_gumbel)
+        if self._feature_sum is not None:  # selection_vector=features (sequential path): the batch's Σ h
+            self._feature_sum += out.h.detach().sum(dim=0, dtype=torch.float64)
+            self._feature_n += out.h.shape[0]
         if out.s is not None and step.tallies is not None:  # probing: Σ over the batch of s̄ = (1/K) Σ_k s^k
             step.tally("s", out.s.detach().mean(dim=-1))
         loss = step.cross_entropy(out.logits)
@@ -689,6 +704,8 @@ class FedCP(SGDAlgorithm):
         frozen = self.async_frozen(client_state, ctx.round)
         if frozen:
             phase = self.warmup_phase
+        if self.track_features:
+            self._feature_sum, self._feature_n = torch.zeros(self.K, dtype=torch.float64, device=self._init_v.device), 0
         return [(phase, ClientPhase(start, info={"async_frozen": frozen}))]
 
     def finish(self, client_state, outcomes, ctx):
@@ -712,6 +729,9 @@ class FedCP(SGDAlgorithm):
                 upload = {n: t for n, t in upload.items() if not n.startswith(POLICY_PREFIXES)}
             if self.emb_p is not None:
                 new_state.update({n: v[n] for n in k["emb."]})
+            if self.track_features:  # the mean of h over every sample the local training saw
+                new_state["fmean"] = (self._feature_sum / max(self._feature_n, 1)).to(self._init_v.dtype)
+                self._feature_sum, self._feature_n = None, 0
         # probing: the trained values (no copies) for the loss after local learning
         return LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples,
                            extra={"trained": v} if ctx.probe else {}, tallies=o.tallies, skipped=skipped)

@@ -591,6 +591,98 @@ def plot_against_keys(table: Table, out: Path) -> list:
     return written
 
 
+# ----------------------------------------------------------------------------- client selection
+
+
+def selection_counts(run: Run) -> Optional[list]:
+    """Rounds each client trained in: summary.json's ``selection_counts`` (feature-difference
+    selection records them), else the round records' ``cohort`` lists, else (uniform sampling, a
+    function of the config alone) the cohorts drawn again with the engine's own draw. None for a
+    run without a result or with every client in every round."""
+    if not run.finished:
+        return None
+    if isinstance(run.summary.get("selection_counts"), list):
+        return [int(c) for c in run.summary["selection_counts"]]
+    cfg = run.config
+    rho, rho_range = cfg.get("participation", 1.0), cfg.get("participation_range")
+    if rho_range is None and float(rho) >= 1:
+        return None
+    n = len(run.summary["shard_clients"]) if "shard_clients" in run.summary else int(run.summary.get("num_clients") or cfg["data.num_clients"])
+    records = [r for r in RunDir(run.path).read_metrics() if r.get("kind") == "round"]
+    if records and all("cohort" in r for r in records):
+        from fedcp_dist.selection import selection_counts as counts_of
+        return counts_of(records, n)
+    if cfg.get("client_selection", "uniform") != "uniform":
+        return None
+    from fedcp_dist.placement import sample_cohort
+
+    counts = [0] * n
+    for t in range(int(cfg["rounds"])):
+        for c in sample_cohort(int(cfg["seed"]), t, n, float(rho), rho_range, cfg.get("participation_draw", "rho")):
+            counts[int(c)] += 1
+    return counts
+
+
+def _train_sizes(run: Run, n: int) -> Optional[list]:
+    """The run's clients' training samples, from its shard (None when the shard is not readable here)."""
+    try:
+        from fedcp_dist.data.shards import read_info
+
+        sizes = read_info(run.config["data.path"]).train_counts
+    except Exception:  # the shard may live on another machine: the plot then orders clients by id
+        return None
+    ids = run.summary.get("shard_clients") or list(range(n))
+    return [int(sizes[i]) for i in ids] if len(ids) == n and max(ids) < len(sizes) else None
+
+
+def plot_selection(table: Table, path: Path) -> bool:
+    """selection_counts.png: rounds each client trained in (mean over seeds), one panel per
+    participation (and other setting keys), one bar per client and selection mode, clients ordered by
+    training samples."""
+    split = [k for k in table.keys if k not in ("client_selection", "selection_vector", "sweep")]
+    panels: dict = collections.defaultdict(dict)  # panel label -> {series label: [counts per run]}
+    sizes: dict = {}
+    for (m, s), cell in table.cells.items():
+        for r in cell.runs:
+            counts = selection_counts(r)
+            if counts is None:
+                continue
+            mode = str(r.value("client_selection") or "uniform")
+            if mode != "uniform":
+                mode += f", {r.value('selection_vector') or 'client'} vector"
+            panel = _label({k: r.value(k) for k in split}, split) if split else ""
+            panels[panel].setdefault((m, mode), []).append(counts)
+            sizes.setdefault(panel, _train_sizes(r, len(counts)))
+    if not panels:
+        return False
+    several = len({m for series in panels.values() for m, _ in series}) > 1
+    panels = {p: {(f"{m}: {mode}" if several else mode): c for (m, mode), c in series.items()}
+              for p, series in panels.items()}
+    plt = _pyplot()
+    names = sorted(panels, key=lambda p: [_sort_key(v) for v in p.split(",")])
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.8 * len(names)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], names):
+        series = panels[panel]
+        n = len(next(iter(series.values()))[0])
+        size = sizes.get(panel)
+        order = sorted(range(n), key=lambda i: (size[i], i)) if size else list(range(n))
+        width = 0.8 / len(series)
+        for j, (label, runs) in enumerate(sorted(series.items())):
+            mean = [sum(c[i] for c in runs) / len(runs) for i in order]
+            seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+            ax.bar([x - 0.4 + width * (j + 0.5) for x in range(n)], mean, width, label=label + seeds, color=f"C{j}")
+        ax.set_xticks(range(n), [f"{i}\n{size[i]}" if size else str(i) for i in order], fontsize=7)
+        ax.set_ylabel("rounds trained")
+        ax.set_title((panel + ": " if panel else "") + "rounds each client trained in"
+                     + (" (x: client, its training samples; ordered by size)" if size else " (x: client)"), fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -605,6 +697,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="method", help="the key whose values make the rows (default method; "
                                                      "a sweep's named variants: variant)")
     p.add_argument("--no-plots", action="store_true", help="write the table only")
+    p.add_argument("--selection", action="store_true",
+                   help="also plot the rounds each client trained in (selection_counts.png; runs with participation < 1)")
     return p
 
 
@@ -643,6 +737,8 @@ def main(argv=None) -> None:
         if plot_curves(table, out / "acc_vs_round.png"):
             written.append(out / "acc_vs_round.png")
         written += plot_against_keys(table, out)
+        if args.selection and plot_selection(table, out / "selection_counts.png"):
+            written.append(out / "selection_counts.png")
     n_done = sum(r.finished for r in col.runs)
     print(f"\n{n_done}/{len(col.runs)} runs finished; wrote {', '.join(str(p) for p in written)}")
 
