@@ -351,7 +351,7 @@ def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
     assert check_peer_memory(cfg, algo, 1000, 10, 2) == 20 * 2**20
 
 
-def test_fedfomo_on_disk_keeps_8_bytes_per_client_outside_the_store(tmp_path):
+def test_fedfomo_on_disk_keeps_8_bytes_per_client_outside_the_store(digits6, tmp_path):
     """Host memory the method holds outside the store, N = 50 vs N = 200: the bank (N x P) and the
     affinity matrix (N x N) are files mapped into memory; only fresh and seen (4 bytes each) remain."""
     from fedcp_dist.algorithms import make_algorithm
@@ -360,7 +360,8 @@ def test_fedfomo_on_disk_keeps_8_bytes_per_client_outside_the_store(tmp_path):
 
     own = {}
     for n in (50, 200):
-        cfg = load_config("configs/digits_fedfomo.yaml", ["client_state=disk", f"out_dir={tmp_path}", "device=cpu"])
+        cfg = load_config("configs/digits_fedfomo.yaml", [f"data.path={digits6}", "client_state=disk", f"out_dir={tmp_path}",
+                                                          "device=cpu"])
         algo = make_algorithm("fedfomo", cfg, build_model("cnn", (1, 28, 28), 10), "cpu")
         algo.num_clients = n
         g = algo.init_global_state()
