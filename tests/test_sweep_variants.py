@@ -5,7 +5,6 @@ import csv
 import json
 
 import pytest
-import yaml
 
 from conftest import REPO
 from fedcp_dist import sweep
@@ -13,28 +12,16 @@ from fedcp_dist.cli import report
 from fedcp_dist.cli import sweep as sweep_cli
 from fedcp_dist.config import Config, dump_config, parse_overrides
 
-BASE = str(REPO / "configs" / "digits_fedcp.yaml")
-DIGITS6 = {"source": "digits", "partition": "dir", "beta": 0.5, "num_clients": 6, "seed": 2}
+from test_sweep_report import DIGITS6, cli_error
+from test_sweep_report import write_sweep as write_report_sweep
+
 VARIANTS = {"plain": {}, "hard": {"cpn_hard": True, "tau": 0.5}, "cache": {"policy_refresh_every": 5}}
 
 
 def write_sweep(folder, **fields):
-    doc = {"name": "v", "root": str(folder / "sweeps"), "base": BASE, "overrides": {"rounds": 10},
-           "grid": {"seed": [1, 2]}, "variants": VARIANTS, "partition": DIGITS6}
-    doc.update(fields)
-    doc = {k: v for k, v in doc.items() if v is not None}
-    path = folder / "sweep.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
-
-
-def cli_error(capsys, main, argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
+    """The report tests' sweep file, with this file's name, rounds, variants and partition."""
+    return write_report_sweep(folder, **{"name": "v", "overrides": {"rounds": 10}, "variants": VARIANTS,
+                                         "partition": DIGITS6, **fields})
 
 
 def test_variants_are_one_more_dimension_varying_fastest(tmp_path):

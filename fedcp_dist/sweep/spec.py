@@ -284,13 +284,8 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
                         f"on SLURM each rank is one task")
 
     # overrides: nested or dotted, applied to every point
-    overrides = raw.get("overrides") or {}
-    if not isinstance(overrides, dict):
-        raise UserError(f"sweep key 'overrides' must be a mapping of config keys to values, got {overrides!r}")
-    overrides = flatten(overrides)
-    for key in overrides:
-        if key in RESERVED:
-            raise UserError(f"sweep key 'overrides.{key}': {key} is set by the sweep (one run directory per point)")
+    overrides = _config_keys(raw.get("overrides") or {}, "sweep key 'overrides'",
+                             lambda key: f"sweep key 'overrides.{key}'")
     override_args = [f"{k}={yaml_value(v)}" for k, v in overrides.items()]
     try:
         load_config(str(base_path), override_args, validate=False)
@@ -360,6 +355,17 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     return sweep
 
 
+def _config_keys(keys, where: str, key_where) -> dict:
+    """A block of config keys (nested or dotted) as a flat mapping; none of them set by the sweep itself."""
+    if not isinstance(keys, dict):
+        raise UserError(f"{where} must be a mapping of config keys to values, got {keys!r}")
+    keys = flatten(keys)
+    for key in keys:
+        if key in RESERVED:
+            raise UserError(f"{key_where(key)}: {key} is set by the sweep (one run directory per point)")
+    return keys
+
+
 def _check_variants(raw, overrides: dict, override_args: list, base_path: Path) -> dict:
     """The ``variants`` block: name -> flat config keys (nested or dotted; empty or null: the base)."""
     if raw is None:
@@ -373,12 +379,8 @@ def _check_variants(raw, overrides: dict, override_args: list, base_path: Path) 
             raise UserError(f"sweep key 'variants': name {name!r} must be plain (letters, digits, . _ + -)")
         if keys is None:
             keys = {}
-        if not isinstance(keys, dict):
-            raise UserError(f"{where} must be a mapping of config keys to values, got {keys!r}")
-        keys = flatten(keys)
+        keys = _config_keys(keys, where, lambda key: where)
         for key in keys:
-            if key in RESERVED:
-                raise UserError(f"{where}: {key} is set by the sweep (one run directory per point)")
             if key in overrides:
                 raise UserError(f"{where} sets '{key}', which overrides also sets; keep it in one place")
         try:
