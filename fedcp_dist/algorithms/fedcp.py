@@ -338,7 +338,7 @@ class FedCP(SGDAlgorithm):
 
     @classmethod
     def check_config(cls, cfg):
-        if getattr(cfg, "selection_vector", "client") == "features" and cfg.fused is True:
+        if cfg.selection_vector == "features" and cfg.fused is True:
             return "selection_vector", "features averages each client's features on the sequential path: set fused=false or auto"
         if cfg.cpn_client_vector != "head":
             if cfg.fused is True:
@@ -415,7 +415,7 @@ class FedCP(SGDAlgorithm):
             self.cpng_g = freeze(copy.deepcopy(self.cpng))
         self._stats = {}  # client → s_i (head+stats), computed once from its training rows
         # selection_vector=features: Σ h (float64) and the samples seen over the client in training
-        self.track_features = getattr(cfg, "selection_vector", "client") == "features"
+        self.track_features = cfg.selection_vector == "features"
         self._feature_sum, self._feature_n = None, 0
         self.fe = model.features.to(device)  # W_i^fe, trained
         self.head_p = model.head.to(device)  # W_i^hd, trained
