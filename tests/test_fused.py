@@ -506,6 +506,27 @@ def test_worker_parts_balance_steps_and_keep_order():
     assert fused.workers_for("auto", torch.device("cuda"), 8, 20) == 1
 
 
+def test_train_side_by_side_merges_in_order_and_shares_slots_when_memory_is_short(monkeypatch):
+    calls = []
+
+    def train(part, slots):
+        calls.append((part, slots))
+        return [(i, slots) for i in part]
+
+    monkeypatch.setattr(fused, "available_memory", lambda device: 1000)
+    # 2 workers × 3 slots × 100 bytes = 600 > 0.5 · 1000: the 3 slots are shared out, 2 each (ceil)
+    out = fused.train_side_by_side([641, 100, 300, 250, 10], 2, 3, 100, CPU, train)
+    assert sorted(calls) == [([0, 4], 2), ([1, 2, 3], 2)]  # two threads: either may call first
+    assert out == [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2)]
+    calls.clear()
+    # 2 × 3 × 80 = 480 ≤ 500: each part keeps all 3 slots
+    assert fused.train_side_by_side([641, 100, 300, 250, 10], 2, 3, 80, CPU, train)[1] == (1, 3)
+    calls.clear()
+    # one worker: a single call over every item, in order, with the group's slots
+    assert fused.train_side_by_side([3, 1], 1, 5, 10 ** 9, CPU, train) == [(0, 5), (1, 5)]
+    assert calls == [([0, 1], 5)]
+
+
 @pytest.mark.parametrize("cls, kw", [(FedCP, {"lam": 0.5, "cpn_train_gumbel": True}), (FedProx, {"prox_mu": 0.1})])
 def test_fused_workers_train_side_by_side_as_one_group(float64, monkeypatch, cls, kw, fused_calls):
     """fused_workers=2: two parts of the group, trained in two threads at once, give each client

@@ -279,7 +279,7 @@ class SGDAlgorithm(Algorithm):
         """Train ``items`` = [(client_state, data, ctx), ...] at once, as many at a time as memory
         allows (same results as :meth:`local_train` within float rounding). On a CPU rank with
         several threads the group is split into ``fused_workers`` parts of about equal step counts
-        trained side by side, one thread each (:func:`fused.worker_parts`)."""
+        trained side by side, one thread each (:func:`fused.train_side_by_side`)."""
         if not items:
             return []
         plans = plans or [self.phases(state, data, ctx) for state, data, ctx in items]
@@ -288,23 +288,11 @@ class SGDAlgorithm(Algorithm):
         slots = plan.slots(self.device, len(items))
         cfg = self.cfg
         workers = fused.workers_for(cfg.fused_workers, self.device, torch.get_num_threads(), len(items))
-        if workers > 1:
-            parts = fused.worker_parts([fused.num_batches(d.n_train if p[0][1].index is None else int(p[0][1].index.numel()),
-                                                          cfg.batch_size, cfg.local_epochs, cfg.drop_last)
-                                        for d, p in zip(datas, plans)], workers)
-            # each worker as many slots as one group has (a core's share of the cache suffices: measured
-            # 4 % less CPU per client-step than halving them), where memory holds them all
-            per_worker = slots if plan.per_slot * slots * workers <= fused.MEMORY_FRACTION * fused.available_memory(
-                self.device) else max(1, -(-slots // workers))
-            outcomes = fused.run_in_workers(
-                [lambda part=part: self._fused_outcomes([items[i] for i in part], [plans[i] for i in part], per_worker)
-                 for part in parts])
-            merged = [None] * len(items)
-            for part, outs in zip(parts, outcomes):
-                for i, out in zip(part, outs):
-                    merged[i] = out
-            return [self.finish(state, out, ctx) for (state, _, ctx), out in zip(items, merged)]
-        outcomes = self._fused_outcomes(items, plans, slots)
+        steps = [fused.num_batches(d.n_train if p[0][1].index is None else int(p[0][1].index.numel()),
+                                   cfg.batch_size, cfg.local_epochs, cfg.drop_last) for d, p in zip(datas, plans)]
+        outcomes = fused.train_side_by_side(
+            steps, workers, slots, plan.per_slot, self.device,
+            lambda part, n: self._fused_outcomes([items[i] for i in part], [plans[i] for i in part], n))
         return [self.finish(state, out, ctx) for (state, _, ctx), out in zip(items, outcomes)]
 
     def _fused_outcomes(self, items: list, plans: list, slots: int) -> list:
