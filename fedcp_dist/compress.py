@@ -145,12 +145,12 @@ class Compressor:
                 new_residual[k] = delta - decoded[k]
         return decoded, new_residual
 
-    def round_bytes(self, uploaders: int, participants: int, sent=None) -> dict:
-        """The round's accounting: ``uploaders`` clients sent the tensors ``sent`` (None: all; the
-        dense bytes are those of the same tensors), ``participants`` received the whole model."""
-        sent = self.names if sent is None else sent
-        return {"uplink_bytes": uploaders * self.sent_bytes(sent),
-                "uplink_bytes_dense": uploaders * 4 * sum(self.sizes[k] for k in sent),
+    def round_bytes(self, senders: Mapping[str, int], participants: int) -> dict:
+        """The round's accounting: ``senders[k]`` clients sent tensor k (compressed if enabled; the
+        dense bytes are those of the same uploads as float32), ``participants`` received the whole
+        model."""
+        return {"uplink_bytes": sum(n * self.sent_bytes([k]) for k, n in senders.items()),
+                "uplink_bytes_dense": sum(n * 4 * self.sizes[k] for k, n in senders.items()),
                 "downlink_bytes": participants * self.dense_bytes,
                 "downlink_bytes_dense": participants * self.dense_bytes}
 
@@ -163,7 +163,7 @@ SAVED_KEYS = ("uplink_bytes_sent", "uplink_bytes_saved")
 
 def byte_totals(records) -> dict:
     """The run's totals of the per-round byte counts, for the kinds its rounds have (none for a
-    run without compression or skipped uploads); with skipped uploads also the fraction saved."""
+    method that averages no uploads); with skipped uploads also the fraction saved."""
     out = {k: int(sum(r.get(k, 0) for r in records)) for k in (*BYTE_KEYS, *SAVED_KEYS)
            if any(k in r for r in records)}
     if "uplink_bytes_saved" in out:
@@ -173,10 +173,17 @@ def byte_totals(records) -> dict:
 
 
 def uplink_record(compressor, agg, uploaders: int, participants: int) -> dict:
-    """A round's byte counts: compressed uploads' (see :meth:`Compressor.round_bytes`; of the
-    tensors in the round's buffer), and where a method has aggregation groups (parts of the upload
-    some clients, or all of a round's, do not send) the dense float32 bytes sent and saved."""
-    out = compressor.round_bytes(uploaders, participants, agg.sent) if compressor.enabled else {}
+    """A round's byte counts (:meth:`Compressor.round_bytes`), every run whose uploads are averaged:
+    each tensor of the round's buffer counted once per client that sent it (``uploaders``, or for a
+    tensor of an aggregation group the clients that sent that group). Where a method has such groups
+    (parts of the upload some clients, or all of a round's, do not send) also the dense float32
+    bytes sent and saved. Nothing for a method that averages no uploads (its models travel in the
+    peer exchange)."""
+    if not agg.names:
+        return {}
+    group_senders = {g: int(n) for g, (_, n) in agg.group_totals.items()}
+    senders = {k: group_senders.get(agg.group_of[k], 0) if k in agg.group_of else uploaders for k in agg.sent}
+    out = compressor.round_bytes(senders, participants)
     if agg.groups:
         skipped = sum((uploaders - int(n)) * agg.group_numel(g) for g, (_, n) in agg.group_totals.items())
         out.update(uplink_bytes_sent=4 * (uploaders * agg.num_params - skipped), uplink_bytes_saved=4 * skipped)

@@ -65,6 +65,37 @@ def test_error_feedback_sends_what_was_left_out_later():
     assert sent["w"].tolist() == [1.0, 0.0, 0.0, 0.0] and kept is None
 
 
+def test_every_averaging_run_counts_its_uplink_and_a_partly_sent_group_only_by_its_senders():
+    from fedcp_dist.compress import uplink_record
+
+    shapes = {"a": torch.Size([10]), "p": torch.Size([2, 3])}
+    agg = FlatAggregator(shapes, 1, torch.device("cpu"), groups={"p": "policy"})
+    agg.begin_round()
+    one = {"a": torch.ones(10), "p": torch.ones(2, 3)}
+    agg.add(one, 3)
+    agg.add(one, 2, skip=["policy"])  # the second client leaves its CPN out
+    agg.add_metrics([0.0])
+    agg.reduce(_OneRank())
+    plain = Compressor("none", 1.0, 32, False, shapes)
+    # dense: a from both (2 · 40), p from one (24); sent = the same, saved = the one skipped p
+    assert uplink_record(plain, agg, 2, 2) == {"uplink_bytes": 104, "uplink_bytes_dense": 104,
+                                               "downlink_bytes": 128, "downlink_bytes_dense": 128,
+                                               "uplink_bytes_sent": 104, "uplink_bytes_saved": 24}
+    topk = Compressor("topk", 0.5, 8, False, shapes)
+    # compressed: a 15 bytes from each of two, p 12 from one
+    assert uplink_record(topk, agg, 2, 2)["uplink_bytes"] == 2 * 15 + 12
+    # no groups: every uploader sends everything
+    flat = FlatAggregator({"a": torch.Size([10])}, 1, torch.device("cpu"))
+    flat.add({"a": torch.ones(10)}, 1)
+    flat.add_metrics([0.0])
+    flat.reduce(_OneRank())
+    assert uplink_record(Compressor("none", 1.0, 32, False, {"a": (10,)}), flat, 3, 4) == {
+        "uplink_bytes": 120, "uplink_bytes_dense": 120, "downlink_bytes": 160, "downlink_bytes_dense": 160}
+    # a method that averages nothing (its models travel in the peer exchange) counts nothing here
+    none = FlatAggregator({}, 1, torch.device("cpu"))
+    assert uplink_record(Compressor("none", 1.0, 32, False, {}), none, 3, 3) == {}
+
+
 class _OneRank:
     def all_reduce_sum_(self, t):
         return t
@@ -93,8 +124,11 @@ def test_round_and_run_byte_accounting():
     c = Compressor("topk", 0.5, 8, False, {"a": (10,), "b": (2, 3)})
     # a: k = 5, 5 codes + 8 + min(5, 2) = 15; b: k = 3, 3 + 8 + min(3, 1) = 12
     assert (c.client_bytes, c.dense_bytes) == (27, 64)
-    r = c.round_bytes(uploaders=3, participants=4)
+    r = c.round_bytes({"a": 3, "b": 3}, participants=4)
     assert r == {"uplink_bytes": 81, "uplink_bytes_dense": 192, "downlink_bytes": 256, "downlink_bytes_dense": 256}
+    # b sent by one client only: 3 · 15 + 12 compressed, 3 · 40 + 24 dense
+    assert c.round_bytes({"a": 3, "b": 1}, participants=3) == {
+        "uplink_bytes": 57, "uplink_bytes_dense": 144, "downlink_bytes": 192, "downlink_bytes_dense": 192}
     assert byte_totals([r, r, {"kind": "round"}]) == {k: 2 * v for k, v in r.items()}
     off = Compressor("none", 1.0, 32, False, {"a": (10,)})
     assert not off.enabled and off.client_bytes == off.dense_bytes == 40
@@ -122,6 +156,37 @@ def test_a_round_that_skips_a_group_sends_and_counts_only_the_rest():
     assert uplink_record(c, agg, 2, 2) == {"uplink_bytes": 2 * 15, "uplink_bytes_dense": 2 * 40,
                                            "downlink_bytes": 2 * 64, "downlink_bytes_dense": 2 * 64,
                                            "uplink_bytes_sent": 2 * 40, "uplink_bytes_saved": 2 * 24}
+
+
+def test_every_averaging_run_counts_its_uplink_and_a_partly_sent_group_only_by_its_senders():
+    from fedcp_dist.compress import uplink_record
+
+    shapes = {"a": torch.Size([10]), "p": torch.Size([2, 3])}
+    agg = FlatAggregator(shapes, 1, torch.device("cpu"), groups={"p": "policy"})
+    agg.begin_round()
+    one = {"a": torch.ones(10), "p": torch.ones(2, 3)}
+    agg.add(one, 3)
+    agg.add(one, 2, skip=["policy"])  # the second client leaves its CPN out
+    agg.add_metrics([0.0])
+    agg.reduce(_OneRank())
+    plain = Compressor("none", 1.0, 32, False, shapes)
+    # dense: a from both (2 · 40), p from one (24); sent = the same, saved = the one skipped p
+    assert uplink_record(plain, agg, 2, 2) == {"uplink_bytes": 104, "uplink_bytes_dense": 104,
+                                               "downlink_bytes": 128, "downlink_bytes_dense": 128,
+                                               "uplink_bytes_sent": 104, "uplink_bytes_saved": 24}
+    topk = Compressor("topk", 0.5, 8, False, shapes)
+    # compressed: a 15 bytes from each of two, p 12 from one
+    assert uplink_record(topk, agg, 2, 2)["uplink_bytes"] == 2 * 15 + 12
+    # no groups: every uploader sends everything
+    flat = FlatAggregator({"a": torch.Size([10])}, 1, torch.device("cpu"))
+    flat.add({"a": torch.ones(10)}, 1)
+    flat.add_metrics([0.0])
+    flat.reduce(_OneRank())
+    assert uplink_record(Compressor("none", 1.0, 32, False, {"a": (10,)}), flat, 3, 4) == {
+        "uplink_bytes": 120, "uplink_bytes_dense": 120, "downlink_bytes": 160, "downlink_bytes_dense": 160}
+    # a method that averages nothing (its models travel in the peer exchange) counts nothing here
+    none = FlatAggregator({}, 1, torch.device("cpu"))
+    assert uplink_record(Compressor("none", 1.0, 32, False, {}), none, 3, 3) == {}
 
 
 class _OneRank:

@@ -177,8 +177,11 @@ def test_warmup_round_keeps_the_cpn_out_of_the_all_reduce():
         assert total == 24 and all(torch.equal(new[k], gs[k]) == (t == 0) for k in cpn), t
         assert not torch.equal(new["features.1.weight"], gs["features.1.weight"])
         # two uploaders: 4 bytes per parameter sent, the CPN's 36 saved in the warm-up round
-        assert uplink_record(off, agg, 2, 2) == ({"uplink_bytes_sent": 4 * 2 * 27, "uplink_bytes_saved": 4 * 2 * 36}
-                                                if t == 0 else {"uplink_bytes_sent": 4 * 2 * 63, "uplink_bytes_saved": 0})
+        sent = 4 * 2 * (27 if t == 0 else 63)
+        assert uplink_record(off, agg, 2, 2) == {"uplink_bytes": sent, "uplink_bytes_dense": sent,
+                                                 "downlink_bytes": 4 * 2 * 63, "downlink_bytes_dense": 4 * 2 * 63,
+                                                 "uplink_bytes_sent": sent,
+                                                 "uplink_bytes_saved": 4 * 2 * 36 if t == 0 else 0}
 
 
 def test_cpn_learning_rate_scales_only_the_cpn_step():

@@ -81,8 +81,9 @@ def _fake_runs(tmp_path):
         p.run_dir.mkdir(parents=True)
         (p.run_dir / "config.yaml").write_text(dump_config(Config(seed=seed, rounds=10, out_dir=str(p.run_dir))))
         summary = {"method": "fedcp", "rounds": 10, "best_acc": best[v, seed], "final_acc": best[v, seed] - 0.01}
-        if v == "cache":  # only a run that skips uploads records the bytes it sent and saved
-            summary.update(uplink_bytes_sent=1000 * seed, uplink_bytes_saved=500, uplink_saved_fraction=0.25 * seed)
+        if v == "cache":  # runs saved before every run counted its bytes (here plain and hard) have none
+            summary.update(uplink_bytes=1000 * seed, uplink_bytes_sent=1000 * seed, uplink_bytes_saved=500,
+                           uplink_saved_fraction=0.25 * seed)
         (p.run_dir / "summary.json").write_text(json.dumps(summary))
     return sw
 

@@ -38,11 +38,12 @@ from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 ROW_KEYS = ("method", "seed")
 #: metrics computed from a summary's keys: name -> (function of the summary, or None where it lacks them)
 DERIVED = {
-    "uplink_bytes_per_round": lambda s: (s["uplink_bytes_sent"] / s["rounds"]
-                                         if _numeric(s.get("uplink_bytes_sent")) and _numeric(s.get("rounds"))
+    "uplink_bytes_per_round": lambda s: (s["uplink_bytes"] / s["rounds"]
+                                         if _numeric(s.get("uplink_bytes")) and _numeric(s.get("rounds"))
                                          and s["rounds"] > 0 else None),
 }
-#: summary keys only some runs have (fedcp_dist.compress.byte_totals: compressed or skipped uploads):
+#: summary keys only some runs have (fedcp_dist.compress.byte_totals: none for peer methods and runs saved
+#: before every run counted its bytes; the saved bytes only with skipped uploads):
 #: a report of runs that have none of them says n/a rather than stopping
 OPTIONAL = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense", "uplink_bytes_sent",
             "uplink_bytes_saved", "uplink_saved_fraction", *DERIVED)
@@ -693,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", help="comma-separated keys that make the columns (default: the swept keys)")
     p.add_argument("--metric", default="best_acc",
                    help="summary.json key(s) to tabulate, comma-separated (default best_acc); also "
-                        "uplink_bytes_per_round (uplink_bytes_sent / rounds)")
+                        "uplink_bytes_per_round (uplink_bytes / rounds)")
     p.add_argument("--rows", default="method", help="the key whose values make the rows (default method; "
                                                      "a sweep's named variants: variant)")
     p.add_argument("--no-plots", action="store_true", help="write the table only")

@@ -11,7 +11,7 @@ trained one by one by default: every case pins ``fused=false`` (the default is n
 the ``-fused`` cases override it with ``fused=true`` and keep the placement by samples
 (``placement=samples``) that every run had then. Its digest covers the final global state,
 every client's persistent state in that checkpoint (all ranks' parts), the metric records without
-their timings, and the summary without its timings: SHA-256 over the exact bytes and float reprs.
+their timings (and byte counts, ACCOUNTING), and the summary without them: SHA-256 over the exact bytes and float reprs.
 The file also records the machine it was made on (torch version, CPU capability): float results
 are bit-identical only on the same kind of machine and thread count.
 """
@@ -31,6 +31,9 @@ ROUNDS = 2
 UNSTABLE = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds", "allreduce_seconds",
             "allreduce_bytes", "peer_exchange_seconds", "seconds_per_round", "load_seconds",
             "launcher", "world_size", "device")
+#: the byte counts every averaging run records (fedcp_dist.compress.uplink_record): added after the
+#: digests were recorded, a function of the config and the cohort (tests/test_compress.py), left out
+ACCOUNTING = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense")
 METHODS = ("fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep",
            "fedrod", "fedfomo", "fedphp")
 CASES = {
@@ -87,8 +90,9 @@ def digest_run(out: Path) -> dict:
     c = hashlib.sha256()
     _tensor_digest(c, {int(k): v for k, v in clients.items()})
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    records = [{k: v for k, v in r.items() if k not in UNSTABLE} for r in records]
-    summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if k not in UNSTABLE}
+    records = [{k: v for k, v in r.items() if k not in UNSTABLE + ACCOUNTING} for r in records]
+    summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items()
+               if k not in UNSTABLE + ACCOUNTING}
     return {"global": g.hexdigest(), "clients": c.hexdigest(), "metrics": _sha(records), "summary": _sha(summary),
             "final_acc": summary["final_acc"], "best_acc": summary["best_acc"]}
 
