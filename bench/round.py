@@ -16,6 +16,9 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
 * achieved GFLOP/s per rank in local training, from a FLOP count of one client's real local
   training (forward and backward, counted by torch's FlopCounterMode), against the same machine's
   float32 matrix-multiply peak measured in the same run (GFLOP/s per rank with its threads);
+* the round's FLOP floor: its useful work (the clients' local training as counted above, plus a
+  forward pass of each client's personalized model per evaluated test sample, counted the same
+  way) at the ranks' summed matmul peak, and how many times that the round took;
 * on a CPU, the same rate and fraction per CPU-second of one thread (this process's CPU time in
   local training over its threads, against the GEMM's rate per CPU-second): on a machine shared
   with other work that is what compares variants fairly (use threads=1 there: with more threads
@@ -63,7 +66,7 @@ sys.path.insert(0, str(REPO))
 from fedcp_dist import fused  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
-from fedcp_dist.placement import STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
+from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.simulator import Simulator  # noqa: E402
 
@@ -145,7 +148,7 @@ def main(argv=None):
     first = config(args.fused, "/nonexistent")
     rt = init_runtime(first.device, first.threads, first.collective_timeout)
     variants = [False, True] if args.compare else [args.fused]
-    results, flops_per_train_sample = [], None
+    results, flops_per_train_sample, flops_per_test_sample = [], None, None
     for fused_on in variants:
         out_dir = tempfile.mkdtemp(prefix="fedcp-bench-") if rt.rank == 0 else "/nonexistent"
         cfg = config(fused_on, out_dir)
@@ -163,7 +166,8 @@ def main(argv=None):
             return
         if flops_per_train_sample is None:
             flops_per_train_sample = train_flops_per_sample(sim, cfg)
-        results.append(measure(sim, cfg, rt, args.warmup, flops_per_train_sample))
+            flops_per_test_sample = eval_flops_per_sample(sim, cfg)
+        results.append(measure(sim, cfg, rt, args.warmup, flops_per_train_sample, flops_per_test_sample))
         shutil.rmtree(out_dir, ignore_errors=True)
     rt.close()
     if rt.rank != 0:
@@ -209,12 +213,26 @@ def train_flops_per_sample(sim, cfg, batches: int = 8) -> float:
     return train_flops / num_batches_samples(d.n_train, cfg)
 
 
+def eval_flops_per_sample(sim, cfg, samples: int = 64) -> float:
+    """FLOPs per evaluated test sample: the personalized model's forward pass (``predict``) on the
+    first ``samples`` test samples of this rank's client with the most."""
+    big = max(sim.owned, key=lambda c: sim.data[c].n_test)
+    d = sim.data[big]
+    m = min(d.n_test, samples)
+    if m == 0:
+        return 0.0
+    ctx = Context(0, big, sim.trainer.generator(STREAM_EVAL, 0, big))
+    with torch.no_grad():
+        state = sim.algo.prepare_eval(sim.store.get(big), d, ctx)
+        return count_flops(lambda: sim.algo.predict(state, d.test_batch(0, m)[0], ctx)) / m
+
+
 def num_batches_samples(n: int, cfg) -> int:
     """Samples one client trains on in a round (epochs × its kept samples)."""
     return cfg.local_epochs * (n - n % cfg.batch_size if cfg.drop_last and n >= cfg.batch_size else n)
 
 
-def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
+def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_test_sample: float) -> dict:
     """Run the simulator and return this variant's figures (all ranks gathered)."""
     peak = matmul_peak_gflops(rt.device)
     on_cpu = rt.device.type == "cpu"
@@ -241,8 +259,9 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
     train_cpu = sum(r["train_cpu_seconds"] for r in rounds) / rt.threads if on_cpu else float("nan")
     mem = (torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda"
            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    test_samples = sum(sim.data[c].n_test for c in sim.owned)
     mine = torch.tensor([float(np.sum(samples)), float(np.sum(train_s)), float(mem), peak, train_cpu,
-                         peak_cpu if on_cpu else float("nan")], dtype=torch.float64)
+                         peak_cpu if on_cpu else float("nan"), float(test_samples)], dtype=torch.float64)
     if rt.distributed:
         gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
         dist.all_gather(gathered, mine.to(rt.device) if rt.backend == "nccl" else mine)
@@ -280,6 +299,14 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float) -> dict:
         "wall_seconds": wall,
         **placement_figures(sim, cfg, rt, rounds),
     }
+    # the round's useful work at the ranks' summed matmul peak: the floor no round can beat
+    evaluations = sum("acc" in r for r in rounds) / len(rounds)
+    round_flops = (tot_samples / len(rounds) * flops_per_train_sample
+                   + evaluations * per_rank[:, 6].sum().item() * flops_per_test_sample)
+    res["eval_flops_per_sample"] = flops_per_test_sample
+    res["round_tflop"] = round_flops / 1e12
+    res["flop_floor_seconds"] = round_flops / (per_rank[:, 3].sum().item() * 1e9)
+    res["round_over_floor"] = res["seconds_per_round"] / res["flop_floor_seconds"]
     res["train_fraction_of_peak"] = [g / pk for g, pk in zip(res["train_gflops_per_rank"], res["matmul_peak_gflops_per_rank"])]
     if on_cpu:
         res["train_cpu_seconds_per_thread"] = (per_rank[:, 4] / len(rounds)).tolist()
@@ -325,6 +352,9 @@ def print_table(res: dict, warmup: int) -> None:
         ("training GFLOP/s per rank", ", ".join(f"{v:.1f}" for v in res["train_gflops_per_rank"])),
         ("matmul peak GFLOP/s per rank", ", ".join(f"{v:.1f}" for v in res["matmul_peak_gflops_per_rank"])),
         ("training / peak", ", ".join(f"{100 * v:.1f} %" for v in res["train_fraction_of_peak"])),
+        ("FLOP floor of a round", f"{res['round_tflop']:.3f} TFLOP (training + {res['eval_flops_per_sample'] / 1e6:.1f} "
+                                  f"MFLOP per evaluated test sample) at the ranks' summed peak = "
+                                  f"{res['flop_floor_seconds']:.2f} s; the round took {res['round_over_floor']:.2f}x that"),
     ]
     if "train_fraction_of_peak_cpu_time" in res:
         rows += [

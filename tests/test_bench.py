@@ -58,6 +58,13 @@ def test_flop_count_matches_hand_derivation():
     assert per_sample == 36_431_872  # the figure the README's Performance section derives
 
 
+def fedcp_mnist_eval_flops_per_sample(K: int = 512, classes: int = 10) -> int:
+    """One evaluated sample: the personal extractor forward, the CPN forward, both heads forward."""
+    conv1 = 2 * 24 * 24 * 32 * (1 * 25)
+    conv2 = 2 * 8 * 8 * 64 * (32 * 25)
+    return conv1 + conv2 + 2 * 1024 * K + 2 * K * 2 * K + 2 * (2 * K * classes)
+
+
 def test_peak_is_gemm_flops_over_the_best_time():
     """2·n³ FLOPs over the fastest repeat, in GFLOP/s of the given clock."""
     bench = _load_bench()
@@ -94,6 +101,15 @@ def test_bench_compare_table(digits6, tmp_path):
         assert v["steps_per_rank"] == [steps] and v["steps_imbalance"] == v["cohort_steps_imbalance"] == 1.0
     assert f"{steps} (placed by steps), max/mean 1.000; timed rounds' cohorts 1.000" in r.stdout
     assert "training / peak" in r.stdout and "fused / sequential" in r.stdout
+    # the FLOP floor: every client trained and evaluated once a round, at the measured peak
+    tests = int(sum(read_info(digits6).test_counts))
+    for v in (seq, fus):
+        assert v["eval_flops_per_sample"] == fedcp_mnist_eval_flops_per_sample()
+        work = trained * fedcp_mnist_flops_per_sample() + tests * fedcp_mnist_eval_flops_per_sample()
+        assert v["round_tflop"] * 1e12 == pytest.approx(work, rel=1e-12)
+        assert v["flop_floor_seconds"] == pytest.approx(work / (v["matmul_peak_gflops_per_rank"][0] * 1e9), rel=1e-12)
+        assert v["round_over_floor"] == pytest.approx(v["seconds_per_round"] / v["flop_floor_seconds"], rel=1e-12)
+    assert r.stdout.count("FLOP floor of a round") == 2
     # threads=1: one fused group (fused_workers=auto takes one per thread); the ISA is named
     assert fus["fused_workers"] == 1 and seq["fused_workers"] is None
     assert seq["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
