@@ -372,3 +372,14 @@ def test_slurm_task_of_several_ranks_runs_the_config_in_process(digits6, tmp_pat
     finally:
         signal.signal(signal.SIGUSR2, previous)
     assert calls == [signal.SIGUSR2]
+
+
+def test_local_points_give_torchrun_time_to_checkpoint_after_a_sigterm(monkeypatch):
+    """torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM unless told otherwise; a point's
+    environment raises that grace to a round's worth (the user's own setting wins)."""
+    from fedcp_dist.sweep import local
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert local.run_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(local.SHUTDOWN_TIMEOUT_S) == "1800"
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
+    assert local.run_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"

@@ -6,6 +6,7 @@ A point runs under torchrun when the sweep asks for several ranks per run. Its s
 from __future__ import annotations
 
 import collections
+import os
 import shlex
 import subprocess
 import sys
@@ -15,6 +16,20 @@ from fedcp_dist.errors import EXIT_REQUEUE
 from fedcp_dist.rundir import FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.spec import Sweep, display_path, drift_warning, now
+
+
+#: seconds torchrun lets its workers finish after it forwards a SIGTERM before it SIGKILLs them
+#: (torchrun's own default is 30 s, shorter than many rounds: a preempted worker would die before
+#: its checkpoint); the user's TORCH_ELASTIC_SHUTDOWN_TIMEOUT wins
+SHUTDOWN_TIMEOUT_S = 1800
+
+
+def run_env() -> dict:
+    """The environment of a point's process: ours, with torchrun's grace after a SIGTERM raised to
+    :data:`SHUTDOWN_TIMEOUT_S` unless set (read by torchrun's launcher; ignored elsewhere)."""
+    env = dict(os.environ)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    return env
 
 
 def stderr_tail(lines, n: int = 6) -> str:
@@ -63,7 +78,8 @@ def run_local(sweep: Sweep) -> int:
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"# {now()} {shlex.join(cmd)}\n")
             log.flush()
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, errors="replace")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, errors="replace",
+                                    env=run_env())
             try:
                 pump(proc, log, tail)
                 rc = proc.wait()
