@@ -158,42 +158,6 @@ def test_a_round_that_skips_a_group_sends_and_counts_only_the_rest():
                                            "uplink_bytes_sent": 2 * 40, "uplink_bytes_saved": 2 * 24}
 
 
-def test_every_averaging_run_counts_its_uplink_and_a_partly_sent_group_only_by_its_senders():
-    from fedcp_dist.compress import uplink_record
-
-    shapes = {"a": torch.Size([10]), "p": torch.Size([2, 3])}
-    agg = FlatAggregator(shapes, 1, torch.device("cpu"), groups={"p": "policy"})
-    agg.begin_round()
-    one = {"a": torch.ones(10), "p": torch.ones(2, 3)}
-    agg.add(one, 3)
-    agg.add(one, 2, skip=["policy"])  # the second client leaves its CPN out
-    agg.add_metrics([0.0])
-    agg.reduce(_OneRank())
-    plain = Compressor("none", 1.0, 32, False, shapes)
-    # dense: a from both (2 · 40), p from one (24); sent = the same, saved = the one skipped p
-    assert uplink_record(plain, agg, 2, 2) == {"uplink_bytes": 104, "uplink_bytes_dense": 104,
-                                               "downlink_bytes": 128, "downlink_bytes_dense": 128,
-                                               "uplink_bytes_sent": 104, "uplink_bytes_saved": 24}
-    topk = Compressor("topk", 0.5, 8, False, shapes)
-    # compressed: a 15 bytes from each of two, p 12 from one
-    assert uplink_record(topk, agg, 2, 2)["uplink_bytes"] == 2 * 15 + 12
-    # no groups: every uploader sends everything
-    flat = FlatAggregator({"a": torch.Size([10])}, 1, torch.device("cpu"))
-    flat.add({"a": torch.ones(10)}, 1)
-    flat.add_metrics([0.0])
-    flat.reduce(_OneRank())
-    assert uplink_record(Compressor("none", 1.0, 32, False, {"a": (10,)}), flat, 3, 4) == {
-        "uplink_bytes": 120, "uplink_bytes_dense": 120, "downlink_bytes": 160, "downlink_bytes_dense": 160}
-    # a method that averages nothing (its models travel in the peer exchange) counts nothing here
-    none = FlatAggregator({}, 1, torch.device("cpu"))
-    assert uplink_record(Compressor("none", 1.0, 32, False, {}), none, 3, 3) == {}
-
-
-class _OneRank:
-    def all_reduce_sum_(self, t):
-        return t
-
-
 def test_the_residual_is_part_of_the_checkpointed_client_state():
     class Algo:
         def set_global(self, g):
