@@ -4,7 +4,11 @@
     torchrun --nproc_per_node=2 bench/round.py threads=1      # the same on 2 ranks
     python bench/round.py --shard data/x.h5 method=fedavg rounds=3
     python bench/round.py --fused                             # the same with fused=true
+    python bench/round.py --sequential                        # the same with fused=false
     python bench/round.py --compare                           # sequential, then fused, in one run
+
+Without ``--fused`` or ``--sequential`` the run trains as the engine would (``fused: auto`` unless
+the config or an override says otherwise), so the default figures are those a user gets.
 
 It partitions the real MNIST files (``--mnist-root``, default ../shared/data/mnist, gzipped IDX files
 are unpacked into a temporary folder) unless ``--shard`` names an existing partition, runs the
@@ -54,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -116,6 +121,7 @@ def main(argv=None):
     p.add_argument("--startup-only", action="store_true",
                    help="measure start-up (placement + loading this rank's clients) and its memory, then stop")
     p.add_argument("--fused", action="store_true", help="train with fused=true (groups of clients at once)")
+    p.add_argument("--sequential", action="store_true", help="train with fused=false (one client at a time)")
     p.add_argument("--compare", action="store_true", help="run the sequential and the fused variant back to back")
     p.add_argument("--fused-group", type=int, default=0, help="fused_group: clients per group (0: from memory)")
     p.add_argument("--fused-slots", type=int, default=0,
@@ -136,18 +142,19 @@ def main(argv=None):
                 time.sleep(0.5)
     overrides = ["rounds=3", *args.overrides]
 
-    def config(fused_on: bool, out_dir: str):
-        cfg = load_config(args.config, [f"data.path={shard}", "data.num_clients=0", "data.source=",
-                                        "data.input_shape=null", "eval_every=1", "checkpoint_every=0",
-                                        "overwrite=true", *overrides,
-                                        f"fused={'true' if fused_on else 'false'}", f"fused_group={args.fused_group}"])
+    if args.fused and args.sequential:
+        p.error("--fused and --sequential exclude each other")
+
+    def config(fused_on: Optional[bool], out_dir: str):
+        cfg = load_config(args.config, bench_overrides(shard, overrides, fused_on, args.fused_group))
         cfg.rounds = cfg.rounds + args.warmup
         cfg.out_dir = out_dir
         return cfg
 
-    first = config(args.fused, "/nonexistent")
+    chosen = True if args.fused else False if args.sequential else None
+    first = config(chosen, "/nonexistent")
     rt = init_runtime(first.device, first.threads, first.collective_timeout)
-    variants = [False, True] if args.compare else [args.fused]
+    variants = [False, True] if args.compare else [chosen]
     results, flops_per_train_sample, flops_per_test_sample = [], None, None
     for fused_on in variants:
         out_dir = tempfile.mkdtemp(prefix="fedcp-bench-") if rt.rank == 0 else "/nonexistent"
@@ -197,6 +204,17 @@ def main(argv=None):
                   f"{', '.join(f'{100 * v:.1f} %' for v in ratio['fraction_of_peak_cpu_time_sequential'])} -> "
                   f"{', '.join(f'{100 * v:.1f} %' for v in ratio['fraction_of_peak_cpu_time_fused'])}")
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def bench_overrides(shard, overrides: list, fused_on: Optional[bool], fused_group: int) -> list:
+    """The config overrides of one benchmarked variant: the shard, evaluation every round, no
+    checkpoints, the user's ``overrides``, then fused=true/false where a variant is forced (None:
+    the config's own ``fused``, by default ``auto``)."""
+    out = [f"data.path={shard}", "data.num_clients=0", "data.source=", "data.input_shape=null", "eval_every=1",
+           "checkpoint_every=0", "overwrite=true", *overrides]
+    if fused_on is not None:
+        out.append(f"fused={'true' if fused_on else 'false'}")
+    return out + [f"fused_group={fused_group}"]
 
 
 def train_flops_per_sample(sim, cfg, batches: int = 8) -> float:

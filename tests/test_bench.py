@@ -73,6 +73,21 @@ def test_peak_is_gemm_flops_over_the_best_time():
     assert peak == pytest.approx(2 * 64**3 / 2.0 / 1e9)
 
 
+def test_bench_trains_as_the_engine_does_unless_a_variant_is_forced(digits6):
+    """No --fused/--sequential: no fused key, so the config's own (fused: auto, or the user's
+    override) decides; a forced variant comes after the user's overrides."""
+    from fedcp_dist.config import load_config
+
+    bench = _load_bench()
+    cfg_path = str(REPO / "configs" / "mnist_dir0.1_fedcp.yaml")
+    plain = bench.bench_overrides(digits6, ["rounds=2"], None, 0)
+    assert not any(o.startswith("fused=") for o in plain)
+    assert load_config(cfg_path, plain).fused == "auto"
+    assert load_config(cfg_path, bench.bench_overrides(digits6, ["fused=true"], None, 0)).fused is True
+    assert load_config(cfg_path, bench.bench_overrides(digits6, ["fused=true"], False, 0)).fused is False
+    assert load_config(cfg_path, bench.bench_overrides(digits6, [], True, 3)).fused_group == 3
+
+
 @pytest.mark.slow
 def test_bench_compare_table(digits6, tmp_path):
     """One documented command end to end (--compare on a small shard): both variants ran the path
