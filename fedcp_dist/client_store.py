@@ -76,20 +76,20 @@ class ClientStore:
     def close(self) -> None:
         """End of the run."""
 
-    def put(self, cid: int, state: Optional[State], upload: State) -> None:
-        """Keep a trained client's new state; its BatchNorm statistics leave ``upload`` for the store."""
+    def put(self, cid: int, state: Optional[State], upload: State, residual: Optional[State] = None) -> None:
+        """Keep a trained client's new state and (with error feedback) what compression has not sent
+        of its delta; its BatchNorm statistics leave ``upload`` for the store. One call a client a
+        round, so a store on disk writes the client's file once."""
         if state is not None:
             self.states[cid] = state
         if self.bn_keys:
             self.bn[cid] = {k: upload.pop(k) for k in self.bn_keys}
+        if residual is not None:
+            self.residuals[cid] = residual
 
     def residual(self, cid: int) -> Optional[State]:
         """What compression has not sent of client ``cid``'s deltas (None before its first upload)."""
         return self.residuals.get(cid)
-
-    def put_residual(self, cid: int, residual: Optional[State]) -> None:
-        if residual is not None:
-            self.residuals[cid] = residual
 
     def held_bytes(self) -> int:
         """Bytes of per-client tensors this store holds in memory (states, BatchNorm statistics,
@@ -172,6 +172,13 @@ def memory_record(store: "ClientStore") -> dict:
             "client_state_held_mb": store.held_bytes() / mib}
 
 
+def banks_in_files(client_state: str, device) -> bool:
+    """Whether a peer method's per-client banks (``bank_keys``) live in files mapped into memory:
+    with a disk client store on the CPU (:meth:`DiskClientStore.set_global`). Then the banks are
+    never allocated whole, and they are page cache, not the process's own memory."""
+    return client_state == "disk" and torch.device(device).type == "cpu"
+
+
 def available_memory_bytes(device) -> int:
     """What the budget of ``client_state: auto`` defaults to half of: the device's free memory
     (the same measure fused training sizes its groups by)."""
@@ -205,8 +212,8 @@ class HostClientStore(ClientStore):
             self.states[cid] = _to(self.algo.init_client_state(cid), "cpu")
         return _to(self.states[cid], self.device)
 
-    def put(self, cid: int, state: Optional[State], upload: State) -> None:
-        super().put(cid, _to(state, "cpu"), upload)
+    def put(self, cid: int, state: Optional[State], upload: State, residual: Optional[State] = None) -> None:
+        super().put(cid, _to(state, "cpu"), upload, residual)
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
         super().load_state_dict({c: _to(s, "cpu") for c, s in states.items()})
@@ -244,7 +251,7 @@ class DiskClientStore(ClientStore):
         self._order: list = []
         self._pos: Dict[int, int] = {}
         #: global tensors with a row per client (FedAMP's and FedFomo's banks) mapped from files here
-        self.mapped_keys = tuple(getattr(algo, "bank_keys", ())) if self.device.type == "cpu" else ()
+        self.mapped_keys = tuple(getattr(algo, "bank_keys", ())) if banks_in_files("disk", self.device) else ()
         self._mapped: Dict[str, torch.Tensor] = {}
         super().__init__(algo, global_state, bn_keys)
 
@@ -348,21 +355,16 @@ class DiskClientStore(ClientStore):
     def peek(self, cid: int) -> Optional[State]:
         return (unpack(self._entry(cid) or {})[2] or None) if cid in self.saved else None
 
-    def put(self, cid: int, state: Optional[State], upload: State) -> None:
-        if state is None and not self.bn_keys:
+    def put(self, cid: int, state: Optional[State], upload: State, residual: Optional[State] = None) -> None:
+        if state is None and residual is None and not self.bn_keys:
             return
         bn, ef, rest = unpack(self._entry(cid) or {})
         if self.bn_keys:
             bn = {k: upload.pop(k) for k in self.bn_keys}
-        self._keep(cid, pack(state if state is not None else rest, bn, ef))
+        self._keep(cid, pack(state if state is not None else rest, bn, residual if residual is not None else ef))
 
     def residual(self, cid: int) -> Optional[State]:
         return unpack(self._entry(cid) or {})[1] or None
-
-    def put_residual(self, cid: int, residual: Optional[State]) -> None:
-        if residual is not None:
-            bn, _, rest = unpack(self._entry(cid) or {})
-            self._keep(cid, pack(rest, bn, residual))
 
     def _reap(self) -> None:
         for c in [c for c, (_, f) in self._writing.items() if f.done()]:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fedcp_dist import fused
+from fedcp_dist.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
@@ -143,10 +144,8 @@ def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: i
     dim = algo.peer_dim
     if not dim:
         return 0
-    # client_state=disk on the CPU: the banks are files mapped into memory (page cache), not the process's own
-    dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    on_disk = cfg.client_state == "disk" and torch.device(dev).type == "cpu"
-    need = (0 if on_disk else algo.peer_memory_bytes(num_clients)) + world_size * max_owned * (dim + 1) * 4
+    mapped = banks_in_files(cfg.client_state, algo.device)  # then page cache, not the process's own memory
+    need = (0 if mapped else algo.peer_memory_bytes(num_clients)) + world_size * max_owned * (dim + 1) * 4
     if need > cfg.peer_memory_mb * 2**20:
         raise UserError(
             f"{cfg.method} needs {need / 2**20:.0f} MiB per rank for other clients' models ({num_clients} clients, "

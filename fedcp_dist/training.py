@@ -41,10 +41,11 @@ class CohortTrainer:
                 continue  # neither aggregated nor kept as the client's new state
             if probes.train:
                 self._probe(t, cid, res, probes)
-            self.store.put(cid, res.client_state, res.upload)
+            upload, residual = self._compressed(cid, res)
+            self.store.put(cid, res.client_state, res.upload, residual)  # takes BatchNorm statistics out of res.upload
             if self.algo.peer_dim:
                 payloads[cid] = self.algo.peer_payload(res)
-            self._upload(cid, res)
+            self.agg.add(upload, self.data[cid].n_train, skip=res.skipped)
             train += TrainSums(res.loss_sum, res.samples)
         train += TrainSums(nonfinite_clients=len(bad), nonfinite_client_id_sum=sum(bad))
         return train, payloads
@@ -67,10 +68,9 @@ class CohortTrainer:
         losses = self.algo.probe_losses(self.store.activate(cid), res, self.data[cid], ctx)
         probes.add_train(cid, res, losses, self.data[cid].n_train)
 
-    def _upload(self, cid: int, res) -> None:
-        """n_i·θ_i into the all-reduce; with compression n_i·Δ̂_i (added to the global state after it)."""
-        upload = res.upload
-        if self.compressor.enabled:
-            upload, residual = self.compressor.compress(upload, self.store.global_state, self.store.residual(cid))
-            self.store.put_residual(cid, residual)
-        self.agg.add(upload, self.data[cid].n_train, skip=res.skipped)
+    def _compressed(self, cid: int, res) -> tuple:
+        """(what goes into the all-reduce, weighted by n_i: θ_i, or with compression Δ̂_i, added to
+        the global state after it; the client's new residual under error feedback, else None)."""
+        if not self.compressor.enabled:
+            return res.upload, None
+        return self.compressor.compress(res.upload, self.store.global_state, self.store.residual(cid))

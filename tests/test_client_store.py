@@ -156,6 +156,24 @@ def test_disk_store_reads_ahead_and_writes_back(tmp_path):
     store.close(), again.close()
 
 
+def test_disk_store_writes_a_clients_state_and_residual_in_one_file_write(tmp_path):
+    store = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s"))
+    writes = []
+    real = store._write
+    store._write = lambda cid, entry: writes.append((cid, sorted(entry))) or real(cid, entry)
+    store.put(4, {"w": torch.full((3,), 4.0)}, {}, {"w": torch.full((3,), 0.5)})
+    store.flush()
+    assert writes == [(4, ["__ef__/w", "w"])]  # one write a client a round, both parts in it
+    store.put(4, None, {}, {"w": torch.full((3,), 0.25)})  # a residual alone keeps the state
+    store.flush()
+    assert len(writes) == 2 and store.get(4)["w"].tolist() == [4.0] * 3
+    assert store.residual(4)["w"].tolist() == [0.25] * 3
+    store.put(5, None, {}, None)  # nothing to keep: no file
+    store.flush()
+    assert len(writes) == 2 and store.peek(5) is None
+    store.close()
+
+
 def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys):
     import importlib.util
     spec = importlib.util.spec_from_file_location("cohort", Path(__file__).resolve().parents[1] / "bench" / "cohort.py")
@@ -215,7 +233,7 @@ def test_record_memory_adds_rank_0s_memory_to_every_round(digits6, tmp_path):
 
     store = ClientStore(_A(), {})
     store.put(0, {"w": torch.zeros(2**18)}, {})  # 1 MiB of float32
-    store.put_residual(1, {"e": torch.zeros(2**17, dtype=torch.float64)})  # 1 MiB
+    store.put(1, None, {}, {"e": torch.zeros(2**17, dtype=torch.float64)})  # a residual alone: 1 MiB
     assert memory_record(store)["client_state_held_mb"] == 2.0
     assert rss_bytes() > 0
 
@@ -298,8 +316,8 @@ def test_disk_store_holds_no_per_client_state_in_memory():
                 store.prefetch(range(n))
                 for c in range(n):
                     store.activate(c)
-                    store.put(c, {"w": torch.full((256,), float(c))}, {"bn.running_mean": torch.zeros(64)})
-                    store.put_residual(c, {"e": torch.ones(128)})
+                    store.put(c, {"w": torch.full((256,), float(c))}, {"bn.running_mean": torch.zeros(64)},
+                              {"e": torch.ones(128)})
                 store.flush()
             got = mem.held_bytes(), disk.held_bytes()
             back = disk.state_dict()
@@ -341,7 +359,7 @@ def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
     from fedcp_dist.errors import UserError
     from fedcp_dist.startup import check_peer_memory
 
-    algo = SimpleNamespace(peer_dim=2**18 - 1, peer_memory_bytes=lambda n: n * 2**20)  # 1 MiB a client
+    algo = SimpleNamespace(peer_dim=2**18 - 1, peer_memory_bytes=lambda n: n * 2**20, device=torch.device("cpu"))  # 1 MiB a client
     cfg = SimpleNamespace(client_state="device", device="cpu", peer_memory_mb=100.0, method="fedamp")
     # 2 ranks x 10 owned x 1 MiB exchange rows + 50 MiB bank = 70 MiB: fits; 1000 clients' bank does not
     assert check_peer_memory(cfg, algo, 50, 10, 2) == 70 * 2**20
@@ -349,6 +367,9 @@ def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
         check_peer_memory(cfg, algo, 1000, 10, 2)
     cfg.client_state = "disk"  # the bank is a file mapped into memory: only the exchange rows count
     assert check_peer_memory(cfg, algo, 1000, 10, 2) == 20 * 2**20
+    algo.device = torch.device("cuda")  # a GPU run keeps its bank in device memory, disk store or not
+    with pytest.raises(UserError, match="peer_memory_mb=100"):
+        check_peer_memory(cfg, algo, 1000, 10, 2)
 
 
 def test_fedfomo_on_disk_keeps_8_bytes_per_client_outside_the_store(digits6, tmp_path):

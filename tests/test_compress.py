@@ -167,8 +167,8 @@ def test_the_residual_is_part_of_the_checkpointed_client_state():
             return None
 
     store = ClientStore(Algo(), {})
-    store.put_residual(3, {"w": torch.tensor([0.25, -1.0])})
-    store.put_residual(4, None)  # no error feedback: nothing kept
+    store.put(3, None, {}, {"w": torch.tensor([0.25, -1.0])})
+    store.put(4, None, {}, None)  # no error feedback: nothing kept
     saved = store.state_dict()
     assert set(saved) == {3} and saved[3]["__ef__/w"].tolist() == [0.25, -1.0]
     again = ClientStore(Algo(), {})

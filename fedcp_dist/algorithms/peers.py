@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcp_dist.algorithms.base import SGDAlgorithm, State, freeze, load_module, module_state
+from fedcp_dist.client_store import banks_in_files
 from fedcp_dist.local_train import Phase
 from fedcp_dist.options import Option, above
 
@@ -87,7 +88,7 @@ class PeerBankMethod(SGDAlgorithm):
         """An (N, cols) tensor of zeros for a ``bank_keys`` entry. With ``client_state: disk`` on the CPU
         the store copies it into a file mapped into memory at once: then it is one row expanded, so
         that N rows are never allocated."""
-        if getattr(self.cfg, "client_state", "device") == "disk" and torch.device(self.device).type == "cpu":
+        if banks_in_files(self.cfg.client_state, self.device):
             return torch.zeros(1, cols).expand(self.num_clients, cols)
         return torch.zeros(self.num_clients, cols, device=self.device)
 
