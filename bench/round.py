@@ -153,7 +153,7 @@ def main(argv=None):
 
     chosen = True if args.fused else False if args.sequential else None
     first = config(chosen, "/nonexistent")
-    rt = init_runtime(first.device, first.threads, first.collective_timeout)
+    rt = init_runtime(first.device, first.threads, first.collective_timeout, keep_freed=first.keep_freed_memory)
     variants = [False, True] if args.compare else [chosen]
     results, flops_per_train_sample, flops_per_test_sample = [], None, None
     for fused_on in variants:

@@ -103,6 +103,9 @@ class _Execution:
     fused: typing.Union[bool, str] = "auto"
     #: clients per fused group; 0 picks it from free memory
     fused_group: int = 0
+    #: CPU ranks: glibc's allocator keeps freed memory for reuse instead of returning large blocks to the
+    #: system (whose pages then fault in again on every use): auto (on a CPU device under glibc) | true | false
+    keep_freed_memory: typing.Union[bool, str] = "auto"
     #: fused groups trained side by side on a CPU rank, one thread each: auto (one per thread of the rank) | N
     fused_workers: typing.Union[int, str] = "auto"
     #: what clients are weighted by when placed on ranks (largest first, to the least-loaded rank): samples |
@@ -199,6 +202,8 @@ class _ConfigMethods:
             bad("threads", f"must be >= 0, got {self.threads}")
         if isinstance(self.fused, str) and self.fused != "auto":
             bad("fused", f"must be auto, true or false, got {self.fused!r}")
+        if isinstance(self.keep_freed_memory, str) and self.keep_freed_memory != "auto":
+            bad("keep_freed_memory", f"must be auto, true or false, got {self.keep_freed_memory!r}")
         if self.client_state not in CLIENT_STATE_MODES:
             bad("client_state", f"must be one of {', '.join(CLIENT_STATE_MODES)}, got {self.client_state!r}")
         if not (math.isfinite(self.client_state_budget_mb) and self.client_state_budget_mb >= 0):

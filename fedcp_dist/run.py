@@ -39,7 +39,7 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = ()) -> dic
     from fedcp_dist.runtime import init_runtime
     from fedcp_dist.simulator import Simulator
 
-    rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
+    rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory)
     try:
         return Simulator(cfg, rt).run()
     except Preempted:

@@ -179,6 +179,8 @@ class Runtime:
         self.backend = backend
         self.threads = threads
         self.timeout_s = 600.0
+        #: what :func:`keep_freed_memory` did ("on", "off", "unavailable (...)")
+        self.keep_freed = "off"
         #: what the run is doing, for failure messages ("round 12", "checkpoint after round 50")
         self.phase = "start-up"
         self.failed = False
@@ -252,6 +254,7 @@ class Runtime:
         return (
             f"launcher={self.launcher} world_size={self.world_size} device={self.device} "
             f"backend={self.backend or 'none'} threads={self.threads}"
+            + (f" keep_freed_memory={self.keep_freed}" if self.device.type == "cpu" else "")
         )
 
 
@@ -328,8 +331,47 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ) -> Runtime:
-    """Detect the launcher, pin this rank's device and open the process group."""
+#: glibc's mallopt parameters (malloc.h) and the values set by :func:`keep_freed_memory`
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: blocks up to this size come from the heap instead of a mapping of their own (glibc versions that
+#: refuse it take 32 MiB, the largest every version accepts)
+KEEP_MMAP_THRESHOLD = (1 << 30, 32 << 20)
+#: freed memory at the heap's top up to this size is kept, not returned (mallopt takes a C int)
+KEEP_TRIM_THRESHOLD = (1 << 31) - 1
+
+
+def keep_freed_memory(setting, device: torch.device, mallopt=None) -> str:
+    """Apply ``keep_freed_memory`` to this process's allocator; returns what the start line says.
+
+    By default glibc serves a block above its mmap threshold (at most 32 MiB, adapting upward)
+    from a mapping of its own and unmaps it when freed, and gives memory at the heap's top back to
+    the system: a CPU rank then faults every page of such a block in again the next time, a
+    convolution's output of an evaluation batch (73.7 MiB for 1,000 MNIST images) or a large
+    gradient every step. Measured on a 2-core virtual machine: faulting in fresh memory ran at about
+    2 GiB/s against 20 GiB/s for writing memory already held, and evaluation of MNIST batches of
+    1,000 took 1.35× as long. ``true`` (or ``auto`` on a CPU device) raises both thresholds,
+    so freed memory stays in the process for the next allocation; the resident size after a peak
+    stays at that peak. No effect on results. ``mallopt``: the C function (tests pass their own).
+    """
+    if setting is False or (setting == "auto" and device.type != "cpu"):
+        return "off"
+    if mallopt is None:
+        try:
+            import ctypes
+
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):
+            return "unavailable (no glibc mallopt)"
+    if not any(mallopt(_M_MMAP_THRESHOLD, v) == 1 for v in KEEP_MMAP_THRESHOLD):
+        return "unavailable (mallopt refused)"
+    mallopt(_M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD)
+    return "on"
+
+
+def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ,
+                 keep_freed: object = "auto") -> Runtime:
+    """Detect the launcher, pin this rank's device and open the process group; on a CPU device
+    the allocator keeps freed memory (``keep_freed``: the config's ``keep_freed_memory``)."""
     launcher = detect_launcher(env)
     ep = resolve_endpoint(launcher, env)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -346,6 +388,7 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
     torch.set_num_threads(n_threads)
     rt = Runtime(launcher, ep, dev, None, n_threads)
     rt.timeout_s = timeout_s
+    rt.keep_freed = keep_freed_memory(keep_freed, dev)
     if launcher != "single":  # a rank of a job: its parent is the launcher (torchrun, mpirun, slurmstepd)
         watch_launcher(rt)
     if ep.world_size > 1:

@@ -165,3 +165,79 @@ def test_slurm_endpoint_is_per_node(monkeypatch):
     monkeypatch.setattr(runtime.subprocess, "run",
                         lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, stdout="", stderr="fatal"))
     assert resolve_endpoint("slurm", {**env, "SLURM_PROCID": "0"}).init_method == "tcp://cn03:20041"
+
+
+# -- keep_freed_memory: the allocator's thresholds ------------------------------------------------
+
+
+def test_keep_freed_memory_sets_both_thresholds_on_a_cpu_device():
+    from fedcp_dist import runtime
+
+    calls = []
+
+    def mallopt(param, value):
+        calls.append((param, value))
+        return 1
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert runtime.keep_freed_memory("auto", cpu, mallopt) == "on"
+    assert calls == [(-3, 1 << 30), (-1, 2**31 - 1)]  # M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD the largest int
+    calls.clear()
+    assert runtime.keep_freed_memory("auto", cuda, mallopt) == "off" and calls == []  # a GPU rank: left alone
+    assert runtime.keep_freed_memory(False, cpu, mallopt) == "off" and calls == []
+    assert runtime.keep_freed_memory(True, cuda, mallopt) == "on" and len(calls) == 2
+
+
+def test_keep_freed_memory_falls_back_to_32_mib_or_says_it_could_not():
+    from fedcp_dist import runtime
+
+    calls = []
+
+    def only_32_mib(param, value):  # a glibc whose mmap threshold stops at 32 MiB
+        calls.append((param, value))
+        return 1 if param == -1 or value <= 32 << 20 else 0
+
+    assert runtime.keep_freed_memory(True, torch.device("cpu"), only_32_mib) == "on"
+    assert calls == [(-3, 1 << 30), (-3, 32 << 20), (-1, 2**31 - 1)]
+    assert runtime.keep_freed_memory(True, torch.device("cpu"), lambda p, v: 0) == "unavailable (mallopt refused)"
+
+
+_FAULTS = """
+import resource, sys, torch
+from fedcp_dist.runtime import keep_freed_memory
+print(keep_freed_memory(sys.argv[1] == "true", torch.device("cpu")))
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def cycle():  # a 64 MiB tensor and a smaller one, freed in another order than allocated
+    x = torch.zeros(16 << 20)
+    y = torch.zeros(3 << 20)
+    del x
+    z = torch.zeros(1000)
+    del y
+
+for _ in range(5):  # until the allocator's free blocks settle
+    cycle()
+before = faults()
+for _ in range(5):
+    cycle()
+print(faults() - before)
+"""
+
+
+@pytest.mark.skipif("[always]" in (open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+                                   if __import__("os").path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else ""),
+                    reason="transparent huge pages on every mapping: a fresh 64 MiB block faults in 2 MiB at a time")
+def test_keep_freed_memory_reuses_a_freed_block_without_faulting_its_pages_in_again():
+    """The real allocator: freed 64 MiB blocks come back for the next 64 MiB tensors with
+    keep_freed_memory, and are unmapped and faulted in page by page (16,384 pages each) without it."""
+    import sys
+
+    out = {}
+    for setting in ("true", "false"):
+        r = subprocess.run([sys.executable, "-c", _FAULTS, setting], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        state, faults = r.stdout.split()
+        out[setting] = int(faults)
+        assert state == ("on" if setting == "true" else "off")
+    assert out["false"] >= 5 * 16_384  # every 4 KiB page of each 64 MiB block faulted in again
+    assert out["true"] < 1_000
