@@ -129,3 +129,72 @@ def test_bench_compare_table(digits6, tmp_path):
     assert fus["fused_workers"] == 1 and seq["fused_workers"] is None
     assert seq["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
     assert any(line.startswith("CPU instruction set") and line.split()[-1] == seq["cpu_isa"] for line in r.stdout.splitlines())
+
+
+def _load_kernels():
+    spec = importlib.util.spec_from_file_location("bench_kernels", REPO / "bench" / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernel_bench_covers_the_fused_steps_products_and_convolutions():
+    """The kernels of one fused FedCP step are the hand derivation's extractor, frozen extractor
+    and CPN FLOPs (everything but the heads and the MMD), and each forward kernel's count is what
+    torch's FlopCounterMode counts when it runs (so the timed kernels have the stated shapes)."""
+    from fedcp_dist.models import build_model
+
+    kb = _load_kernels()
+    k, B, K, classes = 3, 10, 512, 10
+    kernels = kb.step_kernels(build_model("cnn", (1, 28, 28), classes), (1, 28, 28), k, B)
+    heads = 3 * (2 * K * classes) + 2 * (2 * K * classes)
+    mmd = (3 + 3) * 2 * B * B * K // B
+    assert sum(kern.flops for kern in kernels) == k * B * (fedcp_mnist_flops_per_sample() - heads - mmd)
+    forward = [kern for kern in kernels if "forward" in kern.name]
+    assert len(forward) == 7  # two convolutions and the Linear layer, personal and frozen; the CPN
+    for kern in forward:
+        with FlopCounterMode(display=False) as fc:
+            out = kern.run()
+        assert fc.get_total_flops() == kern.flops, kern.name
+        assert out.shape[0] in (B, k, 1, k * B)
+    # the backward of the Linear layers steps the weights in place (as the fused path's _LinearSGD)
+    lin = next(kern for kern in kernels if kern.name.startswith("Linear") and "backward" in kern.name)
+    w = [c for c in lin.run.__closure__ if isinstance(c.cell_contents, torch.Tensor) and c.cell_contents.dim() == 3]
+    before = [c.cell_contents.clone() for c in w]
+    lin.run()
+    assert any(not torch.equal(b, c.cell_contents) for b, c in zip(before, w))
+
+
+def test_kernel_bench_summary_and_json(tmp_path):
+    """The ceiling is the kernels' FLOPs over the sum of their times, against the better of the
+    run's two peaks; the real step's rate uses the same FLOPs; the JSON holds what was printed."""
+    kb = _load_kernels()
+    rows = [kb.Row("a", "", 100.0, 2.0, 50.0, 0.5), kb.Row("b", "", 300.0, 2.0, 150.0, 1.5)]
+    s = kb.summarise(rows, 100.0)
+    assert s["step_gflop"] == pytest.approx(0.4) and s["kernel_seconds"] == pytest.approx(0.004)
+    assert s["ceiling_gflops"] == pytest.approx(100.0) and s["ceiling_fraction_of_peak"] == pytest.approx(1.0)
+
+    out = tmp_path / "k.json"
+    r = run_cmd([sys.executable, "bench/kernels.py", "--slots", "2", "--calls", "1", "--repeats", "1", "--steps", "2",
+                 "--json", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    peak = max(res["matmul_peak_gflops"])
+    assert len(res["kernels"]) == 11 and res["slots"] == 2 and res["batch"] == 10
+    for row in res["kernels"]:
+        assert row["gflops"] == pytest.approx(row["mflop"] / row["ms"], rel=1e-9)
+        assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak, rel=1e-9)
+    heads_mmd = 5 * (2 * 512 * 10) + (3 + 3) * 2 * 10 * 512  # the heads and the MMD per sample (left out)
+    assert res["step_gflop"] == pytest.approx(2 * 10 * (fedcp_mnist_flops_per_sample() - heads_mmd) / 1e9, rel=1e-12)
+    assert res["ceiling_gflops"] == pytest.approx(res["step_gflop"] / res["kernel_seconds"], rel=1e-9)
+    assert res["real_step_gflops"] == pytest.approx(res["step_gflop"] / res["real_step_seconds"], rel=1e-9)
+    assert res["real_over_kernels"] == pytest.approx(res["real_step_seconds"] / res["kernel_seconds"], rel=1e-9)
+    assert "all kernels of one step" in r.stdout and "the real fused step" in r.stdout
+
+
+def test_kernel_bench_refuses_bad_arguments():
+    r = run_cmd([sys.executable, "bench/kernels.py", "--input", "1,28"], timeout=120)
+    assert r.returncode == 2 and "--input must be C,H,W" in r.stderr and "Traceback" not in r.stderr
+    r = run_cmd([sys.executable, "bench/kernels.py", "--slots", "0"], timeout=120)
+    assert r.returncode == 2 and "--slots must be at least 1" in r.stderr

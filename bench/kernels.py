@@ -1,0 +1,311 @@
+"""Kernel ceiling of a fused FedCP step: its matrix products and convolutions, each timed alone.
+
+    python bench/kernels.py                          # MNIST CNN, 8 slots of B = 10, 1 thread
+    python bench/kernels.py --batch 80               # the same kernels with 80 samples per client
+    python bench/kernels.py --input 3,32,32 --classes 100 --compile
+
+A fused FedCP step (``fused: auto``) of ``--slots`` clients with ``--batch`` samples each runs, for
+every convolution and Linear layer of the model's feature extractor and for the CPN, the kernels
+the fused path calls (``fedcp_dist/fused.py``), in the layouts it calls them with:
+
+* the personal layer's forward: a grouped channels-last convolution over the slots, or a batched
+  product (``baddbmm``) with each slot's weight;
+* the frozen received extractor's forward (the MMD target), one weight over all slots' samples;
+* the personal layer's backward: the convolution's weight (and, past the first layer, input)
+  gradient; for a Linear layer the input gradient (``bmm``) and the SGD step taken in place
+  (``baddbmm_`` with α = −η), as ``_LinearSGD`` does.
+
+Each kernel is timed alone (the best of ``--repeats`` means over ``--calls`` calls, after a
+warm-up), its FLOPs counted from its shapes (2 per multiply-add). The sum of the kernels' times is
+what the step would take if nothing else cost anything (no elementwise work, no pooling, no Python,
+no cache misses from the other kernels), so the kernels' FLOPs over that sum, against the float32
+matmul peak of the same run, bound the fraction of peak that fused training can reach on this CPU
+with these kernels. The heads and the MMD (under 0.5 % of the step's FLOPs) are left out.
+
+``--compile`` also times ``torch.compile`` (inductor) of the largest Linear layer's forward and of
+its backward with the in-place SGD step, against the eager kernels, and prints the compile time.
+The allocator keeps freed memory as the engine does on a CPU (``--keep-freed-memory``, the config key
+``keep_freed_memory``). The figures go to ``--json`` (default bench/kernels.json).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fedcp_dist.models import build_model  # noqa: E402
+from fedcp_dist.runtime import keep_freed_memory  # noqa: E402
+
+#: a tiny step size: the in-place updates run many times on the same weights
+LR = 1e-9
+
+
+@dataclass
+class Kernel:
+    name: str
+    shape: str
+    flops: int  # per call, for all slots
+    run: Callable[[], object]
+
+
+@dataclass
+class Row:
+    name: str
+    shape: str
+    mflop: float
+    ms: float
+    gflops: float
+    fraction_of_peak: float
+
+
+def _cl(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def layer_shapes(model: nn.Module, input_shape) -> list:
+    """[(module, input shape, output shape)] of each Conv2d and Linear of ``model.features``, per sample."""
+    found = []
+
+    def hook(m, inp, out):
+        found.append((m, tuple(inp[0].shape[1:]), tuple(out.shape[1:])))
+
+    handles = [m.register_forward_hook(hook) for m in model.features.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    try:
+        with torch.no_grad():
+            model.features(torch.zeros(1, *input_shape))
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def conv_kernels(i: int, m: nn.Conv2d, xin: tuple, yout: tuple, k: int, b: int, first: bool) -> List[Kernel]:
+    cin, h, w = xin
+    cout, ho, wo = yout
+    macs = ho * wo * cout * (cin // m.groups) * m.kernel_size[0] * m.kernel_size[1]  # per sample
+    geo = (m.stride, m.padding, m.dilation)
+    xp = _cl(torch.randn(b, k * cin, h, w))
+    wp = torch.randn(k * cout, cin // m.groups, *m.kernel_size) * 0.05
+    bp = torch.randn(k * cout)
+    xs = _cl(torch.randn(k * b, cin, h, w))
+    ws, bs = torch.randn(cout, cin // m.groups, *m.kernel_size) * 0.05, torch.randn(cout)
+    gy = _cl(torch.randn(b, k * cout, ho, wo))
+    groups = k * m.groups
+    mask = [not first, True, True]  # the first layer's input is data: no input gradient
+    tag = f"conv{i} {cin}→{cout} {m.kernel_size[0]}×{m.kernel_size[1]}"
+    return [
+        Kernel(f"{tag}, personal forward", f"({b}, {k}·{cin}, {h}, {w}) groups={k}", 2 * macs * k * b,
+               lambda: F.conv2d(xp, wp, bp, *geo, groups)),
+        Kernel(f"{tag}, frozen forward", f"({k}·{b}, {cin}, {h}, {w})", 2 * macs * k * b,
+               lambda: F.conv2d(xs, ws, bs, *geo, m.groups)),
+        Kernel(f"{tag}, personal backward", "weight grad" + ("" if first else " + input grad"),
+               2 * macs * k * b * (1 if first else 2),
+               lambda: torch.ops.aten.convolution_backward(gy, xp, wp, [k * cout], *geo, False, [0, 0], groups, mask)),
+    ]
+
+
+def linear_kernels(tag: str, n_in: int, n_out: int, k: int, b: int, frozen: bool, input_grad: bool = True) -> List[Kernel]:
+    x = torch.randn(k, b, n_in)
+    w = torch.randn(k, n_out, n_in) * 0.02
+    bias = torch.randn(k, n_out)
+    g = torch.randn(k, b, n_out)
+    xs, ws, bs = x.reshape(1, k * b, n_in), w[:1].clone(), bias[:1].clone()
+    macs = n_in * n_out * k * b
+
+    def backward():
+        gx = torch.bmm(g, w) if input_grad else None
+        w.baddbmm_(g.transpose(1, 2), x, alpha=-LR)
+        bias.sub_(g.sum(1), alpha=LR)
+        return gx
+
+    out = [Kernel(f"{tag}, personal forward", f"bmm ({k}, {b}, {n_in})·({k}, {n_in}, {n_out})", 2 * macs,
+                  lambda: torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2)))]
+    if frozen:
+        out.append(Kernel(f"{tag}, frozen forward", f"bmm (1, {k}·{b}, {n_in})·(1, {n_in}, {n_out})", 2 * macs,
+                          lambda: torch.baddbmm(bs.unsqueeze(1), xs, ws.transpose(1, 2))))
+    out.append(Kernel(f"{tag}, personal backward + SGD step", "input grad + in-place update" if input_grad else
+                      "in-place update", 2 * macs * (2 if input_grad else 1), backward))
+    return out
+
+
+def step_kernels(model: nn.Module, input_shape, k: int, b: int) -> List[Kernel]:
+    """The fused FedCP step's products and convolutions for ``k`` slots of ``b`` samples."""
+    kernels: List[Kernel] = []
+    shapes = layer_shapes(model, input_shape)
+    conv_i = 0
+    for j, (m, xin, yout) in enumerate(shapes):
+        if isinstance(m, nn.Conv2d):
+            conv_i += 1
+            kernels += conv_kernels(conv_i, m, xin, yout, k, b, first=j == 0)
+        else:
+            kernels += linear_kernels(f"Linear {m.in_features}→{m.out_features}", m.in_features, m.out_features, k, b,
+                                      frozen=True, input_grad=j > 0)
+    feat = model.feature_dim
+    kernels += linear_kernels(f"CPN {feat}→{2 * feat}", feat, 2 * feat, k, b, frozen=False)
+    return kernels
+
+
+def time_call(fn: Callable[[], object], calls: int, repeats: int, clock=time.perf_counter) -> float:
+    """Best mean seconds per call of ``fn`` over ``repeats`` runs of ``calls`` calls, after a warm-up."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        best = min(best, (clock() - t0) / calls)
+    return best
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 GEMM rate (GFLOP/s) with this process's threads, as bench/round.py measures it."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / time_call(lambda: a @ b, 1, repeats) / 1e9
+
+
+def summarise(rows: List[Row], peak: float) -> dict:
+    flops = sum(r.mflop for r in rows) * 1e6
+    seconds = sum(r.ms for r in rows) / 1e3
+    rate = flops / seconds / 1e9
+    return {"step_gflop": flops / 1e9, "kernel_seconds": seconds, "ceiling_gflops": rate,
+            "ceiling_fraction_of_peak": rate / peak}
+
+
+def compile_comparison(n_in: int, n_out: int, k: int, b: int, calls: int, repeats: int) -> dict:
+    """Eager vs inductor-compiled forward and backward-with-SGD-step of one grouped Linear layer."""
+    x, w, g = torch.randn(k, b, n_in), torch.randn(k, n_out, n_in) * 0.02, torch.randn(k, b, n_out)
+    bias = torch.randn(k, n_out)
+
+    def forward(x, w, bias):
+        return torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
+
+    def backward(g, w, x):
+        gx = torch.bmm(g, w)
+        w.baddbmm_(g.transpose(1, 2), x, alpha=-LR)
+        return gx
+
+    out = {}
+    for name, fn, args in (("forward", forward, (x, w, bias)), ("backward + SGD step", backward, (g, w, x))):
+        eager = time_call(lambda: fn(*args), calls, repeats)
+        compiled = torch.compile(fn, dynamic=False)
+        t0 = time.perf_counter()
+        compiled(*args)
+        compile_s = time.perf_counter() - t0
+        out[name] = {"eager_ms": 1e3 * eager, "compiled_ms": 1e3 * time_call(lambda: compiled(*args), calls, repeats),
+                     "compile_seconds": compile_s}
+    return out
+
+
+def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int, steps: int, repeats: int) -> float:
+    """Seconds per step of FedCP's real fused local training (the paper's η = 0.005, λ = 5) of
+    ``k`` synthetic clients of ``steps`` full batches each: every step has all ``k`` slots."""
+    from bench.models import client
+    from fedcp_dist.algorithms import make_algorithm
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.config import Config
+
+    cfg = Config(lr=0.005, lam=5.0, batch_size=b, fused="true", fused_workers=1)
+    torch.manual_seed(0)
+    algo = make_algorithm("fedcp", cfg, build_model(model_name, input_shape, classes), torch.device("cpu"))
+    algo.num_clients = k
+    algo.set_global(algo.init_global_state())
+    datas = [dataclasses.replace(client(input_shape, classes, 0, steps * b, torch.device("cpu"), seed=c), cid=c)
+             for c in range(k)]
+
+    def one_round():
+        items = [(algo.init_client_state(c), datas[c], Context(1, c, torch.Generator().manual_seed(c))) for c in range(k)]
+        algo.local_train_group(items)
+
+    return time_call(one_round, 1, repeats) / steps
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="cnn", choices=["cnn"], help="the model (the fused path's image CNN)")
+    p.add_argument("--input", default="1,28,28", help="one sample's shape C,H,W (default MNIST)")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--slots", type=int, default=8, help="clients in the fused step (default: the CPU cap, 8)")
+    p.add_argument("--batch", type=int, default=10, help="samples per client and step (default: the paper's B = 10)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: one fused worker's)")
+    p.add_argument("--calls", type=int, default=10, help="calls per timed repeat")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel (the best is kept)")
+    p.add_argument("--steps", type=int, default=20, help="steps of the real fused training timed for comparison (0: skip)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile of the largest Linear layer")
+    p.add_argument("--keep-freed-memory", default="auto", choices=["auto", "true", "false"],
+                   help="the allocator setting, as the engine's config key keep_freed_memory (default auto: on)")
+    p.add_argument("--json", default=str(REPO / "bench" / "kernels.json"))
+    args = p.parse_args(argv)
+    try:
+        input_shape = tuple(int(v) for v in args.input.split(","))
+    except ValueError:
+        p.error(f"--input must be C,H,W integers, got {args.input!r}")
+    if len(input_shape) != 3 or min(input_shape) < 1:
+        p.error(f"--input must be C,H,W with positive sizes, got {args.input!r}")
+    if args.steps < 0:
+        p.error("--steps must be at least 0")
+    for flag in ("slots", "batch", "threads", "calls", "repeats"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1")
+    torch.set_num_threads(args.threads)
+    keep = keep_freed_memory({"true": True, "false": False}.get(args.keep_freed_memory, "auto"), torch.device("cpu"))
+    torch.manual_seed(0)
+    model = build_model(args.model, input_shape, args.classes)
+    k, b = args.slots, args.batch
+
+    peak_before = matmul_peak()
+    timed = [(kern, time_call(kern.run, args.calls, args.repeats)) for kern in step_kernels(model, input_shape, k, b)]
+    real = real_step_seconds(args.model, input_shape, args.classes, k, b, args.steps, args.repeats) if args.steps else None
+    peak_after = matmul_peak()
+    peak = max(peak_before, peak_after)  # the machine's speed moves: the better of the two
+    rows = [Row(kern.name, kern.shape, kern.flops / 1e6, 1e3 * s, kern.flops / s / 1e9, kern.flops / s / 1e9 / peak)
+            for kern, s in timed]
+    summary = summarise(rows, peak)
+
+    print(f"fused FedCP step kernels: {args.model} {args.input}, {k} slots × B = {b}, {args.threads} thread(s), "
+          f"CPU {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, keep_freed_memory={keep}")
+    print(f"float32 matmul peak (2048³ GEMM), same run: {peak_before:.1f} GFLOP/s before the kernels, "
+          f"{peak_after:.1f} after; fractions below are of {peak:.1f}")
+    w = max(len(r.name) for r in rows)
+    print(f"{'kernel':{w}}  {'MFLOP':>8}  {'ms':>7}  {'GFLOP/s':>8}  {'of peak':>7}  shape")
+    for r in rows:
+        print(f"{r.name:{w}}  {r.mflop:8.1f}  {r.ms:7.3f}  {r.gflops:8.1f}  {100 * r.fraction_of_peak:6.1f} %  {r.shape}")
+    print(f"{'all kernels of one step':{w}}  {1e3 * summary['step_gflop']:8.1f}  {1e3 * summary['kernel_seconds']:7.3f}  "
+          f"{summary['ceiling_gflops']:8.1f}  {100 * summary['ceiling_fraction_of_peak']:6.1f} %  "
+          f"(the ceiling: nothing but these kernels, each alone)")
+    if real is not None:
+        rate = 1e9 * summary["step_gflop"] / real / 1e9
+        summary.update(real_step_seconds=real, real_step_gflops=rate, real_step_fraction_of_peak=rate / peak,
+                       real_over_kernels=real / summary["kernel_seconds"])
+        print(f"{'the real fused step (FedCP local training)':{w}}  {1e3 * summary['step_gflop']:8.1f}  {1e3 * real:7.3f}  "
+              f"{rate:8.1f}  {100 * rate / peak:6.1f} %  ({real / summary['kernel_seconds']:.2f}× the kernels' sum; "
+              f"mean of {args.steps} steps of {k} synthetic clients)")
+    out = {"model": args.model, "input": list(input_shape), "slots": k, "batch": b, "threads": args.threads,
+           "cpu_isa": torch.backends.cpu.get_cpu_capability(), "keep_freed_memory": keep, "matmul_peak_gflops": [peak_before, peak_after],
+           "kernels": [asdict(r) for r in rows], **summary}
+    if args.compile:
+        lin = [m for m in model.features.modules() if isinstance(m, nn.Linear)]
+        big = max(lin, key=lambda m: m.in_features * m.out_features)
+        comp = compile_comparison(big.in_features, big.out_features, k, b, args.calls, args.repeats)
+        for name, v in comp.items():
+            print(f"torch.compile, Linear {big.in_features}→{big.out_features} {name}: eager {v['eager_ms']:.3f} ms, "
+                  f"compiled {v['compiled_ms']:.3f} ms ({v['eager_ms'] / v['compiled_ms']:.2f}× eager's speed), "
+                  f"compiled in {v['compile_seconds']:.1f} s")
+        out["compile"] = comp
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
