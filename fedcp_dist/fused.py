@@ -65,7 +65,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedcp_dist.data.resident import channels_last
-from fedcp_dist.local_train import Phase, PhaseOutcome, batch_indices, full_precision, lr_of, num_batches, resolve
+from fedcp_dist.local_train import Phase, PhaseOutcome, batch_indices, full_precision, lr_of, num_batches, resolve, tally_value
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
 
 Tensor = torch.Tensor
@@ -410,10 +410,13 @@ class FusedStep:
         self._shared_params = shared_params
         self.tallies = tallies
 
-    def tally(self, name: str, per_sample: Tensor) -> None:
-        """Each slot's sum over its real rows of a (k, B) per-sample quantity, as ``tallies[name]`` (k,)."""
+    def tally(self, name: str, per_sample: Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """Each slot's sum over its real rows of a (k, B) or (k, B, D) per-sample quantity, in
+        ``dtype``, as ``tallies[name]`` (k,) or (k, D)."""
         if self.tallies is not None:
-            self.tallies[name] = (per_sample.detach().float() * self.batch.mask).sum(-1)
+            v = per_sample.detach().to(dtype)
+            mask = self.batch.mask.view(*self.batch.mask.shape, *([1] * (v.dim() - 2)))
+            self.tallies[name] = (v * mask).sum(1)
 
     def _forward(self, module: nn.Module, params: Dict[str, Tensor], x, k: int, sgd) -> Tensor:
         split = _SPLIT_CACHE.get(module)
@@ -537,8 +540,9 @@ def train_fused(
     Each client's step is ``w ← w − lr·∇(its loss)`` on its ``phase.trainable`` values (``param_lr``:
     {value-name prefix: rate} for the values it names, as in the sequential path), its batches
     come from ``batch_indices(n, batch_size, phase.epochs, drop_last, its generator)``. Returns one
-    outcome per client, in order, with every stacked name's final value (and, with ``tally``, the
-    sums of what the loss tallied over its real samples, as the sequential path has them).
+    outcome per client, in order, with every stacked name's final value (and, with ``tally`` or
+    the phase's ``tallied``, the sums of what the loss tallied over its real samples, as the
+    sequential path has them).
     """
     if not clients:
         return []
@@ -610,7 +614,7 @@ def train_fused(
             leaves.append(views[n])
         rates = None if param_lr is None else {id(views[n]): lr_of(n, lr, param_lr) for n in trainable}
         sgd = None if phase.penalised else InBackwardSGD(lr, rates)
-        step_tallies = {} if tally else None
+        step_tallies = {} if tally or phase.tallied else None
         with autocast():
             losses = phase.loss(FusedStep(views, batch, phase.modules, sgd, shared_params, step_tallies))
         # the backward pass takes the grouped Linear layers' steps itself; the rest step here
@@ -628,7 +632,7 @@ def train_fused(
             loss_acc[:k] += losses.detach().float() * count
             for name, v in (step_tallies or {}).items():
                 if name not in tally_acc:
-                    tally_acc[name] = torch.zeros_like(loss_acc)
+                    tally_acc[name] = torch.zeros((slots, *v.shape[1:]), dtype=v.dtype, device=v.device)
                 tally_acc[name][:k] += v
 
         # finished clients leave; waiting ones take their slots; the rest close up to a prefix
@@ -640,7 +644,7 @@ def train_fused(
                 finished = True
                 values = {n: stacked[n][j].clone(memory_format=torch.contiguous_format) for n in names}
                 outcomes[a.index] = PhaseOutcome(values, float(loss_acc[j]), a.seen,
-                                                 tallies={n: float(acc[j]) for n, acc in tally_acc.items()})
+                                                 tallies={n: tally_value(acc[j]) for n, acc in tally_acc.items()})
                 active[j] = load(j, queue.pop(0)) if queue else None
         if finished:
             j = 0

@@ -133,7 +133,9 @@ class Phase:
     * ``trainable`` — the parameter names that SGD moves (the others are constants);
     * ``shared`` — modules the loss applies identically to every client (``step.shared``), listed
       so that the fused path can check them;
-    * ``penalised`` — the loss reads trained parameters directly (``step.proximal``).
+    * ``penalised`` — the loss reads trained parameters directly (``step.proximal``);
+    * ``tallied`` — what the loss tallies in every round, not only when probed (e.g. FedCP's Σ h
+      for ``selection_vector=features``): tallying is then on for the phase, on either path.
     """
 
     name: str
@@ -143,6 +145,7 @@ class Phase:
     epochs: int
     shared: tuple = ()
     penalised: bool = False
+    tallied: tuple = ()
 
 
 @dataclass
@@ -204,11 +207,12 @@ class Step:
         self.modules, self.values, self.generator = modules, values, generator
         self.tallies = tallies
 
-    def tally(self, name: str, per_sample: torch.Tensor) -> None:
-        """Add the batch's sum of a (B,) per-sample quantity to the client's tally ``name`` (a probe:
-        detached, it changes nothing in training); nothing happens unless tallying is on."""
+    def tally(self, name: str, per_sample: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """Add the batch's sum of a (B,) or (B, D) per-sample quantity, in ``dtype``, to the client's
+        tally ``name`` (detached: it changes nothing in training); nothing happens unless tallying
+        is on (the round is probed, or the phase names it in ``tallied``)."""
         if self.tallies is not None:
-            v = per_sample.detach().float().sum()
+            v = per_sample.detach().sum(dim=0, dtype=dtype)
             self.tallies[name] = v if name not in self.tallies else self.tallies[name] + v
 
     def run(self, name: str, x, *, grad: bool = True, batch_stats: bool = False):
@@ -289,7 +293,8 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
                      drop_last: bool, lr: float, amp: str = "none", tally: bool = False,
                      param_lr: Optional[Mapping[str, float]] = None) -> PhaseOutcome:
     """One client's phase on the working modules: load its values, SGD over its batches, read them back.
-    ``tally``: collect what the loss tallies (``Step.tally``) into the outcome's ``tallies``;
+    ``tally``: collect what the loss tallies (``Step.tally``) into the outcome's ``tallies`` (on
+    anyway for the phase's ``tallied``);
     ``param_lr``: {value-name prefix: learning rate} for the values it names (others: ``lr``)."""
     from fedcp_dist.algorithms.base import load_module, module_state
 
@@ -300,7 +305,7 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
             m.train()
     constants = {k: v for k, v in client.start.items() if k not in names}
     index = client.index
-    tallies = {} if tally else None
+    tallies = {} if tally or phase.tallied else None
 
     def loss_fn(idx):
         x, y = data.train_batch(idx if index is None else index[idx])
@@ -314,4 +319,9 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
     values = dict(constants)
     for prefix, m in phase.modules.items():
         values.update(module_state(prefix, m))
-    return PhaseOutcome(values, loss_sum, seen, client.info, {k: float(v) for k, v in (tallies or {}).items()})
+    return PhaseOutcome(values, loss_sum, seen, client.info, {k: tally_value(v) for k, v in (tallies or {}).items()})
+
+
+def tally_value(v: torch.Tensor):
+    """A client's finished tally: a float for a scalar tally, the tensor for a vector one."""
+    return float(v) if v.dim() == 0 else v.clone()

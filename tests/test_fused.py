@@ -150,6 +150,27 @@ def test_fedcp_fused_equals_sequential_in_float32(drop_last):
     _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_fedcp_feature_means_train_fused_as_sequentially(monkeypatch, float64, drop_last, fused_calls):
+    """selection_vector=features: each client's mean feature over every sample it trained on (two
+    epochs, ragged and padded batches, a client of 7 samples) is the same fused as alone, and the
+    probe's tallies do not carry the feature sums."""
+    monkeypatch.setattr(fused, "CPU_SLOTS", 2)
+    algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2, lam=5.0, lr=0.01,
+                     client_selection="feature_difference", selection_vector="features")
+    assert algo.fused_reason() is None
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
+    items = _items(algo, datas)
+    fus = algo.local_train_group(items)
+    assert fused_calls == {"train": len(SIZES)}
+    seq = _sequential(algo, items)
+    _assert_same_results(seq, fus, gs, atol=1e-12)
+    for r in fus:
+        assert r.client_state["fmean"].shape == (algo.K,) and r.client_state["fmean"].abs().sum() > 0
+        assert "h" not in r.tallies
+    assert [r.samples for r in fus] == [r.samples for r in seq]
+
+
 def test_fedcp_fused_uses_each_clients_own_noise():
     """Swapping two clients' generators changes both results (the equality checks above are not
     blind to the noise): each client's Gumbel noise and batches come from its own stream."""

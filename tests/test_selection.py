@@ -58,7 +58,6 @@ def test_the_draw_prefers_the_heavy_client_and_depends_on_seed_round_and_probabi
     (["selection_min_prob=0.1"], "selection_min_prob"),  # uniform selection has no floor
     (["selection_vector=features"], "selection_vector"),  # uniform selection compares no vectors
     (["client_selection=feature_difference", "selection_vector=head"], "selection_vector"),
-    (["client_selection=feature_difference", "selection_vector=features", "fused=true"], "selection_vector"),
 ])
 def test_bad_selection_settings_name_the_key(overrides, key):
     with pytest.raises(UserError, match=f"config key '{key}'"):
@@ -98,7 +97,7 @@ def test_feature_means_as_the_selection_vector_and_their_probabilities():
     # one batch of all 8 samples, one epoch: every h comes from the received (global) extractor
     algo, _ = algo_with_moved_global(FedCP, Tiny(), shape=(1, 2, 2), lr=0.5, batch_size=8, lam=0.0,
                                      client_selection="feature_difference", selection_vector="features")
-    assert algo.fused_reason() and torch.equal(algo.client_vector(None), torch.zeros(3))
+    assert torch.equal(algo.client_vector(None), torch.zeros(3))
     data = tiny_data(8)
     res = algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(1)))
     with torch.no_grad():

@@ -338,8 +338,6 @@ class FedCP(SGDAlgorithm):
 
     @classmethod
     def check_config(cls, cfg):
-        if cfg.selection_vector == "features" and cfg.fused is True:
-            return "selection_vector", "features averages each client's features on the sequential path: set fused=false or auto"
         if cfg.cpn_client_vector != "head":
             if cfg.fused is True:
                 return "cpn_client_vector", f"{cfg.cpn_client_vector} trains on the sequential path: set fused=false or auto"
@@ -416,7 +414,6 @@ class FedCP(SGDAlgorithm):
         self._stats = {}  # client → s_i (head+stats), computed once from its training rows
         # selection_vector=features: Σ h (float64) and the samples seen over the client in training
         self.track_features = cfg.selection_vector == "features"
-        self._feature_sum, self._feature_n = None, 0
         self.fe = model.features.to(device)  # W_i^fe, trained
         self.head_p = model.head.to(device)  # W_i^hd, trained
         # received global parts, frozen: the MMD reference, the global head, and what evaluation uses
@@ -444,16 +441,18 @@ class FedCP(SGDAlgorithm):
         shared = (self.fe_g, self.head_g)
         if self.cfg.cpn_distill:
             shared += (self.cpn_g,) + ((self.cpng_g,) if self.cpng is not None else ())
+        # selection_vector=features: every round's Σ h over the samples trained on (their mean is kept)
+        tallied = ("h",) if self.track_features else ()
         self.train_phase = Phase(
             "train", self.loss, modules,
             trainable=tuple(p + n for p, m in modules.items() for n, t in m.named_parameters() if t.requires_grad),
-            epochs=self.cfg.local_epochs, shared=shared)
+            epochs=self.cfg.local_epochs, shared=shared, tallied=tallied)
         # the CPN warm-up: the same loss, the policy's networks (the CPN and, with an extended client
         # vector, its projection) constants: they keep the received global values
         self.warmup_phase = Phase(
             "train-cpn-frozen", self.loss, modules,
             trainable=tuple(n for n in self.train_phase.trainable if not n.startswith(POLICY_PREFIXES)),
-            epochs=self.cfg.local_epochs, shared=shared)
+            epochs=self.cfg.local_epochs, shared=shared, tallied=tallied)
         self.training_phases = [self.train_phase]
         self.eval_modules = {"features.": self.fe_g, "cpn.": self.cpn_g, "head.": self.head_p}
         if self.vproj is not None:
@@ -583,8 +582,6 @@ class FedCP(SGDAlgorithm):
             return "cpn_async_min_rate freezes some clients' CPN: they train one at a time"
         if self.vector_kind != "head":
             return f"cpn_client_vector={self.vector_kind} trains one client at a time"
-        if self.track_features:
-            return "selection_vector=features averages each client's features one client at a time"
         return super().fused_reason()
 
     has_client_vector = True
@@ -641,9 +638,8 @@ class FedCP(SGDAlgorithm):
         [+ β·mean policy entropy] [+ κ·mean Σ_k KL(teacher policy ‖ own policy)]."""
         cfg = self.cfg
         out = self.heads(step, cfg.cpn_train_gumbel)
-        if self._feature_sum is not None:  # selection_vector=features (sequential path): the batch's Σ h
-            self._feature_sum += out.h.detach().sum(dim=0, dtype=torch.float64)
-            self._feature_n += out.h.shape[0]
+        if self.track_features:  # selection_vector=features: the batch's Σ h (in float64), every round
+            step.tally("h", out.h, dtype=torch.float64)
         if out.s is not None and step.tallies is not None:  # probing: Σ over the batch of s̄ = (1/K) Σ_k s^k
             step.tally("s", out.s.detach().mean(dim=-1))
         loss = step.cross_entropy(out.logits)
@@ -704,8 +700,6 @@ class FedCP(SGDAlgorithm):
         frozen = self.async_frozen(client_state, ctx.round)
         if frozen:
             phase = self.warmup_phase
-        if self.track_features:
-            self._feature_sum, self._feature_n = torch.zeros(self.K, dtype=torch.float64, device=self._init_v.device), 0
         return [(phase, ClientPhase(start, info={"async_frozen": frozen}))]
 
     def finish(self, client_state, outcomes, ctx):
@@ -729,12 +723,17 @@ class FedCP(SGDAlgorithm):
                 upload = {n: t for n, t in upload.items() if not n.startswith(POLICY_PREFIXES)}
             if self.emb_p is not None:
                 new_state.update({n: v[n] for n in k["emb."]})
+            tallies = o.tallies
             if self.track_features:  # the mean of h over every sample the local training saw
-                new_state["fmean"] = (self._feature_sum / max(self._feature_n, 1)).to(self._init_v.dtype)
-                self._feature_sum, self._feature_n = None, 0
+                tallies = dict(tallies)
+                h_sum = tallies.pop("h", None)
+                if h_sum is not None:
+                    new_state["fmean"] = (h_sum / max(o.samples, 1)).to(self._init_v.dtype)
+                else:  # no step (no training samples): its features are still unseen
+                    new_state["fmean"] = torch.zeros_like(self._init_v)
         # probing: the trained values (no copies) for the loss after local learning
         return LocalResult(upload=upload, client_state=new_state, loss_sum=o.loss_sum, samples=o.samples,
-                           extra={"trained": v} if ctx.probe else {}, tallies=o.tallies, skipped=skipped)
+                           extra={"trained": v} if ctx.probe else {}, tallies=tallies, skipped=skipped)
 
     # -- evaluation -------------------------------------------------------
     def _eval_heads(self, client_state, x, ctx):
