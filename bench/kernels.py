@@ -3,6 +3,7 @@
     python bench/kernels.py                          # MNIST CNN, 8 slots of B = 10, 1 thread
     python bench/kernels.py --batch 80               # the same kernels with 80 samples per client
     python bench/kernels.py --input 3,32,32 --classes 100 --compile
+    python bench/kernels.py --device cuda --slots 64 --compile       # on a GPU (CUDA graphs: see bench/gpu.sh)
 
 A fused FedCP step (``fused: auto``) of ``--slots`` clients with ``--batch`` samples each runs, for
 every convolution and Linear layer of the model's feature extractor and for the CPN, the kernels
@@ -24,6 +25,8 @@ with these kernels. The heads and the MMD (under 0.5 % of the step's FLOPs) are 
 
 ``--compile`` also times ``torch.compile`` (inductor) of the largest Linear layer's forward and of
 its backward with the in-place SGD step, against the eager kernels, and prints the compile time.
+On a GPU (``--device cuda``) the kernels are also captured as one CUDA graph and replayed: the
+difference to launching them one by one is what graphs of the fused step could save.
 The allocator keeps freed memory as the engine does on a CPU (``--keep-freed-memory``, the config key
 ``keep_freed_memory``). The figures go to ``--json`` (default bench/kernels.json).
 """
@@ -157,15 +160,21 @@ def step_kernels(model: nn.Module, input_shape, k: int, b: int) -> List[Kernel]:
     return kernels
 
 
+#: waits for the device's queued work before a clock is read (set for CUDA by main)
+SYNC: Callable[[], None] = lambda: None
+
+
 def time_call(fn: Callable[[], object], calls: int, repeats: int, clock=time.perf_counter) -> float:
     """Best mean seconds per call of ``fn`` over ``repeats`` runs of ``calls`` calls, after a warm-up."""
     for _ in range(3):
         fn()
     best = float("inf")
     for _ in range(repeats):
+        SYNC()
         t0 = clock()
         for _ in range(calls):
             fn()
+        SYNC()
         best = min(best, (clock() - t0) / calls)
     return best
 
@@ -203,13 +212,30 @@ def compile_comparison(n_in: int, n_out: int, k: int, b: int, calls: int, repeat
         compiled = torch.compile(fn, dynamic=False)
         t0 = time.perf_counter()
         compiled(*args)
+        SYNC()
         compile_s = time.perf_counter() - t0
         out[name] = {"eager_ms": 1e3 * eager, "compiled_ms": 1e3 * time_call(lambda: compiled(*args), calls, repeats),
                      "compile_seconds": compile_s}
     return out
 
 
-def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int, steps: int, repeats: int) -> float:
+def graph_seconds(kernels: List[Kernel], calls: int, repeats: int) -> float:
+    """Seconds to replay all ``kernels`` captured as one CUDA graph (no launches from Python)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (library handles, workspaces)
+        for kern in kernels:
+            kern.run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for kern in kernels:
+            kern.run()
+    return time_call(graph.replay, calls, repeats)
+
+
+def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int, steps: int, repeats: int,
+                      device: torch.device = torch.device("cpu")) -> float:
     """Seconds per step of FedCP's real fused local training (the paper's η = 0.005, λ = 5) of
     ``k`` synthetic clients of ``steps`` full batches each: every step has all ``k`` slots."""
     from bench.models import client
@@ -219,14 +245,15 @@ def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int
 
     cfg = Config(lr=0.005, lam=5.0, batch_size=b, fused="true", fused_workers=1)
     torch.manual_seed(0)
-    algo = make_algorithm("fedcp", cfg, build_model(model_name, input_shape, classes), torch.device("cpu"))
+    algo = make_algorithm("fedcp", cfg, build_model(model_name, input_shape, classes).to(device), device)
     algo.num_clients = k
     algo.set_global(algo.init_global_state())
-    datas = [dataclasses.replace(client(input_shape, classes, 0, steps * b, torch.device("cpu"), seed=c), cid=c)
+    datas = [dataclasses.replace(client(input_shape, classes, 0, steps * b, device, seed=c), cid=c)
              for c in range(k)]
 
     def one_round():
-        items = [(algo.init_client_state(c), datas[c], Context(1, c, torch.Generator().manual_seed(c))) for c in range(k)]
+        items = [(algo.init_client_state(c), datas[c], Context(1, c, torch.Generator(device=device).manual_seed(c)))
+                 for c in range(k)]
         algo.local_train_group(items)
 
     return time_call(one_round, 1, repeats) / steps
@@ -239,7 +266,8 @@ def main(argv=None):
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--slots", type=int, default=8, help="clients in the fused step (default: the CPU cap, 8)")
     p.add_argument("--batch", type=int, default=10, help="samples per client and step (default: the paper's B = 10)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: one fused worker's)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: the kernels run and are timed there")
+    p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (default 1: one fused worker's)")
     p.add_argument("--calls", type=int, default=10, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel (the best is kept)")
     p.add_argument("--steps", type=int, default=20, help="steps of the real fused training timed for comparison (0: skip)")
@@ -259,23 +287,35 @@ def main(argv=None):
     for flag in ("slots", "batch", "threads", "calls", "repeats"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be at least 1")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        p.error(f"--device {args.device}: not available here (cpu, or cuda with a visible GPU)")
+    global SYNC
+    if device.type == "cuda":
+        SYNC = lambda: torch.cuda.synchronize(device)  # noqa: E731
     torch.set_num_threads(args.threads)
-    keep = keep_freed_memory({"true": True, "false": False}.get(args.keep_freed_memory, "auto"), torch.device("cpu"))
+    keep = keep_freed_memory({"true": True, "false": False}.get(args.keep_freed_memory, "auto"), device)
+    on = torch.device(device)  # as a context: the device every tensor the kernels make lands on
     torch.manual_seed(0)
-    model = build_model(args.model, input_shape, args.classes)
     k, b = args.slots, args.batch
-
-    peak_before = matmul_peak()
-    timed = [(kern, time_call(kern.run, args.calls, args.repeats)) for kern in step_kernels(model, input_shape, k, b)]
-    real = real_step_seconds(args.model, input_shape, args.classes, k, b, args.steps, args.repeats) if args.steps else None
-    peak_after = matmul_peak()
+    with on:
+        model = build_model(args.model, input_shape, args.classes)
+        peak_before = matmul_peak()
+        timed = [(kern, time_call(kern.run, args.calls, args.repeats)) for kern in step_kernels(model, input_shape, k, b)]
+    real = real_step_seconds(args.model, input_shape, args.classes, k, b, args.steps, args.repeats, device) if args.steps else None
+    with on:
+        peak_after = matmul_peak()
     peak = max(peak_before, peak_after)  # the machine's speed moves: the better of the two
     rows = [Row(kern.name, kern.shape, kern.flops / 1e6, 1e3 * s, kern.flops / s / 1e9, kern.flops / s / 1e9 / peak)
             for kern, s in timed]
     summary = summarise(rows, peak)
 
-    print(f"fused FedCP step kernels: {args.model} {args.input}, {k} slots × B = {b}, {args.threads} thread(s), "
-          f"CPU {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, keep_freed_memory={keep}")
+    where = (f"{args.threads} thread(s), CPU {torch.backends.cpu.get_cpu_capability()}, keep_freed_memory={keep}"
+             if device.type == "cpu" else f"GPU {torch.cuda.get_device_name(device)}")
+    print(f"fused FedCP step kernels: {args.model} {args.input}, {k} slots × B = {b}, {where}, torch {torch.__version__}")
     print(f"float32 matmul peak (2048³ GEMM), same run: {peak_before:.1f} GFLOP/s before the kernels, "
           f"{peak_after:.1f} after; fractions below are of {peak:.1f}")
     w = max(len(r.name) for r in rows)
@@ -285,20 +325,29 @@ def main(argv=None):
     print(f"{'all kernels of one step':{w}}  {1e3 * summary['step_gflop']:8.1f}  {1e3 * summary['kernel_seconds']:7.3f}  "
           f"{summary['ceiling_gflops']:8.1f}  {100 * summary['ceiling_fraction_of_peak']:6.1f} %  "
           f"(the ceiling: nothing but these kernels, each alone)")
+    if device.type == "cuda":  # the same kernels without Python's launches: what CUDA graphs could save
+        with on:
+            replay = graph_seconds(step_kernels(model, input_shape, k, b), args.calls, args.repeats)
+        summary.update(graph_seconds=replay, graph_over_kernels=replay / summary["kernel_seconds"])
+        print(f"{'all kernels of one step as one CUDA graph':{w}}  {1e3 * summary['step_gflop']:8.1f}  {1e3 * replay:7.3f}  "
+              f"{summary['step_gflop'] / replay:8.1f}  {100 * summary['step_gflop'] / replay / peak:6.1f} %  "
+              f"({replay / summary['kernel_seconds']:.2f}× the kernels launched one by one)")
     if real is not None:
-        rate = 1e9 * summary["step_gflop"] / real / 1e9
+        rate = summary["step_gflop"] / real
         summary.update(real_step_seconds=real, real_step_gflops=rate, real_step_fraction_of_peak=rate / peak,
                        real_over_kernels=real / summary["kernel_seconds"])
         print(f"{'the real fused step (FedCP local training)':{w}}  {1e3 * summary['step_gflop']:8.1f}  {1e3 * real:7.3f}  "
               f"{rate:8.1f}  {100 * rate / peak:6.1f} %  ({real / summary['kernel_seconds']:.2f}× the kernels' sum; "
               f"mean of {args.steps} steps of {k} synthetic clients)")
     out = {"model": args.model, "input": list(input_shape), "slots": k, "batch": b, "threads": args.threads,
+           "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "keep_freed_memory": keep, "matmul_peak_gflops": [peak_before, peak_after],
            "kernels": [asdict(r) for r in rows], **summary}
     if args.compile:
         lin = [m for m in model.features.modules() if isinstance(m, nn.Linear)]
         big = max(lin, key=lambda m: m.in_features * m.out_features)
-        comp = compile_comparison(big.in_features, big.out_features, k, b, args.calls, args.repeats)
+        with on:
+            comp = compile_comparison(big.in_features, big.out_features, k, b, args.calls, args.repeats)
         for name, v in comp.items():
             print(f"torch.compile, Linear {big.in_features}→{big.out_features} {name}: eager {v['eager_ms']:.3f} ms, "
                   f"compiled {v['compiled_ms']:.3f} ms ({v['eager_ms'] / v['compiled_ms']:.2f}× eager's speed), "

@@ -198,3 +198,8 @@ def test_kernel_bench_refuses_bad_arguments():
     assert r.returncode == 2 and "--input must be C,H,W" in r.stderr and "Traceback" not in r.stderr
     r = run_cmd([sys.executable, "bench/kernels.py", "--slots", "0"], timeout=120)
     assert r.returncode == 2 and "--slots must be at least 1" in r.stderr
+    r = run_cmd([sys.executable, "bench/kernels.py", "--device", "tpu"], timeout=120)
+    assert r.returncode == 2 and "--device must be cpu or cuda" in r.stderr and "Traceback" not in r.stderr
+    if not torch.cuda.is_available():
+        r = run_cmd([sys.executable, "bench/kernels.py", "--device", "cuda"], timeout=120)
+        assert r.returncode == 2 and "--device cuda: not available here" in r.stderr
