@@ -289,7 +289,8 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
     mean = lambda k: float(np.mean([r[k] for r in rounds]))  # noqa: E731
     tot_samples = per_rank[:, 0].sum().item()
     res = {
-        "setting": f"{summary['source']} {summary['num_clients']} clients, {cfg.method}, B={cfg.batch_size}, E={cfg.local_epochs}",
+        "setting": (f"{summary['source']} {summary['num_clients']} clients, {cfg.method}, B={cfg.batch_size}, E={cfg.local_epochs}"
+                    + (f", amp={cfg.amp}" if cfg.amp != "none" else "")),
         "fused": bool(sim.fused),
         "training": sim.path,
         "fused_slots": (fused.CUDA_SLOTS if rt.device.type == "cuda" else fused.CPU_SLOTS) if sim.fused else None,
