@@ -119,12 +119,17 @@ def test_fedavg_fused_equals_sequential_in_float64(monkeypatch, float64, drop_la
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-@pytest.mark.parametrize("slots", [1, 2, 8])
-def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots, fused_calls):
-    """Gumbel noise, MMD and two epochs: each client's generator is consumed as in the sequential loop."""
+@pytest.mark.parametrize("slots,features", [(1, False), (2, False), (8, False), (2, True)])
+def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots, features, fused_calls):
+    """Gumbel noise, MMD and two epochs: each client's generator is consumed as in the sequential
+    loop. With selection_vector=features, each client's mean feature over every sample it trained
+    on (ragged and padded batches, a client of 7 samples) is the same fused as alone too, and the
+    probe's tallies do not carry the feature sums."""
     monkeypatch.setattr(fused, "CPU_SLOTS", slots)
+    select = {"client_selection": "feature_difference", "selection_vector": "features"} if features else {}
     algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2, lam=5.0, lr=0.01,
-                     cpn_train_gumbel=True)
+                     cpn_train_gumbel=True, **select)
+    assert algo.fused_reason() is None
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     fus = algo.local_train_group(items)
@@ -132,8 +137,11 @@ def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_las
     seq = _sequential(algo, items)
     _assert_same_results(seq, fus, gs, atol=1e-12)
     for r in fus:
-        assert set(r.client_state) == {"head.weight", "head.bias", "v"}
+        assert set(r.client_state) == {"head.weight", "head.bias", "v"} | ({"fmean"} if features else set())
         assert torch.equal(r.client_state["v"], r.client_state["head.weight"].sum(0))
+        if features:
+            assert r.client_state["fmean"].shape == (algo.K,) and r.client_state["fmean"].abs().sum() > 0
+            assert "h" not in r.tallies
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -148,27 +156,6 @@ def test_fedcp_fused_equals_sequential_in_float32(drop_last):
     algo, gs = _algo(FedCP, drop_last=drop_last, local_epochs=2, lam=0.5, cpn_train_gumbel=True)
     items = _items(algo, [_client(i, n) for i, n in enumerate(SIZES)])
     _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
-
-
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_fedcp_feature_means_train_fused_as_sequentially(monkeypatch, float64, drop_last, fused_calls):
-    """selection_vector=features: each client's mean feature over every sample it trained on (two
-    epochs, ragged and padded batches, a client of 7 samples) is the same fused as alone, and the
-    probe's tallies do not carry the feature sums."""
-    monkeypatch.setattr(fused, "CPU_SLOTS", 2)
-    algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2, lam=5.0, lr=0.01,
-                     client_selection="feature_difference", selection_vector="features")
-    assert algo.fused_reason() is None
-    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
-    items = _items(algo, datas)
-    fus = algo.local_train_group(items)
-    assert fused_calls == {"train": len(SIZES)}
-    seq = _sequential(algo, items)
-    _assert_same_results(seq, fus, gs, atol=1e-12)
-    for r in fus:
-        assert r.client_state["fmean"].shape == (algo.K,) and r.client_state["fmean"].abs().sum() > 0
-        assert "h" not in r.tallies
-    assert [r.samples for r in fus] == [r.samples for r in seq]
 
 
 def test_fedcp_fused_uses_each_clients_own_noise():
