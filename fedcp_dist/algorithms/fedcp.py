@@ -412,7 +412,7 @@ class FedCP(SGDAlgorithm):
             self.cpng = nn.Sequential(nn.Linear(g, 2 * g), nn.LayerNorm(2 * g), nn.ReLU()).to(device)
             self.cpng_g = freeze(copy.deepcopy(self.cpng))
         self._stats = {}  # client → s_i (head+stats), computed once from its training rows
-        # selection_vector=features: Σ h (float64) and the samples seen over the client in training
+        # selection_vector=features: the loss tallies Σ h (float64) in every round; finish keeps its mean
         self.track_features = cfg.selection_vector == "features"
         self.fe = model.features.to(device)  # W_i^fe, trained
         self.head_p = model.head.to(device)  # W_i^hd, trained
