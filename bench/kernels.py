@@ -48,6 +48,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.round import matmul_peak_gflops  # noqa: E402
 from fedcp_dist.models import build_model  # noqa: E402
 from fedcp_dist.runtime import keep_freed_memory  # noqa: E402
 
@@ -180,12 +181,6 @@ def time_call(fn: Callable[[], object], calls: int, repeats: int, clock=time.per
     return best
 
 
-def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 GEMM rate (GFLOP/s) with this process's threads, as bench/round.py measures it."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / time_call(lambda: a @ b, 1, repeats) / 1e9
-
-
 def summarise(rows: List[Row], peak: float) -> dict:
     flops = sum(r.mflop for r in rows) * 1e6
     seconds = sum(r.ms for r in rows) / 1e3
@@ -304,11 +299,11 @@ def main(argv=None):
     k, b = args.slots, args.batch
     with on:
         model = build_model(args.model, input_shape, args.classes)
-        peak_before = matmul_peak()
+        peak_before = matmul_peak_gflops(device)
         timed = [(kern, time_call(kern.run, args.calls, args.repeats)) for kern in step_kernels(model, input_shape, k, b)]
     real = real_step_seconds(args.model, input_shape, args.classes, k, b, args.steps, args.repeats, device) if args.steps else None
     with on:
-        peak_after = matmul_peak()
+        peak_after = matmul_peak_gflops(device)
     peak = max(peak_before, peak_after)  # the machine's speed moves: the better of the two
     rows = [Row(kern.name, kern.shape, kern.flops / 1e6, 1e3 * s, kern.flops / s / 1e9, kern.flops / s / 1e9 / peak)
             for kern, s in timed]

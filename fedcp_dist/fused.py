@@ -65,7 +65,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedcp_dist.data.resident import channels_last
-from fedcp_dist.local_train import Phase, PhaseOutcome, batch_indices, full_precision, lr_of, num_batches, resolve, tally_value
+from fedcp_dist.local_train import (Phase, PhaseOutcome, batch_indices, finished_tallies, full_precision, lr_of, num_batches,
+                                     resolve)
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
 
 Tensor = torch.Tensor
@@ -644,7 +645,7 @@ def train_fused(
                 finished = True
                 values = {n: stacked[n][j].clone(memory_format=torch.contiguous_format) for n in names}
                 outcomes[a.index] = PhaseOutcome(values, float(loss_acc[j]), a.seen,
-                                                 tallies={n: tally_value(acc[j]) for n, acc in tally_acc.items()})
+                                                 tallies=finished_tallies({n: acc[j] for n, acc in tally_acc.items()}, tally, phase))
                 active[j] = load(j, queue.pop(0)) if queue else None
         if finished:
             j = 0

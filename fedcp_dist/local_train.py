@@ -319,9 +319,11 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
     values = dict(constants)
     for prefix, m in phase.modules.items():
         values.update(module_state(prefix, m))
-    return PhaseOutcome(values, loss_sum, seen, client.info, {k: tally_value(v) for k, v in (tallies or {}).items()})
+    return PhaseOutcome(values, loss_sum, seen, client.info, finished_tallies(tallies or {}, tally, phase))
 
 
-def tally_value(v: torch.Tensor):
-    """A client's finished tally: a float for a scalar tally, the tensor for a vector one."""
-    return float(v) if v.dim() == 0 else v.clone()
+def finished_tallies(sums: Mapping[str, torch.Tensor], probed: bool, phase: Phase) -> dict:
+    """A client's tallies for its outcome: every one when the round is probed, else only the
+    phase's ``tallied`` (a loss may tally probe quantities whenever tallying is on); a float for a
+    scalar tally, the tensor for a vector one."""
+    return {k: float(v) if v.dim() == 0 else v.clone() for k, v in sums.items() if probed or k in phase.tallied}

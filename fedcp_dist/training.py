@@ -42,7 +42,9 @@ class CohortTrainer:
             if probes.train:
                 self._probe(t, cid, res, probes)
             upload, residual = self._compressed(cid, res)
-            self.store.put(cid, res.client_state, res.upload, residual)  # takes BatchNorm statistics out of res.upload
+            # put takes BatchNorm statistics out of res.upload (which ``upload`` is when not compressed;
+            # a compressed upload holds the aggregated tensors only)
+            self.store.put(cid, res.client_state, res.upload, residual)
             if self.algo.peer_dim:
                 payloads[cid] = self.algo.peer_payload(res)
             self.agg.add(upload, self.data[cid].n_train, skip=res.skipped)
