@@ -350,7 +350,7 @@ def keep_freed_memory(setting, device: torch.device, mallopt=None) -> str:
     gradient every step. Measured on a 2-core virtual machine: faulting in fresh memory ran at about
     2 GiB/s against 20 GiB/s for writing memory already held, and evaluation of MNIST batches of
     1,000 took 1.35× as long. ``true`` (or ``auto`` on a CPU device) raises both thresholds,
-    so freed memory stays in the process for the next allocation; the resident size after a peak
+    so freed memory stays in the process for later allocations; the resident size after a peak
     stays at that peak. No effect on results. ``mallopt``: the C function (tests pass their own).
     """
     if setting is False or (setting == "auto" and device.type != "cpu"):

@@ -1,4 +1,5 @@
 """Aggregation, placement, cohorts and launcher detection on hand-computed numbers."""
+import os
 import subprocess
 
 import numpy as np
@@ -202,49 +203,36 @@ def test_keep_freed_memory_falls_back_to_32_mib_or_says_it_could_not():
     assert runtime.keep_freed_memory(True, torch.device("cpu"), lambda p, v: 0) == "unavailable (mallopt refused)"
 
 
-_FAULTS = """
-import resource, sys, torch
+_KEPT = """
+import sys, torch
 from fedcp_dist.runtime import keep_freed_memory
 print(keep_freed_memory(sys.argv[1] == "true", torch.device("cpu")))
-faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-def cycle():  # a 64 MiB tensor and a smaller one, freed in another order than allocated
-    x = torch.zeros(16 << 20)
-    y = torch.zeros(3 << 20)
-    del x
-    z = torch.zeros(1000)
-    del y
-
-for _ in range(5):  # until the allocator's free blocks settle
-    cycle()
-before = faults()
-for _ in range(5):
-    cycle()
-print(faults() - before)
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+returned = []
+for _ in range(3):
+    t = torch.zeros(16 << 20)  # 64 MiB, every page touched
+    held = rss()
+    del t
+    returned.append(held - rss())
+print(*returned)
 """
 
 
-def _huge_pages_always() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[always]" in f.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(_huge_pages_always(),
-                    reason="transparent huge pages on every mapping: a fresh 64 MiB block faults in 2 MiB at a time")
-def test_keep_freed_memory_reuses_a_freed_block_without_faulting_its_pages_in_again():
-    """The real allocator: freed 64 MiB blocks come back for the next 64 MiB tensors with
-    keep_freed_memory, and are unmapped and faulted in page by page (16,384 pages each) without it."""
+def test_keep_freed_memory_keeps_a_freed_block_in_the_process():
+    """The real allocator: freeing a 64 MiB tensor returns its pages to the system without
+    keep_freed_memory (glibc unmaps it: the next one faults all 16,384 pages in again) and keeps
+    them in the process with it. Whether a later block reuses them at once depends on what fits
+    where in the heap; the README's measurements show the effect on evaluation and training."""
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc/self/statm to read the resident size from")
     import sys
 
     out = {}
     for setting in ("true", "false"):
-        r = subprocess.run([sys.executable, "-c", _FAULTS, setting], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-c", _KEPT, setting], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-        state, faults = r.stdout.split()
-        out[setting] = int(faults)
+        state, *returned = r.stdout.split()
         assert state == ("on" if setting == "true" else "off")
-    assert out["false"] >= 5 * 16_384  # every 4 KiB page of each 64 MiB block faulted in again
-    assert out["true"] < 1_000
+        out[setting] = [float(v) for v in returned]
+    assert all(v >= 63 for v in out["false"])  # each 64 MiB block went back to the system
+    assert all(v <= 1 for v in out["true"])  # and stayed with keep_freed_memory
