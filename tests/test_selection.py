@@ -137,7 +137,7 @@ def test_report_plots_how_often_each_client_was_chosen(tmp_path):
     sampling) drawn again from the config; one bar per client and mode in selection_counts.png."""
     import json
 
-    from fedcp_dist.cli import report
+    from fedcp_dist.cli import report, report_plots
     from fedcp_dist.config import Config, dump_config
 
     def fake(name, selection, summary_extra, cohorts=None):
@@ -159,18 +159,18 @@ def test_report_plots_how_often_each_client_was_chosen(tmp_path):
     fake("f", "feature_difference", {"selection_counts": [3, 1, 2, 0]})
     col = report.collect(tmp_path / "runs")
     by_name = {r.path.name: r for r in col.runs}
-    uniform = report.selection_counts(by_name["u"])
+    uniform = report_plots.selection_counts(by_name["u"])
     expected = [0] * 4
     for t in range(3):  # ⌊0.5 · 4⌋ = 2 clients a round, the engine's own draw
         for c in sample_cohort(3, t, 4, 0.5):
             expected[int(c)] += 1
     assert uniform == expected and sum(uniform) == 6
-    assert report.selection_counts(by_name["f"]) == [3, 1, 2, 0]
+    assert report_plots.selection_counts(by_name["f"]) == [3, 1, 2, 0]
     # without the summary's counts they come from the cohorts the rounds record
     g = fake("g", "feature_difference", {}, cohorts=[[0, 1], [0, 2], [0, 2]])
     col = report.collect(tmp_path / "runs")
-    assert report.selection_counts(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
+    assert report_plots.selection_counts(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
     table = report.build_table(col, report.setting_keys(col, None), "best_acc")
     png = tmp_path / "selection_counts.png"
-    assert report.plot_selection(table, png)  # what `fedcp-report --selection` adds to the plots
+    assert report_plots.plot_selection(table, png)  # what `fedcp-report --selection` adds to the plots
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

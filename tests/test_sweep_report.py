@@ -323,6 +323,36 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     assert "not a directory" in cli_error(capsys, report.main, [str(tmp_path / "none")])
 
 
+def test_an_interrupted_report_leaves_the_previous_files_whole(tmp_path, monkeypatch):
+    """A report stopped while it writes a plot (Ctrl-C, a full disk) keeps the earlier report's
+    plot as it was, and no partial file is left beside it."""
+    from matplotlib.figure import Figure
+
+    for seed, acc in ((1, 0.9), (2, 0.8)):
+        fake_run(tmp_path / "runs" / f"s{seed}", "fedcp", seed, 0.1, acc)
+    out = tmp_path / "out"
+    report.main([str(tmp_path / "runs"), "--out", str(out)])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert_png(out / "acc_vs_round.png")
+    real_savefig = Figure.savefig
+
+    def savefig_then_fail(fig, f, **kw):
+        real_savefig(fig, f, **kw)
+        f.truncate(100)  # half a file on disk, then the write stops
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", savefig_then_fail)
+    fake_run(tmp_path / "runs" / "s3", "fedcp", 3, 0.1, 0.7)  # the next report would change every file
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(tmp_path / "runs"), "--out", str(out)])
+    assert exc.value.code != 0
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert after["acc_vs_round.png"] == before["acc_vs_round.png"]  # the earlier plot, whole
+    assert set(after) == set(before)  # no temporary file left
+    # the table was written whole before the plots: the new run is in it
+    assert "| fedcp | 80.00 ± 8.16 |" in after["report.md"].decode()
+
+
 # ----------------------------------------------------------------------------- the SLURM path, without a cluster
 
 

@@ -23,13 +23,13 @@ import io
 import json
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
+from fedcp_dist.fileio import atomic_write_bytes
 from fedcp_dist.rundir import CHECKPOINTS, CONFIG, NOT_DEFINING, SUMMARY, RunDir, format_value
 from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
@@ -436,252 +436,11 @@ def write_csv(table, path: Path, row_name: str = "method") -> None:
                 w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), cell.n, repr(cell.mean) if cell.values else "",
                             repr(cell.std) if cell.values else "", " ".join(str(x) for x in cell.seeds),
                             cell.expected])
-    path.write_text(buf.getvalue(), encoding="utf-8")
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("fedcp-report: plots need matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _int_locator():
-    from matplotlib.ticker import MaxNLocator
-
-    return MaxNLocator(integer=True)
-
-
-def _mean_std(values: list) -> tuple[float, float]:
-    m = sum(values) / len(values)
-    return m, math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
-
-
-def plot_curves(table: Table, path: Path) -> bool:
-    """acc_vs_round.png: mean accuracy against rounds trained, ±1 std over seeds (finished runs)."""
-    series = []  # (method, setting, label, xs, means, stds)
-    for m in table.methods:
-        for s, label in table.settings:
-            cell = table.cells.get((m, s))
-            if cell is None:
-                continue
-            per_x: dict = collections.defaultdict(list)
-            for r in cell.runs:
-                if r.finished:
-                    for x, acc in r.curve():
-                        per_x[x].append(100.0 * acc)
-            if not per_x:
-                continue
-            xs = sorted(per_x)
-            stats = [_mean_std(per_x[x]) for x in xs]
-            series.append((m, s, label, xs, [a for a, _ in stats], [b for _, b in stats]))
-    if not series:
-        return False
-    plt = _pyplot()
-    colors = {m: f"C{i % 10}" for i, m in enumerate(table.methods)}
-    settings = [s for s, _ in table.settings if any(x[1] == s for x in series)]
-    one_panel = len(settings) <= 1 or len(series) <= 6
-    if one_panel:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        styles = ["-", "--", ":", "-."]
-        for m, s, label, xs, mean, std in series:
-            style = styles[settings.index(s) % len(styles)]
-            name = m if len(settings) <= 1 else f"{m}, {label}"
-            ax.plot(xs, mean, style, color=colors[m], label=name, marker="o", markersize=3)
-            ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
-                            color=colors[m], alpha=0.2, linewidth=0)
-        ax.set_xlabel("rounds trained")
-        ax.set_ylabel("test accuracy (%)")
-        ax.xaxis.set_major_locator(_int_locator())
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        if len(settings) == 1 and table.keys:
-            ax.set_title(dict(table.settings)[settings[0]], fontsize=9)
-    else:
-        ncols = min(4, len(settings))
-        nrows = math.ceil(len(settings) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), sharey=True, squeeze=False)
-        for ax, s in zip(axes.flat, settings):
-            for m, s2, label, xs, mean, std in series:
-                if s2 != s:
-                    continue
-                ax.plot(xs, mean, color=colors[m], label=m)
-                ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
-                                color=colors[m], alpha=0.2, linewidth=0)
-            ax.set_title(dict(table.settings)[s], fontsize=8)
-            ax.xaxis.set_major_locator(_int_locator())
-            ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(settings):]:
-            ax.set_visible(False)
-        for ax in axes[-1]:
-            ax.set_xlabel("rounds trained")
-        for ax in axes[:, 0]:
-            ax.set_ylabel("test accuracy (%)")
-        axes.flat[0].legend(fontsize=7)
-    fig.suptitle("accuracy against rounds (mean ± 1 std over seeds)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
 
 
 def _numeric(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def plot_against_keys(table: Table, out: Path) -> list:
-    """acc_vs_<key>.png for each setting key with two or more values: mean metric per method, error bars."""
-    written = []
-    for i, key in enumerate(table.keys):
-        values = {s[i]: json.loads(s[i]) for s, _ in table.settings}  # json text -> value
-        if len(values) < 2:
-            continue
-        numeric = all(_numeric(v) for v in values.values())
-        order = sorted(values, key=lambda t: _sort_key(values[t]))
-        plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        others = [k for j, k in enumerate(table.keys) if j != i]
-        lines: dict = collections.defaultdict(list)  # (method, rest) -> [(x, mean, std, marked)]
-        for m in table.methods:
-            for s, _ in table.settings:
-                cell = table.cells.get((m, s))
-                if cell is None or not cell.values:
-                    continue
-                vals = [json.loads(x) for x in s]
-                rest = tuple(s[j] for j in range(len(s)) if j != i)
-                rest_label = _label({k: vals[j] for j, k in enumerate(table.keys) if j != i}, others) if others else ""
-                x = vals[i] if numeric else order.index(s[i])
-                lines[(m, rest, rest_label)].append((x, cell.mean, cell.std, cell.n < cell.expected))
-        colors = {m: f"C{j % 10}" for j, m in enumerate(table.methods)}
-        markers = "osD^v<>"
-        rests = sorted({k[1] for k in lines})
-        ring_label = "cell with missing runs"
-        for (m, rest, rest_label), pts in sorted(lines.items(), key=lambda kv: (table.methods.index(kv[0][0]), kv[0][1])):
-            pts.sort()
-            name = m + (f" ({rest_label})" if rest_label else "")
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=colors[m],
-                        marker=markers[rests.index(rest) % len(markers)], capsize=3, label=name)
-            marked = [p for p in pts if p[3]]
-            if marked:  # cells with missing runs: hollow rings
-                ax.plot([p[0] for p in marked], [p[1] for p in marked], "o", markersize=11, fillstyle="none",
-                        color="red", label=ring_label)
-                ring_label = None
-        if numeric:
-            xs = [float(v) for v in values.values()]
-            if min(xs) > 0 and max(xs) / min(xs) >= 50:
-                ax.set_xscale("log")
-        else:
-            ax.set_xticks(range(len(order)), [format_value(values[t]) for t in order], rotation=20, fontsize=8)
-        ax.set_xlabel(key)
-        ax.set_ylabel(f"{table.metric} (%)" if _is_percent(table.metric) else table.metric)
-        ax.set_title(f"{table.metric} against {key} (mean ± std over seeds)", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        name = f"acc_vs_{re.sub(r'[^A-Za-z0-9._-]', '_', key)}.png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(out / name)
-    return written
-
-
-# ----------------------------------------------------------------------------- client selection
-
-
-def selection_counts(run: Run) -> Optional[list]:
-    """Rounds each client trained in: summary.json's ``selection_counts`` (feature-difference
-    selection records them), else the round records' ``cohort`` lists, else (uniform sampling, a
-    function of the config alone) the cohorts drawn again with the engine's own draw. None for a
-    run without a result or with every client in every round."""
-    if not run.finished:
-        return None
-    if isinstance(run.summary.get("selection_counts"), list):
-        return [int(c) for c in run.summary["selection_counts"]]
-    cfg = run.config
-    rho, rho_range = cfg.get("participation", 1.0), cfg.get("participation_range")
-    if rho_range is None and float(rho) >= 1:
-        return None
-    n = len(run.summary["shard_clients"]) if "shard_clients" in run.summary else int(run.summary.get("num_clients") or cfg["data.num_clients"])
-    records = [r for r in RunDir(run.path).read_metrics() if r.get("kind") == "round"]
-    if records and all("cohort" in r for r in records):
-        from fedcp_dist.selection import selection_counts as counts_of
-        return counts_of(records, n)
-    if cfg.get("client_selection", "uniform") != "uniform":
-        return None
-    from fedcp_dist.placement import sample_cohort
-
-    counts = [0] * n
-    for t in range(int(cfg["rounds"])):
-        for c in sample_cohort(int(cfg["seed"]), t, n, float(rho), rho_range, cfg.get("participation_draw", "rho")):
-            counts[int(c)] += 1
-    return counts
-
-
-def _train_sizes(run: Run, n: int) -> Optional[list]:
-    """The run's clients' training samples, from its shard (None when the shard is not readable here)."""
-    try:
-        from fedcp_dist.data.shards import read_info
-
-        sizes = read_info(run.config["data.path"]).train_counts
-    except Exception:  # the shard may live on another machine: the plot then orders clients by id
-        return None
-    ids = run.summary.get("shard_clients") or list(range(n))
-    return [int(sizes[i]) for i in ids] if len(ids) == n and max(ids) < len(sizes) else None
-
-
-def plot_selection(table: Table, path: Path) -> bool:
-    """selection_counts.png: rounds each client trained in (mean over seeds), one panel per
-    participation (and other setting keys), one bar per client and selection mode, clients ordered by
-    training samples."""
-    split = [k for k in table.keys if k not in ("client_selection", "selection_vector", "sweep")]
-    panels: dict = collections.defaultdict(dict)  # panel label -> {series label: [counts per run]}
-    sizes: dict = {}
-    for (m, s), cell in table.cells.items():
-        for r in cell.runs:
-            counts = selection_counts(r)
-            if counts is None:
-                continue
-            mode = str(r.value("client_selection") or "uniform")
-            if mode != "uniform":
-                mode += f", {r.value('selection_vector') or 'client'} vector"
-            panel = _label({k: r.value(k) for k in split}, split) if split else ""
-            panels[panel].setdefault((m, mode), []).append(counts)
-            sizes.setdefault(panel, _train_sizes(r, len(counts)))
-    if not panels:
-        return False
-    several = len({m for series in panels.values() for m, _ in series}) > 1
-    panels = {p: {(f"{m}: {mode}" if several else mode): c for (m, mode), c in series.items()}
-              for p, series in panels.items()}
-    plt = _pyplot()
-    names = sorted(panels, key=lambda p: [_sort_key(v) for v in p.split(",")])
-    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.8 * len(names)), squeeze=False)
-    for ax, panel in zip(axes[:, 0], names):
-        series = panels[panel]
-        n = len(next(iter(series.values()))[0])
-        size = sizes.get(panel)
-        order = sorted(range(n), key=lambda i: (size[i], i)) if size else list(range(n))
-        width = 0.8 / len(series)
-        for j, (label, runs) in enumerate(sorted(series.items())):
-            mean = [sum(c[i] for c in runs) / len(runs) for i in order]
-            seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
-            ax.bar([x - 0.4 + width * (j + 0.5) for x in range(n)], mean, width, label=label + seeds, color=f"C{j}")
-        ax.set_xticks(range(n), [f"{i}\n{size[i]}" if size else str(i) for i in order], fontsize=7)
-        ax.set_ylabel("rounds trained")
-        ax.set_title((panel + ": " if panel else "") + "rounds each client trained in"
-                     + (" (x: client, its training samples; ordered by size)" if size else " (x: client)"), fontsize=9)
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 # ----------------------------------------------------------------------------- command line
@@ -730,11 +489,13 @@ def main(argv=None) -> None:
         raise UserError(f"fedcp-report: cannot create --out {out}: {exc.strerror}") from None
     title = f"Report: {', '.join(col.sweeps) if col.sweeps else Path(args.dir).resolve().name}"
     md = markdown(tables, title, rows)
-    (out / "report.md").write_text(md, encoding="utf-8")
+    atomic_write_bytes(out / "report.md", md.encode("utf-8"))
     write_csv(tables, out / "report.csv", rows)
     print(md, end="")
     written = [out / "report.md", out / "report.csv"]
     if not args.no_plots:
+        from fedcp_dist.cli.report_plots import plot_against_keys, plot_curves, plot_selection
+
         if plot_curves(table, out / "acc_vs_round.png"):
             written.append(out / "acc_vs_round.png")
         written += plot_against_keys(table, out)
