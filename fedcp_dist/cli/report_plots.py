@@ -10,32 +10,13 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from fedcp_dist.analysis.plots import pyplot as _pyplot
+from fedcp_dist.analysis.plots import save as _save
 from fedcp_dist.cli.report import Run, Table, _is_percent, _label, _numeric, _sort_key
-from fedcp_dist.errors import UserError
-from fedcp_dist.fileio import atomic_write
 from fedcp_dist.rundir import RunDir, format_value
 
 
 # ----------------------------------------------------------------------------- plots
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("fedcp-report: plots need matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    """Write the figure as a PNG whole or not at all (an interrupted report keeps the previous plot)."""
-    try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
-    finally:
-        _pyplot().close(fig)
 
 
 def _int_locator():
