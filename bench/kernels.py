@@ -48,7 +48,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.round import matmul_peak_gflops  # noqa: E402
+from bench.round import cpu_model, matmul_peak_gflops  # noqa: E402
 from fedcp_dist.models import build_model  # noqa: E402
 from fedcp_dist.runtime import keep_freed_memory  # noqa: E402
 
@@ -309,7 +309,7 @@ def main(argv=None):
             for kern, s in timed]
     summary = summarise(rows, peak)
 
-    where = (f"{args.threads} thread(s), CPU {torch.backends.cpu.get_cpu_capability()}, keep_freed_memory={keep}"
+    where = (f"{args.threads} thread(s), CPU {cpu_model()} {torch.backends.cpu.get_cpu_capability()}, keep_freed_memory={keep}"
              if device.type == "cpu" else f"GPU {torch.cuda.get_device_name(device)}")
     print(f"fused FedCP step kernels: {args.model} {args.input}, {k} slots × B = {b}, {where}, torch {torch.__version__}")
     print(f"float32 matmul peak (2048³ GEMM), same run: {peak_before:.1f} GFLOP/s before the kernels, "
@@ -337,7 +337,7 @@ def main(argv=None):
               f"mean of {args.steps} steps of {k} synthetic clients)")
     out = {"model": args.model, "input": list(input_shape), "slots": k, "batch": b, "threads": args.threads,
            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-           "cpu_isa": torch.backends.cpu.get_cpu_capability(), "keep_freed_memory": keep, "matmul_peak_gflops": [peak_before, peak_after],
+           "cpu_isa": torch.backends.cpu.get_cpu_capability(), "cpu_model": cpu_model(), "keep_freed_memory": keep, "matmul_peak_gflops": [peak_before, peak_after],
            "kernels": [asdict(r) for r in rows], **summary}
     if args.compile:
         lin = [m for m in model.features.modules() if isinstance(m, nn.Linear)]

@@ -76,6 +76,29 @@ from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.simulator import Simulator  # noqa: E402
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The processor as the benchmark tables name it: model name plus x86 family and model numbers
+    (virtual machines often hide the generation behind a bare "AMD EPYC"; the family says it, e.g.
+    25 for Zen 3/4 and 26 for Zen 5, whose convolutions and GEMMs reach different fractions of the
+    same peak), or what ``platform`` knows where there is no /proc/cpuinfo."""
+    import platform
+
+    fields: dict = {}
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine() or "?"
+    name = fields.get("model name") or platform.processor() or platform.machine() or "?"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
 def matmul_peak_gflops(device, n=2048, repeats=5, clock=time.perf_counter) -> float:
     """Best float32 GEMM rate of this rank with its threads (per second of ``clock``)."""
     a = torch.randn(n, n, device=device)
@@ -301,6 +324,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
         "device": str(rt.device),
         # the vector instruction set torch's CPU kernels use here (the fraction of peak depends on it)
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": cpu_model(),
         "threads_per_rank": rt.threads,
         "timed_rounds": len(rounds),
         "seconds_per_round": mean("seconds"),
@@ -358,6 +382,7 @@ def print_table(res: dict, warmup: int) -> None:
         ("setting", res["setting"]),
         ("local training", fused_row),
         ("ranks", f"{res['world_size']} ({res['launcher']}, {res['device']}, {res['threads_per_rank']} thread(s) each)"),
+        ("CPU", res.get("cpu_model", "?")),
         ("CPU instruction set", res.get("cpu_isa", "?")),
         ("steps per rank", f"{'/'.join(str(v) for v in res['steps_per_rank'])} (placed by {res['placement']}), max/mean "
                            f"{res['steps_imbalance']:.3f}; timed rounds' cohorts {res['cohort_steps_imbalance']:.3f}"),

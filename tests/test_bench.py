@@ -73,6 +73,20 @@ def test_peak_is_gemm_flops_over_the_best_time():
     assert peak == pytest.approx(2 * 64**3 / 2.0 / 1e9)
 
 
+
+def test_cpu_model_names_the_family_and_model(tmp_path):
+    """The first processor's model name with its x86 family and model numbers (a bare "AMD EPYC"
+    on a virtual machine says nothing of the generation); no family line, the name alone."""
+    bench = _load_bench()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                    "model name\t: AMD EPYC\nflags\t\t: fpu avx512f\n\n"
+                    "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: other\n")
+    assert bench.cpu_model(str(info)) == "AMD EPYC (family 26, model 2)"
+    info.write_text("processor\t: 0\nmodel name\t: Neoverse\n")
+    assert bench.cpu_model(str(info)) == "Neoverse"
+    assert bench.cpu_model(str(tmp_path / "none")) != ""
+
 def test_bench_trains_as_the_engine_does_unless_a_variant_is_forced(digits6):
     """No --fused/--sequential: no fused key, so the config's own (fused: auto, or the user's
     override) decides; a forced variant comes after the user's overrides."""
@@ -129,6 +143,7 @@ def test_bench_compare_table(digits6, tmp_path):
     assert fus["fused_workers"] == 1 and seq["fused_workers"] is None
     assert seq["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
     assert any(line.startswith("CPU instruction set") and line.split()[-1] == seq["cpu_isa"] for line in r.stdout.splitlines())
+    assert seq["cpu_model"] == fus["cpu_model"] and any(line.split()[1:] == seq["cpu_model"].split() for line in r.stdout.splitlines() if line.startswith("CPU "))
 
 
 def _load_kernels():
