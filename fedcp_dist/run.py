@@ -1,6 +1,7 @@
 """Entry point: config → runtime → Simulator → run → close.
 
     fedcp-run --config configs/digits_fedcp.yaml rounds=50 lr=0.01
+    fedcp-run --ranks auto --config configs/mnist_dir0.1_fedcp.yaml     # one rank per core (or GPU), via torchrun
     torchrun --nproc_per_node=2 -m fedcp_dist.run --config configs/mnist_dir0.1_fedcp.yaml
     mpirun -n 2 python -m fedcp_dist.run --config ...
     srun --ntasks=8 python -m fedcp_dist.run --config ...
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Optional, Sequence
 
 from fedcp_dist.config import dump_config, load_config
-from fedcp_dist.errors import ArgumentParser, Preempted, cli_main
+from fedcp_dist.errors import ArgumentParser, Preempted, UserError, cli_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML config file (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--ranks", default="1", metavar="N|auto",
+                   help="start N ranks on this machine instead of running in this process: the command "
+                        "becomes torchrun --standalone --nproc_per_node=N -m fedcp_dist.run ... (auto: one "
+                        "per visible GPU, else one per usable core; on a CPU one rank per core trains faster "
+                        "than one process with several threads); default 1")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
@@ -53,12 +60,58 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = ()) -> dic
         rt.close()
 
 
+def parse_ranks(value: str, device: str, env=os.environ) -> int:
+    """``--ranks``: a positive integer, or ``auto`` (visible GPUs where the config's device would be
+    a GPU, else the usable cores)."""
+    if value == "auto":
+        import torch
+
+        from fedcp_dist.runtime import _cpu_count
+
+        if device != "cpu" and torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return _cpu_count()
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UserError(f"--ranks must be a positive integer or auto, got {value!r}")
+    return n
+
+
+def local_ranks_command(n: int, config: Optional[str], overrides: Sequence[str], env=os.environ) -> tuple:
+    """The torchrun command and environment that start ``n`` ranks of this run on this machine:
+    one intra-op thread per rank's share of the cores, and torchrun's grace for a worker after a
+    SIGTERM raised (as for a sweep's points) so that a preempted round reaches its checkpoint."""
+    from fedcp_dist.runtime import _cpu_count, detect_launcher
+    from fedcp_dist.sweep.local import SHUTDOWN_TIMEOUT_S
+
+    if detect_launcher(env) != "single":
+        raise UserError("--ranks starts the ranks itself: under torchrun, mpirun or srun leave it out "
+                        "(the launcher sets how many)")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            "-m", "fedcp_dist.run", *(["--config", config] if config else []), *overrides]
+    out = dict(env)
+    out.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // n)))
+    out.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    return argv, out
+
+
 @cli_main
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.print_config:
         print(dump_config(load_config(args.config, args.overrides)), end="")
         return None
+    if args.ranks != "1":
+        cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
+        n = parse_ranks(args.ranks, cfg.device)
+        if n > 1:
+            cmd, env = local_ranks_command(n, args.config, args.overrides)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(cmd[0], cmd, env)  # torchrun in this process's place: signals and exit status are its
     run_config(args.config, args.overrides)
     return None
 

@@ -177,7 +177,15 @@ def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = ""
     of = f" of the shard's {setup.info.num_clients}" if cfg.data.clients is not None else ""
     return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
             f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s; {setup.placement_line()}; "
-            f"training: {path}; {store_line}" + (f"; {note}" if note else ""))
+            f"training: {path}; {store_line}" + (f"; {note}" if note else "") + ranks_hint(rt))
+
+
+def ranks_hint(rt) -> str:
+    """For a run alone in one process on several CPU threads: where the faster launch is (threads
+    in one process contend for the interpreter between the kernels; one rank per core does not)."""
+    if rt.launcher == "single" and rt.device.type == "cpu" and rt.threads > 1:
+        return f"; one rank per core trains faster: fedcp-run --ranks {rt.threads} (or torchrun)"
+    return ""
 
 
 def agree_on(rt, step: Callable[[], object]):

@@ -134,3 +134,63 @@ def test_a_method_adds_its_keys_in_its_own_file(monkeypatch, digits6):
         config.load_config(None, [f"data.path={digits6}", "extra_gain=0"])
     with pytest.raises(UserError, match="'extra_gain': expected float"):
         config.load_config(None, [f"data.path={digits6}", "extra_gain=high"])
+
+
+def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch):
+    """``fedcp-run --ranks N`` is ``torchrun --standalone --nproc_per_node=N -m fedcp_dist.run`` with
+    the same arguments, each rank its share of the cores, torchrun's SIGTERM grace raised; a bad
+    value, a bad config or a launcher already present end in one line before anything starts."""
+    import os
+
+    from fedcp_dist import run as run_mod
+    from fedcp_dist.runtime import _cpu_count
+    from fedcp_dist.sweep.local import SHUTDOWN_TIMEOUT_S
+
+    cmd, env = run_mod.local_ranks_command(2, "configs/digits_fedcp.yaml", ["rounds=3", "lam=1"], env={"PATH": "/bin"})
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                   "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", "rounds=3", "lam=1"]
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": str(max(1, _cpu_count() // 2)),
+                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}
+    _, env = run_mod.local_ranks_command(3, None, [], env={"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
+    assert env == {"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}  # the user's values win
+    with pytest.raises(UserError, match="leave it out"):
+        run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x"})
+    assert run_mod.parse_ranks("3", "cpu") == 3
+    assert run_mod.parse_ranks("auto", "cpu") == _cpu_count()
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(UserError, match="--ranks"):
+            run_mod.parse_ranks(bad, "cpu")
+    # through the command: nothing is executed for a bad value or a bad config
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def execve(*a):  # the real one never returns: this process becomes torchrun
+        started.append(a)
+        raise Started
+
+    monkeypatch.setattr(os, "execve", execve)
+    for argv, word in ((["--ranks", "0"], "--ranks"), (["--ranks", "2", "lam=-2"], "'lam'")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", "configs/digits_fedcp.yaml", *argv])
+        assert exc.value.code == 2 and word in capsys.readouterr().err
+    with pytest.raises(Started):
+        main(["--ranks", "2", "--config", "configs/digits_fedcp.yaml", "rounds=1"])
+    assert len(started) == 1 and started[0][0] == sys.executable and "--nproc_per_node=2" in started[0][1]
+
+
+def test_start_line_points_a_one_process_run_on_several_cores_to_ranks():
+    from types import SimpleNamespace
+
+    import torch
+
+    from fedcp_dist.startup import ranks_hint
+
+    def rt(launcher, device, threads):
+        return SimpleNamespace(launcher=launcher, device=torch.device(device), threads=threads)
+
+    assert ranks_hint(rt("single", "cpu", 4)) == "; one rank per core trains faster: fedcp-run --ranks 4 (or torchrun)"
+    assert ranks_hint(rt("single", "cpu", 1)) == ""  # one thread: nothing to gain
+    assert ranks_hint(rt("torchrun", "cpu", 2)) == ""  # already ranks
+    assert ranks_hint(rt("single", "cuda", 8)) == ""  # a GPU rank's threads feed the GPU

@@ -67,6 +67,15 @@ def test_torchrun_matches_single_rank(single, digits6, tmp_path, nproc):
     _check_same(single, got, f"torchrun x{nproc}")
 
 
+def test_fedcp_run_ranks_matches_single_rank(single, digits6, tmp_path):
+    """``fedcp-run --ranks 2``: the one command starts 2 ranks under torchrun, same trajectory."""
+    r = run_cmd([str(BIN / "fedcp-run"), "--ranks", "2", *_args(digits6, tmp_path)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = _load(tmp_path)
+    assert got[1]["world_size"] == 2 and got[1]["launcher"] == "torchrun"
+    assert "launcher=torchrun world_size=2" in r.stdout
+    _check_same(single, got, "fedcp-run --ranks 2")
+
 def test_mpirun_matches_single_rank(single, digits6, tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
     if mpirun is None:
