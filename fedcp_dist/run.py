@@ -105,6 +105,8 @@ def main(argv=None):
         print(dump_config(load_config(args.config, args.overrides)), end="")
         return None
     if args.ranks != "1":
+        if args.ranks != "auto":
+            parse_ranks(args.ranks, "cpu")  # a bad value before the config is read
         cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
         n = parse_ranks(args.ranks, cfg.device)
         if n > 1:

@@ -184,7 +184,7 @@ def ranks_hint(rt) -> str:
     """For a run alone in one process on several CPU threads: where the faster launch is (threads
     in one process contend for the interpreter between the kernels; one rank per core does not)."""
     if rt.launcher == "single" and rt.device.type == "cpu" and rt.threads > 1:
-        return f"; one rank per core trains faster: fedcp-run --ranks {rt.threads} (or torchrun)"
+        return "; one rank per core trains faster: fedcp-run --ranks auto (or torchrun)"
     return ""
 
 

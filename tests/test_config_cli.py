@@ -136,7 +136,7 @@ def test_a_method_adds_its_keys_in_its_own_file(monkeypatch, digits6):
         config.load_config(None, [f"data.path={digits6}", "extra_gain=high"])
 
 
-def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch):
+def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch, digits6):
     """``fedcp-run --ranks N`` is ``torchrun --standalone --nproc_per_node=N -m fedcp_dist.run`` with
     the same arguments, each rank its share of the cores, torchrun's SIGTERM grace raised; a bad
     value, a bad config or a launcher already present end in one line before anything starts."""
@@ -171,12 +171,14 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch)
         raise Started
 
     monkeypatch.setattr(os, "execve", execve)
-    for argv, word in ((["--ranks", "0"], "--ranks"), (["--ranks", "2", "lam=-2"], "'lam'")):
+    shard = f"data.path={digits6}"
+    for argv, word in ((["--ranks", "0", shard], "--ranks"), (["--ranks", "2", shard, "lam=-2"], "'lam'"),
+                       (["--ranks", "x", "data.path=none.h5"], "--ranks")):
         with pytest.raises(SystemExit) as exc:
             main(["--config", "configs/digits_fedcp.yaml", *argv])
         assert exc.value.code == 2 and word in capsys.readouterr().err
     with pytest.raises(Started):
-        main(["--ranks", "2", "--config", "configs/digits_fedcp.yaml", "rounds=1"])
+        main(["--ranks", "2", "--config", "configs/digits_fedcp.yaml", shard, "rounds=1"])
     assert len(started) == 1 and started[0][0] == sys.executable and "--nproc_per_node=2" in started[0][1]
 
 
@@ -190,7 +192,7 @@ def test_start_line_points_a_one_process_run_on_several_cores_to_ranks():
     def rt(launcher, device, threads):
         return SimpleNamespace(launcher=launcher, device=torch.device(device), threads=threads)
 
-    assert ranks_hint(rt("single", "cpu", 4)) == "; one rank per core trains faster: fedcp-run --ranks 4 (or torchrun)"
+    assert ranks_hint(rt("single", "cpu", 4)) == "; one rank per core trains faster: fedcp-run --ranks auto (or torchrun)"
     assert ranks_hint(rt("single", "cpu", 1)) == ""  # one thread: nothing to gain
     assert ranks_hint(rt("torchrun", "cpu", 2)) == ""  # already ranks
     assert ranks_hint(rt("single", "cuda", 8)) == ""  # a GPU rank's threads feed the GPU
