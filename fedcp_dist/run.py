@@ -60,7 +60,7 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = ()) -> dic
         rt.close()
 
 
-def parse_ranks(value: str, device: str, env=os.environ) -> int:
+def parse_ranks(value: str, device: str) -> int:
     """``--ranks``: a positive integer, or ``auto`` (visible GPUs where the config's device would be
     a GPU, else the usable cores)."""
     if value == "auto":
