@@ -60,17 +60,10 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = ()) -> dic
         rt.close()
 
 
-def parse_ranks(value: str, device: str) -> int:
-    """``--ranks``: a positive integer, or ``auto`` (visible GPUs where the config's device would be
-    a GPU, else the usable cores)."""
+def parse_ranks(value: str) -> Optional[int]:
+    """``--ranks``: a positive integer, or None for ``auto`` (see :func:`auto_ranks`)."""
     if value == "auto":
-        import torch
-
-        from fedcp_dist.runtime import _cpu_count
-
-        if device != "cpu" and torch.cuda.is_available():
-            return torch.cuda.device_count()
-        return _cpu_count()
+        return None
     try:
         n = int(value)
     except ValueError:
@@ -80,21 +73,33 @@ def parse_ranks(value: str, device: str) -> int:
     return n
 
 
+def auto_ranks(device: str) -> int:
+    """``--ranks auto``: one rank per visible GPU where the config's device would be a GPU, else one
+    per usable core."""
+    import torch
+
+    from fedcp_dist.runtime import _cpu_count
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return _cpu_count()
+
+
 def local_ranks_command(n: int, config: Optional[str], overrides: Sequence[str], env=os.environ) -> tuple:
     """The torchrun command and environment that start ``n`` ranks of this run on this machine:
     one intra-op thread per rank's share of the cores, and torchrun's grace for a worker after a
-    SIGTERM raised (as for a sweep's points) so that a preempted round reaches its checkpoint."""
+    SIGTERM raised as for a sweep's points (``run_env``), so that a preempted round reaches its
+    checkpoint."""
     from fedcp_dist.runtime import _cpu_count, detect_launcher
-    from fedcp_dist.sweep.local import SHUTDOWN_TIMEOUT_S
+    from fedcp_dist.sweep.local import run_env
 
     if detect_launcher(env) != "single":
         raise UserError("--ranks starts the ranks itself: under torchrun, mpirun or srun leave it out "
                         "(the launcher sets how many)")
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
             "-m", "fedcp_dist.run", *(["--config", config] if config else []), *overrides]
-    out = dict(env)
+    out = run_env(env)
     out.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // n)))
-    out.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     return argv, out
 
 
@@ -105,10 +110,9 @@ def main(argv=None):
         print(dump_config(load_config(args.config, args.overrides)), end="")
         return None
     if args.ranks != "1":
-        if args.ranks != "auto":
-            parse_ranks(args.ranks, "cpu")  # a bad value before the config is read
+        n = parse_ranks(args.ranks)  # a bad value before the config is read
         cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
-        n = parse_ranks(args.ranks, cfg.device)
+        n = n or auto_ranks(cfg.device)
         if n > 1:
             cmd, env = local_ranks_command(n, args.config, args.overrides)
             sys.stdout.flush()

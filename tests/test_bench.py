@@ -73,7 +73,6 @@ def test_peak_is_gemm_flops_over_the_best_time():
     assert peak == pytest.approx(2 * 64**3 / 2.0 / 1e9)
 
 
-
 def test_cpu_model_names_the_family_and_model(tmp_path):
     """The first processor's model name with its x86 family and model numbers (a bare "AMD EPYC"
     on a virtual machine says nothing of the generation); no family line, the name alone."""
@@ -86,6 +85,7 @@ def test_cpu_model_names_the_family_and_model(tmp_path):
     info.write_text("processor\t: 0\nmodel name\t: Neoverse\n")
     assert bench.cpu_model(str(info)) == "Neoverse"
     assert bench.cpu_model(str(tmp_path / "none")) != ""
+
 
 def test_bench_trains_as_the_engine_does_unless_a_variant_is_forced(digits6):
     """No --fused/--sequential: no fused key, so the config's own (fused: auto, or the user's

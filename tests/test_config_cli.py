@@ -155,11 +155,11 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
     assert env == {"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}  # the user's values win
     with pytest.raises(UserError, match="leave it out"):
         run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x"})
-    assert run_mod.parse_ranks("3", "cpu") == 3
-    assert run_mod.parse_ranks("auto", "cpu") == _cpu_count()
+    assert run_mod.parse_ranks("3") == 3 and run_mod.parse_ranks("auto") is None
+    assert run_mod.auto_ranks("cpu") == _cpu_count()
     for bad in ("0", "-1", "two", "1.5"):
         with pytest.raises(UserError, match="--ranks"):
-            run_mod.parse_ranks(bad, "cpu")
+            run_mod.parse_ranks(bad)
     # through the command: nothing is executed for a bad value or a bad config
     started = []
 

@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 import time
+from typing import Mapping
 
 from fedcp_dist.errors import EXIT_REQUEUE
 from fedcp_dist.rundir import FINISHED, SUMMARY, UNFINISHED, RunDir
@@ -24,10 +25,11 @@ from fedcp_dist.sweep.spec import Sweep, display_path, drift_warning, now
 SHUTDOWN_TIMEOUT_S = 1800
 
 
-def run_env() -> dict:
-    """The environment of a point's process: ours, with torchrun's grace after a SIGTERM raised to
-    :data:`SHUTDOWN_TIMEOUT_S` unless set (read by torchrun's launcher; ignored elsewhere)."""
-    env = dict(os.environ)
+def run_env(base: Mapping[str, str] = os.environ) -> dict:
+    """The environment of a point's process (or of ``fedcp-run --ranks``'s torchrun): ``base``, with
+    torchrun's grace after a SIGTERM raised to :data:`SHUTDOWN_TIMEOUT_S` unless set (read by
+    torchrun's launcher; ignored elsewhere)."""
+    env = dict(base)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     return env
 
