@@ -82,8 +82,8 @@ class ClientStore:
         round, so a store on disk writes the client's file once."""
         if state is not None:
             self.states[cid] = state
-        if self.bn_keys:
-            self.bn[cid] = {k: upload.pop(k) for k in self.bn_keys}
+        if self.bn_keys:  # a part not uploaded this round (a frozen CPN's) keeps its statistics
+            self.bn[cid] = {**self.bn.get(cid, {}), **{k: upload.pop(k) for k in self.bn_keys if k in upload}}
         if residual is not None:
             self.residuals[cid] = residual
 
@@ -359,8 +359,8 @@ class DiskClientStore(ClientStore):
         if state is None and residual is None and not self.bn_keys:
             return
         bn, ef, rest = unpack(self._entry(cid) or {})
-        if self.bn_keys:
-            bn = {k: upload.pop(k) for k in self.bn_keys}
+        if self.bn_keys:  # a part not uploaded this round (a frozen CPN's) keeps its statistics
+            bn = {**bn, **{k: upload.pop(k) for k in self.bn_keys if k in upload}}
         self._keep(cid, pack(state if state is not None else rest, bn, residual if residual is not None else ef))
 
     def residual(self, cid: int) -> Optional[State]:

@@ -169,16 +169,6 @@ class PhaseOutcome:
     tallies: dict = field(default_factory=dict)
 
 
-def split_policy(logits: torch.Tensor, feature_dim: int, tau: float, noise=None):
-    """(s, r), each (..., K), from a CPN output (..., 2K): a softmax over the pair at temperature τ,
-    after adding ``noise(pair_logits)`` (Gumbel noise) when given."""
-    logits = logits.view(*logits.shape[:-1], 2, feature_dim)
-    if noise is not None:
-        logits = logits + noise(logits)
-    p = torch.softmax(logits / tau, dim=-2)
-    return p[..., 0, :], p[..., 1, :]
-
-
 def resolve(modules: Mapping[str, nn.Module], name: str) -> tuple[nn.Module, str]:
     """(module, key prefix of its values) for a dotted ``name`` under the registered prefixes:
     with ``{"": model}``, ``"features"`` is ``model.features`` with values ``features.*``."""

@@ -49,3 +49,15 @@ def within(lo: float, hi: float, *, low_open: bool = False, high_open: bool = Fa
 
 def one_of(*values) -> Check:
     return lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}"
+
+
+class Component:
+    """A piece of the engine or of a method that owns config keys: ``options`` lists them next to its
+    code, :meth:`check_config` refuses the combinations of them that cannot work."""
+
+    options: tuple = ()
+
+    @classmethod
+    def check_config(cls, cfg) -> Optional[tuple]:
+        """(key, why) when this component's keys contradict each other (or other keys) in ``cfg``, else None."""
+        return None

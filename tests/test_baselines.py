@@ -18,8 +18,7 @@ from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
 from fedcp_dist.algorithms.base import Context, load_module, module_state
 from fedcp_dist.algorithms.ditto import Ditto
 from fedcp_dist.algorithms.fedavg import FedAvg
-from fedcp_dist.algorithms.fedcp import FedCP
-from fedcp_dist.algorithms.fedcp_variants import FedCPVariant, VariantCPN
+from fedcp_dist.algorithms.fedcp import CPN, FedCP, policy
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.algorithms.fedphp import FedPHP, hpm_momentum
 from fedcp_dist.algorithms.fedprox import FedProx
@@ -401,30 +400,27 @@ def _cnn_data():
     return _data(n=8, shape=(1, 28, 28), labels=[0, 1, 2, 0, 1, 2, 0, 1])
 
 
-def test_fedcp_variant_at_defaults_is_fedcp_bit_for_bit():
-    data = _cnn_data()
-    a, ga = _algo(FedCP, model="cnn", lr=0.05)
-    b, gb = _algo(FedCPVariant, model="cnn", lr=0.05)
-    _equal(ga, gb)
-    ra = a.local_train(a.init_client_state(0), data, _ctx())
-    rb = b.local_train(b.init_client_state(0), data, _ctx())
-    _equal(ra.upload, rb.upload)
-    _equal(ra.client_state, rb.client_state)
-    assert type(make_algorithm("fedcp", Config(), build_model("cnn", (1, 28, 28), 3), CPU)) is FedCP
-    assert type(make_algorithm("fedcp", Config(cpn_layers=2), build_model("cnn", (1, 28, 28), 3), CPU)) is FedCPVariant
+def test_fedcp_design_keys_at_their_defaults_build_the_papers_cpn():
+    model = build_model("cnn", (1, 28, 28), 3)
+    algo = make_algorithm("fedcp", Config(), model, CPU)
+    assert type(algo) is FedCP
+    assert [type(m) for m in algo.cpn.net] == [nn.Linear, nn.LayerNorm, nn.ReLU]
+    assert (algo.cpn.net[0].in_features, algo.cpn.net[0].out_features) == (algo.K, 2 * algo.K)
+    two = make_algorithm("fedcp", Config(cpn_layers=2), build_model("cnn", (1, 28, 28), 3), CPU)
+    assert type(two) is FedCP and sum(isinstance(m, nn.Linear) for m in two.cpn.net) == 2
 
 
 def test_fedcp_without_gfm_is_fedcp_with_lambda_zero():
     data = _cnn_data()
     a, _ = _algo(FedCP, model="cnn", lr=0.05, lam=0.0)
-    b, _ = _algo(FedCPVariant, model="cnn", lr=0.05, lam=5.0, fedcp_gfm=False)
+    b, _ = _algo(FedCP, model="cnn", lr=0.05, lam=5.0, fedcp_gfm=False)
     _equal(a.local_train(a.init_client_state(0), data, _ctx()).upload,
            b.local_train(b.init_client_state(0), data, _ctx()).upload)
 
 
 def test_fedcp_without_cpn_sends_the_whole_feature_to_both_heads():
     data = _cnn_data()
-    algo, gs = _algo(FedCPVariant, model="cnn", lr=0.05, fedcp_cpn=False)
+    algo, gs = _algo(FedCP, model="cnn", lr=0.05, fedcp_cpn=False)
     assert not any(k.startswith("cpn.") for k in gs)
     state = algo.init_client_state(0)
     x, _ = data.test_batch(0, 3)
@@ -438,7 +434,7 @@ def test_fedcp_without_cpn_sends_the_whole_feature_to_both_heads():
 
 def test_fedcp_without_cpn_gfm_and_global_head_is_fedper():
     data = _cnn_data()
-    a, ga = _algo(FedCPVariant, model="cnn", lr=0.05, fedcp_cpn=False, fedcp_gfm=False, fedcp_global_head=False)
+    a, ga = _algo(FedCP, model="cnn", lr=0.05, fedcp_cpn=False, fedcp_gfm=False, fedcp_global_head=False)
     b, gb = _algo(FedPer, model="cnn", lr=0.05)
     assert a.upload_keys(ga) == b.upload_keys(gb)
     ra = a.local_train(a.init_client_state(0), data, _ctx())
@@ -449,35 +445,35 @@ def test_fedcp_without_cpn_gfm_and_global_head_is_fedper():
 
 @pytest.mark.parametrize("mode", ["client", "none"])
 def test_cpn_input_without_the_sample_gives_one_policy_for_all_samples(mode):
-    algo, _ = _algo(FedCPVariant, model="cnn", cpn_input=mode)
+    algo, _ = _algo(FedCP, model="cnn", cpn_input=mode)
     h = torch.rand(5, algo.K)
     v = torch.rand(algo.K)
-    step = Step(None, None, {}, {"v": v}, None)
-    s, r = algo.cpn(algo.policy_input(step, h))
+    step = Step(None, None, {"cpn.": algo.cpn}, {"v": v}, None)
+    c = algo.vector.policy_input(step, h)
+    s, r, _ = algo.policy.split(algo.policy.logits(step, c), 1.0, None, entropy=False)
     assert torch.allclose(s, s[:1].expand_as(s)) and torch.allclose(s + r, torch.ones_like(s))
-    c = algo.policy_input(step, h)
-    expected = F.normalize(v, dim=0) if mode == "client" else algo._fixed_input
+    expected = F.normalize(v, dim=0) if mode == "client" else algo.vector.fixed_input
     assert torch.allclose(c, expected.expand_as(h))
-    algo_sample, _ = _algo(FedCPVariant, model="cnn", cpn_input="sample")
-    assert torch.equal(algo_sample.policy_input(step, h), h)
+    algo_sample, _ = _algo(FedCP, model="cnn", cpn_input="sample")
+    assert torch.equal(algo_sample.vector.policy_input(step, h), h)
 
 
 @pytest.mark.parametrize("layers,norm,act", [(1, "none", "sigmoid"), (2, "batchnorm", "tanh"), (4, "groupnorm", "relu")])
 def test_cpn_designs(layers, norm, act):
-    cpn = VariantCPN(6, layers, norm, act)
+    cpn = CPN(6, 0, layers, norm, act)
     linears = [m for m in cpn.net if isinstance(m, nn.Linear)]
     assert [(l.in_features, l.out_features) for l in linears] == [(6, 12)] + [(12, 12)] * (layers - 1)
     kinds = {"none": nn.Identity, "batchnorm": nn.BatchNorm1d, "groupnorm": nn.GroupNorm}
     assert sum(isinstance(m, kinds[norm]) for m in cpn.net) == layers
     if norm == "groupnorm":
         assert cpn.net[1].num_groups == 2
-    s, r = cpn(torch.randn(4, 6))
+    s, r, _ = policy(cpn.net(torch.randn(4, 6)), 6, 1.0)
     assert torch.allclose(s + r, torch.ones_like(s))
 
 
 def test_batchnorm_cpn_evaluates_with_running_statistics():
     data = _cnn_data()
-    algo, gs = _algo(FedCPVariant, model="cnn", lr=0.05, cpn_norm="batchnorm")
+    algo, gs = _algo(FedCP, model="cnn", lr=0.05, cpn_norm="batchnorm")
     assert "cpn.net.1.running_mean" in gs and not algo.cpn_g.training
     res = algo.local_train(algo.init_client_state(0), data, _ctx())
     assert not torch.equal(res.upload["cpn.net.1.running_mean"], gs["cpn.net.1.running_mean"])

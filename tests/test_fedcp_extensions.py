@@ -56,10 +56,10 @@ def test_grouped_median_mmd_uses_each_slots_real_rows():
 
 
 def test_kernel_switches_pick_the_bandwidths():
-    assert tiny_fedcp()[0]._bandwidths == (10.0, 15.0, 20.0, 50.0)
-    assert tiny_fedcp(mmd_bandwidths=[1, 2.5])[0]._bandwidths == (1.0, 2.5)
-    assert tiny_fedcp(mmd_kernel="rbf", mmd_sigma=2)[0]._bandwidths == (4.0,)
-    assert tiny_fedcp(mmd_kernel="rbf")[0]._bandwidths == "median"
+    assert tiny_fedcp()[0].terms[0].bandwidths == (10.0, 15.0, 20.0, 50.0)
+    assert tiny_fedcp(mmd_bandwidths=[1, 2.5])[0].terms[0].bandwidths == (1.0, 2.5)
+    assert tiny_fedcp(mmd_kernel="rbf", mmd_sigma=2)[0].terms[0].bandwidths == (4.0,)
+    assert tiny_fedcp(mmd_kernel="rbf")[0].terms[0].bandwidths == "median"
     # the loss's MMD term is λ·MMD² with that kernel: λ = 1, no other difference than the kernel
     algo, _ = tiny_fedcp(mmd_kernel="rbf", mmd_sigma=1.0, lam=1.0, cpn_train_gumbel=False)
     ref, _ = tiny_fedcp(lam=0.0, cpn_train_gumbel=False)
@@ -225,9 +225,9 @@ def test_tau_anneal_per_round():
 def test_round_temperature_reaches_training_and_evaluation(monkeypatch):
     algo, _ = tiny_fedcp(tau=1.0, tau_final=0.25, tau_anneal="linear", rounds=5)
     seen = []
-    import fedcp_dist.algorithms.fedcp as fedcp_mod
-    real = fedcp_mod.split_policy
-    monkeypatch.setattr(fedcp_mod, "split_policy", lambda lg, k, tau, noise: seen.append(tau) or real(lg, k, tau, noise))
+    import fedcp_dist.algorithms.fedcp.cpn as policy_mod
+    real = policy_mod.policy
+    monkeypatch.setattr(policy_mod, "policy", lambda lg, k, tau, noise, **kw: seen.append(tau) or real(lg, k, tau, noise, **kw))
     d = tiny_data(n=8)
     state = algo.init_client_state(0)
     algo.local_train(state, d, Context(2, 0, torch.Generator().manual_seed(1)))
@@ -277,7 +277,7 @@ def test_light_cpn_shape_cost_and_values():
     c = torch.tensor([[1.0, -2.0, 0.5]])
     a = cpn.net
     by_hand = torch.relu(torch.nn.functional.layer_norm(a[2](torch.relu(a[0](c))), (6,), a[3].weight, a[3].bias))
-    s, r = cpn(c)
+    s, r, _ = policy(cpn.net(c), 3, 1.0)
     z = by_hand.view(1, 2, 3)
     assert torch.allclose(s, torch.softmax(z, dim=1)[:, 0], atol=1e-6) and torch.allclose(s + r, torch.ones_like(s))
 

@@ -296,7 +296,7 @@ def test_async_rate_freezes_and_skips_the_cpn():
     assert torch.equal(state["participations"], torch.zeros(1))
     # rate so far = rounds trained before t / t; round 0: 1
     for t, count, frozen in ((0, 0, False), (4, 1, True), (4, 2, False), (3, 1, True), (2, 1, False)):
-        assert algo.async_frozen({**state, "participations": torch.tensor([float(count)])}, t) == frozen, (t, count)
+        assert algo.sync.async_frozen({**state, "participations": torch.tensor([float(count)])}, t) == frozen, (t, count)
     d = tiny_data(n=16)
     for count, frozen in ((1, True), (2, False)):
         st = {**state, "participations": torch.tensor([float(count)])}
@@ -343,8 +343,8 @@ def test_switches_train_fused_as_sequentially(float64, switches):
                 assert torch.allclose(a.upload[k], b.upload[k], atol=1e-10, rtol=0), (t, k)
             moved = {k for k in a.upload if not torch.equal(a.upload[k], gs[k])}
             assert any(k.startswith("features.") for k in moved)
-            assert any(k.startswith("cpn.") for k in moved) == algo.policy_uploaded(t)
-            assert any(k.startswith("cpng.") for k in moved) == (algo.policy_uploaded(t) and algo.cpng is not None)
+            assert any(k.startswith("cpn.") for k in moved) == algo.sync.uploaded(t)
+            assert any(k.startswith("cpng.") for k in moved) == (algo.sync.uploaded(t) and algo.cpng is not None)
 
 
 ROUNDS = 4

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedcp_dist.algorithms.base import Context
-from fedcp_dist.algorithms.fedcp import CPN, FedCP
+from fedcp_dist.algorithms.fedcp import CPN, FedCP, policy
 from fedcp_dist.local_train import Step
 from fedcp_dist.losses import mmd2
 from fedcp_dist.config import Config
@@ -38,12 +38,19 @@ def test_mmd_zero_iff_same():
     assert mmd2(x, x + 0.5).item() > 1e-4
 
 
+def _split(cpn, c, gumbel=False):
+    """(s, r) as training computes them: the CPN's net through a Step, Gumbel noise from its stream."""
+    step = Step(None, None, {"cpn.": cpn}, {}, torch.Generator().manual_seed(1))
+    s, r, _ = policy(step.run("cpn.net", c), cpn.feature_dim, 1.0, step.gumbel_like if gumbel else None)
+    return s, r
+
+
 def test_policy_is_a_split():
     torch.manual_seed(0)
     cpn = CPN(6)
     c = torch.randn(5, 6)
     for gumbel in (False, True):
-        s, r = cpn(c, gumbel=gumbel, generator=torch.Generator().manual_seed(1))
+        s, r = _split(cpn, c, gumbel)
         assert s.shape == r.shape == (5, 6)
         assert torch.allclose(s + r, torch.ones_like(s))
         assert (s > 0).all() and (s < 1).all() and (r > 0).all() and (r < 1).all()
@@ -59,7 +66,7 @@ def test_policy_plain_softmax_values():
     # LayerNorm of (0, 1, 2, 0): mean 0.75, var 0.6875 → ReLU → pairs (feature 0: 0 vs 1.5076)
     z = torch.tensor([0.0, 1.0, 2.0, 0.0])
     z = torch.relu((z - z.mean()) / torch.sqrt(z.var(unbiased=False) + 1e-5))
-    s, r = cpn(torch.zeros(1, 2))
+    s, r = _split(cpn, torch.zeros(1, 2))
     assert s[0, 0].item() == pytest.approx(1 / (1 + math.exp(z[2] - z[0])), rel=1e-5)
     assert r[0, 1].item() == pytest.approx(1 / (1 + math.exp(z[1] - z[3])), rel=1e-5)
 

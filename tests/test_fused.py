@@ -21,7 +21,6 @@ from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.ditto import Ditto
 from fedcp_dist.algorithms.fedamp import FedAMP
 from fedcp_dist.algorithms.fedcp import FedCP
-from fedcp_dist.algorithms.fedcp_variants import FedCPVariant
 from fedcp_dist.algorithms.fedfomo import FedFomo
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.algorithms.fedphp import FedPHP
@@ -190,8 +189,8 @@ def test_grouped_mmd_is_the_mmd_of_the_real_rows():
     (FedPer, {}, {"train"}),
     (FedRoD, {}, {"rod"}),
     (FedPHP, {"fedphp_lam": 0.5}, {"php"}),
-    (FedCPVariant, {"cpn_input": "sample"}, {"train"}),
-    (FedCPVariant, {"fedcp_cpn": False, "fedcp_global_head": False}, {"train"}),
+    (FedCP, {"cpn_input": "sample"}, {"train"}),
+    (FedCP, {"fedcp_cpn": False, "fedcp_global_head": False}, {"train"}),
 ])
 def test_every_sgd_method_trains_fused_as_sequentially(float64, cls, kw, phases, fused_calls):
     """Methods whose objective adds terms (proximal, balanced softmax, MMD to a per-client frozen
@@ -239,7 +238,7 @@ def test_peer_methods_train_fused_as_sequentially(float64, fused_calls):
 
 
 def test_fedcp_variant_trains_its_own_objective_fused():
-    algo, gs = _algo(FedCPVariant, cpn_input="sample")
+    algo, gs = _algo(FedCP, cpn_input="sample")
     datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
     items = _items(algo, datas)
     got = algo.local_train_group(items)

@@ -6,7 +6,6 @@ from fedcp_dist.algorithms.ditto import Ditto
 from fedcp_dist.algorithms.fedamp import FedAMP
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.fedcp import FedCP
-from fedcp_dist.algorithms.fedcp_variants import FedCPVariant, is_variant
 from fedcp_dist.algorithms.fedfomo import FedFomo
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.algorithms.fedphp import FedPHP
@@ -24,9 +23,10 @@ ALGORITHMS = {
 }
 
 
-#: every class whose options are config keys (FedCP's variants add theirs to plain FedCP's; upload
-#: compression and client selection apply to the methods alike)
-OPTION_CLASSES = (*ALGORITHMS.values(), FedCPVariant, CompressionOptions, SelectionOptions)
+#: every class whose options are config keys: the methods, the parts a method is composed of (FedCP's),
+#: and upload compression and client selection, which apply to the methods alike
+OPTION_CLASSES = (*(c for cls in ALGORITHMS.values() for c in (*getattr(cls, "parts", ()), cls)),
+                  CompressionOptions, SelectionOptions)
 
 
 def option_classes() -> list:
@@ -51,7 +51,5 @@ def method_options() -> list:
 
 
 def make_algorithm(name: str, cfg, model, device) -> Algorithm:
-    """The method ``name``; FedCP with any ablation or CPN-design key off its default is FedCPVariant."""
-    if name == "fedcp" and is_variant(cfg):
-        return FedCPVariant(cfg, model, device)
+    """The method ``name``, configured by ``cfg``."""
     return ALGORITHMS[name](cfg, model, device)
