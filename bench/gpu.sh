@@ -25,6 +25,10 @@ DEVICE=${DEVICE:-cuda}
 SLOTS=${SLOTS:-64}
 SAMPLES=${SAMPLES:-2000}
 mkdir -p "$OUT"
+if [ ! -f "$SHARD" ] && ! ls "$MNIST_ROOT"/*-ubyte.gz >/dev/null 2>&1; then
+    echo "bench/gpu.sh: no shard $SHARD and no MNIST files (*-ubyte.gz) in $MNIST_ROOT; set SHARD=FILE (a partition made by fedcp-partition) or MNIST_ROOT=DIR (the gzipped IDX files)" >&2
+    exit 2
+fi
 
 if [ "$DEVICE" = cuda ]; then
     "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'bench/gpu.sh: no CUDA device is visible')"
