@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one script for the README's GPU figures, a few minutes on one large GPU.
+# The GPU check: one script for the GPU figures of docs/performance.md, a few minutes on one large GPU.
 #
 #     bash bench/gpu.sh                                   # figures under bench/gpu_out/ (JSON and text)
 #     SHARD=data/x.h5 OUT=/tmp/gpu bash bench/gpu.sh

@@ -22,7 +22,7 @@ images: each normalised channel's mean; text: none).  e_i is a learned per-clien
 ``cpn_embed_dim`` values, zero at the start, trained with the client's model and kept in its
 state (``emb.e``, never uploaded), so it persists across rounds, checkpoints and resumes.
 
-Practitioners' switches (each off by default, README "FedCP extensions: the policy and its
+Practitioners' switches (each off by default, docs/methods.md "FedCP extensions: the policy and its
 training"): the MMD kernel (``mmd_kernel``, ``mmd_sigma``, ``mmd_bandwidths``), an entropy term on
 the policy (``policy_entropy``), a CPN warm-up and its own learning rate and schedule
 (``cpn_warmup_rounds``, ``cpn_lr``, ``cpn_lr_schedule``, ``cpn_lr_min``), an annealed Gumbel
