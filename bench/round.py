@@ -123,6 +123,9 @@ def count_flops(fn) -> int:
 
 
 def make_mnist_shard(root: Path, out: Path) -> None:
+    if not sorted(root.glob("*-ubyte.gz")):
+        sys.exit(f"bench/round.py: no MNIST files (*-ubyte.gz) in {root}; pass --mnist-root DIR (a folder of "
+                 f"the four gzipped IDX files) or --shard FILE (a partition made by fedcp-partition)")
     raw = Path(tempfile.mkdtemp()) / "MNIST" / "raw"
     raw.mkdir(parents=True)
     for f in root.glob("*-ubyte.gz"):
@@ -138,7 +141,9 @@ def make_mnist_shard(root: Path, out: Path) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shard", help="an existing partition (default: MNIST Dir(0.1), 20 clients, made once)")
-    p.add_argument("--mnist-root", default=str(REPO.parent / "shared" / "data" / "mnist"))
+    p.add_argument("--mnist-root", default=str(REPO.parent / "shared" / "data" / "mnist"),
+                   help="folder of the gzipped MNIST IDX files, used when --shard is not given or missing "
+                        "(default: shared/data/mnist beside the checkout)")
     p.add_argument("--config", default=str(REPO / "configs" / "mnist_dir0.1_fedcp.yaml"))
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--startup-only", action="store_true",

@@ -66,7 +66,8 @@ def mnist_root(folder: Path, scratch: Path) -> Path:
         return folder
     gz = sorted(folder.glob("*-ubyte.gz"))
     if not gz:
-        sys.exit(f"error: no MNIST files (*-ubyte.gz or MNIST/raw/) in {folder}")
+        sys.exit(f"error: no MNIST files (*-ubyte.gz or MNIST/raw/) in {folder}; pass --mnist-root DIR (the "
+                 f"gzipped IDX files, or a torchvision root holding MNIST/raw/), or --source digits")
     raw = scratch / "MNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for f in gz:

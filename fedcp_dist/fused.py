@@ -18,7 +18,7 @@ How the group is computed
     (correct for any module whose forward treats samples independently). Grouped channels-last
     convolutions are used instead of vmap's convolution rule, which computes the same grouped
     convolution in NCHW with a layout copy per call; channels-last also makes pooling faster
-    (the README's *Performance* section has the measurements).
+    (docs/performance.md has the measurements).
 
 Unequal clients
     Clients run ``ceil``-many steps that differ widely (Dirichlet partitions). Instead of padding

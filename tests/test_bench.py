@@ -55,7 +55,7 @@ def test_flop_count_matches_hand_derivation():
         algo.local_train(algo.init_client_state(0), data, Context(0, 0, torch.Generator().manual_seed(1)))
     per_sample = fc.get_total_flops() / 40
     assert per_sample == fedcp_mnist_flops_per_sample()
-    assert per_sample == 36_431_872  # the figure the README's Performance section derives
+    assert per_sample == 36_431_872  # the figure docs/performance.md derives
 
 
 def fedcp_mnist_eval_flops_per_sample(K: int = 512, classes: int = 10) -> int:

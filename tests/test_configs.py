@@ -108,7 +108,7 @@ def test_sweep_parses(path, capsys):
 
 
 def test_digits_methods_sweep_runs_each_digits_preset():
-    """The README's headline sweep: 12 methods × 3 seeds = 36 points, each point the method's own
+    """The headline sweep of docs/results.md: 12 methods × 3 seeds = 36 points, each point the method's own
     digits preset (configs/digits_<method>.yaml) but for the rounds, seed and where it is written."""
     sw = load_sweep(REPO / "configs" / "sweeps" / "digits_methods.yaml")
     assert len(sw.points) == 36

@@ -222,7 +222,7 @@ def test_keep_freed_memory_keeps_a_freed_block_in_the_process():
     """The real allocator: freeing a 64 MiB tensor returns its pages to the system without
     keep_freed_memory (glibc unmaps it: the next one faults all 16,384 pages in again) and keeps
     them in the process with it. Whether a later block reuses them at once depends on what fits
-    where in the heap; the README's measurements show the effect on evaluation and training."""
+    where in the heap; docs/performance.md shows the effect on evaluation and training."""
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("no /proc/self/statm to read the resident size from")
     import sys

@@ -65,7 +65,7 @@ def test_bad_selection_settings_name_the_key(overrides, key):
 
 
 def test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_which_sgd_keeps():
-    """What the selection sees of FedCP (README: cross-entropy's logit gradient sums to zero over
+    """What the selection sees of FedCP (docs/results.md: cross-entropy's logit gradient sums to zero over
     the classes, so training leaves the head's column sums where they started)."""
     import torch
 

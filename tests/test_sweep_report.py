@@ -323,6 +323,38 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     assert "not a directory" in cli_error(capsys, report.main, [str(tmp_path / "none")])
 
 
+METHODS12 = ("fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep", "fedrod", "fedfomo",
+             "fedphp", "fedcp")
+
+
+def test_every_method_of_the_comparison_plot_has_its_own_colour_and_marker_and_fedcp_stands_out(tmp_path, monkeypatch):
+    from matplotlib.colors import to_hex
+
+    from fedcp_dist.analysis.plots import series_styles
+    from fedcp_dist.cli import report_plots
+
+    for i, m in enumerate(METHODS12):
+        fake_run(tmp_path / "runs" / m, m, 1, 0.1, 0.5 + 0.03 * i)
+    col = report.collect(tmp_path / "runs")
+    table = report.build_table(col, report.setting_keys(col, None), "best_acc")
+    drawn = []
+    monkeypatch.setattr(report_plots, "_save", lambda fig, path: drawn.append(fig))
+    assert report_plots.plot_curves(table, tmp_path / "acc_vs_round.png")
+    lines = {ln.get_label(): ln for ln in drawn[0].axes[0].get_lines()}
+    assert set(lines) == set(METHODS12)
+    assert len({to_hex(ln.get_color()) for ln in lines.values()}) == 12
+    assert len({ln.get_marker() for ln in lines.values()}) == 12
+    others = [ln for m, ln in lines.items() if m != "fedcp"]
+    assert lines["fedcp"].get_linewidth() > max(ln.get_linewidth() for ln in others)
+    assert lines["fedcp"].get_zorder() > max(ln.get_zorder() for ln in others)
+    # beyond the palette and the markers: colours still all differ, markers for the first 16
+    names = [f"m{i}" for i in range(40)]
+    styles = series_styles(names)
+    assert len({to_hex(st["color"]) for st in styles.values()}) == 40
+    assert len({styles[n]["marker"] for n in names[:15]}) == 15
+    assert "black" not in {st["color"] for st in styles.values()}  # kept for the highlighted method
+
+
 def test_an_interrupted_report_leaves_the_previous_files_whole(tmp_path, monkeypatch):
     """A report stopped while it writes a plot (Ctrl-C, a full disk) keeps the earlier report's
     plot as it was, and no partial file is left beside it."""

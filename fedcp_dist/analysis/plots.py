@@ -47,8 +47,39 @@ def _integer_x(*axes) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+#: line colours in the order series get them: matplotlib's ten, then five of its lighter tab20 shades
+#: that stay apart from those ten (black is kept for the highlighted method)
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#ffbb78")
+#: markers in the same order; "*" is kept for the highlighted method
+MARKERS = ("o", "s", "D", "^", "v", "<", ">", "p", "h", "X", "P", "d", "H", "8", "1")
+#: the method a comparison is about: drawn in black, thicker, over the others
+HIGHLIGHT = "fedcp"
+
+
 def _colour(i: int) -> str:
-    return f"C{i % 10}"
+    """The i-th series' colour: the palette, then hues spaced by the golden ratio (never repeating)."""
+    if i < len(PALETTE):
+        return PALETTE[i]
+    import colorsys
+
+    r, g, b = colorsys.hsv_to_rgb((0.13 + (i - len(PALETTE)) * 0.6180339887) % 1.0, 0.75, 0.7 + 0.2 * (i % 2))
+    return "#{:02x}{:02x}{:02x}".format(round(255 * r), round(255 * g), round(255 * b))
+
+
+def series_styles(names, highlight: str = HIGHLIGHT) -> dict:
+    """A matplotlib style per name (colour, marker, line width, z-order), every colour different and
+    every marker different while the markers last (15, besides the highlight's); ``highlight``, when
+    among the names, is black, marked with a star, thicker and drawn over the rest."""
+    out, i = {}, 0
+    for name in names:
+        if name == highlight:
+            out[name] = dict(color="black", marker="*", markersize=8, linewidth=2.6, zorder=10)
+            continue
+        out[name] = dict(color=_colour(i), marker=MARKERS[i % len(MARKERS)], markersize=4, linewidth=1.3,
+                         zorder=2)
+        i += 1
+    return out
 
 
 def pick_clients(present, chosen: Optional[list], k: int = DEFAULT_CLIENTS) -> list:

@@ -1,6 +1,6 @@
 """``fedcp-report``'s plots: accuracy against rounds, the metric against each swept key, and the
-rounds each client trained in (``--selection``). Imported when a report draws its plots; matplotlib
-is needed only here."""
+rounds each client trained in (``--selection``), from :mod:`fedcp_dist.cli.report_table`'s table.
+matplotlib is imported only when a plot is drawn."""
 from __future__ import annotations
 
 import collections
@@ -12,7 +12,8 @@ from typing import Optional
 
 from fedcp_dist.analysis.plots import pyplot as _pyplot
 from fedcp_dist.analysis.plots import save as _save
-from fedcp_dist.cli.report import Run, Table, _is_percent, _label, _numeric, _sort_key
+from fedcp_dist.analysis.plots import series_styles
+from fedcp_dist.cli.report_table import Run, Table, _is_percent, _label, _numeric, _sort_key
 from fedcp_dist.rundir import RunDir, format_value
 
 
@@ -51,23 +52,28 @@ def plot_curves(table: Table, path: Path) -> bool:
     if not series:
         return False
     plt = _pyplot()
-    colors = {m: f"C{i % 10}" for i, m in enumerate(table.methods)}
+    styles_of = series_styles(table.methods)
     settings = [s for s, _ in table.settings if any(x[1] == s for x in series)]
     one_panel = len(settings) <= 1 or len(series) <= 6
     if one_panel:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        many = len(series) > 6  # the legend goes beside the axes, where it covers no curve
+        fig, ax = plt.subplots(figsize=(8.6, 4.8) if many else (7, 4.5))
         styles = ["-", "--", ":", "-."]
         for m, s, label, xs, mean, std in series:
             style = styles[settings.index(s) % len(styles)]
             name = m if len(settings) <= 1 else f"{m}, {label}"
-            ax.plot(xs, mean, style, color=colors[m], label=name, marker="o", markersize=3)
+            st = styles_of[m]
+            ax.plot(xs, mean, style, label=name, **st)
             ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
-                            color=colors[m], alpha=0.2, linewidth=0)
+                            color=st["color"], alpha=0.12, linewidth=0, zorder=st["zorder"] - 1)
         ax.set_xlabel("rounds trained")
         ax.set_ylabel("test accuracy (%)")
         ax.xaxis.set_major_locator(_int_locator())
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if many:
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        else:
+            ax.legend(fontsize=8)
         if len(settings) == 1 and table.keys:
             ax.set_title(dict(table.settings)[settings[0]], fontsize=9)
     else:
@@ -78,9 +84,10 @@ def plot_curves(table: Table, path: Path) -> bool:
             for m, s2, label, xs, mean, std in series:
                 if s2 != s:
                     continue
-                ax.plot(xs, mean, color=colors[m], label=m)
+                st = styles_of[m]
+                ax.plot(xs, mean, label=m, **{**st, "markersize": st["markersize"] * 0.75})
                 ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
-                                color=colors[m], alpha=0.2, linewidth=0)
+                                color=st["color"], alpha=0.12, linewidth=0, zorder=st["zorder"] - 1)
             ax.set_title(dict(table.settings)[s], fontsize=8)
             ax.xaxis.set_major_locator(_int_locator())
             ax.grid(alpha=0.3)
@@ -120,15 +127,17 @@ def plot_against_keys(table: Table, out: Path) -> list:
                 rest_label = _label({k: vals[j] for j, k in enumerate(table.keys) if j != i}, others) if others else ""
                 x = vals[i] if numeric else order.index(s[i])
                 lines[(m, rest, rest_label)].append((x, cell.mean, cell.std, cell.n < cell.expected))
-        colors = {m: f"C{j % 10}" for j, m in enumerate(table.methods)}
+        styles_of = series_styles(table.methods)
         markers = "osD^v<>"
         rests = sorted({k[1] for k in lines})
         ring_label = "cell with missing runs"
         for (m, rest, rest_label), pts in sorted(lines.items(), key=lambda kv: (table.methods.index(kv[0][0]), kv[0][1])):
             pts.sort()
             name = m + (f" ({rest_label})" if rest_label else "")
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=colors[m],
-                        marker=markers[rests.index(rest) % len(markers)], capsize=3, label=name)
+            st = dict(styles_of[m])
+            if len(rests) > 1:  # the marker tells the other keys' values apart, the colour the method
+                st["marker"] = markers[rests.index(rest) % len(markers)]
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], capsize=3, label=name, **st)
             marked = [p for p in pts if p[3]]
             if marked:  # cells with missing runs: hollow rings
                 ax.plot([p[0] for p in marked], [p[1] for p in marked], "o", markersize=11, fillstyle="none",

@@ -59,7 +59,7 @@ def channels_last(x: torch.Tensor) -> torch.Tensor:
     """A contiguous (B, C, H, W) batch in channels-last memory layout (same values and shape).
 
     A convolution given a channels-last input writes channels-last, and the max-pooling after it
-    then runs several times faster than on NCHW (the README's *Performance* section has the
+    then runs several times faster than on NCHW (docs/performance.md has the
     figures). With one channel both layouts order the elements alike and
     ``contiguous(memory_format=...)`` keeps the NCHW strides, so the channels-last strides are set
     explicitly; the data are not copied then.

@@ -1,0 +1,433 @@
+"""The runs under a directory as ``fedcp-report`` tabulates them: finding and reading the runs
+(:func:`collect`), the swept keys that make the columns (:func:`setting_keys`), the table of mean ±
+std over seeds (:func:`build_table`) and its markdown and CSV forms. ``fedcp-report``'s command line
+(:mod:`fedcp_dist.cli.report`) and its plots (:mod:`fedcp_dist.cli.report_plots`) both build on
+this module, which imports neither."""
+from __future__ import annotations
+
+import collections
+import csv
+import io
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from fedcp_dist.errors import UserError
+from fedcp_dist.fileio import atomic_write_bytes
+from fedcp_dist.rundir import CHECKPOINTS, CONFIG, NOT_DEFINING, SUMMARY, RunDir, format_value
+from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
+
+#: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not
+#: define an experiment, fedcp_dist.rundir.NOT_DEFINING, never are either)
+ROW_KEYS = ("method", "seed")
+#: metrics computed from a summary's keys: name -> (function of the summary, or None where it lacks them)
+DERIVED = {
+    "uplink_bytes_per_round": lambda s: (s["uplink_bytes"] / s["rounds"]
+                                         if _numeric(s.get("uplink_bytes")) and _numeric(s.get("rounds"))
+                                         and s["rounds"] > 0 else None),
+}
+#: summary keys only some runs have (fedcp_dist.compress.byte_totals: none for peer methods and runs saved
+#: before every run counted its bytes; the saved bytes only with skipped uploads):
+#: a report of runs that have none of them says n/a rather than stopping
+OPTIONAL = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense", "uplink_bytes_sent",
+            "uplink_bytes_saved", "uplink_saved_fraction", *DERIVED)
+#: a cell whose finished runs do not record the metric (a byte count of a run that skips nothing)
+NA_CELL = "n/a"
+SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
+MISSING_CELL = "–"
+
+
+@dataclass
+class Run:
+    path: Path
+    #: the parameters that define the run: a sweep point's grid values, then the flat config
+    params: dict
+    config: dict
+    summary: Optional[dict]
+    label: str
+    #: why it has no result, when it has none
+    why: str = ""
+    sweep: Optional[str] = None
+    #: the key whose value is the run's row (``--rows``)
+    row_key: str = "method"
+    _curve: Optional[list] = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    def value(self, key: str):
+        if key in self.params:
+            return self.params[key]
+        return self.config.get(key)
+
+    @property
+    def method(self) -> str:
+        """The run's row: its method, or its value of the ``--rows`` key."""
+        return str(self.value(self.row_key))
+
+    def metric(self, name: str):
+        """The summary's value of ``name`` (or of a :data:`DERIVED` metric); None when it has none."""
+        if self.summary is None:
+            return None
+        if name in DERIVED and name not in self.summary:
+            return DERIVED[name](self.summary)
+        return self.summary.get(name)
+
+    @property
+    def seed(self):
+        return self.value("seed")
+
+    def curve(self) -> list:
+        """[(evaluated_after, acc)] from metrics.jsonl, the last record of each evaluation point."""
+        if self._curve is None:
+            try:
+                records = RunDir(self.path).read_metrics()
+            except UserError as exc:
+                print(f"warning: {exc}; its curve is left out", file=sys.stderr)
+                records = []
+            points = {int(r["evaluated_after"]): float(r["acc"]) for r in records if "acc" in r and "evaluated_after" in r}
+            self._curve = sorted(points.items())
+        return self._curve
+
+
+def _read(path: Path) -> tuple:
+    """(flat config, summary) of the run in ``path``; {} and None for what it lacks."""
+    run = RunDir(path)
+    return run.read_config() or {}, run.read_summary()
+
+
+def _label(params: dict, keys) -> str:
+    return ",".join(f"{k}={format_value(params.get(k))}" for k in keys) or "run"
+
+
+def _sort_key(value: Any):
+    """Numbers by value, before strings and lists; None first."""
+    if value is None:
+        return (0, 0, "")
+    if isinstance(value, bool):
+        return (2, int(value), "")
+    if isinstance(value, (int, float)):
+        return (1, float(value), "")
+    if isinstance(value, (list, tuple)):
+        return (3, 0, tuple(_sort_key(v) for v in value))
+    return (4, 0, str(value))
+
+
+# ----------------------------------------------------------------------------- collecting
+
+
+def _find(root: Path) -> tuple[list, list]:
+    """Run directories (holding config.yaml) and sweep manifests under ``root``, any depth."""
+    runs, manifests = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if MANIFEST in filenames:
+            manifests.append(here / MANIFEST)
+        if CONFIG in filenames:
+            runs.append(here)
+            dirnames[:] = []  # a run holds no runs
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
+    parent = root.parent / MANIFEST  # DIR may be a sweep's runs/ folder
+    if parent.is_file() and parent not in manifests:
+        manifests.append(parent)
+    return sorted(runs), sorted(manifests)
+
+
+@dataclass
+class Collection:
+    runs: list
+    #: grid keys of the sweeps found, in their order (None: no manifest)
+    grid_keys: Optional[list]
+    method_order: list
+    sweeps: list
+    #: key -> its values in the sweep files' order (the grid's lists, the variants' names)
+    orders: dict = field(default_factory=dict)
+
+
+def collect(root) -> Collection:
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"fedcp-report: {root} is not a directory")
+    run_dirs, manifest_paths = _find(root)
+    root_abs = root.resolve()
+    by_path: dict = {}
+    grid_keys: list = []
+    method_order: list = []
+    orders: dict = {}
+    sweeps: list = []
+    expected = []  # (path, params, sweep name) from manifests
+    for mpath in manifest_paths:
+        m = read_manifest(mpath)
+        if m is None:
+            print(f"warning: {mpath} is not a sweep manifest; ignored", file=sys.stderr)
+            continue
+        rel = os.path.relpath(mpath.parent.resolve(), root.resolve())
+        # the sweep's directory tells sweeps apart (two may share a name)
+        name = str(m.get("name", mpath.parent.name)) if rel in (".", "..") else rel
+        sweeps.append(name)
+        for k in m.get("grid_keys") or list(m.get("grid", {})):
+            if k not in grid_keys:
+                grid_keys.append(k)
+        for v in (m.get("grid") or {}).get("method", []):
+            if v not in method_order:
+                method_order.append(v)
+        for k, values in [*(m.get("grid") or {}).items(), ("variant", list(m.get("variants") or {}))]:
+            order = orders.setdefault(k, [])
+            order += [v for v in (values if isinstance(values, list) else []) if v not in order]
+        for point in m["points"]:
+            path = (mpath.parent / point["run_dir"]).resolve()
+            if not (path == root_abs or root_abs in path.parents):
+                continue
+            expected.append((path, dict(point.get("params") or {}), name))
+    for path, params, name in expected:
+        by_path[path] = (params, name)
+
+    runs = []
+    seen = set()
+    for path, params, name in expected:
+        if path in seen:
+            continue
+        seen.add(path)
+        config, summary = _read(path)
+        why = ""
+        if summary is None:
+            why = "not started" if not path.exists() else f"no {SUMMARY}: unfinished or failed"
+        runs.append(Run(path, params, config, summary, "", why, name))
+    for path in run_dirs:
+        path = path.resolve()
+        if path in seen:
+            continue
+        seen.add(path)
+        config, summary = _read(path)
+        runs.append(Run(path, {}, config, summary, "", "" if summary else f"no {SUMMARY}: unfinished or failed"))
+    if not runs:
+        raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
+    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders)
+
+
+def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:
+    runs = col.runs
+    row_keys = ROW_KEYS if rows == "method" else ("seed", rows)
+    if by:
+        for key in by:
+            if not any(r.value(key) is not None for r in runs):
+                known = sorted({k for r in runs for k in (*r.params, *r.config)})
+                raise UserError(f"fedcp-report: --by '{key}' is not a key of any run; keys: {', '.join(known)}")
+        return list(by)
+    if col.grid_keys is not None:
+        keys = [k for k in col.grid_keys if k not in row_keys]
+        extra = [r for r in runs if r.sweep is None]
+        if extra:  # runs outside the sweeps: add what else tells them apart
+            keys += [k for k in _differing(runs, row_keys) if k not in keys]
+        if len(col.sweeps) > 1:
+            keys = ["sweep"] + keys
+            for r in runs:
+                r.params.setdefault("sweep", r.sweep or "-")
+        return keys
+    return _differing(runs, row_keys)
+
+
+def _differing(runs, row_keys=ROW_KEYS) -> list:
+    keys: list = []
+    for r in runs:
+        for k in r.config:
+            if k not in keys:
+                keys.append(k)
+    out = []
+    for k in keys:
+        if k in row_keys or k in NOT_DEFINING:
+            continue
+        values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
+        if len(values) > 1:
+            out.append(k)
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _is_percent(metric: str) -> bool:
+    return "acc" in metric or "auc" in metric
+
+
+@dataclass
+class Cell:
+    method: str
+    setting: tuple
+    label: str
+    runs: list
+    values: list = field(default_factory=list)
+    seeds: list = field(default_factory=list)
+    #: finished runs that do not record the metric
+    not_recorded: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def expected(self) -> int:
+        return len(self.runs)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values) if self.values else float("nan")
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation over seeds (numpy's default, as the reference's tables)."""
+        if not self.values:
+            return float("nan")
+        m = self.mean
+        return math.sqrt(sum((v - m) ** 2 for v in self.values) / len(self.values))
+
+
+@dataclass
+class Table:
+    metric: str
+    keys: list
+    methods: list
+    settings: list  # [(values tuple, label)]
+    cells: dict  # (method, values) -> Cell
+    missing: list  # runs without a result
+    typical_n: int
+    warnings: list
+
+    def text(self, cell: Optional[Cell]) -> str:
+        if cell is None:
+            return ""
+        if not cell.values:
+            if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
+                return NA_CELL + (f" ({cell.not_recorded}/{cell.expected})" if cell.not_recorded < cell.expected else "")
+            return f"{MISSING_CELL} (0/{cell.expected})"
+        scale_fmt = "{:.2f}" if _is_percent(self.metric) else ("{:.4g}" if "fraction" in self.metric or
+                                                                 abs(cell.mean) < 1e4 else "{:.0f}")
+        s = f"{scale_fmt.format(cell.mean)} ± {scale_fmt.format(cell.std)}"
+        if cell.n < cell.expected:
+            s += f" ({cell.n}/{cell.expected})"
+        elif cell.n != self.typical_n:
+            s += f" (n={cell.n})"
+        return s
+
+
+def build_table(col: Collection, keys: list, metric: str) -> Table:
+    runs = col.runs
+    scale = 100.0 if _is_percent(metric) else 1.0
+    finished = [r for r in runs if r.finished]
+    if finished and metric not in OPTIONAL and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
+        known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+        raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
+                        f" (and, computed from them: {', '.join(DERIVED)})")
+    cells: dict = {}
+    settings: dict = {}
+    missing = []
+    warnings = []
+    for r in runs:
+        setting = tuple(json.dumps(r.value(k), sort_keys=True, default=str) for k in keys)
+        settings.setdefault(setting, tuple(r.value(k) for k in keys))
+        key = (r.method, setting)
+        cell = cells.setdefault(key, Cell(r.method, setting, "", []))
+        cell.runs.append(r)
+        value = r.metric(metric) if r.finished else None
+        if r.finished and value is None and metric not in r.summary:  # e.g. bytes a run that skips nothing lacks
+            cell.not_recorded += 1
+            continue
+        if r.finished and not isinstance(value, (int, float)):
+            r.why = f"{SUMMARY} has no numeric '{metric}'"
+        if r.finished and isinstance(value, (int, float)) and math.isfinite(value):
+            cell.values.append(scale * float(value))
+            cell.seeds.append(r.seed)
+        else:
+            missing.append(r)
+    for cell in cells.values():
+        dup = [s for s, c in collections.Counter(map(str, cell.seeds)).items() if c > 1]
+        if dup:
+            warnings.append(f"{cell.method} {_label(dict(zip(keys, settings[cell.setting])), keys)}: "
+                            f"seed {', '.join(dup)} appears in more than one run; each is counted")
+    order = sorted(settings, key=lambda s: tuple(_sort_key(v) for v in settings[s]))
+    labels = [(s, _label(dict(zip(keys, settings[s])), keys) if keys else metric) for s in order]
+    for (method, s), cell in cells.items():
+        cell.label = dict(labels)[s]
+    present = []
+    row_key = runs[0].row_key if runs else "method"
+    order = col.method_order if row_key == "method" else col.orders.get(row_key, [])
+    for m in [str(v) for v in order] + sorted({r.method for r in runs}):
+        if m not in present and any(r.method == m for r in runs):
+            present.append(m)
+    complete = [c.n for c in cells.values() if c.values and c.n == c.expected]
+    counts = collections.Counter(complete)
+    typical = max(counts, key=lambda n: (counts[n], n)) if counts else 0
+    return Table(metric, keys, present, labels, cells, missing, typical, warnings)
+
+
+def _unit(metric: str) -> str:
+    return f"100·{metric} (%)" if _is_percent(metric) else metric
+
+
+def markdown(table, title: str, row_name: str = "method") -> str:
+    """The report: one table, or a list of tables of several metrics side by side (a column per
+    setting and metric); missing runs and warnings below it."""
+    tables = table if isinstance(table, list) else [table]
+    first = tables[0]
+    units = "; ".join(_unit(t.metric) for t in tables)
+    lines = [f"# {title}", "",
+             f"Mean ± std over seeds of {units}; std is the population standard deviation (ddof = 0). "
+             f"Columns: {', '.join(first.keys) if first.keys else 'one setting'}. "
+             f"A cell marked (k/n) has k of its n runs finished; (n=k) counts seeds when they differ from "
+             f"the usual {first.typical_n}"
+             + (f"; {NA_CELL}: the runs do not record the metric" if any(
+                 c.not_recorded for t in tables for c in t.cells.values()) else "") + ".", ""]
+    columns = []  # (table, setting, label)
+    for s, label in first.settings:
+        for t in tables:
+            name = label if len(tables) == 1 else (t.metric if len(first.settings) == 1 else f"{label} {t.metric}")
+            columns.append((t, s, name))
+    header = [row_name] + [name for _, _, name in columns]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("| " + " | ".join(["---"] + ["---:"] * len(columns)) + " |")
+    for m in first.methods:
+        row = [m] + [t.text(t.cells.get((m, s))) for t, s, _ in columns]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    missing = {id(r): r for t in tables for r in t.missing}.values()
+    if missing:
+        lines.append(f"missing: {len(missing)} run(s) without a result, not averaged:")
+        for r in sorted(missing, key=lambda r: str(r.path)):
+            lines.append(f"- {r.method} {r.label}: {r.path} ({r.why})")
+        lines.append("")
+    for t in tables:
+        for w in t.warnings:
+            if f"warning: {w}" not in lines:
+                lines.append(f"warning: {w}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_csv(table, path: Path, row_name: str = "method") -> None:
+    """report.csv: a line per row and setting (and metric, with several: then a ``metric`` column)."""
+    tables = table if isinstance(table, list) else [table]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    several = len(tables) > 1
+    w.writerow([row_name, "setting", *(["metric"] if several else []), "n_seeds", "mean", "std", "seeds", "n_expected"])
+    for m in tables[0].methods:
+        for s, _ in tables[0].settings:
+            for t in tables:
+                cell = t.cells.get((m, s))
+                if cell is None:
+                    continue
+                w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), cell.n, repr(cell.mean) if cell.values else "",
+                            repr(cell.std) if cell.values else "", " ".join(str(x) for x in cell.seeds),
+                            cell.expected])
+    atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
+
+
+def _numeric(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
