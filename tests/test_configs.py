@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from fedcp_dist.cli.partition import _build_parser as partition_parser
 from fedcp_dist.cli.sweep import main
 from fedcp_dist.config import METHODS, flatten, load_config
 from fedcp_dist.sweep import load_sweep
@@ -46,8 +47,21 @@ def test_paper_settings_use_the_paper_hyperparameters(path):
     if "_pat_" in path.name:
         k = int(re.search(r"--classes-per-client (\d+)", cmd).group(1))
         assert k == {"mnist": 2, "fmnist": 2, "cifar10": 2, "cifar100": 10, "tinyimagenet": 20}[cfg.data.source]
+        # the paper's (and the reference library's) pathological partitions give unequal shares
+        words = cmd[cmd.index("fedcp-partition"):].replace("\\", " ").split()[1:]
+        args = partition_parser().parse_args(words)
+        assert args.unbalanced and args.partition == "pat" and args.classes_per_client == k
     elif "_dir0.1" in path.name:
         assert "--partition dir --beta 0.1" in cmd
+
+
+def test_fraud_preset_selects_by_mean_features():
+    """FedCP's own client vector (the personal head's column sums) does not move under CE + SGD
+    (tests/test_selection.py::test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_which_sgd_keeps),
+    so the preset's feature-difference selection compares the banks' mean features instead."""
+    cfg = load_config(str(REPO / "configs" / "fraud_mlp_fedcp.yaml"), validate=False)
+    assert (cfg.client_selection, cfg.selection_vector) == ("feature_difference", "features")
+    assert cfg.participation < 1  # a cohort is drawn at all
 
 
 def test_the_n_of_50_settings():
@@ -62,7 +76,7 @@ PAPER_SWEEPS = {
     "heterogeneity_tinyimagenet": ("tinyimagenet", "beta", [0.01, 0.1, 0.5, 1, 5], METHODS),
     "heterogeneity_agnews": ("agnews", "beta", [0.01, 0.1, 0.5, 1, 5], METHODS),
     "local_epochs": ("cifar10", "local_epochs", [5, 10, 20, 40], METHODS),
-    "lambda": ("tinyimagenet", "lam", [0.0, 0.1, 1.0, 5.0, 10.0], ("fedcp",)),
+    "lambda": ("tinyimagenet", "lam", [0.0, 0.1, 1.0, 5.0, 10.0, 50.0], ("fedcp",)),
     "client_count": ("cifar100", "num_clients", [10, 30, 50, 100, 200, 500], METHODS),
     "client_subset": ("cifar100", "data.clients", [10, 30], METHODS),
     "dropout": ("cifar100", "participation_range", [[1.0, 1.0], [0.5, 1.0], [0.1, 1.0]],
@@ -91,11 +105,16 @@ def test_paper_sweeps_run_the_papers_setting(name):
             assert p.params["beta"] in (0.01, 0.1, 0.5)
     want = {(m, s) for m in methods for s in range(1, 6)}
     assert sorted(seen) == sorted(v if not isinstance(v, list) else tuple(v) for v in values)
-    if name == "lambda":  # three β × five λ: each λ value holds 3 × 5 runs of FedCP
+    if name == "lambda":  # three β × six λ: each λ value holds 3 × 5 runs of FedCP
         assert all(len(v) == 5 and {m for m, _ in v} == {"fedcp"} for v in seen.values())
+    elif name == "client_count":  # the paper reports Per-FedAvg as invalid at N >= 200: excluded, not run
+        for n, v in seen.items():
+            assert v == (want - {("perfedavg", s) for s in range(1, 6)} if n >= 200 else want), n
     else:
         assert all(v == want for v in seen.values())
-    assert len(sw.points) == len(values) * len(want) * (3 if name == "lambda" else 1)
+    excluded = len(sw.excluded)
+    assert excluded == (10 if name == "client_count" else 0)
+    assert len(sw.points) + excluded == len(values) * len(want) * (3 if name == "lambda" else 1)
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
