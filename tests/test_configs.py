@@ -119,11 +119,73 @@ def test_paper_sweeps_run_the_papers_setting(name):
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
 def test_sweep_parses(path, capsys):
-    """The dry run of every shipped sweep: its points expand and each point's config is valid."""
+    """The dry run of every shipped sweep: its points expand and each point's config is valid and
+    holds the point's grid values and variant keys (none dropped or shadowed)."""
     main([str(path), "--dry-run"])
     out = capsys.readouterr().out
     m = re.search(r"sweep \S+: (\d+) points", out)
-    assert m and int(m.group(1)) == len(load_sweep(path).points) > 0
+    sw = load_sweep(path)
+    assert m and int(m.group(1)) == len(sw.points) > 0
+    assert out.count("\nexcluded   ") == len(sw.excluded)
+    for p in sw.points:
+        cfg = point_config(sw, p)
+        cfg.data.path = str(sw.base)  # the shard a partition block makes later
+        cfg.validate()
+        flat = flatten(cfg.to_dict())
+        want = {k: v for k, v in p.params.items() if k != "variant" and k not in sw.partition_keys}
+        want.update(sw.variants.get(p.params.get("variant"), {}))
+        assert {k: flat[k] for k in want} == want, p.name
+
+
+#: the studies on digits and MNIST: sweep -> (source, seeds, rounds, variant -> the keys it sets)
+ABLATIONS = {"fedcp": {}, "wo_cs": {"cpn_input": "sample"}, "wo_cpn": {"fedcp_cpn": False},
+             "wo_gfm": {"fedcp_gfm": False}}
+CLIENT_VECTORS = {"head": {}, "head+stats": {"cpn_client_vector": "head+stats"},
+                  "head+embed": {"cpn_client_vector": "head+embed"}, "sample": {"cpn_input": "sample"},
+                  "rho0.5": {"participation": 0.5},
+                  "select_features": {"participation": 0.5, "client_selection": "feature_difference",
+                                      "selection_vector": "features"}}
+STUDIES = {
+    "ablations": ("digits", [1, 2, 3], 50, ABLATIONS),
+    "ablations_mnist": ("mnist", [1], 30, ABLATIONS),
+    "cpn_designs": ("digits", [1, 2, 3], 50, {
+        "fedcp": {}, "layers2": {"cpn_layers": 2}, "layers3": {"cpn_layers": 3}, "layers4": {"cpn_layers": 4},
+        "batchnorm": {"cpn_norm": "batchnorm"}, "groupnorm": {"cpn_norm": "groupnorm"}, "no_norm": {"cpn_norm": "none"},
+        "tanh": {"cpn_act": "tanh"}, "sigmoid": {"cpn_act": "sigmoid"}}),
+    "client_vectors": ("digits", [1, 2, 3, 4, 5], 200, CLIENT_VECTORS),
+    "client_vectors_mnist": ("mnist", [1], 30, CLIENT_VECTORS),
+}
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_study_sweeps_run_each_variant_on_every_seed(name):
+    """Each row of the ablation, CPN-design and client-vector studies changes only its own keys from
+    FedCP's digits preset (or the paper's MNIST setting) on 20 clients Dir(0.1), every seed."""
+    source, seeds, rounds, variants = STUDIES[name]
+    sw = load_sweep(REPO / "configs" / "sweeps" / f"{name}.yaml")
+    assert sw.variants == variants
+    base = flatten(load_config(str(sw.base), [f"{k}={v}" for k, v in sw.overrides.items()], validate=False).to_dict())
+    seen = set()
+    for p in sw.points:
+        cfg = flatten(point_config(sw, p).to_dict())
+        assert (cfg["method"], cfg["rounds"], cfg["data.source"]) == ("fedcp", rounds, source)
+        changed = {k for k in cfg if cfg[k] != base[k]} - {"out_dir", "data.path", "data.num_clients", "seed"}
+        assert changed == set(variants[p.params["variant"]]), p.name
+        assert (p.partition.source, p.partition.partition, p.partition.beta, p.partition.num_clients) == (
+            source, "dir", 0.1, 20)
+        seen.add((p.params["variant"], cfg["seed"]))
+    assert seen == {(v, s) for v in variants for s in seeds} and len(sw.points) == len(seen)
+
+
+def test_fedcp_against_fedper_on_mnist_to_50_and_150_rounds():
+    sw = load_sweep(REPO / "configs" / "sweeps" / "mnist_fedcp_fedper.yaml")
+    got = sorted((point_config(sw, p).rounds, point_config(sw, p).seed, point_config(sw, p).method) for p in sw.points)
+    assert got == sorted([(50, s, m) for s in (1, 2, 3) for m in ("fedcp", "fedper")] +
+                         [(150, 1, m) for m in ("fedcp", "fedper")])
+    assert sorted((e.params["rounds"], e.params["seed"]) for e in sw.excluded) == [(150, 2), (150, 2), (150, 3), (150, 3)]
+    for p in sw.points:  # resumable: the state after every round is kept
+        cfg = point_config(sw, p)
+        assert (cfg.checkpoint_every, cfg.keep_checkpoints, cfg.data.source, cfg.lam) == (1, 1, "mnist", 5.0)
 
 
 def test_digits_methods_sweep_runs_each_digits_preset():
