@@ -177,6 +177,21 @@ def test_study_sweeps_run_each_variant_on_every_seed(name):
     assert seen == {(v, s) for v in variants for s in seeds} and len(sw.points) == len(seen)
 
 
+def test_without_the_gfm_is_fedcp_at_lambda_zero(digits6, tmp_path):
+    """Why the ablation sweeps have no separate λ = 0 row: fedcp_gfm=false trains the same numbers."""
+    import torch
+
+    from helpers import run
+
+    states = []
+    for name, keys in (("gfm", ["fedcp_gfm=false"]), ("lam0", ["lam=0"])):
+        run(str(REPO / "configs" / "digits_fedcp.yaml"),
+            [f"data.path={digits6}", "data.num_clients=6", "rounds=2", "eval_every=2", "threads=1",
+             "checkpoint_every=0", f"out_dir={tmp_path / name}", *keys])
+        states.append(torch.load(tmp_path / name / "final_global.pt", weights_only=True))
+    assert sorted(states[0]) == sorted(states[1]) and all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
 def test_fedcp_against_fedper_on_mnist_to_50_and_150_rounds():
     sw = load_sweep(REPO / "configs" / "sweeps" / "mnist_fedcp_fedper.yaml")
     got = sorted((point_config(sw, p).rounds, point_config(sw, p).seed, point_config(sw, p).method) for p in sw.points)

@@ -85,6 +85,10 @@ def test_report_marks_excluded_cells_with_the_reason(tmp_path, capsys):
         best = 0.5 + 0.1 * p.params["seed"] + 0.01 * p.params["num_clients"]
         (p.run_dir / "summary.json").write_text(json.dumps({"method": p.params["method"], "best_acc": best,
                                                             "final_acc": best, "rounds": 2}))
+    # every point finished: the local executor runs nothing and says what it left out
+    sweep_cli.main([str(exclude_sweep(tmp_path))])
+    said = capsys.readouterr().out
+    assert "10 points, 10 finished, 0 to run" in said and "; 2 excluded" in said
     out = tmp_path / "rep"
     report.main([str(sw.dir), "--out", str(out), "--no-plots"])
     md = (out / "report.md").read_text()
