@@ -190,6 +190,31 @@ def uplink_record(compressor, agg, uploaders: int, participants: int) -> dict:
     return out
 
 
+def upload_parts(algo, global_state: Mapping[str, torch.Tensor], aggregate_bn_stats: bool = False) -> Dict[str, int]:
+    """Entries one participant uploads, per part of the model: the first component of each
+    averaged key (``features``, ``head``, ``cpn``, ...), in upload order. The keys are those the
+    engine averages: the method's upload keys less the BatchNorm running statistics, which stay with
+    each client unless ``aggregate_bn_stats``. The dense upload is 4 bytes an entry."""
+    from fedcp_dist.client_store import BN_STAT_SUFFIXES
+
+    out: Dict[str, int] = {}
+    for key in algo.upload_keys(global_state):
+        if not aggregate_bn_stats and key.endswith(BN_STAT_SUFFIXES):
+            continue
+        part = key.split(".", 1)[0]
+        out[part] = out.get(part, 0) + int(global_state[key].numel())
+    return out
+
+
+def skipped_part_saving(share: float, sent_rounds: int, rounds: int) -> float:
+    """The fraction of the dense uplink saved when a part that is ``share`` of every upload travels
+    in only ``sent_rounds`` of ``rounds`` rounds (every participant, every round otherwise):
+    share · (1 − sent_rounds / rounds)."""
+    if rounds <= 0 or not 0 <= sent_rounds <= rounds:
+        raise ValueError(f"sent_rounds must lie in 0..rounds, got {sent_rounds} of {rounds}")
+    return share * (1.0 - sent_rounds / rounds)
+
+
 def _peer_method(method: str) -> bool:
     from fedcp_dist.algorithms import ALGORITHMS
     from fedcp_dist.algorithms.peers import PeerBankMethod

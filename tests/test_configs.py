@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from fedcp_dist.cli.partition import _build_parser as partition_parser
 from fedcp_dist.cli.sweep import main
 from fedcp_dist.config import METHODS, flatten, load_config
 from fedcp_dist.sweep import load_sweep
@@ -46,8 +47,21 @@ def test_paper_settings_use_the_paper_hyperparameters(path):
     if "_pat_" in path.name:
         k = int(re.search(r"--classes-per-client (\d+)", cmd).group(1))
         assert k == {"mnist": 2, "fmnist": 2, "cifar10": 2, "cifar100": 10, "tinyimagenet": 20}[cfg.data.source]
+        # the paper's (and the reference library's) pathological partitions give unequal shares
+        words = cmd[cmd.index("fedcp-partition"):].replace("\\", " ").split()[1:]
+        args = partition_parser().parse_args(words)
+        assert args.unbalanced and args.partition == "pat" and args.classes_per_client == k
     elif "_dir0.1" in path.name:
         assert "--partition dir --beta 0.1" in cmd
+
+
+def test_fraud_preset_selects_by_mean_features():
+    """FedCP's own client vector (the personal head's column sums) does not move under CE + SGD
+    (tests/test_selection.py::test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_which_sgd_keeps),
+    so the preset's feature-difference selection compares the banks' mean features instead."""
+    cfg = load_config(str(REPO / "configs" / "fraud_mlp_fedcp.yaml"), validate=False)
+    assert (cfg.client_selection, cfg.selection_vector) == ("feature_difference", "features")
+    assert cfg.participation < 1  # a cohort is drawn at all
 
 
 def test_the_n_of_50_settings():
@@ -62,7 +76,7 @@ PAPER_SWEEPS = {
     "heterogeneity_tinyimagenet": ("tinyimagenet", "beta", [0.01, 0.1, 0.5, 1, 5], METHODS),
     "heterogeneity_agnews": ("agnews", "beta", [0.01, 0.1, 0.5, 1, 5], METHODS),
     "local_epochs": ("cifar10", "local_epochs", [5, 10, 20, 40], METHODS),
-    "lambda": ("tinyimagenet", "lam", [0.0, 0.1, 1.0, 5.0, 10.0], ("fedcp",)),
+    "lambda": ("tinyimagenet", "lam", [0.0, 0.1, 1.0, 5.0, 10.0, 50.0], ("fedcp",)),
     "client_count": ("cifar100", "num_clients", [10, 30, 50, 100, 200, 500], METHODS),
     "client_subset": ("cifar100", "data.clients", [10, 30], METHODS),
     "dropout": ("cifar100", "participation_range", [[1.0, 1.0], [0.5, 1.0], [0.1, 1.0]],
@@ -91,20 +105,102 @@ def test_paper_sweeps_run_the_papers_setting(name):
             assert p.params["beta"] in (0.01, 0.1, 0.5)
     want = {(m, s) for m in methods for s in range(1, 6)}
     assert sorted(seen) == sorted(v if not isinstance(v, list) else tuple(v) for v in values)
-    if name == "lambda":  # three β × five λ: each λ value holds 3 × 5 runs of FedCP
+    if name == "lambda":  # three β × six λ: each λ value holds 3 × 5 runs of FedCP
         assert all(len(v) == 5 and {m for m, _ in v} == {"fedcp"} for v in seen.values())
+    elif name == "client_count":  # the paper reports Per-FedAvg as invalid at N >= 200: excluded, not run
+        for n, v in seen.items():
+            assert v == (want - {("perfedavg", s) for s in range(1, 6)} if n >= 200 else want), n
     else:
         assert all(v == want for v in seen.values())
-    assert len(sw.points) == len(values) * len(want) * (3 if name == "lambda" else 1)
+    excluded = len(sw.excluded)
+    assert excluded == (10 if name == "client_count" else 0)
+    assert len(sw.points) + excluded == len(values) * len(want) * (3 if name == "lambda" else 1)
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
 def test_sweep_parses(path, capsys):
-    """The dry run of every shipped sweep: its points expand and each point's config is valid."""
+    """The dry run of every shipped sweep: its points expand and each point's config is valid and
+    holds the point's grid values and variant keys (none dropped or shadowed)."""
     main([str(path), "--dry-run"])
     out = capsys.readouterr().out
     m = re.search(r"sweep \S+: (\d+) points", out)
-    assert m and int(m.group(1)) == len(load_sweep(path).points) > 0
+    sw = load_sweep(path)
+    assert m and int(m.group(1)) == len(sw.points) > 0
+    assert out.count("\nexcluded   ") == len(sw.excluded)
+    for p in sw.points:
+        cfg = point_config(sw, p)
+        cfg.data.path = str(sw.base)  # the shard a partition block makes later
+        cfg.validate()
+        flat = flatten(cfg.to_dict())
+        want = {k: v for k, v in p.params.items() if k != "variant" and k not in sw.partition_keys}
+        want.update(sw.variants.get(p.params.get("variant"), {}))
+        assert {k: flat[k] for k in want} == want, p.name
+
+
+#: the studies on digits and MNIST: sweep -> (source, seeds, rounds, variant -> the keys it sets)
+ABLATIONS = {"fedcp": {}, "wo_cs": {"cpn_input": "sample"}, "wo_cpn": {"fedcp_cpn": False},
+             "wo_gfm": {"fedcp_gfm": False}}
+CLIENT_VECTORS = {"head": {}, "head+stats": {"cpn_client_vector": "head+stats"},
+                  "head+embed": {"cpn_client_vector": "head+embed"}, "sample": {"cpn_input": "sample"},
+                  "rho0.5": {"participation": 0.5},
+                  "select_features": {"participation": 0.5, "client_selection": "feature_difference",
+                                      "selection_vector": "features"}}
+STUDIES = {
+    "ablations": ("digits", [1, 2, 3], 50, ABLATIONS),
+    "ablations_mnist": ("mnist", [1], 30, ABLATIONS),
+    "cpn_designs": ("digits", [1, 2, 3], 50, {
+        "fedcp": {}, "layers2": {"cpn_layers": 2}, "layers3": {"cpn_layers": 3}, "layers4": {"cpn_layers": 4},
+        "batchnorm": {"cpn_norm": "batchnorm"}, "groupnorm": {"cpn_norm": "groupnorm"}, "no_norm": {"cpn_norm": "none"},
+        "tanh": {"cpn_act": "tanh"}, "sigmoid": {"cpn_act": "sigmoid"}}),
+    "client_vectors": ("digits", [1, 2, 3, 4, 5], 200, CLIENT_VECTORS),
+    "client_vectors_mnist": ("mnist", [1], 30, CLIENT_VECTORS),
+}
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_study_sweeps_run_each_variant_on_every_seed(name):
+    """Each row of the ablation, CPN-design and client-vector studies changes only its own keys from
+    FedCP's digits preset (or the paper's MNIST setting) on 20 clients Dir(0.1), every seed."""
+    source, seeds, rounds, variants = STUDIES[name]
+    sw = load_sweep(REPO / "configs" / "sweeps" / f"{name}.yaml")
+    assert sw.variants == variants
+    base = flatten(load_config(str(sw.base), [f"{k}={v}" for k, v in sw.overrides.items()], validate=False).to_dict())
+    seen = set()
+    for p in sw.points:
+        cfg = flatten(point_config(sw, p).to_dict())
+        assert (cfg["method"], cfg["rounds"], cfg["data.source"]) == ("fedcp", rounds, source)
+        changed = {k for k in cfg if cfg[k] != base[k]} - {"out_dir", "data.path", "data.num_clients", "seed"}
+        assert changed == set(variants[p.params["variant"]]), p.name
+        assert (p.partition.source, p.partition.partition, p.partition.beta, p.partition.num_clients) == (
+            source, "dir", 0.1, 20)
+        seen.add((p.params["variant"], cfg["seed"]))
+    assert seen == {(v, s) for v in variants for s in seeds} and len(sw.points) == len(seen)
+
+
+def test_without_the_gfm_is_fedcp_at_lambda_zero(digits6, tmp_path):
+    """Why the ablation sweeps have no separate λ = 0 row: fedcp_gfm=false trains the same numbers."""
+    import torch
+
+    from helpers import run
+
+    states = []
+    for name, keys in (("gfm", ["fedcp_gfm=false"]), ("lam0", ["lam=0"])):
+        run(str(REPO / "configs" / "digits_fedcp.yaml"),
+            [f"data.path={digits6}", "data.num_clients=6", "rounds=2", "eval_every=2", "threads=1",
+             "checkpoint_every=0", f"out_dir={tmp_path / name}", *keys])
+        states.append(torch.load(tmp_path / name / "final_global.pt", weights_only=True))
+    assert sorted(states[0]) == sorted(states[1]) and all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_fedcp_against_fedper_on_mnist_to_50_and_150_rounds():
+    sw = load_sweep(REPO / "configs" / "sweeps" / "mnist_fedcp_fedper.yaml")
+    got = sorted((point_config(sw, p).rounds, point_config(sw, p).seed, point_config(sw, p).method) for p in sw.points)
+    assert got == sorted([(50, s, m) for s in (1, 2, 3) for m in ("fedcp", "fedper")] +
+                         [(150, 1, m) for m in ("fedcp", "fedper")])
+    assert sorted((e.params["rounds"], e.params["seed"]) for e in sw.excluded) == [(150, 2), (150, 2), (150, 3), (150, 3)]
+    for p in sw.points:  # resumable: the state after every round is kept
+        cfg = point_config(sw, p)
+        assert (cfg.checkpoint_every, cfg.keep_checkpoints, cfg.data.source, cfg.lam) == (1, 1, "mnist", 5.0)
 
 
 def test_digits_methods_sweep_runs_each_digits_preset():

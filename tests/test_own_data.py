@@ -252,7 +252,7 @@ def test_learned_client_embedding_is_per_client_and_persistent(fraud_shard, tmp_
     out = tmp_path / "run"
     over = [f"data.path={fraud_shard}", f"out_dir={out}", "rounds=2", "eval_every=2", "threads=1",
             "checkpoint_every=1", "cpn_client_vector=head+embed", "cpn_embed_dim=5",
-            "participation=1.0", "client_selection=uniform"]  # every bank trains in both rounds
+            "participation=1.0", "client_selection=uniform", "selection_vector=client"]  # every bank trains in both rounds
     run(str(REPO / "configs" / "fraud_mlp_fedcp.yaml"), over)
     states = {}
     for r in (1, 2):

@@ -121,9 +121,9 @@ def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
     assert not (tmp_path / "sweeps").exists()  # no partition, no manifest, no run
 
 
-@pytest.mark.parametrize("name, points", [("client_count", 360), ("heterogeneity_tinyimagenet", 300),
+@pytest.mark.parametrize("name, points", [("client_count", 350), ("heterogeneity_tinyimagenet", 300),
                                           ("heterogeneity_agnews", 300), ("client_subset", 120), ("dropout", 150),
-                                          ("local_epochs", 240), ("lambda", 75), ("digits_smoke", 4),
+                                          ("local_epochs", 240), ("lambda", 90), ("digits_smoke", 4),
                                           ("extensions", 42), ("extensions_mnist", 14)])
 def test_the_shipped_sweeps_expand(name, points, tmp_path):
     doc = yaml.safe_load((REPO / "configs" / "sweeps" / f"{name}.yaml").read_text())

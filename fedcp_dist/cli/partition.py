@@ -12,6 +12,12 @@ Three modes::
         --partition column --out data/fraud_banks.h5
     fedcp-partition --describe data/digits_dir0.1_n20.h5
     fedcp-partition --from-npz DIR --out FILE [--num-classes C] [--source NAME] [--allow-pickle]
+    fedcp-partition --to-npz DIR --shard FILE [--force]     # the reference library's npz layout
+    fedcp-partition --source mnist --root R --partition dir --out FILE --to-npz DIR
+
+``--to-npz DIR`` writes a shard's clients as DIR/config.json, DIR/train/{i}.npz and
+DIR/test/{i}.npz (:mod:`fedcp_dist.data.npz_export`): the shard given by ``--shard``, or the one
+this command has just written to ``--out``.
 """
 from __future__ import annotations
 
@@ -45,6 +51,12 @@ def _build_parser() -> argparse.ArgumentParser:
                         "summary beyond 50 clients)")
     mode.add_argument("--from-npz", metavar="DIR",
                       help="import DIR/train/{i}.npz and DIR/test/{i}.npz client files")
+    mode.add_argument("--shard", metavar="FILE", help="--to-npz: the existing shard to export")
+    p.add_argument("--to-npz", metavar="DIR",
+                   help="also write the shard's clients in the reference library's layout: "
+                        "DIR/config.json, DIR/train/{i}.npz, DIR/test/{i}.npz, each a dict "
+                        "{'x', 'y'} under 'data' (images float32 (x/255 - mean)/std); the shard "
+                        "is --shard FILE, or the --out this command writes")
     p.add_argument("--root", help="directory holding the source's files (torchvision's layout for "
                                   "mnist, fmnist, cifar10, cifar100; tiny-imagenet-200/; AG News "
                                   "train.csv and test.csv; imagefolder: the image folder; csv: the "
@@ -104,7 +116,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="--from-npz: accept npz files holding a pickled dict under 'data' "
                         "(only for files you trust)")
     p.add_argument("--out", help="output shard file (.h5)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file (and --to-npz folder)")
     return p
 
 
@@ -263,25 +275,61 @@ def _describe(path: str, all_clients: bool) -> None:
         _say(line)
 
 
+def _to_npz(args, shard) -> None:
+    from fedcp_dist.data.npz_export import export_npz
+
+    export_npz(shard, args.to_npz, force=args.force, say=_say)
+
+
+def _check_export_args(args) -> None:
+    if args.shard is not None and args.to_npz is None:
+        raise UserError("--shard names the shard to export: it needs --to-npz DIR")
+    if args.to_npz is None:
+        return
+    if args.describe:
+        raise UserError("--describe and --to-npz cannot be used together (export with --shard FILE --to-npz DIR)")
+    if args.shard is not None:
+        given = [f for f, v in (("--source", args.source), ("--from-npz", args.from_npz), ("--out", args.out))
+                 if v is not None]
+        if given:
+            raise UserError(f"--shard FILE --to-npz DIR exports an existing shard; {given[0]} makes a new one "
+                            f"(drop --shard to export the --out it writes)")
+        if not Path(args.shard).is_file():
+            raise UserError(f"--shard: no such file: {args.shard}")
+    elif args.out is None:
+        raise UserError("--to-npz DIR needs the shard to export: --shard FILE, or --out FILE of the shard "
+                        "this command makes")
+    if Path(args.to_npz).exists() and not args.force:  # before a shard is made, not after
+        raise UserError(f"--to-npz: {args.to_npz} exists; pass --force to replace it")
+
+
 @cli_main
 def main(argv=None) -> None:
     """Entry point of ``fedcp-partition``."""
     args = _build_parser().parse_args(argv)
+    _check_export_args(args)
     if args.describe and args.from_npz:
         raise UserError("--describe and --from-npz cannot be used together")
-    if (args.describe or args.from_npz) and args.include_val:
+    if (args.describe or args.from_npz or args.shard) and args.include_val:
         raise UserError("--include-val applies to --source tinyimagenet only")
-    if args.describe or args.from_npz:
+    if args.describe or args.from_npz or args.shard:
         text_options(args.max_len, args.vocab_size, args.min_freq, "image",
-                     "--describe" if args.describe else "--from-npz", args.text_pipeline)
+                     "--describe" if args.describe else "--from-npz" if args.from_npz else "--shard",
+                     args.text_pipeline)
     if args.all and not args.describe:
         raise UserError("--all applies to --describe only")
     if args.describe:
         _describe(args.describe, args.all)
+    elif args.shard is not None:
+        _to_npz(args, args.shard)
     elif args.from_npz:
         _from_npz(args)
+        if args.to_npz:
+            _to_npz(args, args.out)
     else:
         _partition(args)
+        if args.to_npz:
+            _to_npz(args, args.out)
 
 
 if __name__ == "__main__":

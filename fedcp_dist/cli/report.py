@@ -12,7 +12,8 @@ differ between runs, or ``--by``); ``--rows KEY`` makes the rows by another key 
 ``variant``, say), and ``--metric`` may list several summary keys, each then a column per setting.
 A cell is mean ± std over seeds of the metric (100·metric for accuracies and AUCs). Runs that are
 missing or unfinished are listed and their cells marked ``(finished/expected)``; they are never
-averaged in.
+averaged in. Points a sweep's ``exclude`` rules kept from running are listed with their reasons, and
+a cell that holds only such points reads ``excluded``.
 """
 from __future__ import annotations
 

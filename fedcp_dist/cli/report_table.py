@@ -39,6 +39,8 @@ OPTIONAL = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_by
 NA_CELL = "n/a"
 SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
 MISSING_CELL = "–"
+#: a cell whose points a sweep's exclude rules kept from running
+EXCLUDED_CELL = "excluded"
 
 
 @dataclass
@@ -148,6 +150,8 @@ class Collection:
     sweeps: list
     #: key -> its values in the sweep files' order (the grid's lists, the variants' names)
     orders: dict = field(default_factory=dict)
+    #: the points the sweeps' exclude rules kept from running: [(params, reason, sweep name)]
+    excluded: list = field(default_factory=list)
 
 
 def collect(root) -> Collection:
@@ -162,6 +166,7 @@ def collect(root) -> Collection:
     orders: dict = {}
     sweeps: list = []
     expected = []  # (path, params, sweep name) from manifests
+    excluded = []
     for mpath in manifest_paths:
         m = read_manifest(mpath)
         if m is None:
@@ -185,6 +190,9 @@ def collect(root) -> Collection:
             if not (path == root_abs or root_abs in path.parents):
                 continue
             expected.append((path, dict(point.get("params") or {}), name))
+        for point in m.get("excluded") or []:
+            if isinstance(point, dict) and isinstance(point.get("params"), dict):
+                excluded.append((dict(point["params"]), str(point.get("reason", "")), name))
     for path, params, name in expected:
         by_path[path] = (params, name)
 
@@ -208,7 +216,7 @@ def collect(root) -> Collection:
         runs.append(Run(path, {}, config, summary, "", "" if summary else f"no {SUMMARY}: unfinished or failed"))
     if not runs:
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
-    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders)
+    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded)
 
 
 def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:
@@ -298,6 +306,16 @@ class Table:
     missing: list  # runs without a result
     typical_n: int
     warnings: list
+    #: (row, setting) -> the reasons of the excluded points there
+    excluded: dict = field(default_factory=dict)
+    #: [(row, label, reason, points)] for the report's list
+    excluded_notes: list = field(default_factory=list)
+
+    def cell_text(self, method: str, setting: tuple) -> str:
+        cell = self.cells.get((method, setting))
+        if cell is None and (method, setting) in self.excluded:
+            return EXCLUDED_CELL
+        return self.text(cell)
 
     def text(self, cell: Optional[Cell]) -> str:
         if cell is None:
@@ -350,20 +368,36 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         if dup:
             warnings.append(f"{cell.method} {_label(dict(zip(keys, settings[cell.setting])), keys)}: "
                             f"seed {', '.join(dup)} appears in more than one run; each is counted")
+    row_key = runs[0].row_key if runs else "method"
+    excluded: dict = {}
+    notes: dict = {}
+    for params, reason, sweep in col.excluded:
+        if len(col.sweeps) > 1:
+            params = {**params, "sweep": sweep}
+        setting = tuple(json.dumps(params.get(k), sort_keys=True, default=str) for k in keys)
+        settings.setdefault(setting, tuple(params.get(k) for k in keys))
+        row = str(params[row_key]) if row_key in params else None
+        excluded.setdefault((row, setting), set()).add(reason)
+        notes[(row, setting, reason)] = notes.get((row, setting, reason), 0) + 1
     order = sorted(settings, key=lambda s: tuple(_sort_key(v) for v in settings[s]))
     labels = [(s, _label(dict(zip(keys, settings[s])), keys) if keys else metric) for s in order]
     for (method, s), cell in cells.items():
         cell.label = dict(labels)[s]
     present = []
-    row_key = runs[0].row_key if runs else "method"
     order = col.method_order if row_key == "method" else col.orders.get(row_key, [])
-    for m in [str(v) for v in order] + sorted({r.method for r in runs}):
-        if m not in present and any(r.method == m for r in runs):
+    rows_seen = {r.method for r in runs} | {m for m, _ in excluded if m is not None}
+    for m in [str(v) for v in order] + sorted(rows_seen):
+        if m not in present and m in rows_seen:
             present.append(m)
+    positions = {s: i for i, s in enumerate(order_s for order_s, _ in labels)}
+    excluded_notes = [(m, dict(labels)[s], reason, n) for (m, s, reason), n in
+                      sorted(notes.items(), key=lambda kv: (present.index(kv[0][0]) if kv[0][0] in present else -1,
+                                                            positions[kv[0][1]], kv[0][2]))]
     complete = [c.n for c in cells.values() if c.values and c.n == c.expected]
     counts = collections.Counter(complete)
     typical = max(counts, key=lambda n: (counts[n], n)) if counts else 0
-    return Table(metric, keys, present, labels, cells, missing, typical, warnings)
+    return Table(metric, keys, present, labels, cells, missing, typical, warnings,
+                 {k: v for k, v in excluded.items() if k[0] is not None}, excluded_notes)
 
 
 def _unit(metric: str) -> str:
@@ -382,7 +416,8 @@ def markdown(table, title: str, row_name: str = "method") -> str:
              f"A cell marked (k/n) has k of its n runs finished; (n=k) counts seeds when they differ from "
              f"the usual {first.typical_n}"
              + (f"; {NA_CELL}: the runs do not record the metric" if any(
-                 c.not_recorded for t in tables for c in t.cells.values()) else "") + ".", ""]
+                 c.not_recorded for t in tables for c in t.cells.values()) else "")
+             + (f"; {EXCLUDED_CELL}: not run, for the reason listed below" if first.excluded else "") + ".", ""]
     columns = []  # (table, setting, label)
     for s, label in first.settings:
         for t in tables:
@@ -392,7 +427,7 @@ def markdown(table, title: str, row_name: str = "method") -> str:
     lines.append("| " + " | ".join(header) + " |")
     lines.append("| " + " | ".join(["---"] + ["---:"] * len(columns)) + " |")
     for m in first.methods:
-        row = [m] + [t.text(t.cells.get((m, s))) for t, s, _ in columns]
+        row = [m] + [t.cell_text(m, s) for t, s, _ in columns]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     missing = {id(r): r for t in tables for r in t.missing}.values()
@@ -400,6 +435,12 @@ def markdown(table, title: str, row_name: str = "method") -> str:
         lines.append(f"missing: {len(missing)} run(s) without a result, not averaged:")
         for r in sorted(missing, key=lambda r: str(r.path)):
             lines.append(f"- {r.method} {r.label}: {r.path} ({r.why})")
+        lines.append("")
+    if first.excluded_notes:
+        n = sum(k for *_, k in first.excluded_notes)
+        lines.append(f"excluded: {n} point(s) the sweep's exclude rules kept from running:")
+        for m, label, reason, k in first.excluded_notes:
+            lines.append(f"- {m + ' ' if m is not None else ''}{label}: {k} point(s); {reason}")
         lines.append("")
     for t in tables:
         for w in t.warnings:
@@ -414,16 +455,20 @@ def write_csv(table, path: Path, row_name: str = "method") -> None:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     several = len(tables) > 1
-    w.writerow([row_name, "setting", *(["metric"] if several else []), "n_seeds", "mean", "std", "seeds", "n_expected"])
+    w.writerow([row_name, "setting", *(["metric"] if several else []), "n_seeds", "mean", "std", "seeds", "n_expected",
+                "excluded"])
     for m in tables[0].methods:
         for s, _ in tables[0].settings:
             for t in tables:
                 cell = t.cells.get((m, s))
+                reasons = "; ".join(sorted(t.excluded.get((m, s), ())))
                 if cell is None:
+                    if reasons:
+                        w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), 0, "", "", "", 0, reasons])
                     continue
                 w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), cell.n, repr(cell.mean) if cell.values else "",
                             repr(cell.std) if cell.values else "", " ".join(str(x) for x in cell.seeds),
-                            cell.expected])
+                            cell.expected, reasons])
     atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
 
 

@@ -31,7 +31,8 @@ def dry_run(sweep: Sweep) -> None:
     counts = collections.Counter(s for s, _ in statuses)
     print(f"sweep {sweep.name}: {len(sweep.points)} points over {' × '.join(sweep.dimensions)}; "
           f"{counts[FINISHED]} finished, {len(sweep.points) - counts[FINISHED]} to run "
-          f"(executor {sweep.kind}, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)")
+          f"(executor {sweep.kind}, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"
+          + (f"; {len(sweep.excluded)} excluded" if sweep.excluded else ""))
     print(f"directory {display_path(sweep.dir)}")
     shards = {}
     for p, (status, _) in zip(sweep.points, statuses):
@@ -46,6 +47,8 @@ def dry_run(sweep: Sweep) -> None:
         if drift:
             note = f" (config differs: {', '.join(drift)})"
         print(f"{sweep.point_line(k, p, shown)}{note}  {sweep.display_command(p)}")
+    for e in sweep.excluded:
+        print(f"excluded   {e.name}: {e.reason}")
     if sweep.kind == "slurm":
         n = len(sweep.points) - counts[FINISHED]
         what = f"one array job of {n} tasks" if n > 1 else ("one job" if n else "nothing to submit")

@@ -59,7 +59,8 @@ def run_local(sweep: Sweep) -> int:
     """Run the unfinished points one after another; the number of failed points."""
     todo = [p for p in sweep.points if p.status() != FINISHED]
     print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} finished, "
-          f"{len(todo)} to run one after another (local, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)",
+          f"{len(todo)} to run one after another (local, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"
+          + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),
           flush=True)
     drift_warning(sweep)
     make_partitions(sweep, todo)

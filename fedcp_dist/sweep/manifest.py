@@ -1,7 +1,8 @@
 """What a sweep writes besides its runs: the shards its grid needs and ``sweep.json``.
 
 ``<root>/<name>/sweep.json`` records the sweep's grid and points (name, run directory, parameters,
-shard, command) and every submission, for ``fedcp-report`` and for people.
+shard, command), the points its ``exclude`` rules keep from running (name, parameters, reason) and
+every submission, for ``fedcp-report`` and for people.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def _manifest(sweep: Sweep, previous: Optional[dict]) -> dict:
             }
             for p in sweep.points
         ],
+        "excluded": [{"name": e.name, "params": e.params, "reason": e.reason} for e in sweep.excluded],
         "submissions": (previous or {}).get("submissions", []),
     }
 

@@ -192,7 +192,9 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
                         "(use --executor local)")
     todo = [p for p in sweep.points if p.status() != FINISHED]
     print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} finished, "
-          f"{len(todo)} to submit (slurm)", flush=True)
+          f"{len(todo)} to submit (slurm)"
+          + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),
+          flush=True)
     drift_warning(sweep)
     if not todo:
         write_manifest(sweep)

@@ -6,6 +6,18 @@ sets of config keys that belong together, crossed with the grid as one more dime
 parameter ``variant``). Every point has a stable run directory named after its parameters,
 ``<root>/<name>/runs/<key>=<value>,...``; an optional ``partition`` block makes the shards the grid
 needs, one file per distinct partition, under ``<root>/<name>/data/``.
+
+``exclude`` lists points of the grid that are not run, each rule with the reason a reader of the
+results is given (a setting where the study reports a method as invalid, say)::
+
+    exclude:
+      - where: {method: perfedavg, num_clients: [200, 500]}   # a value or a list of values per key
+        reason: the paper reports Per-FedAvg as invalid at N >= 200
+
+A point is excluded when each key of a rule's ``where`` (a grid key or ``variant``) has one of the
+listed values; every listed value must occur in the grid and every rule must exclude a point.
+Excluded points are not expanded into runs; the dry run, ``sweep.json`` and ``fedcp-report`` list
+them with their reasons.
 """
 from __future__ import annotations
 
@@ -32,7 +44,9 @@ from fedcp_dist.errors import UserError
 from fedcp_dist.rundir import FINISHED, RunDir, defining_changes, format_value
 
 DEFAULT_ROOT = "runs/sweeps"
-TOP_KEYS = ("name", "root", "base", "overrides", "grid", "variants", "partition", "executor")
+TOP_KEYS = ("name", "root", "base", "overrides", "grid", "variants", "partition", "executor", "exclude")
+#: the keys of one ``exclude`` rule
+EXCLUDE_KEYS = ("where", "reason")
 #: the parameter that names a point's variant (a key of the sweep's ``variants``)
 VARIANT = "variant"
 EXECUTOR_KEYS = ("kind", "nproc", "slurm")
@@ -160,6 +174,16 @@ class Point:
 
 
 @dataclass
+class Excluded:
+    """A point of the grid that an ``exclude`` rule keeps from running."""
+
+    #: grid key -> value, as a point's
+    params: dict
+    name: str
+    reason: str
+
+
+@dataclass
 class Sweep:
     file: Path
     name: str
@@ -177,6 +201,10 @@ class Sweep:
     base_values: Optional[dict] = None
     #: variant name -> its flat config keys (empty: no variants)
     variants: dict = field(default_factory=dict)
+    #: the ``exclude`` rules: [(where: key -> list of values, reason)]
+    exclude: list = field(default_factory=list)
+    #: the grid's points those rules exclude, in grid order
+    excluded: list = field(default_factory=list)
 
     @property
     def dimensions(self) -> list:
@@ -351,8 +379,67 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     sweep = Sweep(file=path, name=name, root=Path(root), base=base_path, overrides=overrides, grid=grid,
                   partition=part_block, kind=kind, nproc=nproc, slurm=slurm, partition_keys=partition_keys,
                   base_values=read_yaml_mapping(base_path), variants=variants)
+    sweep.exclude = _check_exclude(raw.get("exclude"), sweep)
     _expand(sweep, override_args)
+    if not sweep.points:
+        raise UserError(f"sweep file {path}: 'exclude' leaves no point to run")
     return sweep
+
+
+def _same(a, b) -> bool:
+    """Equal as YAML values (1 and 1.0 alike, as the config reads them; lists element by element)."""
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str) or (
+        isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
+        and not isinstance(b, bool) and float(a) == float(b))
+
+
+def _check_exclude(raw, sweep: Sweep) -> list:
+    """The ``exclude`` rules as [(where, reason)], each value of ``where`` a list of grid values."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not raw:
+        raise UserError(f"sweep key 'exclude' must be a non-empty list of rules "
+                        f"({{where: {{key: value(s)}}, reason: text}}), got {raw!r}")
+    dims = {k: sweep.grid[k] for k in sweep.grid}
+    if sweep.variants:
+        dims[VARIANT] = list(sweep.variants)
+    rules = []
+    for n, rule in enumerate(raw, 1):
+        what = f"sweep key 'exclude' rule {n}"
+        if not isinstance(rule, dict):
+            raise UserError(f"{what} must be a mapping with 'where' and 'reason', got {rule!r}")
+        for key in rule:
+            if key not in EXCLUDE_KEYS:
+                raise UserError(f"{what}: unknown key '{key}'{did_you_mean(key, EXCLUDE_KEYS)}; "
+                                f"known: {', '.join(EXCLUDE_KEYS)}")
+        reason = rule.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            raise UserError(f"{what}: 'reason' is required: the text fedcp-report shows for the points it excludes")
+        where = rule.get("where")
+        if not isinstance(where, dict) or not where:
+            raise UserError(f"{what}: 'where' must be a non-empty mapping of grid keys to a value or a list of values")
+        checked = {}
+        for key, values in where.items():
+            if key not in dims:
+                raise UserError(f"{what}: 'where.{key}' is not a grid key{did_you_mean(key, dims)}; "
+                                f"grid keys: {', '.join(dims)}")
+            listed = isinstance(values, list) and (
+                not any(isinstance(g, list) for g in dims[key]) or all(isinstance(v, list) for v in values))
+            values = values if listed else [values]
+            for v in values:
+                if not any(_same(v, g) for g in dims[key]):
+                    raise UserError(f"{what}: 'where.{key}' value {v!r} is not in the grid ({dims[key]!r})")
+            checked[key] = values
+        rules.append((checked, " ".join(reason.split())))
+    return rules
+
+
+def excluding_rule(sweep: Sweep, params: dict) -> Optional[int]:
+    """The index of the first ``exclude`` rule that matches a point's parameters (None: it runs)."""
+    for n, (where, _) in enumerate(sweep.exclude):
+        if all(any(_same(params.get(k), v) for v in values) for k, values in where.items()):
+            return n
+    return None
 
 
 def _config_keys(keys, where: str, key_where) -> dict:
@@ -416,7 +503,8 @@ def _expand(sweep: Sweep, override_args: list) -> None:
     names: dict = {}
     # the variants vary fastest: a sweep stopped part-way has every variant for its first grid values
     variants = list(sweep.variants) or [None]
-    for index, (*combo, variant) in enumerate(itertools.product(*(sweep.grid[k] for k in keys), variants)):
+    used = [False] * len(sweep.exclude)
+    for *combo, variant in itertools.product(*(sweep.grid[k] for k in keys), variants):
         params = dict(zip(keys, combo))
         if variant is not None:
             params[VARIANT] = variant
@@ -425,6 +513,12 @@ def _expand(sweep: Sweep, override_args: list) -> None:
             raise UserError(f"sweep points {names[name]} and {params} get the same directory name {name!r}; "
                             f"make the grid values distinct")
         names[name] = params
+        rule = excluding_rule(sweep, params)
+        if rule is not None:
+            used[rule] = True
+            sweep.excluded.append(Excluded(params, name, sweep.exclude[rule][1]))
+            continue
+        index = len(sweep.points)
         args = list(override_args)
         if variant is not None:
             args += [f"{k}={yaml_value(v)}" for k, v in sweep.variants[variant].items()]
@@ -441,6 +535,9 @@ def _expand(sweep: Sweep, override_args: list) -> None:
         point = Point(index, params, name, run_dir, args, spec, data_path)
         _validate_point(sweep, point)
         sweep.points.append(point)
+    for n, hit in enumerate(used, 1):
+        if not hit:
+            raise UserError(f"sweep key 'exclude' rule {n} excludes no point (an earlier rule took them all)")
 
 
 def point_config(sweep: Sweep, point: Point) -> Config:

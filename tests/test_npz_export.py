@@ -1,0 +1,115 @@
+"""``fedcp-partition --to-npz``: a shard's clients in the reference library's per-client npz layout,
+read back with numpy as the library reads them and compared with the shard's samples."""
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedcp_dist.cli.partition import main
+from fedcp_dist.data.npz_export import client_arrays
+from fedcp_dist.data.resident import to_device
+from fedcp_dist.data.shards import load_clients, read_info
+from helpers import expect_user_error
+
+
+def read_npz(path):
+    """As the library's read_data: np.load(f, allow_pickle=True)['data'].tolist()."""
+    with open(path, "rb") as f:
+        return np.load(f, allow_pickle=True)["data"].tolist()
+
+
+def test_export_round_trip_on_a_tiny_shard(digits6, tmp_path, capsys):
+    out = tmp_path / "DIGITS"
+    main(["--to-npz", str(out), "--shard", str(digits6)])
+    assert "wrote" in capsys.readouterr().out
+    info = read_info(digits6)
+    clients = load_clients(digits6, range(info.num_clients))
+    assert sorted(p.name for p in (out / "train").iterdir()) == sorted(f"{i}.npz" for i in range(6))
+    for i, a in clients.items():
+        for split in ("train", "test"):
+            data = read_npz(out / split / f"{i}.npz")
+            assert set(data) == {"x", "y"}
+            x, y = data["x"], data["y"]
+            raw = a[f"{split}_x"]
+            assert x.dtype == np.float32 and x.shape == raw.shape == (len(raw), 1, 28, 28)
+            assert y.dtype == np.int64 and np.array_equal(y, a[f"{split}_y"])
+            # ToTensor then Normalize(0.5, 0.5), as the library's MNIST generator
+            assert np.array_equal(x, (raw.astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(0.5))
+            assert x.min() >= -1 and x.max() <= 1 and (x == -1).any()
+            # the values the engine trains on, up to the last bit
+            dev = to_device(i, a, info.mean, info.std, torch.device("cpu"))
+            engine = dev.train_batch()[0] if split == "train" else dev.test_batch(0, len(raw))[0]
+            assert np.allclose(engine.contiguous().numpy(), x, atol=1e-6, rtol=0)
+    cfg = json.loads((out / "config.json").read_text())
+    labels = info.train_label_counts + info.test_label_counts
+    assert cfg["num_clients"] == 6 and cfg["num_classes"] == info.num_classes == 10
+    assert (cfg["non_iid"], cfg["balance"], cfg["partition"], cfg["alpha"], cfg["batch_size"]) == (True, False, "dir", 0.5, 10)
+    assert cfg["Size of samples for labels in clients"][2] == [[c, int(n)] for c, n in enumerate(labels[2]) if n]
+    assert (cfg["source"], cfg["seed"], cfg["mean"], cfg["std"]) == ("digits", 2, [0.5], [0.5])
+    # and back: the import of that layout gives the shard's samples again, bit for bit
+    back = tmp_path / "back.h5"
+    main(["--from-npz", str(out), "--allow-pickle", "--out", str(back), "--num-classes", "10"])
+    again = load_clients(back, range(6))
+    for i in range(6):
+        for key in ("train_x", "train_y", "test_x", "test_y"):
+            assert np.array_equal(again[i][key], clients[i][key]), (i, key)
+
+
+def test_partition_and_export_in_one_command(tmp_path, capsys):
+    shard, out = tmp_path / "p.h5", tmp_path / "P"
+    main(["--source", "digits", "--partition", "pat", "--classes-per-client", "2", "--unbalanced",
+          "--num-clients", "5", "--seed", "3", "--out", str(shard), "--to-npz", str(out)])
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["partition"], cfg["balance"], cfg["non_iid"], cfg["alpha"], cfg["seed"]) == ("pat", False, True, None, 3)
+    assert all(len(row) <= 2 for row in cfg["Size of samples for labels in clients"])
+    a = load_clients(shard, [3])[3]
+    assert np.array_equal(read_npz(out / "test" / "3.npz")["y"], a["test_y"])
+    # --force replaces an earlier export whole: nothing of it is left, and no temporary folder
+    (out / "stale.txt").write_text("x")
+    main(["--to-npz", str(out), "--shard", str(shard), "--force"])
+    assert not (out / "stale.txt").exists() and (out / "train" / "0.npz").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["P", "p.h5"]
+
+
+def test_export_refusals_name_the_problem(digits6, tmp_path, capsys):
+    out = tmp_path / "E"
+    out.mkdir()
+    expect_user_error(capsys, ["--to-npz", out, "--shard", digits6], "exists", "--force")
+    # refused before the shard is made, so nothing is written
+    expect_user_error(capsys, ["--source", "digits", "--num-clients", 4, "--out", tmp_path / "n.h5", "--to-npz", out],
+                      "exists")
+    assert not (tmp_path / "n.h5").exists()
+    expect_user_error(capsys, ["--shard", digits6], "--shard", "--to-npz")
+    expect_user_error(capsys, ["--to-npz", tmp_path / "F"], "--shard FILE", "--out FILE")
+    expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--shard", digits6, "--source", "digits"], "--source")
+    expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--shard", tmp_path / "none.h5"], "no such file")
+    expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--describe", digits6], "--describe")
+    expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--shard", digits6, "--max-len", 5], "--max-len")
+    expect_user_error(capsys, ["--to-npz", tmp_path / "no" / "F", "--shard", digits6], "does not exist")
+    assert not (tmp_path / "F").exists() and list(out.iterdir()) == []
+
+
+def test_table_and_text_clients_in_the_library_layout(tmp_path):
+    # a table: standardised with the shard's per-feature statistics
+    rows = [[float(i), float(i % 3), i % 2, f"b{i % 2}"] for i in range(40)]
+    with open(tmp_path / "t.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["a", "b", "y", "bank"])
+        w.writerows(rows)
+    shard = tmp_path / "t.h5"
+    main(["--source", "csv", "--root", str(tmp_path / "t.csv"), "--label-col", "y", "--client-col", "bank",
+          "--partition", "column", "--out", str(shard), "--to-npz", str(tmp_path / "T")])
+    info, a = read_info(shard), load_clients(shard, [1])[1]
+    x = read_npz(tmp_path / "T" / "train" / "1.npz")["x"]
+    want = (a["train_x"] - np.asarray(info.mean, np.float32)) / np.asarray(info.std, np.float32)
+    assert x.dtype == np.float32 and x.shape == a["train_x"].shape and np.array_equal(x, want)
+    assert abs(float(x[:, 0].mean())) < 1.0  # standardised, not raw (raw column a runs 0..39)
+    assert json.loads((tmp_path / "T" / "config.json").read_text())["partition"] is None
+    # text: (token ids, real length) pairs, as the library's AG News generator stores them
+    ids = np.array([[5, 6, 0, 0], [7, 0, 0, 0]], dtype=np.int32)
+    d = client_arrays("text", ids, np.array([1, 3]), np.array([2, 1], dtype=np.int32), (), ())
+    assert d["x"].shape == (2, 2) and d["x"].dtype == object and d["y"].dtype == np.int64
+    X, lens = zip(*d["x"])  # the library's process_text
+    assert np.array_equal(np.stack(X), ids.astype(np.int64)) and list(lens) == [2, 1]
