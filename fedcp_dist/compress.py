@@ -190,14 +190,6 @@ def uplink_record(compressor, agg, uploaders: int, participants: int) -> dict:
     return out
 
 
-def _peer_method(method: str) -> bool:
-    from fedcp_dist.algorithms import ALGORITHMS
-    from fedcp_dist.algorithms.peers import PeerBankMethod
-
-    cls = ALGORITHMS.get(method)
-    return cls is not None and issubclass(cls, PeerBankMethod)
-
-
 class CompressionOptions:
     """The config keys of upload compression (any method whose uploads are averaged)."""
 
@@ -218,7 +210,7 @@ class CompressionOptions:
             for key, default in (("compress_ratio", 1.0), ("compress_bits", 32), ("compress_error_feedback", False)):
                 if getattr(cfg, key) != default:
                     return key, f"applies with compress=topk only (compress is none), got {getattr(cfg, key)!r}"
-        elif _peer_method(cfg.method):
+        elif not cfg.method_class.averages_uploads:
             return "compress", (f"{cfg.method} averages no uploads (its models travel in the peer exchange); "
                                 f"use compress=none")
         return None

@@ -50,8 +50,13 @@ def method_options() -> list:
     return out
 
 
-def make_algorithm(name: str, cfg, model, device) -> Algorithm:
-    """The method ``name``; FedCP with any ablation or CPN-design key off its default is FedCPVariant."""
+def algorithm_class(name: str, cfg) -> type:
+    """The class of the method ``name``; FedCP with any ablation or CPN-design key off its default is FedCPVariant."""
     if name == "fedcp" and is_variant(cfg):
-        return FedCPVariant(cfg, model, device)
-    return ALGORITHMS[name](cfg, model, device)
+        return FedCPVariant
+    return ALGORITHMS[name]
+
+
+def make_algorithm(name: str, cfg, model, device) -> Algorithm:
+    """The method ``name`` (:func:`algorithm_class`) built on ``model``."""
+    return algorithm_class(name, cfg)(cfg, model, device)
