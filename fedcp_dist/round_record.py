@@ -29,13 +29,14 @@ def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSu
     if with_cohort:
         record["cohort"] = [int(c) for c in cohort]
     if ev is not None:
-        record.update({"evaluated_after": t, **ev.summary()})
+        record.update(evaluation_record(t, ev))
     return record
 
 
-def final_eval(rounds: int, values: Sequence[float]) -> dict:
-    """The evaluation after the last round from its reduced :class:`EvalSums` values."""
-    return {"evaluated_after": rounds, **EvalSums.from_values(list(values)).summary()}
+def evaluation_record(rounds_done: int, ev: EvalSums) -> dict:
+    """An evaluation's numbers from its reduced sums: that of a round (before its training) and the
+    one after the last round alike."""
+    return {"evaluated_after": rounds_done, **ev.summary()}
 
 
 def summary(cfg, rt, setup, num_clients: int, records: list, final: dict, round_seconds: list,

@@ -226,7 +226,7 @@ def test_ranks_agree_on_a_failed_start():
 def test_round_record_by_hand():
     from fedcp_dist.aggregate import TrainSums
     from fedcp_dist.evaluation import EvalSums
-    from fedcp_dist.round_record import final_eval, round_record
+    from fedcp_dist.round_record import evaluation_record, round_record
 
     class Agg:
         last_seconds, nbytes = 0.5, 800
@@ -245,8 +245,40 @@ def test_round_record_by_hand():
     rec = round_record(0, {**times, "peer_exchange_seconds": 0.125}, Agg, [0], TrainSums(), {}, None, False)
     assert "acc" not in rec and "cohort" not in rec and rec["train_loss"] == 0.0
     assert list(rec)[7:9] == ["allreduce_bytes", "peer_exchange_seconds"]
-    assert final_eval(5, ev.values()) == {"evaluated_after": 5, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
+    assert evaluation_record(5, ev) == {"evaluated_after": 5, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
                                           "test_loss": 0.25}
+
+
+def test_the_final_evaluation_goes_through_the_rounds_reduction(digits6, tmp_path, monkeypatch):
+    """The evaluation after the last round is reduced as a round's is (reduce_sums, the round's
+    aggregator), only with no upload in its buffer; its record and probes come from that reduction."""
+    import json
+
+    from conftest import REPO
+    from fedcp_dist import simulator
+    from fedcp_dist.round_record import evaluation_record
+    from helpers import run
+
+    calls, real = [], simulator.reduce_sums
+
+    def spy(agg, rt, *sums, base=None):
+        out = real(agg, rt, *sums, base=base)
+        calls.append((list(agg.sent), agg.buffer.numel(), agg.num_params, out[2][-1]))
+        return out
+
+    monkeypatch.setattr(simulator, "reduce_sums", spy)
+    run(str(REPO / "configs" / "digits_fedcp.yaml"),
+        [f"data.path={digits6}", "rounds=2", "analysis=true", f"out_dir={tmp_path}", "threads=1"])
+    assert len(calls) == 3 and all(c[0] for c in calls[:2]) and calls[2][0] == []
+    (_, size, params, final_sums), clients = calls[2], 6
+    assert size == 1 + sums_size(TrainSums, EvalSums) + clients * (6 + 3 + 50) and params > size
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"kind": "final_eval", "round": 2, **evaluation_record(2, final_sums)}
+    assert final_sums.test_samples > 0 and final_sums.clients == clients
+    probes = [json.loads(l) for l in (tmp_path / "analysis.jsonl").read_text().splitlines()]
+    final_probes = [p for p in probes if p.get("evaluated_after") == 2]
+    assert [p["client"] for p in final_probes] == list(range(clients))
+    assert sum(p["samples"] for p in final_probes) == final_sums.test_samples
 
 
 def test_cohort_trainer_trains_owned_clients_and_leaves_a_nonfinite_one_out(capsys):

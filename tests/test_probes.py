@@ -75,7 +75,7 @@ def test_round_probes_in_one_call_out_in_one():
     assert not between.train and between.evals is None and between.records(between.pack()) == []
     final = RoundProbes(2, 3, 6, evaluated=True, final=True)
     final.evals[0] = a.evals[1]
-    assert not final.train and final.pack().numel() == RoundProbes.size(2, 3, final=True) == 3 * (3 + S_BINS)
+    assert not final.train and final.pack().numel() == RoundProbes.size(2, 3)
     assert [r["evaluated_after"] for r in final.records(final.pack())] == [6]
 
 
