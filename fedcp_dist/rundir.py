@@ -447,22 +447,6 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def run_summary(cfg, rt, source: str, num_clients: int, records: list, final: dict, round_seconds: list,
-                load_seconds: float) -> dict:
-    """summary.json of a finished run: the best evaluation over the rounds (the paper's reported
-    number), the final one, and where and how fast it ran."""
-    best = max([r for r in records if "acc" in r] + [final], key=lambda r: r["acc"])
-    return {
-        "method": cfg.method, "source": source, "num_clients": num_clients, "rounds": cfg.rounds,
-        "best_acc": best["acc"], "best_after_rounds": best["evaluated_after"], "final_acc": final["acc"],
-        "final_acc_client_mean": final["acc_client_mean"], "final_auc": final["auc"],
-        "seconds_per_round": float(np.mean(round_seconds)), "world_size": rt.world_size, "launcher": rt.launcher,
-        "device": str(rt.device), "load_seconds": load_seconds,
-        # binary tasks (two classes) only
-        **{f"final_{k}": final[k] for k in ("balanced_acc", "pos_recall") if k in final},
-    }
-
-
 def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
     """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
     tail = f"  {record['seconds']:.2f} s/round  train loss {record['train_loss']:.4f}" if record else "  (final)"

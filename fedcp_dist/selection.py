@@ -116,10 +116,10 @@ def draw_cohort(cfg, t: int, train_counts, vectors):
     return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range, cfg.participation_draw)
 
 
-def selection_counts(records, num_clients: int) -> list:
-    """Rounds each client trained in, from the round records' ``cohort`` lists."""
+def selection_counts(cohorts, num_clients: int) -> list:
+    """Rounds each client trained in, from the rounds' cohorts (each a list of client ids)."""
     counts = [0] * num_clients
-    for r in records:
-        for c in r.get("cohort", ()):
-            counts[c] += 1
+    for cohort in cohorts:
+        for c in cohort:
+            counts[int(c)] += 1
     return counts

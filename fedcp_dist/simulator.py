@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import torch
-
 from fedcp_dist import startup
 from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
 from fedcp_dist.checkpoint import Checkpointer
@@ -25,7 +23,7 @@ from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
 from fedcp_dist.probes import RoundProbes
-from fedcp_dist.round_record import evaluation_record, round_record, summary as run_summary
+from fedcp_dist.round_record import evaluation_record, round_record, summary_json
 from fedcp_dist.rundir import RunWriter, prepare_out_dir, progress_line, result_table
 from fedcp_dist.runtime import Runtime, StopSignals
 from fedcp_dist.selection import draw_cohort, gather_client_vectors
@@ -199,7 +197,7 @@ class Simulator:
         self.writer.log_analysis(probes.records(self.agg.extra()))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self.echo(progress_line(cfg.rounds, e, None))
-        summary = run_summary(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,
+        summary = summary_json(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,
                               self.select_by_features)
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run

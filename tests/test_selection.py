@@ -159,17 +159,17 @@ def test_report_plots_how_often_each_client_was_chosen(tmp_path):
     fake("f", "feature_difference", {"selection_counts": [3, 1, 2, 0]})
     col = report.collect(tmp_path / "runs")
     by_name = {r.path.name: r for r in col.runs}
-    uniform = report_plots.selection_counts(by_name["u"])
+    uniform = report_plots.client_rounds(by_name["u"])
     expected = [0] * 4
     for t in range(3):  # ⌊0.5 · 4⌋ = 2 clients a round, the engine's own draw
         for c in sample_cohort(3, t, 4, 0.5):
             expected[int(c)] += 1
     assert uniform == expected and sum(uniform) == 6
-    assert report_plots.selection_counts(by_name["f"]) == [3, 1, 2, 0]
+    assert report_plots.client_rounds(by_name["f"]) == [3, 1, 2, 0]
     # without the summary's counts they come from the cohorts the rounds record
     g = fake("g", "feature_difference", {}, cohorts=[[0, 1], [0, 2], [0, 2]])
     col = report.collect(tmp_path / "runs")
-    assert report_plots.selection_counts(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
+    assert report_plots.client_rounds(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
     table = report.build_table(col, report.setting_keys(col, None), "best_acc")
     png = tmp_path / "selection_counts.png"
     assert report_plots.plot_selection(table, png)  # what `fedcp-report --selection` adds to the plots
