@@ -44,7 +44,7 @@ class Simulator:
 
         algo = startup.build_method(cfg, s.info, self.num_clients, rt.device)  # the same initial model on every rank
         self.algo = wrap(algo) if wrap else algo
-        self.peer_bytes = startup.check_peer_memory(cfg, algo, self.num_clients,
+        startup.check_peer_memory(cfg, algo, self.num_clients,
                                                     int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
         global_state = algo.init_global_state()
         self.store, self.store_line = make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank)

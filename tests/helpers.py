@@ -111,6 +111,13 @@ def resume_before_last_checkpoint(config: str, overrides_for, done: Path, resume
     return load_run(resumed)
 
 
+def partition_shares(labels, num_classes: int, kind: str, num_clients: int, seed: int, **options) -> list:
+    """The ``(train_idx, test_idx)`` pairs of :func:`~fedcp_dist.data.partition.partition_clients`."""
+    from fedcp_dist.data.partition import partition_clients
+
+    return partition_clients(labels, num_classes, kind, num_clients, seed, **options).shares
+
+
 # ---------------------------------------------------------------- small clients and models
 
 CPU = torch.device("cpu")

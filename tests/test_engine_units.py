@@ -9,7 +9,7 @@ import torch
 from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.errors import UserError
 from fedcp_dist.placement import cohort_size, place_clients, sample_cohort, stream_seed
-from fedcp_dist.runtime import Endpoint, detect_launcher, expand_nodelist, first_host, resolve_endpoint, tasks_per_node
+from fedcp_dist.runtime import Endpoint, detect_launcher, expand_nodelist, resolve_endpoint, tasks_per_node
 
 
 class OneRank:
@@ -124,8 +124,8 @@ def test_slurm_endpoint():
     }
     ep = resolve_endpoint("slurm", env)
     assert ep == Endpoint(5, 8, 1, 4, f"tcp://gpu007:{20000 + 123456 % 20000}")
-    assert first_host("node1,node2") == "node1"
-    assert first_host("a-b[1-2]") == "a-b1"
+    assert expand_nodelist("node1,node2") == ["node1", "node2"]
+    assert expand_nodelist("a-b[1-2]") == ["a-b1", "a-b2"]
 
 
 def test_slurm_node_lists_and_tasks_per_node():
