@@ -203,14 +203,11 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
 
 
 def test_start_line_points_a_one_process_run_on_several_cores_to_ranks():
-    from types import SimpleNamespace
-
-    import torch
-
     from fedcp_dist.startup import ranks_hint
+    from helpers import FakeRuntime
 
     def rt(launcher, device, threads):
-        return SimpleNamespace(launcher=launcher, device=torch.device(device), threads=threads)
+        return FakeRuntime(device=device, launcher=launcher, threads=threads)
 
     assert ranks_hint(rt("single", "cpu", 4)) == "; one rank per core trains faster: fedcp-run --ranks auto (or torchrun)"
     assert ranks_hint(rt("single", "cpu", 1)) == ""  # one thread: nothing to gain

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import FakeRuntime
 from fedcp_dist import startup
 from fedcp_dist.aggregate import FlatAggregator, pack_peers, reduce_sums, sums_size, unpack_peers
 from fedcp_dist.algorithms.base import LocalResult
@@ -21,29 +22,6 @@ from fedcp_dist.runtime import StopSignals
 from fedcp_dist.aggregate import TrainSums
 
 CPU = torch.device("cpu")
-
-
-class OneRank:
-    world_size, rank, device = 1, 0, CPU
-
-    def all_reduce_sum_(self, t):
-        return t
-
-
-class TwoRanks(OneRank):
-    """A collective whose other rank contributes ``other`` (what a real all-reduce would add)."""
-
-    world_size = 2
-
-    def __init__(self, other):
-        self.other = other
-
-    def all_reduce_sum_(self, t):
-        t.add_(self.other)
-        return t
-
-    def all_gather(self, t):
-        return torch.stack([t, self.other])
 
 
 # ---------------------------------------------------------------------------------- named sums
@@ -61,7 +39,7 @@ def test_round_sums_travel_by_name():
     other[2] = 1.0
     other[3:] = torch.tensor(TrainSums(1.0, 2.0, 1.0).values() + EvalSums(1, 4, 0.25, 1, 3.0, 2.0).values(),
                              dtype=other.dtype)
-    mean, total, (t, e) = reduce_sums(agg, TwoRanks(other), train, ev)
+    mean, total, (t, e) = reduce_sums(agg, FakeRuntime(2, others=[other]), train, ev)
     assert total == 3 and mean["w"].tolist() == pytest.approx([(2 + 5) / 3, (6 + 5) / 3])
     assert (t.loss_sum, t.samples, t.stop_requests, t.nonfinite_clients, t.nonfinite_client_id_sum) == (6.0, 12.0, 1.0, 1.0, 7.0)
     assert e == EvalSums(4, 8, 1.0, 2, 5.0, 3.2)
@@ -80,7 +58,7 @@ def test_peer_packing_round_trip_over_two_ranks():
     mine = pack_peers({3: torch.tensor([1.0, 2.0])}, rows=2, dim=2, device=CPU)
     assert mine.tolist() == [[4.0, 1.0, 2.0], [0.0, 0.0, 0.0]]  # client 3 tagged 4; an empty row
     theirs = pack_peers({2: torch.tensor([7.0, 8.0]), 0: torch.tensor([5.0, 6.0])}, rows=2, dim=2, device=CPU)
-    peers = unpack_peers(TwoRanks(theirs).all_gather(mine), dim=2)
+    peers = unpack_peers(FakeRuntime(2, others=[theirs]).all_gather(mine), dim=2)
     assert list(peers) == [0, 2, 3]
     assert [peers[c].tolist() for c in peers] == [[5.0, 6.0], [7.0, 8.0], [1.0, 2.0]]
 
@@ -214,13 +192,13 @@ def test_shard_checks_name_the_key():
 
 
 def test_ranks_agree_on_a_failed_start():
-    startup.agree(OneRank(), None)
+    startup.agree(FakeRuntime(), None)
     with pytest.raises(UserError, match="another rank failed to start"):
-        startup.agree(TwoRanks(torch.tensor([1.0])), None)
+        startup.agree(FakeRuntime(2, others=[torch.tensor([1.0])]), None)
     with pytest.raises(UserError, match="mine"):
-        startup.agree(TwoRanks(torch.tensor([0.0])), UserError("mine"))
-    assert startup.all_ok(TwoRanks(torch.tensor([0.0])), True)
-    assert not startup.all_ok(TwoRanks(torch.tensor([1.0])), True)
+        startup.agree(FakeRuntime(2, others=[torch.tensor([0.0])]), UserError("mine"))
+    assert startup.all_ok(FakeRuntime(2, others=[torch.tensor([0.0])]), True)
+    assert not startup.all_ok(FakeRuntime(2, others=[torch.tensor([1.0])]), True)
 
 
 def test_round_record_by_hand():
@@ -302,7 +280,7 @@ def test_cohort_trainer_trains_owned_clients_and_leaves_a_nonfinite_one_out(caps
     store = ClientStore(algo, {"w": torch.zeros(2)})
     agg = FlatAggregator({"w": torch.Size([2])}, 0, CPU)
     data = {c: SimpleNamespace(n_train=n) for c, n in ((0, 4), (1, 2), (3, 5))}
-    trainer = CohortTrainer(Config(seed=1), SimpleNamespace(rank=0, device=CPU), algo, store, data,
+    trainer = CohortTrainer(Config(seed=1), FakeRuntime(), algo, store, data,
                             np.array([0, 0, 1, 0]), False, agg, Compressor("none", 1.0, 32, False, agg.shapes))
     train, payloads = trainer.train(5, [0, 1, 2, 3], RoundProbes(0, 4, 5, False))
     assert [(t, c) for t, c, _ in algo.seen] == [(5, 0), (5, 1), (5, 3)]  # client 2 lives on rank 1

@@ -6,27 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import FakeRuntime
 from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.errors import UserError
 from fedcp_dist.placement import cohort_size, place_clients, sample_cohort, stream_seed
 from fedcp_dist.runtime import Endpoint, detect_launcher, expand_nodelist, resolve_endpoint, tasks_per_node
-
-
-class OneRank:
-    def all_reduce_sum_(self, t):
-        return t
-
-
-class FakeRanks:
-    """Sums buffers handed in by several aggregators, as an all-reduce would."""
-
-    def __init__(self, aggs):
-        self.aggs = aggs
-
-    def all_reduce_sum_(self, t):
-        total = sum(a.buffer.clone() for a in self.aggs)
-        t.copy_(total)
-        return t
 
 
 def test_weighted_average_hand_computed():
@@ -35,7 +19,7 @@ def test_weighted_average_hand_computed():
     agg.add({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)}, weight=1)
     agg.add({"w": torch.tensor([4.0, 8.0]), "b": torch.tensor(0.0)}, weight=3)
     agg.add_metrics([5.0])
-    mean, total, metrics = agg.reduce(OneRank())
+    mean, total, metrics = agg.reduce(FakeRuntime())
     assert total == 4
     assert mean["w"].tolist() == pytest.approx([(1 + 12) / 4, (2 + 24) / 4])
     assert mean["b"].item() == pytest.approx(3 / 4)
@@ -49,12 +33,12 @@ def test_weighted_average_split_over_ranks_equals_one_rank():
     one = FlatAggregator(spec, 0, torch.device("cpu"))
     for u, n in ups:
         one.add({"w": u}, n)
-    m1, t1, _ = one.reduce(OneRank())
+    m1, t1, _ = one.reduce(FakeRuntime())
     a, b = FlatAggregator(spec, 0, torch.device("cpu")), FlatAggregator(spec, 0, torch.device("cpu"))
     a.add({"w": ups[0][0]}, ups[0][1])
     b.add({"w": ups[1][0]}, ups[1][1])
     b.add({"w": ups[2][0]}, ups[2][1])
-    ranks = FakeRanks([a, b])
+    ranks = FakeRuntime(2, others=[b.buffer])  # rank 1's buffer, added in a's all-reduce
     m2, t2, _ = a.reduce(ranks)
     assert t1 == t2 == 8
     assert torch.allclose(m1["w"], m2["w"])

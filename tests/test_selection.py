@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from helpers import FakeRuntime
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
 from fedcp_dist.placement import sample_cohort
@@ -111,19 +112,12 @@ def test_feature_means_as_the_selection_vector_and_their_probabilities():
     # v̄ = [2/3, 2/3, 0], cos = 1/√2, 1/√2, 0 → w = [10c, 20c, 30] with c = 1 − 1/√2
     states = {0: {"fmean": torch.tensor([2.0, 0, 0])}, 1: {"fmean": torch.tensor([0, 2.0, 0])}}
 
-    class OneRank:
-        device = torch.device("cpu")
-
-        @staticmethod
-        def all_reduce_sum_(t):
-            return t
-
     class Store:
         @staticmethod
         def peek(c):
             return states.get(c)
 
-    vectors = gather_client_vectors(OneRank, algo, Store, [0, 1, 2], 3)
+    vectors = gather_client_vectors(FakeRuntime(), algo, Store, [0, 1, 2], 3)
     assert vectors.tolist() == [[2, 0, 0], [0, 2, 0], [0, 0, 0]]
     c = 1 - 1 / math.sqrt(2)
     w = [10 * c, 20 * c, 30]
