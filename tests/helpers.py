@@ -1,5 +1,5 @@
-"""Builders the tests share: in-process runs, a fault-injecting algorithm wrapper, small clients
-and models, and processes started and killed as a scheduler would."""
+"""Builders the tests share: in-process runs, a fake runtime, a fault-injecting algorithm wrapper and
+an algorithm stand-in, small clients and models, and processes started and killed as a scheduler would."""
 from __future__ import annotations
 
 import csv
@@ -135,6 +135,20 @@ class FakeRuntime:
 
     def barrier(self) -> None:
         pass
+
+
+class Recorder:
+    """An algorithm stand-in that records what the store hands it."""
+
+    def __init__(self):
+        self.globals, self.inits = [], []
+
+    def set_global(self, gs):
+        self.globals.append(dict(gs))
+
+    def init_client_state(self, cid):
+        self.inits.append(cid)
+        return {"w": torch.full((2,), float(cid))}
 
 
 def partition_shares(labels, num_classes: int, kind: str, num_clients: int, seed: int, **options) -> list:
