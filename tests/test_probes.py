@@ -4,7 +4,6 @@ bit-identical, analysis.jsonl holds what it says, survives a resume, and 1 and 2
 import json
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
