@@ -85,13 +85,15 @@ class FlatAggregator:
         self.group_totals: Dict[str, tuple] = {}
         self.begin_round()
 
-    def begin_round(self, skipped_groups: Sequence[str] = ()) -> None:
+    def begin_round(self, skipped_groups: Sequence[str] = (), uploads: bool = True) -> None:
         """Lay out and zero the buffer of a round whose clients all leave out ``skipped_groups``:
         their tensors are not in it (the buffer is the first part of the full one), the rest packed
-        in order. A group none of whose tensors is aggregated here is no group of this buffer."""
+        in order. A group none of whose tensors is aggregated here is no group of this buffer.
+        ``uploads=False``: a reduction without training (the evaluation after the last round),
+        whose buffer holds no tensor, only the weights, the metric sums and the extra part."""
         self.round_skipped = frozenset(skipped_groups) & set(self.groups)
         #: the tensors in this round's buffer, and where each starts
-        self.sent = [k for k in self.names if self.group_of.get(k) not in self.round_skipped]
+        self.sent = [k for k in self.names if uploads and self.group_of.get(k) not in self.round_skipped]
         self.offsets, off = {}, 0
         for k in self.sent:
             self.offsets[k] = off

@@ -17,6 +17,8 @@ from typing import Dict, Optional
 
 import torch
 
+from fedcp_dist.fileio import atomic_torch_save
+
 State = Dict[str, torch.Tensor]
 
 BN_STAT_SUFFIXES = (".running_mean", ".running_var")
@@ -289,10 +291,8 @@ class DiskClientStore(ClientStore):
         return torch.load(self._path(cid), map_location=self.device, weights_only=True)
 
     def _write(self, cid: int, state: State) -> None:
-        path = self._path(cid)
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
+        # complete or absent, but not synced: the files are this run's working space, not its record
+        atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self._path(cid), durable=False)
 
     def prefetch(self, order) -> None:
         """Clients are about to be used in this order: each use reads the next ones ahead.

@@ -29,6 +29,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from fedcp_dist.client_store import BN_STAT_SUFFIXES
 from fedcp_dist.options import Option, one_of, within
 
 COMPRESS_MODES = ("none", "topk")
@@ -195,8 +196,6 @@ def upload_parts(algo, global_state: Mapping[str, torch.Tensor], aggregate_bn_st
     averaged key (``features``, ``head``, ``cpn``, ...), in upload order. The keys are those the
     engine averages: the method's upload keys less the BatchNorm running statistics, which stay with
     each client unless ``aggregate_bn_stats``. The dense upload is 4 bytes an entry."""
-    from fedcp_dist.client_store import BN_STAT_SUFFIXES
-
     out: Dict[str, int] = {}
     for key in algo.upload_keys(global_state):
         if not aggregate_bn_stats and key.endswith(BN_STAT_SUFFIXES):
@@ -213,14 +212,6 @@ def skipped_part_saving(share: float, sent_rounds: int, rounds: int) -> float:
     if rounds <= 0 or not 0 <= sent_rounds <= rounds:
         raise ValueError(f"sent_rounds must lie in 0..rounds, got {sent_rounds} of {rounds}")
     return share * (1.0 - sent_rounds / rounds)
-
-
-def _peer_method(method: str) -> bool:
-    from fedcp_dist.algorithms import ALGORITHMS
-    from fedcp_dist.algorithms.peers import PeerBankMethod
-
-    cls = ALGORITHMS.get(method)
-    return cls is not None and issubclass(cls, PeerBankMethod)
 
 
 class CompressionOptions:
@@ -243,7 +234,7 @@ class CompressionOptions:
             for key, default in (("compress_ratio", 1.0), ("compress_bits", 32), ("compress_error_feedback", False)):
                 if getattr(cfg, key) != default:
                     return key, f"applies with compress=topk only (compress is none), got {getattr(cfg, key)!r}"
-        elif _peer_method(cfg.method):
+        elif not cfg.method_class.averages_uploads:
             return "compress", (f"{cfg.method} averages no uploads (its models travel in the peer exchange); "
                                 f"use compress=none")
         return None

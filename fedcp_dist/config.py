@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import yaml
 
-from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
+from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, method_options, option_classes
 from fedcp_dist.client_store import CLIENT_STATE_MODES
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import FASTTEXT_FEATURES, FASTTEXT_MEANS, MODELS
@@ -164,6 +164,11 @@ class _ConfigMethods:
         return dataclasses.asdict(self)
 
     @property
+    def method_class(self) -> type:
+        """The class of the configured method (an option class asks it what the method does)."""
+        return algorithm_class(self.method, self)
+
+    @property
     def probe_every(self) -> int:
         """Rounds between training probes (0: analysis off); ``analysis: true`` alone means every round."""
         return self.analysis_every or (1 if self.analysis else 0)
@@ -222,7 +227,7 @@ class _ConfigMethods:
         logger_why = logger_problem(self.logger)
         if logger_why:
             bad("logger", logger_why)
-        if self.probe_every and not ALGORITHMS[self.method].probes:
+        if self.probe_every and not self.method_class.probes:
             with_probes = ", ".join(m for m, cls in ALGORITHMS.items() if cls.probes)
             bad("analysis" if self.analysis else "analysis_every",
                 f"{self.method} has no probes (they measure FedCP's policy; methods with probes: {with_probes})")

@@ -1,34 +1,47 @@
 """Whole-file writes that are either complete or absent: temporary name, flush, fsync, rename."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterator
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(f)`` on a temporary file beside ``path`` and rename it over ``path`` when done.
+@contextlib.contextmanager
+def atomic_path(path, durable: bool = True) -> Iterator[Path]:
+    """Yield a temporary name beside ``path`` to write the file under; when the block ends without
+    error the file is synced to disk (``durable``) and renamed over ``path``.
 
     On any error the temporary file is removed and an existing ``path`` is left as it was.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
+    """Call ``write(f)`` on a temporary file beside ``path`` and rename it over ``path`` when done
+    (:func:`atomic_path`)."""
+    with atomic_path(path, durable) as tmp, open(tmp, "wb") as f:
+        write(f)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def atomic_torch_save(obj, path: Path) -> None:
+def atomic_torch_save(obj, path: Path, durable: bool = True) -> None:
     import torch  # here, so that command-line tools that never save tensors start fast
 
-    atomic_write(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f), durable)

@@ -53,14 +53,14 @@ class EvalTally:
 class ProbeTable:
     """A round's per-client probes on this rank, one row per client of the run (float64)."""
 
-    def __init__(self, num_clients: int, train: bool = True):
+    def __init__(self, num_clients: int):
         self.num_clients = num_clients
-        self.train = torch.zeros(num_clients if train else 0, TRAIN_WIDTH, dtype=torch.float64)
+        self.train = torch.zeros(num_clients, TRAIN_WIDTH, dtype=torch.float64)
         self.eval = torch.zeros(num_clients, EVAL_WIDTH, dtype=torch.float64)
 
     @staticmethod
-    def size(num_clients: int, train: bool = True) -> int:
-        return num_clients * ((TRAIN_WIDTH if train else 0) + EVAL_WIDTH)
+    def size(num_clients: int) -> int:
+        return num_clients * (TRAIN_WIDTH + EVAL_WIDTH)
 
     def add_train(self, cid: int, samples: int, s_sum: float, loss_bef_sum: float, loss_aft_sum: float,
                   loss_samples: int) -> None:
@@ -76,8 +76,8 @@ class ProbeTable:
         return torch.cat([self.train.reshape(-1), self.eval.reshape(-1)])
 
     @classmethod
-    def from_flat(cls, values: torch.Tensor, num_clients: int, train: bool = True) -> "ProbeTable":
-        table = cls(num_clients, train)
+    def from_flat(cls, values: torch.Tensor, num_clients: int) -> "ProbeTable":
+        table = cls(num_clients)
         values = values.detach().to("cpu", torch.float64)
         n = table.train.numel()
         table.train = values[:n].reshape(table.train.shape).clone()
@@ -96,7 +96,7 @@ class ProbeTable:
                     out.append({"kind": "eval", "evaluated_after": int(evaluated_after), "client": c,
                                 "samples": int(m), "pir": _share(s_sum / m),
                                 "s_hist": [int(v) for v in self.eval[c, 3:].tolist()]})
-        if round_idx is not None and self.train.numel():
+        if round_idx is not None:
             for c in range(self.num_clients):
                 flag, n, s_sum, bef, aft, n_loss = self.train[c].tolist()
                 if flag > 0 and n > 0 and n_loss > 0:
@@ -113,20 +113,20 @@ class RoundProbes:
     says so, puts :meth:`pack` at the end of the round's all-reduce (one call in) and turns the
     reduced values into ``analysis.jsonl`` lines with :meth:`records` (one call out). With the
     probes off (``every`` = 0) nothing is gathered, :meth:`pack` is None and :meth:`records` empty.
-    ``final``: the evaluation after the last round (no training rows)."""
+    ``final``: the evaluation after the last round (its training rows stay empty)."""
 
     def __init__(self, every: int, num_clients: int, t: int, evaluated: bool, final: bool = False):
-        self.on, self.num_clients, self.t, self.final = every > 0, num_clients, t, final
+        self.on, self.num_clients, self.t = every > 0, num_clients, t
         #: whether round t trains with probes (rounds 1, k + 1, 2k + 1, … of analysis_every: k)
         self.train = self.on and not final and t % every == 0
         #: {client: EvalTally} the evaluation fills (None: no evaluation probes this round)
         self.evals: Optional[Dict[int, EvalTally]] = {} if self.on and evaluated else None
-        self.table = ProbeTable(num_clients, train=not final) if self.on else None
+        self.table = ProbeTable(num_clients) if self.on else None
 
     @staticmethod
-    def size(every: int, num_clients: int, final: bool = False) -> int:
+    def size(every: int, num_clients: int) -> int:
         """Values :meth:`pack` adds to the all-reduce (0: probes off)."""
-        return ProbeTable.size(num_clients, train=not final) if every else 0
+        return ProbeTable.size(num_clients) if every else 0
 
     def add_train(self, cid: int, result, losses: tuple, loss_samples: int) -> None:
         """Client ``cid``'s training probes: its round's samples and Σ s̄ (from the result's
@@ -145,7 +145,7 @@ class RoundProbes:
         round evaluated) and round t's training (if it probed)."""
         if not self.on:
             return []
-        table = ProbeTable.from_flat(reduced, self.num_clients, train=not self.final)
+        table = ProbeTable.from_flat(reduced, self.num_clients)
         return table.records(self.t if self.train else None, self.t if self.evals is not None else None)
 
 

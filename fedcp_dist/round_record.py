@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
+
 from fedcp_dist.aggregate import TrainSums
 from fedcp_dist.compress import byte_totals
 from fedcp_dist.evaluation import EvalSums
-from fedcp_dist.rundir import run_summary
 from fedcp_dist.selection import selection_counts
 
 #: the times of a round's record, in its order (peer_exchange_seconds only where the method exchanges models)
@@ -29,24 +30,35 @@ def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSu
     if with_cohort:
         record["cohort"] = [int(c) for c in cohort]
     if ev is not None:
-        record.update({"evaluated_after": t, **ev.summary()})
+        record.update(evaluation_record(t, ev))
     return record
 
 
-def final_eval(rounds: int, values: Sequence[float]) -> dict:
-    """The evaluation after the last round from its reduced :class:`EvalSums` values."""
-    return {"evaluated_after": rounds, **EvalSums.from_values(list(values)).summary()}
+def evaluation_record(rounds_done: int, ev: EvalSums) -> dict:
+    """An evaluation's numbers from its reduced sums: that of a round (before its training) and the
+    one after the last round alike."""
+    return {"evaluated_after": rounds_done, **ev.summary()}
 
 
-def summary(cfg, rt, setup, num_clients: int, records: list, final: dict, round_seconds: list,
-            with_selection: bool) -> dict:
-    """summary.json: :func:`~fedcp_dist.rundir.run_summary`, which of the shard's clients the run's
-    0 … K − 1 are (a run on part of a shard), the run's byte totals and, with feature-difference
-    selection, the rounds each client trained in."""
-    out = run_summary(cfg, rt, setup.info.source, num_clients, records, final, round_seconds, setup.load_seconds)
+def summary_json(cfg, rt, setup, num_clients: int, records: list, final: dict, round_seconds: list,
+                 with_selection: bool) -> dict:
+    """summary.json of a finished run: the best evaluation over the rounds (the paper's reported
+    number), the final one (``final``), where and how fast it ran, which of the shard's clients the
+    run's 0 … K − 1 are (a run on part of a shard), the run's byte totals and, with
+    feature-difference selection, the rounds each client trained in."""
+    best = max([r for r in records if "acc" in r] + [final], key=lambda r: r["acc"])
+    out = {
+        "method": cfg.method, "source": setup.info.source, "num_clients": num_clients, "rounds": cfg.rounds,
+        "best_acc": best["acc"], "best_after_rounds": best["evaluated_after"], "final_acc": final["acc"],
+        "final_acc_client_mean": final["acc_client_mean"], "final_auc": final["auc"],
+        "seconds_per_round": float(np.mean(round_seconds)), "world_size": rt.world_size, "launcher": rt.launcher,
+        "device": str(rt.device), "load_seconds": setup.load_seconds,
+        # binary tasks (two classes) only
+        **{f"final_{k}": final[k] for k in ("balanced_acc", "pos_recall") if k in final},
+    }
     if cfg.data.clients is not None:
         out["shard_clients"] = setup.clients.tolist()
     out.update(byte_totals(records))
     if with_selection:
-        out["selection_counts"] = selection_counts(records, num_clients)
+        out["selection_counts"] = selection_counts((r.get("cohort", ()) for r in records), num_clients)
     return out

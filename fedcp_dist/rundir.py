@@ -27,6 +27,7 @@ from typing import IO, Any, Optional
 import numpy as np
 import yaml
 
+from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.config import Config, flatten, legacy_defaults
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
@@ -100,19 +101,14 @@ NOT_DEFINING: dict = {
 RESUMABLE_DEFINING = ("rounds", "eval_every")
 #: every key that may change when a run resumes; any other change is refused
 RESUMABLE_CHANGES = (*NOT_DEFINING, *RESUMABLE_DEFINING)
-#: methods whose training depends on the total number of rounds, so that ``rounds`` must not change
-#: on resume: FedPHP's moving-average weight rises over a client's expected participations,
-#: participation · rounds
-ROUNDS_SCHEDULED_METHODS = ("fedphp",)
 
 
 def rounds_scheduled(cfg: dict) -> str:
-    """Why this (flat) config's training depends on the total number of rounds ("": it does not)."""
-    if cfg.get("method") in ROUNDS_SCHEDULED_METHODS:
-        return f"{cfg['method']}'s training depends on the total number of rounds; "
-    if cfg.get("method") == "fedcp" and (cfg.get("tau_final") is not None or cfg.get("cpn_lr_schedule") == "cosine"):
-        return "tau_final and cpn_lr_schedule=cosine anneal over the total number of rounds; "
-    return ""
+    """Why this (flat) config's training depends on the total number of rounds ("": it does not):
+    the method's class answers (:meth:`~fedcp_dist.algorithms.base.Algorithm.rounds_scheduled`)."""
+    cls = ALGORITHMS.get(cfg.get("method"))
+    why = cls.rounds_scheduled(cfg) if cls is not None else None
+    return f"{why}; " if why else ""
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
@@ -147,7 +143,7 @@ def check_resume_config(checkpointed: dict, current: dict, out_dir) -> None:
     """Refuse to resume the checkpointed run in ``out_dir`` under ``current``: a UserError naming the key.
 
     Any change of a key outside RESUMABLE_CHANGES is refused, and so is a change of ``rounds`` for
-    a method whose training depends on it (ROUNDS_SCHEDULED_METHODS).
+    a method whose training depends on it (:func:`rounds_scheduled`).
     """
     old, new = _flat_with_defaults(checkpointed), _flat_with_defaults(current)
     for key in config_changes(old, new):
@@ -439,22 +435,6 @@ def format_value(value: Any) -> str:
     if value is None:
         return "null"
     return str(value)
-
-
-def run_summary(cfg, rt, source: str, num_clients: int, records: list, final: dict, round_seconds: list,
-                load_seconds: float) -> dict:
-    """summary.json of a finished run: the best evaluation over the rounds (the paper's reported
-    number), the final one, and where and how fast it ran."""
-    best = max([r for r in records if "acc" in r] + [final], key=lambda r: r["acc"])
-    return {
-        "method": cfg.method, "source": source, "num_clients": num_clients, "rounds": cfg.rounds,
-        "best_acc": best["acc"], "best_after_rounds": best["evaluated_after"], "final_acc": final["acc"],
-        "final_acc_client_mean": final["acc_client_mean"], "final_auc": final["auc"],
-        "seconds_per_round": float(np.mean(round_seconds)), "world_size": rt.world_size, "launcher": rt.launcher,
-        "device": str(rt.device), "load_seconds": load_seconds,
-        # binary tasks (two classes) only
-        **{f"final_{k}": final[k] for k in ("balanced_acc", "pos_recall") if k in final},
-    }
 
 
 def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:

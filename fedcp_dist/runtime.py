@@ -92,11 +92,6 @@ def slurm_hosts(nodelist: str) -> list:
     return expand_nodelist(nodelist)
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``"gpu[007-009,12],cpu1"`` → ``"gpu007"``."""
-    return expand_nodelist(nodelist)[0]
-
-
 def tasks_per_node(spec: str) -> list:
     """``SLURM_STEP_TASKS_PER_NODE`` such as ``"4(x2),3"`` → ``[4, 4, 3]`` (one count per node of the step)."""
     counts = []

@@ -70,13 +70,6 @@ def sample_cohort_weighted(seed: int, round_idx: int, probs: np.ndarray, partici
     return np.sort(rng.choice(len(probs), size=m, replace=False, p=probs))
 
 
-def _keeps_client_vector(method: str) -> bool:
-    from fedcp_dist.algorithms import ALGORITHMS
-
-    cls = ALGORITHMS.get(method)
-    return cls is not None and cls.has_client_vector
-
-
 class SelectionOptions:
     """The config keys of client selection."""
 
@@ -98,9 +91,8 @@ class SelectionOptions:
         if cfg.client_selection == "uniform" and cfg.selection_vector != "client":
             return "selection_vector", (f"applies with client_selection=feature_difference only (it is uniform), "
                                         f"got {cfg.selection_vector!r}")
-        if cfg.client_selection == "feature_difference" and not _keeps_client_vector(cfg.method):
-            return "client_selection", (f"feature_difference needs a method that keeps a client vector (fedcp); "
-                                        f"{cfg.method} keeps none")
+        if cfg.client_selection == "feature_difference" and not cfg.method_class.has_client_vector:
+            return "client_selection", f"feature_difference needs a method that keeps a client vector; {cfg.method} keeps none"
         return None
 
 
@@ -124,10 +116,10 @@ def draw_cohort(cfg, t: int, train_counts, vectors):
     return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range, cfg.participation_draw)
 
 
-def selection_counts(records, num_clients: int) -> list:
-    """Rounds each client trained in, from the round records' ``cohort`` lists."""
+def selection_counts(cohorts, num_clients: int) -> list:
+    """Rounds each client trained in, from the rounds' cohorts (each a list of client ids)."""
     counts = [0] * num_clients
-    for r in records:
-        for c in r.get("cohort", ()):
-            counts[c] += 1
+    for cohort in cohorts:
+        for c in cohort:
+            counts[int(c)] += 1
     return counts

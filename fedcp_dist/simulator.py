@@ -13,11 +13,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import torch
-
 from fedcp_dist import startup
 from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
-from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.checkpoint import Checkpointer
 from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
 from fedcp_dist.compress import Compressor, uplink_record
@@ -26,7 +23,7 @@ from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
 from fedcp_dist.probes import RoundProbes
-from fedcp_dist.round_record import final_eval, round_record, summary as run_summary
+from fedcp_dist.round_record import evaluation_record, round_record, summary_json
 from fedcp_dist.rundir import RunWriter, prepare_out_dir, progress_line, result_table
 from fedcp_dist.runtime import Runtime, StopSignals
 from fedcp_dist.selection import draw_cohort, gather_client_vectors
@@ -45,12 +42,9 @@ class Simulator:
         self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
 
-        torch.manual_seed(cfg.seed)  # the same initial model on every rank
-        model = startup.model_for_shard(cfg, s.info)
-        algo = make_algorithm(cfg.method, cfg, model, rt.device)
-        algo.num_clients = self.num_clients
+        algo = startup.build_method(cfg, s.info, self.num_clients, rt.device)  # the same initial model on every rank
         self.algo = wrap(algo) if wrap else algo
-        self.peer_bytes = startup.check_peer_memory(cfg, algo, self.num_clients,
+        startup.check_peer_memory(cfg, algo, self.num_clients,
                                                     int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
         global_state = algo.init_global_state()
         self.store, self.store_line = make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank)
@@ -193,15 +187,17 @@ class Simulator:
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
         probes = RoundProbes(self.probe_every, self.num_clients, cfg.rounds, evaluated=True, final=True)
-        values = torch.tensor(self.evaluate(cfg.rounds, probes.evals).values(), dtype=torch.float64)
-        if probes.on:  # the clients' evaluation probes ride in the same all-reduce
-            values = torch.cat([values, probes.pack()])
-        values = rt.all_reduce_sum_(values.to(rt.device)).cpu()
-        e = final_eval(cfg.rounds, values[:EvalSums.size()].tolist())
-        self.writer.log_analysis(probes.records(values[EvalSums.size():]))
+        ev = self.evaluate(cfg.rounds, probes.evals)
+        # the rounds' reduction, with no upload in the buffer: the sums and probes of a round without training
+        self.agg.begin_round(uploads=False)
+        if probes.on:
+            self.agg.add_extra(probes.pack())
+        _, _, (_, ev) = reduce_sums(self.agg, rt, TrainSums(), ev)
+        e = evaluation_record(cfg.rounds, ev)
+        self.writer.log_analysis(probes.records(self.agg.extra()))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self.echo(progress_line(cfg.rounds, e, None))
-        summary = run_summary(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,
+        summary = summary_json(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,
                               self.select_by_features)
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fedcp_dist import fused
+from fedcp_dist.algorithms import Algorithm, make_algorithm
 from fedcp_dist.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
@@ -112,6 +113,17 @@ def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
         raise UserError(f"config key 'model': {cfg.model!r} on {what} gives outputs of shape {list(out.shape[1:])}, "
                         f"not the shard's {info.num_classes} classes")
     return model
+
+
+def build_method(cfg, info: ShardInfo, num_clients: int, device) -> Algorithm:
+    """The run's method on its initial model: the config's seed, then the model for the shard
+    (:func:`model_for_shard`), then the algorithm. The one place that draws them, in this order, so
+    that every rank and every later rebuild of the run (:mod:`fedcp_dist.analysis.runstate`) starts
+    from the same model."""
+    torch.manual_seed(cfg.seed)
+    algo = make_algorithm(cfg.method, cfg, model_for_shard(cfg, info), device)
+    algo.num_clients = num_clients
+    return algo
 
 
 def place(cfg, train_counts, world_size: int) -> Tuple[np.ndarray, str, np.ndarray]:

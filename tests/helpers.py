@@ -1,5 +1,5 @@
-"""Builders the tests share: in-process runs, a fault-injecting algorithm wrapper, small clients
-and models, and processes started and killed as a scheduler would."""
+"""Builders the tests share: in-process runs, a fake runtime, a fault-injecting algorithm wrapper and
+an algorithm stand-in, small clients and models, and processes started and killed as a scheduler would."""
 from __future__ import annotations
 
 import csv
@@ -109,6 +109,53 @@ def resume_before_last_checkpoint(config: str, overrides_for, done: Path, resume
     shutil.rmtree(resumed / "checkpoints" / f"round_{rounds:07d}")
     run(config, overrides_for(resumed))
     return load_run(resumed)
+
+
+class FakeRuntime:
+    """What the engine uses of :class:`~fedcp_dist.runtime.Runtime`, for tests in one process: rank
+    ``rank`` of ``world_size``, whose collectives add what the other ranks hand in, ``others`` (their
+    tensors, filled by the time of the collective; none: a collective hands back this rank's own)."""
+
+    def __init__(self, world_size: int = 1, rank: int = 0, others=(), device="cpu", launcher: str = "single",
+                 threads: int = 1):
+        self.world_size, self.rank, self.others = world_size, rank, list(others)
+        self.device, self.launcher, self.threads, self.phase = torch.device(device), launcher, threads, "start-up"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        for other in self.others:
+            t.add_(other.to(t.device, t.dtype))
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t, *self.others])
+
+    def barrier(self) -> None:
+        pass
+
+
+class Recorder:
+    """An algorithm stand-in that records what the store hands it."""
+
+    def __init__(self):
+        self.globals, self.inits = [], []
+
+    def set_global(self, gs):
+        self.globals.append(dict(gs))
+
+    def init_client_state(self, cid):
+        self.inits.append(cid)
+        return {"w": torch.full((2,), float(cid))}
+
+
+def partition_shares(labels, num_classes: int, kind: str, num_clients: int, seed: int, **options) -> list:
+    """The ``(train_idx, test_idx)`` pairs of :func:`~fedcp_dist.data.partition.partition_clients`."""
+    from fedcp_dist.data.partition import partition_clients
+
+    return partition_clients(labels, num_classes, kind, num_clients, seed, **options).shares
 
 
 # ---------------------------------------------------------------- small clients and models

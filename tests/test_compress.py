@@ -3,6 +3,7 @@ byte accounting, on small tensors whose results are worked out by hand."""
 import pytest
 import torch
 
+from helpers import FakeRuntime
 from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.client_store import ClientStore
 from fedcp_dist.compress import (Compressor, byte_totals, compress_tensor, index_bytes, index_width, kept_count,
@@ -75,7 +76,7 @@ def test_every_averaging_run_counts_its_uplink_and_a_partly_sent_group_only_by_i
     agg.add(one, 3)
     agg.add(one, 2, skip=["policy"])  # the second client leaves its CPN out
     agg.add_metrics([0.0])
-    agg.reduce(_OneRank())
+    agg.reduce(FakeRuntime())
     plain = Compressor("none", 1.0, 32, False, shapes)
     # dense: a from both (2 · 40), p from one (24); sent = the same, saved = the one skipped p
     assert uplink_record(plain, agg, 2, 2) == {"uplink_bytes": 104, "uplink_bytes_dense": 104,
@@ -88,7 +89,7 @@ def test_every_averaging_run_counts_its_uplink_and_a_partly_sent_group_only_by_i
     flat = FlatAggregator({"a": torch.Size([10])}, 1, torch.device("cpu"))
     flat.add({"a": torch.ones(10)}, 1)
     flat.add_metrics([0.0])
-    flat.reduce(_OneRank())
+    flat.reduce(FakeRuntime())
     assert uplink_record(Compressor("none", 1.0, 32, False, {"a": (10,)}), flat, 3, 4) == {
         "uplink_bytes": 120, "uplink_bytes_dense": 120, "downlink_bytes": 160, "downlink_bytes_dense": 160}
     # a method that averages nothing (its models travel in the peer exchange) counts nothing here
@@ -96,16 +97,11 @@ def test_every_averaging_run_counts_its_uplink_and_a_partly_sent_group_only_by_i
     assert uplink_record(Compressor("none", 1.0, 32, False, {}), none, 3, 3) == {}
 
 
-class _OneRank:
-    def all_reduce_sum_(self, t):
-        return t
-
-
 def test_server_adds_the_weighted_mean_of_the_decoded_deltas_to_its_model():
     agg = FlatAggregator({"w": torch.Size([2])}, 0, torch.device("cpu"))
     agg.add({"w": torch.tensor([1.0, 0.0])}, 1)
     agg.add({"w": torch.tensor([0.0, 3.0])}, 3)
-    mean, total, _ = agg.reduce(_OneRank(), base={"w": torch.tensor([10.0, 10.0])})
+    mean, total, _ = agg.reduce(FakeRuntime(), base={"w": torch.tensor([10.0, 10.0])})
     assert total == 4 and mean["w"].tolist() == [10.25, 12.25]  # 10 + [1·1, 3·3] / 4
     assert mean["w"].dtype == torch.float32
 
@@ -151,7 +147,7 @@ def test_a_round_that_skips_a_group_sends_and_counts_only_the_rest():
     agg.add(decoded, 3)
     agg.add(decoded, 2)
     agg.add_metrics([0.0])
-    agg.reduce(_OneRank(), base=g)
+    agg.reduce(FakeRuntime(), base=g)
     # a: k = 5, 5 codes + scale and offset 8 + min(5 indices, a 2-byte bitmap) = 15 bytes (40 dense) per uploader
     assert uplink_record(c, agg, 2, 2) == {"uplink_bytes": 2 * 15, "uplink_bytes_dense": 2 * 40,
                                            "downlink_bytes": 2 * 64, "downlink_bytes_dense": 2 * 64,

@@ -136,6 +136,26 @@ def test_a_method_adds_its_keys_in_its_own_file(monkeypatch, digits6):
         config.load_config(None, [f"data.path={digits6}", "extra_gain=high"])
 
 
+def test_compression_and_selection_ask_the_method_class(monkeypatch, digits6):
+    """Upload compression needs a method whose uploads are averaged, feature-difference selection one
+    with a client vector: each asks the configured method's class, whatever its name."""
+    from fedcp_dist.algorithms.fedavg import FedAvg
+
+    base = [f"data.path={digits6}", "participation=0.5"]
+    with pytest.raises(UserError, match=r"^config key 'compress': fedamp averages no uploads .*use compress=none$"):
+        load_config(None, [*base, "method=fedamp", "compress=topk"])
+    assert load_config(None, [*base, "method=fedavg", "compress=topk"]).compress == "topk"
+    with pytest.raises(UserError, match=r"^config key 'client_selection': feature_difference needs a method that keeps "
+                                        r"a client vector; fedavg keeps none$"):
+        load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"])
+    for method in ("fedcp", "fedcp_variant"):
+        extra = ["cpn_layers=2"] if method == "fedcp_variant" else []
+        cfg = load_config(None, [*base, "method=fedcp", "client_selection=feature_difference", *extra])
+        assert cfg.method_class.has_client_vector and cfg.method_class.__name__ == {"fedcp": "FedCP", "fedcp_variant": "FedCPVariant"}[method]
+    monkeypatch.setattr(FedAvg, "has_client_vector", True)
+    assert load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"]).method == "fedavg"
+
+
 def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch, digits6):
     """``fedcp-run --ranks N`` is ``torchrun --standalone --nproc_per_node=N -m fedcp_dist.run`` with
     the same arguments, each rank its share of the cores, torchrun's SIGTERM grace raised; a bad
@@ -183,14 +203,11 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
 
 
 def test_start_line_points_a_one_process_run_on_several_cores_to_ranks():
-    from types import SimpleNamespace
-
-    import torch
-
     from fedcp_dist.startup import ranks_hint
+    from helpers import FakeRuntime
 
     def rt(launcher, device, threads):
-        return SimpleNamespace(launcher=launcher, device=torch.device(device), threads=threads)
+        return FakeRuntime(device=device, launcher=launcher, threads=threads)
 
     assert ranks_hint(rt("single", "cpu", 4)) == "; one rank per core trains faster: fedcp-run --ranks auto (or torchrun)"
     assert ranks_hint(rt("single", "cpu", 1)) == ""  # one thread: nothing to gain

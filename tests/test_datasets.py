@@ -21,9 +21,9 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import agnews_rows, expect_user_error, make_cifar10, run, write_agnews, write_pickle
+from helpers import agnews_rows, expect_user_error, make_cifar10, partition_shares, run, write_agnews, write_pickle
 from fedcp_dist.cli.partition import main
-from fedcp_dist.data.partition import client_rows, make_partition
+from fedcp_dist.data.partition import client_rows
 from fedcp_dist.data.resident import to_device
 from fedcp_dist.data.shards import (FORMAT_VERSION, IMAGE_FORMAT_VERSION, TEXT_FORMAT_VERSION,
                                     WRITE_SAMPLES, Rows, load_clients, read_info, read_vocab,
@@ -534,7 +534,7 @@ def test_rows_are_written_a_block_at_a_time(tmp_path):
     n = WRITE_SAMPLES * 3 + 37
     base = np.random.default_rng(0).integers(0, 256, (n + 10, 1, 2, 2), dtype=np.uint8)
     labels = np.arange(n + 10) % 3
-    shares = make_partition(labels, 3, "iid", 2, seed=0)
+    shares = partition_shares(labels, 3, "iid", 2, seed=0)
     parts = list(client_rows(base, labels, shares))
     assert isinstance(parts[0][0], Rows) and isinstance(parts[0][2], Rows)
     path = tmp_path / "r.h5"

@@ -278,3 +278,25 @@ def test_bad_shards_are_refused_before_training(digits6, tmp_path):
     _refused(_args(digits6, tmp_path / "f", "rounds=1", "data.num_clients=20"), "'data.num_clients'")
     for sub in "abcdef":
         assert not (tmp_path / sub / "metrics.jsonl").exists()
+
+
+# -- whole-file writes -----------------------------------------------------------------------------
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """Every whole-file write of the project (run files, checkpoints, shards, spilled client states)
+    goes through fileio: on an error the file keeps its old contents and nothing else is left."""
+    import torch
+
+    from fedcp_dist.fileio import atomic_path, atomic_torch_save, atomic_write_bytes
+
+    path = tmp_path / "f.bin"
+    atomic_write_bytes(path, b"old")
+    for durable in (True, False):
+        with pytest.raises(OSError, match="disk full"):
+            with atomic_path(path, durable) as tmp:
+                tmp.write_bytes(b"half")
+                raise OSError(errno.ENOSPC, "disk full")
+        assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+    atomic_torch_save({"a": torch.arange(3.0)}, path, durable=False)
+    assert torch.load(path, weights_only=True)["a"].tolist() == [0.0, 1.0, 2.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]

@@ -2,13 +2,13 @@
 drop-out study's participant counts (participation_draw)."""
 import json
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import REPO, run_cmd
+from helpers import FakeRuntime
 from fedcp_dist import startup
 from fedcp_dist.config import load_config
 from fedcp_dist.data.shards import read_info
@@ -68,7 +68,7 @@ def test_every_rank_places_the_same_subset(digits20):
     cfg = load_config(CONFIG, [f"data.path={digits20}", "data.clients=5", "seed=3"])
     info = read_info(digits20)
     subset = client_subset(5, 3, 20)
-    setups = {(w, r): startup.load(cfg, SimpleNamespace(rank=r, world_size=w, device=torch.device("cpu")))
+    setups = {(w, r): startup.load(cfg, FakeRuntime(w, r))
               for w in (1, 2) for r in range(w)}
     for (w, r), s in setups.items():
         assert s.clients.tolist() == subset.tolist() and s.num_clients == 5

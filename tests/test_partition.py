@@ -6,11 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from fedcp_dist.data.partition import (PROBE_DRAWS, _top_up, least_samples, make_partition,
+from fedcp_dist.data.partition import (PROBE_DRAWS, _top_up, least_samples,
                                        min_split_samples, partition_clients, partition_dir,
                                        partition_iid, partition_pat, split_train_test)
 from fedcp_dist.data.sources import SOURCE_NAMES, load_source
 from fedcp_dist.errors import UserError
+from helpers import partition_shares
 
 
 def synthetic_labels(n=5000, num_classes=10, seed=0):
@@ -67,14 +68,14 @@ def test_min_split_samples(ratio, n):
 @pytest.mark.parametrize("kind", ["dir", "pat", "iid"])
 def test_every_sample_assigned_exactly_once(kind):
     labels = synthetic_labels()
-    pairs = make_partition(labels, 10, kind, 20, seed=3, beta=0.5)
+    pairs = partition_shares(labels, 10, kind, 20, seed=3, beta=0.5)
     assert len(pairs) == 20
     assert_exact_cover(flatten_pairs(pairs), len(labels))
 
 
 def test_pat_unbalanced_covers_and_limits_classes():
     labels = synthetic_labels()
-    pairs = make_partition(labels, 10, "pat", 20, seed=5, classes_per_client=2, balance=False)
+    pairs = partition_shares(labels, 10, "pat", 20, seed=5, classes_per_client=2, balance=False)
     shares = flatten_pairs(pairs)
     assert_exact_cover(shares, len(labels))
     sizes = [len(s) for s in shares]
@@ -148,7 +149,7 @@ def test_dir_impossible_least_names_the_option():
     # iid and dir need 2 samples per client (one train, one test) at train_ratio 0.75
     for kind in ("iid", "dir"):
         with pytest.raises(UserError, match=r"at most 50 clients \(--num-clients\)"):
-            make_partition(labels, 10, kind, 51, seed=0)
+            partition_shares(labels, 10, kind, 51, seed=0)
 
 
 def test_dir_tops_up_after_max_tries():
@@ -168,7 +169,7 @@ def test_dir_tops_up_after_max_tries():
     summary = part.report.summary()
     assert "none of 3 draws" in summary and "--max-tries reached" in summary
     assert f"topped up with {d.moved_samples} samples" in summary
-    again = make_partition(labels, 10, "dir", 20, seed=0, beta=0.01, batch_size=100, max_tries=3)
+    again = partition_shares(labels, 10, "dir", 20, seed=0, beta=0.01, batch_size=100, max_tries=3)
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
                for a, b in zip(part.shares, again))
 
@@ -237,8 +238,8 @@ def test_iid_and_pat_reports():
 def test_no_global_rng_use():
     np.random.seed(123)
     before = np.random.get_state()[1].copy()
-    make_partition(synthetic_labels(), 10, "dir", 10, seed=1, beta=0.5)
-    make_partition(synthetic_labels(), 10, "pat", 10, seed=1, balance=False)
+    partition_shares(synthetic_labels(), 10, "dir", 10, seed=1, beta=0.5)
+    partition_shares(synthetic_labels(), 10, "pat", 10, seed=1, balance=False)
     assert np.array_equal(np.random.get_state()[1], before)
 
 
@@ -249,9 +250,9 @@ def test_no_global_rng_use():
 def test_same_seed_same_partition_different_seed_differs(kind):
     labels = synthetic_labels()
     kw = dict(beta=0.5, balance=False)
-    a = make_partition(labels, 10, kind, 20, seed=7, **kw)
-    b = make_partition(labels, 10, kind, 20, seed=7, **kw)
-    c = make_partition(labels, 10, kind, 20, seed=8, **kw)
+    a = partition_shares(labels, 10, kind, 20, seed=7, **kw)
+    b = partition_shares(labels, 10, kind, 20, seed=7, **kw)
+    c = partition_shares(labels, 10, kind, 20, seed=8, **kw)
     assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
     assert not all(np.array_equal(x[0], y[0]) for x, y in zip(a, c))
 
@@ -263,7 +264,7 @@ def test_same_seed_same_partition_different_seed_differs(kind):
 def test_ten_thousand_clients_fast(kind, beta):
     labels = synthetic_labels(n=300_000)
     start = time.perf_counter()
-    pairs = make_partition(labels, 10, kind, 10_000, seed=1, beta=beta)
+    pairs = partition_shares(labels, 10, kind, 10_000, seed=1, beta=beta)
     elapsed = time.perf_counter() - start
     assert len(pairs) == 10_000
     assert_exact_cover(flatten_pairs(pairs), 300_000)
@@ -289,12 +290,12 @@ def test_make_partition_validation(kwargs, match):
     args = dict(labels=synthetic_labels(n=100), num_classes=10, kind="dir", num_clients=5, seed=0)
     args.update(kwargs)
     with pytest.raises(UserError, match=match):
-        make_partition(**args)
+        partition_shares(**args)
 
 
 def test_labels_out_of_range():
     with pytest.raises(UserError, match="labels"):
-        make_partition(np.array([0, 1, 2, 12]), 10, "iid", 2, seed=0)
+        partition_shares(np.array([0, 1, 2, 12]), 10, "iid", 2, seed=0)
 
 
 # ----------------------------------------------------------------------------- sources

@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_cmd
+from fedcp_dist.aggregate import pack_peers, unpack_peers
 from fedcp_dist.algorithms.base import Context, load_module
 from fedcp_dist.algorithms.fedamp import FedAMP
 from fedcp_dist.algorithms.fedfomo import FedFomo
 from fedcp_dist.config import Config
 from fedcp_dist.local_train import batch_indices
-from helpers import Tiny
+from helpers import FakeRuntime, Tiny
 from helpers import tiny_data as _data
 
 CPU = torch.device("cpu")
@@ -279,3 +280,12 @@ def test_batchnorm_statistics_stay_out_of_the_bank(cls):
     assert res.extra["peer"].shape[0] == algo.peer_dim
     # the client's own running statistics went on from 0.25 (momentum 0.1 toward the batch means)
     assert not torch.equal(res.client_state["features.2.running_mean"], torch.full((3,), 0.25))
+
+
+def test_peer_packing_round_trip_over_two_ranks():
+    mine = pack_peers({3: torch.tensor([1.0, 2.0])}, rows=2, dim=2, device=CPU)
+    assert mine.tolist() == [[4.0, 1.0, 2.0], [0.0, 0.0, 0.0]]  # client 3 tagged 4; an empty row
+    theirs = pack_peers({2: torch.tensor([7.0, 8.0]), 0: torch.tensor([5.0, 6.0])}, rows=2, dim=2, device=CPU)
+    peers = unpack_peers(FakeRuntime(2, others=[theirs]).all_gather(mine), dim=2)
+    assert list(peers) == [0, 2, 3]
+    assert [peers[c].tolist() for c in peers] == [[5.0, 6.0], [7.0, 8.0], [1.0, 2.0]]

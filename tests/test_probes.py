@@ -4,7 +4,6 @@ bit-identical, analysis.jsonl holds what it says, survives a resume, and 1 and 2
 import json
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,7 +74,7 @@ def test_round_probes_in_one_call_out_in_one():
     assert not between.train and between.evals is None and between.records(between.pack()) == []
     final = RoundProbes(2, 3, 6, evaluated=True, final=True)
     final.evals[0] = a.evals[1]
-    assert not final.train and final.pack().numel() == RoundProbes.size(2, 3, final=True) == 3 * (3 + S_BINS)
+    assert not final.train and final.pack().numel() == RoundProbes.size(2, 3)
     assert [r["evaluated_after"] for r in final.records(final.pack())] == [6]
 
 

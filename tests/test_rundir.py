@@ -295,6 +295,17 @@ def test_resume_check_defaults_paths_and_rounds_scheduled_methods(tmp_path):
     check_resume_config(Config(method="fedphp", rounds=10).to_dict(), Config(method="fedphp", rounds=10, eval_every=3).to_dict(), "out")
 
 
+def test_rounds_scheduled_is_the_method_class_answer(monkeypatch):
+    """rundir asks the method's class whether its training depends on the total rounds, by no name."""
+    from fedcp_dist.algorithms.fedavg import FedAvg
+
+    before, after = Config(method="fedavg", rounds=10).to_dict(), Config(method="fedavg", rounds=20).to_dict()
+    check_resume_config(before, after, "out")
+    monkeypatch.setattr(FedAvg, "rounds_scheduled", classmethod(lambda cls, cfg: f"a schedule over {cfg['rounds']}"))
+    with pytest.raises(UserError, match=r"'rounds' is 20 .* used 10; a schedule over 20; use another out_dir"):
+        check_resume_config(before, after, "out")
+
+
 def test_format_value():
     values = [0.1, 1.0, 1, 1e-05, 2.5e10, True, False, None, "fedcp", [0.1, 0.2], [], (1, "a")]
     assert [format_value(v) for v in values] == ["0.1", "1.0", "1", "1e-05", "25000000000.0", "true", "false", "null",

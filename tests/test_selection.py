@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from helpers import FakeRuntime
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
 from fedcp_dist.placement import sample_cohort
@@ -111,19 +112,12 @@ def test_feature_means_as_the_selection_vector_and_their_probabilities():
     # v̄ = [2/3, 2/3, 0], cos = 1/√2, 1/√2, 0 → w = [10c, 20c, 30] with c = 1 − 1/√2
     states = {0: {"fmean": torch.tensor([2.0, 0, 0])}, 1: {"fmean": torch.tensor([0, 2.0, 0])}}
 
-    class OneRank:
-        device = torch.device("cpu")
-
-        @staticmethod
-        def all_reduce_sum_(t):
-            return t
-
     class Store:
         @staticmethod
         def peek(c):
             return states.get(c)
 
-    vectors = gather_client_vectors(OneRank, algo, Store, [0, 1, 2], 3)
+    vectors = gather_client_vectors(FakeRuntime(), algo, Store, [0, 1, 2], 3)
     assert vectors.tolist() == [[2, 0, 0], [0, 2, 0], [0, 0, 0]]
     c = 1 - 1 / math.sqrt(2)
     w = [10 * c, 20 * c, 30]
@@ -159,17 +153,17 @@ def test_report_plots_how_often_each_client_was_chosen(tmp_path):
     fake("f", "feature_difference", {"selection_counts": [3, 1, 2, 0]})
     col = report.collect(tmp_path / "runs")
     by_name = {r.path.name: r for r in col.runs}
-    uniform = report_plots.selection_counts(by_name["u"])
+    uniform = report_plots.client_rounds(by_name["u"])
     expected = [0] * 4
     for t in range(3):  # ⌊0.5 · 4⌋ = 2 clients a round, the engine's own draw
         for c in sample_cohort(3, t, 4, 0.5):
             expected[int(c)] += 1
     assert uniform == expected and sum(uniform) == 6
-    assert report_plots.selection_counts(by_name["f"]) == [3, 1, 2, 0]
+    assert report_plots.client_rounds(by_name["f"]) == [3, 1, 2, 0]
     # without the summary's counts they come from the cohorts the rounds record
     g = fake("g", "feature_difference", {}, cohorts=[[0, 1], [0, 2], [0, 2]])
     col = report.collect(tmp_path / "runs")
-    assert report_plots.selection_counts(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
+    assert report_plots.client_rounds(next(r for r in col.runs if r.path == g.resolve())) == [3, 1, 2, 0]
     table = report.build_table(col, report.setting_keys(col, None), "best_acc")
     png = tmp_path / "selection_counts.png"
     assert report_plots.plot_selection(table, png)  # what `fedcp-report --selection` adds to the plots

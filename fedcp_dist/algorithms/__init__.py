@@ -50,6 +50,11 @@ def method_options() -> list:
     return out
 
 
+def algorithm_class(name: str, cfg) -> type:
+    """The class of the method ``name`` (its options in ``cfg`` configure it; no key changes the class)."""
+    return ALGORITHMS[name]
+
+
 def make_algorithm(name: str, cfg, model, device) -> Algorithm:
-    """The method ``name``, configured by ``cfg``."""
-    return ALGORITHMS[name](cfg, model, device)
+    """The method ``name`` (:func:`algorithm_class`) built on ``model``."""
+    return algorithm_class(name, cfg)(cfg, model, device)

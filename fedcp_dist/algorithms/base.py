@@ -124,6 +124,16 @@ class Algorithm:
         """(key, why) when the options of this class contradict each other in ``cfg``, else None."""
         return None
 
+    @classmethod
+    def rounds_scheduled(cls, cfg: dict) -> Optional[str]:
+        """Why this method's training under the flat config ``cfg`` depends on the total number of
+        rounds, so that ``rounds`` must not change when the run resumes (None: it does not)."""
+        return None
+
+    #: whether the server averages the clients' uploads (False: the models travel in the peer
+    #: exchange, so upload compression has nothing to compress)
+    averages_uploads = True
+
     def describe(self) -> str:
         """A note on the method's own design for the run's start line ("": none)."""
         return ""

@@ -56,6 +56,11 @@ class FedPHP(FedAvg):
                "the global model, instead of the paper's inherited private model"),
     )
 
+    @classmethod
+    def rounds_scheduled(cls, cfg):
+        return "fedphp's training depends on the total number of rounds (its moving-average weight rises over " \
+               "participation · rounds)"
+
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)
         self.hpm = freeze(copy.deepcopy(self.model)).eval()

@@ -34,6 +34,7 @@ class PeerBankMethod(SGDAlgorithm):
     #: global tensors with a row per client: a disk client store (client_state=disk) keeps them in
     #: files mapped into memory, so they are updated in place, never copied whole
     bank_keys = ("bank",)
+    averages_uploads = False
     options = (
         Option("peer_memory_mb", 4096.0, "FedAMP/FedFomo: MiB per rank that the models exchanged between clients may "
                "use; a run above it is refused", above(0)),

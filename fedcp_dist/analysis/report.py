@@ -38,7 +38,7 @@ def _finite(x):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def run_summary(run) -> dict:
+def run_numbers(run) -> dict:
     """The numbers of one run: accuracy, AUC, and (with probes) PIR and losses at the end."""
     out = {"label": run.label, "path": str(run.path), "method": run.method, "model": run.model,
            "rounds": run.config.get("rounds"), "rounds_recorded": len(run.rounds), "finished": run.summary is not None}

@@ -1,8 +1,8 @@
 """A finished (or checkpointed) run, rebuilt in memory: its config, shard, method and states.
 
 Grad-CAM and the DLG attack both need the models a run actually had, so they rebuild the run's
-method exactly as the engine does (the config's seed, then ``build_model`` and ``make_algorithm``)
-and load the newest complete checkpoint into it.
+method exactly as the engine does (:func:`fedcp_dist.startup.build_method`) and load the newest
+complete checkpoint into it.
 
 Which states: the global state *and* the clients' states of the newest checkpoint, a pair that
 existed together (the personalized models as evaluated after that many rounds). A run with
@@ -98,11 +98,9 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     noise, a batch size of the attacked client's, ...). A run without a checkpoint is a one-line
     error that says how to get one.
     """
-    from fedcp_dist.algorithms import make_algorithm
     from fedcp_dist.checkpoint import Checkpointer
     from fedcp_dist.data.shards import read_info
-    from fedcp_dist.models import build_model, model_options
-    from fedcp_dist.startup import run_clients
+    from fedcp_dist.startup import build_method, run_clients
 
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, data_path, changes)
@@ -118,10 +116,7 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
         raise UserError(f"{run_dir}: the shard {cfg.data.path} holds {info.num_clients} clients, the run "
                         f"had {cfg.data.num_clients}")
     clients = run_clients(cfg, info)
-    torch.manual_seed(cfg.seed)  # the run's initial model, as the engine builds it
-    model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size, **model_options(cfg))
-    algo = make_algorithm(cfg.method, cfg, model, dev)
-    algo.num_clients = len(clients)
+    algo = build_method(cfg, info, len(clients), dev)  # the run's initial model, as the engine builds it
     rounds_done, global_state, states, _ = Checkpointer(str(run_dir), 0, 1, 1).load(
         ckpt, range(len(clients)), dev)
     template = algo.init_global_state()

@@ -201,7 +201,7 @@ def privacy(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
 
 def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
     from fedcp_dist.analysis.records import read_run
-    from fedcp_dist.analysis.report import run_summary, update_report
+    from fedcp_dist.analysis.report import run_numbers, update_report
 
     run_dirs = [Path(r) for r in args.runs]
     for r in run_dirs:
@@ -213,7 +213,7 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
     sections: dict = {"figures": {}}
     if do_curves:
         runs = [read_run(p, label) for p, label in zip(run_dirs, labels)]
-        sections["runs"] = [run_summary(r) for r in runs]
+        sections["runs"] = [run_numbers(r) for r in runs]
         sections["figures"].update(curves(runs, out, chosen))
     if do_gradcam:
         figures, info = gradcam(args, run_dirs, labels, out, chosen or [0, 1])

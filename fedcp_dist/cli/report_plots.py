@@ -164,7 +164,7 @@ def plot_against_keys(table: Table, out: Path) -> list:
 # ----------------------------------------------------------------------------- client selection
 
 
-def selection_counts(run: Run) -> Optional[list]:
+def client_rounds(run: Run) -> Optional[list]:
     """Rounds each client trained in: summary.json's ``selection_counts`` (feature-difference
     selection records them), else the round records' ``cohort`` lists, else (uniform sampling, a
     function of the config alone) the cohorts drawn again with the engine's own draw. None for a
@@ -178,19 +178,18 @@ def selection_counts(run: Run) -> Optional[list]:
     if rho_range is None and float(rho) >= 1:
         return None
     n = len(run.summary["shard_clients"]) if "shard_clients" in run.summary else int(run.summary.get("num_clients") or cfg["data.num_clients"])
+    from fedcp_dist.selection import selection_counts
+
     records = [r for r in RunDir(run.path).read_metrics() if r.get("kind") == "round"]
     if records and all("cohort" in r for r in records):
-        from fedcp_dist.selection import selection_counts as counts_of
-        return counts_of(records, n)
+        return selection_counts((r["cohort"] for r in records), n)
     if cfg.get("client_selection", "uniform") != "uniform":
         return None
     from fedcp_dist.placement import sample_cohort
 
-    counts = [0] * n
-    for t in range(int(cfg["rounds"])):
-        for c in sample_cohort(int(cfg["seed"]), t, n, float(rho), rho_range, cfg.get("participation_draw", "rho")):
-            counts[int(c)] += 1
-    return counts
+    draw = cfg.get("participation_draw", "rho")
+    return selection_counts((sample_cohort(int(cfg["seed"]), t, n, float(rho), rho_range, draw)
+                             for t in range(int(cfg["rounds"]))), n)
 
 
 def _train_sizes(run: Run, n: int) -> Optional[list]:
@@ -214,7 +213,7 @@ def plot_selection(table: Table, path: Path) -> bool:
     sizes: dict = {}
     for (m, s), cell in table.cells.items():
         for r in cell.runs:
-            counts = selection_counts(r)
+            counts = client_rounds(r)
             if counts is None:
                 continue
             mode = str(r.value("client_selection") or "uniform")

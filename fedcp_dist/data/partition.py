@@ -385,16 +385,10 @@ def partition_clients(labels: np.ndarray, num_classes: int, kind: str, num_clien
     return Partition(shares=pairs, report=report)
 
 
-def make_partition(labels: np.ndarray, num_classes: int, kind: str, num_clients: int, seed: int,
-                   **options) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The ``(train_idx, test_idx)`` pairs of :func:`partition_clients` (same arguments)."""
-    return partition_clients(labels, num_classes, kind, num_clients, seed, **options).shares
-
-
 def client_rows(x: np.ndarray, y: np.ndarray, shares, lengths: np.ndarray = None):
     """Yield each client's samples for :func:`~fedcp_dist.data.shards.write_shard`.
 
-    ``shares`` are the ``(train_idx, test_idx)`` pairs of :func:`make_partition`.  Samples are
+    ``shares`` are the ``(train_idx, test_idx)`` pairs of :func:`partition_clients`.  Samples are
     :class:`~fedcp_dist.data.shards.Rows` views of ``x``; labels (and, for text, the ``lengths``
     of the rows, appended as train_len, test_len) are small and gathered directly.
     """

@@ -50,7 +50,6 @@ handed in (or loaded) plus a block or two.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ import h5py
 import numpy as np
 
 from fedcp_dist.errors import UserError
+from fedcp_dist.fileio import atomic_path
 
 #: the version written: one array per split, per-client offsets
 FORMAT_VERSION = 3
@@ -363,30 +363,6 @@ class _GroupWriter:
             self.f.attrs[key] = value
 
 
-@contextlib.contextmanager
-def _atomic_file(path: str):
-    """Yield a temporary name beside ``path``; renamed over ``path`` (after an fsync) on success.
-
-    On any failure the temporary file is removed and whatever was at ``path`` is left as it was.
-    """
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input_shape,
                 mean, std, partition: str, partition_params: dict, seed: int,
                 kind: str = KIND, vocab=None, format_version: int = FORMAT_VERSION,
@@ -429,7 +405,8 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         raise ValueError(f"a text shard's input_shape is (max_len,), got {input_shape}")
     num_classes = int(num_classes)
     ids = _IdRange(len(vocab)) if kind == TEXT_KIND else None
-    with _atomic_file(path) as tmp, h5py.File(tmp, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         if format_version == FORMAT_VERSION:
             body = _SplitWriter(f, kind, input_shape)
         else:

@@ -81,8 +81,8 @@ class FedCP(PolicyProbes, SGDAlgorithm):
                 return "analysis", "the probes measure the CPN's policy (PIR, s), and fedcp_cpn=false has none"
         return None
 
-    @staticmethod
-    def rounds_scheduled(cfg) -> Optional[str]:
+    @classmethod
+    def rounds_scheduled(cls, cfg: dict) -> Optional[str]:
         return Schedules.rounds_scheduled(cfg)
 
     def __init__(self, cfg, model, device):

@@ -70,9 +70,9 @@ class Schedules(Component):
         return None
 
     @staticmethod
-    def rounds_scheduled(cfg) -> Optional[str]:
-        """Why the run's values depend on its total number of rounds (None: they do not)."""
-        if cfg.tau_final is not None or cfg.cpn_lr_schedule == "cosine":
+    def rounds_scheduled(cfg: dict) -> Optional[str]:
+        """Why a run under the flat config ``cfg`` depends on its total number of rounds (None: it does not)."""
+        if cfg.get("tau_final") is not None or cfg.get("cpn_lr_schedule") == "cosine":
             return "tau_final and cpn_lr_schedule=cosine anneal over the total number of rounds"
         return None
 

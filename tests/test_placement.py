@@ -1,5 +1,6 @@
-"""Clients placed on ranks by their local steps (config key ``placement``): hand-computed owners
-and imbalance, the rule ``auto`` picks, the same placement on every rank of a 2-rank fused run,
+"""Clients placed on ranks and the rounds' cohorts: greedy placement by samples or by local steps
+(config key ``placement``: hand-computed owners and imbalance, the rule ``auto`` picks), the cohorts
+and random streams every rank draws alike, the same placement on every rank of a 2-rank fused run,
 and that run's accuracy against the one recorded before (placement by samples)."""
 import json
 import re
@@ -13,9 +14,49 @@ import torch
 from conftest import REPO, run_cmd
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import (client_steps, imbalance, place_clients, placement_rule, placement_weights,
-                                  steps_per_rank)
+from fedcp_dist.placement import (client_steps, cohort_size, imbalance, place_clients, placement_rule,
+                                  placement_weights, sample_cohort, steps_per_rank, stream_seed)
 from fedcp_dist.startup import place
+
+
+def test_placement_greedy_largest_first():
+    owner = place_clients([10, 50, 20, 40, 30], 2)
+    # order 50(c1)→r0, 40(c3)→r1, 30(c4)→r1 (40<50), 20(c2)→r0 (50<70), 10(c0)→r0 or r1: loads 70/70 → r0
+    assert owner.tolist() == [0, 0, 0, 1, 1]
+    loads = np.bincount(owner, weights=[10, 50, 20, 40, 30])
+    assert loads.tolist() == [80, 70]
+
+
+def test_placement_every_client_once_and_balanced():
+    rng = np.random.default_rng(0)
+    counts = rng.integers(10, 1000, size=500)
+    for world in (1, 2, 3, 8):
+        owner = place_clients(counts, world)
+        assert len(owner) == 500 and set(owner.tolist()) <= set(range(world))
+        loads = np.bincount(owner, weights=counts, minlength=world)
+        assert loads.max() - loads.min() <= counts.max()
+        assert np.array_equal(owner, place_clients(counts, world))
+
+
+def test_cohort_same_everywhere_and_sized():
+    a = sample_cohort(1, 5, 20, 0.5)
+    assert np.array_equal(a, sample_cohort(1, 5, 20, 0.5))
+    assert len(a) == 10 and len(set(a.tolist())) == 10 and (np.diff(a) > 0).all()
+    assert not np.array_equal(a, sample_cohort(1, 6, 20, 0.5))
+    assert sample_cohort(1, 0, 20, 1.0).tolist() == list(range(20))
+    assert cohort_size(0.29, 100) == 29 and cohort_size(0.01, 10) == 1
+
+
+def test_cohort_with_participation_range():
+    sizes = {len(sample_cohort(3, t, 50, 1.0, [0.2, 0.6])) for t in range(40)}
+    assert min(sizes) >= 10 and max(sizes) <= 30 and len(sizes) > 5
+
+
+def test_stream_seeds_differ():
+    seeds = {stream_seed(1, 2, t, c) for t in range(10) for c in range(10)}
+    assert len(seeds) == 100
+    assert stream_seed(1, 2, 3) == stream_seed(1, 2, 3) != stream_seed(2, 2, 3)
+
 
 # one client of 100 samples and ten of 11, batches of 10 without drop_last: 10 steps and 2 steps each
 SIZES = [100] + [11] * 10

@@ -1,103 +1,15 @@
-"""Aggregation, placement, cohorts and launcher detection on hand-computed numbers."""
+"""The runtime: which launcher started the process and the SLURM endpoints, the stop signals,
+and keep_freed_memory's allocator thresholds."""
 import os
+import signal
 import subprocess
 
-import numpy as np
 import pytest
 import torch
 
-from fedcp_dist.aggregate import FlatAggregator
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import cohort_size, place_clients, sample_cohort, stream_seed
-from fedcp_dist.runtime import Endpoint, detect_launcher, expand_nodelist, first_host, resolve_endpoint, tasks_per_node
-
-
-class OneRank:
-    def all_reduce_sum_(self, t):
-        return t
-
-
-class FakeRanks:
-    """Sums buffers handed in by several aggregators, as an all-reduce would."""
-
-    def __init__(self, aggs):
-        self.aggs = aggs
-
-    def all_reduce_sum_(self, t):
-        total = sum(a.buffer.clone() for a in self.aggs)
-        t.copy_(total)
-        return t
-
-
-def test_weighted_average_hand_computed():
-    spec = {"w": torch.Size([2]), "b": torch.Size([])}
-    agg = FlatAggregator(spec, num_metrics=1, device=torch.device("cpu"))
-    agg.add({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)}, weight=1)
-    agg.add({"w": torch.tensor([4.0, 8.0]), "b": torch.tensor(0.0)}, weight=3)
-    agg.add_metrics([5.0])
-    mean, total, metrics = agg.reduce(OneRank())
-    assert total == 4
-    assert mean["w"].tolist() == pytest.approx([(1 + 12) / 4, (2 + 24) / 4])
-    assert mean["b"].item() == pytest.approx(3 / 4)
-    assert metrics == [5.0]
-    assert agg.nbytes == (3 + 1 + 1) * 8
-
-
-def test_weighted_average_split_over_ranks_equals_one_rank():
-    spec = {"w": torch.Size([3])}
-    ups = [(torch.tensor([1.0, 0.0, 2.0]), 5), (torch.tensor([3.0, 1.0, 1.0]), 2), (torch.tensor([0.0, 4.0, 4.0]), 1)]
-    one = FlatAggregator(spec, 0, torch.device("cpu"))
-    for u, n in ups:
-        one.add({"w": u}, n)
-    m1, t1, _ = one.reduce(OneRank())
-    a, b = FlatAggregator(spec, 0, torch.device("cpu")), FlatAggregator(spec, 0, torch.device("cpu"))
-    a.add({"w": ups[0][0]}, ups[0][1])
-    b.add({"w": ups[1][0]}, ups[1][1])
-    b.add({"w": ups[2][0]}, ups[2][1])
-    ranks = FakeRanks([a, b])
-    m2, t2, _ = a.reduce(ranks)
-    assert t1 == t2 == 8
-    assert torch.allclose(m1["w"], m2["w"])
-    assert m1["w"].tolist() == pytest.approx([(5 + 6 + 0) / 8, (0 + 2 + 4) / 8, (10 + 2 + 4) / 8])
-
-
-def test_placement_greedy_largest_first():
-    owner = place_clients([10, 50, 20, 40, 30], 2)
-    # order 50(c1)→r0, 40(c3)→r1, 30(c4)→r1 (40<50), 20(c2)→r0 (50<70), 10(c0)→r0 or r1: loads 70/70 → r0
-    assert owner.tolist() == [0, 0, 0, 1, 1]
-    loads = np.bincount(owner, weights=[10, 50, 20, 40, 30])
-    assert loads.tolist() == [80, 70]
-
-
-def test_placement_every_client_once_and_balanced():
-    rng = np.random.default_rng(0)
-    counts = rng.integers(10, 1000, size=500)
-    for world in (1, 2, 3, 8):
-        owner = place_clients(counts, world)
-        assert len(owner) == 500 and set(owner.tolist()) <= set(range(world))
-        loads = np.bincount(owner, weights=counts, minlength=world)
-        assert loads.max() - loads.min() <= counts.max()
-        assert np.array_equal(owner, place_clients(counts, world))
-
-
-def test_cohort_same_everywhere_and_sized():
-    a = sample_cohort(1, 5, 20, 0.5)
-    assert np.array_equal(a, sample_cohort(1, 5, 20, 0.5))
-    assert len(a) == 10 and len(set(a.tolist())) == 10 and (np.diff(a) > 0).all()
-    assert not np.array_equal(a, sample_cohort(1, 6, 20, 0.5))
-    assert sample_cohort(1, 0, 20, 1.0).tolist() == list(range(20))
-    assert cohort_size(0.29, 100) == 29 and cohort_size(0.01, 10) == 1
-
-
-def test_cohort_with_participation_range():
-    sizes = {len(sample_cohort(3, t, 50, 1.0, [0.2, 0.6])) for t in range(40)}
-    assert min(sizes) >= 10 and max(sizes) <= 30 and len(sizes) > 5
-
-
-def test_stream_seeds_differ():
-    seeds = {stream_seed(1, 2, t, c) for t in range(10) for c in range(10)}
-    assert len(seeds) == 100
-    assert stream_seed(1, 2, 3) == stream_seed(1, 2, 3) != stream_seed(2, 2, 3)
+from fedcp_dist.runtime import (Endpoint, StopSignals, detect_launcher, expand_nodelist, resolve_endpoint,
+                                tasks_per_node)
 
 
 def test_launcher_detection():
@@ -124,8 +36,8 @@ def test_slurm_endpoint():
     }
     ep = resolve_endpoint("slurm", env)
     assert ep == Endpoint(5, 8, 1, 4, f"tcp://gpu007:{20000 + 123456 % 20000}")
-    assert first_host("node1,node2") == "node1"
-    assert first_host("a-b[1-2]") == "a-b1"
+    assert expand_nodelist("node1,node2") == ["node1", "node2"]
+    assert expand_nodelist("a-b[1-2]") == ["a-b1", "a-b2"]
 
 
 def test_slurm_node_lists_and_tasks_per_node():
@@ -168,7 +80,15 @@ def test_slurm_endpoint_is_per_node(monkeypatch):
     assert resolve_endpoint("slurm", {**env, "SLURM_PROCID": "0"}).init_method == "tcp://cn03:20041"
 
 
-# -- keep_freed_memory: the allocator's thresholds ------------------------------------------------
+def test_stop_signals_are_noted_then_restored():
+    before = signal.getsignal(signal.SIGUSR2)
+    with StopSignals(0, ("SIGUSR2", "SIGTERM")) as stop:
+        assert stop.signum is None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.signum == signal.SIGUSR2
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal does not replace the first
+        assert stop.signum == signal.SIGUSR2
+    assert signal.getsignal(signal.SIGUSR2) == before
 
 
 def test_keep_freed_memory_sets_both_thresholds_on_a_cpu_device():
