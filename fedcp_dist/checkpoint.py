@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
@@ -26,10 +25,7 @@ import torch
 
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
-from fedcp_dist.rundir import CHECKPOINTS
-
-_ROUND_DIR = re.compile(r"^round_(\d{7})$")
-MARKER = "COMPLETE"
+from fedcp_dist.rundir import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
 
 
 def _sha256(path: Path) -> str:
@@ -40,21 +36,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    atomic_torch_save(obj, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
 def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() for k, v in state.items()}
 
 
 class Checkpointer:
     def __init__(self, out_dir: str, rank: int, world_size: int, keep: int):
-        self.root = Path(out_dir) / CHECKPOINTS
+        self.run = RunDir(out_dir)
+        self.root = self.run.checkpoints
         self.rank = rank
         self.world_size = world_size
         self.keep = max(1, keep)
@@ -72,9 +61,9 @@ class Checkpointer:
         try:
             d.mkdir(parents=True, exist_ok=True)
             part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
-            _atomic_torch_save(part, d / f"clients_{self.rank}.pt")
+            atomic_torch_save(part, d / f"clients_{self.rank}.pt")
             if self.rank == 0:
-                _atomic_torch_save(
+                atomic_torch_save(
                     {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, d / "global.pt"
                 )
         except OSError as exc:
@@ -88,7 +77,7 @@ class Checkpointer:
                         "world_size": self.world_size,
                         "sha256": {p: _sha256(d / p) for p in parts},
                     }
-                    _atomic_write_text(d / MARKER, json.dumps(manifest, indent=1) + "\n")
+                    atomic_write_bytes(d / MARKER, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
                 except OSError as exc:
                     problem = exc
             if all_ok(problem is None):  # nobody moves on before the checkpoint counts
@@ -116,17 +105,10 @@ class Checkpointer:
 
     # -- reading -------------------------------------------------------------
     def _round_dirs(self) -> list[tuple[int, Path]]:
-        if not self.root.is_dir():
-            return []
-        out = []
-        for d in self.root.iterdir():
-            m = _ROUND_DIR.match(d.name)
-            if m and d.is_dir():
-                out.append((int(m.group(1)), d))
-        return sorted(out)
+        return self.run.checkpoint_dirs()
 
     def exists(self) -> bool:
-        return any((d / MARKER).exists() for _, d in self._round_dirs())
+        return self.run.has_checkpoint()
 
     def verify(self, d: Path) -> Optional[str]:
         """None if the checkpoint in ``d`` is complete and intact, else what is wrong."""
@@ -158,8 +140,6 @@ class Checkpointer:
         """Load the newest intact checkpoint into ``store`` (the global state and the ``owned``
         clients' states) after checking that it was made by the same experiment; (rounds done, the
         records, the rounds' seconds), or None when there is no checkpoint."""
-        from fedcp_dist.rundir import check_resume_config
-
         d = self.latest(warn=echo)
         if d is None:
             return None

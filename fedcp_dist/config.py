@@ -21,6 +21,7 @@ import yaml
 from fedcp_dist.algorithms import ALGORITHMS, method_options, option_classes
 from fedcp_dist.client_store import CLIENT_STATE_MODES
 from fedcp_dist.errors import UserError
+from fedcp_dist.loggers import logger_problem
 from fedcp_dist.models import FASTTEXT_FEATURES, FASTTEXT_MEANS, MODELS
 from fedcp_dist.placement import PARTICIPATION_DRAWS, PLACEMENTS
 
@@ -217,8 +218,6 @@ class _ConfigMethods:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:
             bad("analysis_every", f"must be >= 0, got {self.analysis_every}")
-        from fedcp_dist.loggers import logger_problem  # loggers names its folder through rundir, which imports this
-
         logger_why = logger_problem(self.logger)
         if logger_why:
             bad("logger", logger_why)
