@@ -11,6 +11,9 @@ Layout of ``out_dir/checkpoints/round_{R:07d}/`` (R = rounds trained):
                        SHA-256 of every part. A directory without it, or whose parts do not
                        match it, does not count.
 
+After each checkpoint the newest ``keep_checkpoints`` verified ones stay: the new one and the
+newest older ones whose parts match their checksums; damaged and unfinished ones are removed.
+
 Every file is written to a temporary name, flushed to disk and renamed.
 """
 from __future__ import annotations
@@ -82,7 +85,7 @@ class Checkpointer:
                     problem = exc
             if all_ok(problem is None):  # nobody moves on before the checkpoint counts
                 if self.rank == 0:
-                    self._prune()
+                    self._prune(d)
                 return d
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
@@ -92,16 +95,26 @@ class Checkpointer:
             f"the previous complete checkpoint in {self.root} is intact"
         )
 
-    def _prune(self) -> None:
-        complete = [d for _, d in self._round_dirs() if (d / MARKER).exists()]
-        keep = set(complete[-self.keep :])
-        newest = complete[-1] if complete else None
-        for r, d in self._round_dirs():
-            if d in keep:
+    def _prune(self, fresh: Path) -> None:
+        """Keep ``fresh`` (just written, its checksums taken from the files on disk) and the
+        ``keep - 1`` newest older checkpoints that pass :meth:`verify`; remove every other one.
+
+        A checkpoint is counted only once verified, so a damaged one never takes the slot of an
+        intact one. Directories of rounds after ``fresh`` are leftovers of an earlier attempt that
+        the run did not resume from (unfinished, or damaged): they go too, unless one verifies.
+        """
+        fresh_round = int(fresh.name[6:])
+        kept = 1
+        for r, d in reversed(self._round_dirs()):
+            if d == fresh:
                 continue
-            # older complete ones beyond k, and leftovers of interrupted writes older than the newest
-            if (d / MARKER).exists() or (newest is not None and r < int(newest.name[6:])):
-                shutil.rmtree(d, ignore_errors=True)
+            if r > fresh_round:
+                if (d / MARKER).exists() and self.verify(d) is None:
+                    continue  # intact and newer: never the run's to remove
+            elif kept < self.keep and (d / MARKER).exists() and self.verify(d) is None:
+                kept += 1
+                continue
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- reading -------------------------------------------------------------
     def _round_dirs(self) -> list[tuple[int, Path]]:

@@ -140,6 +140,28 @@ def _fake_ckpt(tmp_path, rounds, keep=2):
     return ck
 
 
+def _damage(ck, rounds):
+    part = ck.root / f"round_{rounds:07d}" / "global.pt"
+    part.write_bytes(part.read_bytes()[:-10] + b"0123456789")
+
+
+def test_a_damaged_checkpoint_never_takes_the_slot_of_an_intact_one(tmp_path):
+    """keep_checkpoints=1: the run stopped after round 4, whose checkpoint is damaged, and resumed
+    from round 2. Its checkpoint after round 3 is the newest intact one and must survive pruning
+    (counting the damaged round 4 instead would leave nothing to resume from)."""
+    ck = _fake_ckpt(tmp_path, [2, 4])
+    _damage(ck, 4)
+    assert ck.latest(warn=lambda *_: None).name == "round_0000002"
+    ck = _fake_ckpt(tmp_path, [3], keep=1)
+    assert sorted(d.name for d in ck.root.iterdir()) == ["round_0000003"]
+    assert ck.latest().name == "round_0000003" and ck.load(ck.latest(), [0], "cpu")[0] == 3
+    # keep 2: a damaged older checkpoint is removed and the intact one before it kept instead
+    ck = _fake_ckpt(tmp_path, [5], keep=2)
+    _damage(ck, 5)
+    ck = _fake_ckpt(tmp_path, [6], keep=2)
+    assert sorted(d.name for d in ck.root.iterdir()) == ["round_0000003", "round_0000006"]
+
+
 def test_keeps_the_last_k_and_skips_damaged(tmp_path):
     ck = _fake_ckpt(tmp_path, [2, 4, 6])
     assert sorted(d.name for d in ck.root.iterdir()) == ["round_0000004", "round_0000006"]
