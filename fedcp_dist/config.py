@@ -169,8 +169,9 @@ class _ConfigMethods:
         """Rounds between training probes (0: analysis off); ``analysis: true`` alone means every round."""
         return self.analysis_every or (1 if self.analysis else 0)
 
-    def validate(self) -> "Config":
-        """Raise :class:`UserError` naming the first impossible value."""
+    def validate(self, data_file: bool = True) -> "Config":
+        """Raise :class:`UserError` naming the first impossible value; ``data_file=False`` leaves out
+        the check that ``data.path`` names an existing file (printing a config needs no data)."""
 
         def bad(key: str, why: str):
             raise UserError(f"config key '{key}': {why}")
@@ -274,9 +275,9 @@ class _ConfigMethods:
             if len(set(clients)) != len(clients):
                 dup = next(c for c in clients if clients.count(c) > 1)
                 bad("data.clients", f"lists client {dup} twice")
-        if not self.data.path:
+        if data_file and not self.data.path:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
-        if not os.path.isfile(self.data.path):
+        if data_file and not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
         return self
 

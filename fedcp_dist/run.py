@@ -107,7 +107,12 @@ def local_ranks_command(n: int, config: Optional[str], overrides: Sequence[str],
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.print_config:
-        print(dump_config(load_config(args.config, args.overrides)), end="")
+        cfg = load_config(args.config, args.overrides, validate=False).validate(data_file=False)
+        print(dump_config(cfg), end="")
+        if not os.path.isfile(cfg.data.path):  # printed all the same: the file may be made later
+            what = f"{cfg.data.path} does not exist" if cfg.data.path else "is not set"
+            print(f"note: data.path {what}; a run needs the HDF5 partition written by fedcp-partition",
+                  file=sys.stderr, flush=True)
         return None
     if args.ranks != "1":
         n = parse_ranks(args.ranks)  # a bad value before the config is read
