@@ -28,19 +28,23 @@ from fedcp_dist.placement import STREAM_EVAL
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.round_record import final_eval, round_record, summary as run_summary
 from fedcp_dist.rundir import RunWriter, prepare_out_dir, progress_line, result_table
-from fedcp_dist.runtime import Runtime, StopSignals
+from fedcp_dist.preemption import StopSignals
+from fedcp_dist.runtime import Runtime
 from fedcp_dist.selection import draw_cohort, gather_client_vectors
 from fedcp_dist.training import CohortTrainer
 
 
 class Simulator:
-    """One run on this rank. ``wrap`` (for tests) wraps the algorithm the config names."""
+    """One run on this rank. ``wrap`` (for tests) wraps the algorithm the config names. ``stop``: the
+    preemption signals, listened to since before start-up (:func:`fedcp_dist.run.run_config`); by
+    default they are listened to while :meth:`run` runs."""
 
-    def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print, wrap: Callable = None):
+    def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print, wrap: Callable = None,
+                 stop: StopSignals = None):
         self.cfg, self.rt = cfg, rt
         self.echo = echo if rt.is_main else (lambda *_: None)
         self._lock = None
-        self.stop = StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
+        self.stop = stop if stop is not None else StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
         self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
@@ -130,6 +134,10 @@ class Simulator:
 
     def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt
+        if not startup.all_ok(rt, self.stop.signum is None):  # a signal during start-up, on any rank
+            self.echo(f"asked to stop before round {self.start_round + 1}; exiting for requeue "
+                      f"(nothing new to checkpoint)")
+            raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}")
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
         self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line, self.algo.describe()))

@@ -17,7 +17,7 @@ from fedcp_dist.client_store import BN_PREFIX, ClientStore
 from fedcp_dist.data.resident import to_device
 from fedcp_dist.errors import UserError
 from fedcp_dist.evaluation import EvalSums, evaluate_clients, micro_auc
-from fedcp_dist.runtime import StopSignals
+from fedcp_dist.preemption import StopSignals
 from fedcp_dist.aggregate import TrainSums
 
 CPU = torch.device("cpu")
@@ -193,7 +193,13 @@ def test_stop_signals_are_noted_then_restored():
         assert stop.signum == signal.SIGUSR2
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal does not replace the first
         assert stop.signum == signal.SIGUSR2
-    assert signal.getsignal(signal.SIGUSR2) == before
+        with stop:  # entered again (the run inside fedcp-run's own listening): nothing changes
+            assert signal.getsignal(signal.SIGUSR2) == stop._note
+        assert signal.getsignal(signal.SIGUSR2) == stop._note
+        stop.listen(("SIGTERM", "SIGHUP"))  # the config's preempt_signal: SIGUSR2 is given back
+        assert signal.getsignal(signal.SIGUSR2) == before and signal.getsignal(signal.SIGHUP) == stop._note
+        assert stop.signum == signal.SIGUSR2  # what was noted stays noted
+    assert signal.getsignal(signal.SIGUSR2) == before and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
 
 
 def test_shard_checks_name_the_key():

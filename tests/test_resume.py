@@ -177,3 +177,46 @@ def test_keeps_the_last_k_and_skips_damaged(tmp_path):
     # a directory without its COMPLETE marker does not count
     (ck.root / "round_0000008").mkdir()
     assert ck.latest(warn=seen.append).name == "round_0000004"
+
+
+# A run whose start-up (config read, shard load, checkpoint verification) is interrupted by a signal:
+# PATCH names the function that sends it, to this process, when called.
+_SIGNAL_DURING = """
+import os, signal, sys
+import fedcp_dist.checkpoint, fedcp_dist.config, fedcp_dist.startup
+module, name, sig = sys.argv[1].split(":")
+module = {"config": fedcp_dist.config, "startup": fedcp_dist.startup, "checkpoint": fedcp_dist.checkpoint}[module]
+owner = module.Checkpointer if name == "verify" else module
+real = getattr(owner, name)
+def signalled(*args, **kwargs):
+    os.kill(os.getpid(), getattr(signal, sig))
+    return real(*args, **kwargs)
+setattr(owner, name, signalled)
+from fedcp_dist.run import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during, sig", [("config:load_config", "SIGTERM"), ("startup:load", "SIGUSR2"),
+                                         ("checkpoint:verify", "SIGTERM")])
+def test_a_signal_during_start_up_exits_for_requeue(during, sig, digits6, tmp_path):
+    """SLURM requeues on status 75 only: a preemption signal while the run starts (reading its config,
+    loading the shard, verifying the checkpoint it resumes from) stops it before its first round with
+    that status and the status file, the last checkpoint left as it was."""
+    args = _args(digits6, tmp_path, "rounds=3", "checkpoint_every=1", "eval_every=3")
+    if during.startswith("checkpoint"):  # a run to resume: two rounds checkpointed
+        r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *args, "rounds=2"])
+        assert r.returncode == 0, r.stderr[-2000:]
+        (tmp_path / "summary.json").unlink()  # stopped before its end, as far as the next start knows
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) if during.startswith("checkpoint") else []
+    status = tmp_path / "status"
+    r = run_cmd([sys.executable, "-c", _SIGNAL_DURING, f"{during}:{sig}", *args],
+                env_extra={"FEDCP_STATUS_FILE": str(status)})
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert f"got {sig}" in r.stdout and "preempted: stopped" in r.stderr and "Traceback" not in r.stderr
+    assert status.read_text() == "preempted\n"
+    assert not (tmp_path / "summary.json").exists()
+    if before:
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+        assert Checkpointer(str(tmp_path), 0, 1, 2).latest().name == "round_0000002"
