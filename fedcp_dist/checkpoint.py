@@ -39,6 +39,49 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def data_record(path: str, fingerprint: str, layout: str) -> dict:
+    """What a checkpoint records of the shard it was made on (``meta["data"]``): its path, its
+    content fingerprint ("" for a shard written without one) and its layout digest (see
+    :mod:`fedcp_dist.data.shards`)."""
+    return {"path": path, "fingerprint": fingerprint or None, "layout": layout}
+
+
+def check_same_data(recorded: Optional[dict], current: dict, out_dir, echo) -> None:
+    """Refuse to resume the checkpointed run in ``out_dir`` on other data than it was made on (a
+    UserError): the fingerprints when both shards have one, else their layouts, said so."""
+    if not isinstance(recorded, dict):
+        echo(f"note: the checkpoint in {out_dir} records no shard fingerprint (written by an earlier version); "
+             f"the data is not checked against it")
+        return
+    old, new = recorded.get("fingerprint"), current.get("fingerprint")
+    refuse = (f"data.path {current.get('path')} holds other data than the checkpointed run in {out_dir} was made "
+              f"on ({{}}; partitioned again?); use another out_dir, or overwrite=true to start afresh")
+    if old and new:
+        if old != new:
+            raise UserError(refuse.format(f"shard fingerprint {new[:19]}..., checkpoint's {old[:19]}..."))
+        return
+    if recorded.get("layout") != current.get("layout"):
+        raise UserError(refuse.format("its clients' sample or label counts differ"))
+    which = "the shard" if not new else "the checkpointed run's shard"
+    echo(f"note: {which} has no content fingerprint (written before shards had one); resuming checked only "
+         f"its clients' sample and label counts")
+
+
+def _check_client_shapes(d: Path, store, client_states: dict) -> None:
+    """The checkpointed clients' states against the method's initial client state (one line on a
+    tensor of another shape)."""
+    if not client_states:
+        return
+    template = store.algo.init_client_state(next(iter(client_states))) or {}
+    for c, state in client_states.items():
+        for key, t in state.items():
+            want = template.get(key)
+            if want is not None and tuple(want.shape) != tuple(t.shape):
+                raise UserError(f"checkpoint {d}: client {c}'s tensor '{key}' has shape {list(t.shape)} but this "
+                                f"run's is {list(want.shape)} (another model or data?); use another out_dir, "
+                                f"or overwrite=true to start afresh")
+
+
 def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() for k, v in state.items()}
 
@@ -149,17 +192,30 @@ class Checkpointer:
             warn(f"checkpoint {d} is damaged ({problem}); trying the previous one")
         return None
 
-    def resume(self, store, cfg, owned: Iterable[int], device, echo, mmap: bool = False) -> Optional[tuple]:
+    def resume(self, store, cfg, owned: Iterable[int], device, echo, mmap: bool = False,
+               data: Optional[dict] = None) -> Optional[tuple]:
         """Load the newest intact checkpoint into ``store`` (the global state and the ``owned``
-        clients' states) after checking that it was made by the same experiment; (rounds done, the
-        records, the rounds' seconds), or None when there is no checkpoint."""
+        clients' states) after checking that it was made by the same experiment on the same data
+        (``data``: this run's :func:`data_record`) and that its tensors have this run's shapes;
+        (rounds done, the records, the rounds' seconds), or None when there is no checkpoint."""
         d = self.latest(warn=echo)
         if d is None:
             return None
         rounds_done, global_state, client_states, meta = self.load(d, owned, device, mmap=mmap)
         check_resume_config(meta.get("config", {}), cfg.to_dict(), cfg.out_dir)
+        if data is not None:
+            check_same_data(meta.get("data"), data, cfg.out_dir, echo)
+        if rounds_done > cfg.rounds:
+            raise UserError(f"config key 'rounds' is {cfg.rounds} but the checkpointed run in {cfg.out_dir} has done "
+                            f"{rounds_done} rounds; resume with rounds >= {rounds_done}, or use another out_dir")
         if set(global_state) != set(store.global_state):
             raise UserError(f"checkpoint {d} does not hold this method's global state")
+        for key, t in global_state.items():
+            if tuple(t.shape) != tuple(store.global_state[key].shape):
+                raise UserError(f"checkpoint {d}: global tensor '{key}' has shape {list(t.shape)} but this run's is "
+                                f"{list(store.global_state[key].shape)} (another model or data?); use another "
+                                f"out_dir, or overwrite=true to start afresh")
+        _check_client_shapes(d, store, client_states)
         store.set_global(global_state)
         store.load_state_dict(client_states)
         echo(f"resuming from {d} ({rounds_done} rounds done)")

@@ -18,10 +18,11 @@ import torch
 from fedcp_dist import startup
 from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
 from fedcp_dist.algorithms import make_algorithm
-from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.checkpoint import Checkpointer, data_record
 from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
 from fedcp_dist.compress import Compressor, uplink_record
 from fedcp_dist.config import Config, dump_config
+from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
@@ -85,16 +86,24 @@ class Simulator:
         return self.store.global_state
 
     # -- resume and checkpoints --------------------------------------------------------------
+    @property
+    def data_record(self) -> dict:
+        """The shard this run trains on, as its checkpoints record it (and resume checks it)."""
+        info = self.setup.info
+        return data_record(self.cfg.data.path, info.fingerprint, layout_digest(info))
+
     def _maybe_resume(self) -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory
         done = self.cfg.resume == "auto" and self.ckpt.resume(self.store, self.cfg, self.owned, self.rt.device, self.echo,
-                                                              mmap=isinstance(self.store, DiskClientStore))
+                                                              mmap=isinstance(self.store, DiskClientStore),
+                                                              data=self.data_record)
         if done:
             self.start_round, self.records, self.round_seconds = done
 
     def _save_checkpoint(self, rounds_done: int) -> None:
         self.rt.phase = f"checkpoint after round {rounds_done}"
-        meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict()}
+        meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict(),
+                "data": self.data_record}
         self.ckpt.save(rounds_done, self.global_state, self.store.state_dict(), meta,
                        lambda ok: startup.all_ok(self.rt, ok))
 
