@@ -26,10 +26,10 @@ from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
+from fedcp_dist.preemption import StopSignals
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.round_record import final_eval, round_record, summary as run_summary
 from fedcp_dist.rundir import RunWriter, prepare_out_dir, progress_line, result_table
-from fedcp_dist.preemption import StopSignals
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.selection import draw_cohort, gather_client_vectors
 from fedcp_dist.training import CohortTrainer
