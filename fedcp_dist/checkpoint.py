@@ -11,13 +11,15 @@ Layout of ``out_dir/checkpoints/round_{R:07d}/`` (R = rounds trained):
                        SHA-256 of every part. A directory without it, or whose parts do not
                        match it, does not count.
 
+After each checkpoint the newest ``keep_checkpoints`` verified ones stay: the new one and the
+newest older ones whose parts match their checksums; damaged and unfinished ones are removed.
+
 Every file is written to a temporary name, flushed to disk and renamed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
@@ -26,10 +28,7 @@ import torch
 
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
-from fedcp_dist.rundir import CHECKPOINTS
-
-_ROUND_DIR = re.compile(r"^round_(\d{7})$")
-MARKER = "COMPLETE"
+from fedcp_dist.rundir import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
 
 
 def _sha256(path: Path) -> str:
@@ -40,12 +39,47 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    atomic_torch_save(obj, path)
+def data_record(path: str, fingerprint: str, layout: str) -> dict:
+    """What a checkpoint records of the shard it was made on (``meta["data"]``): its path, its
+    content fingerprint ("" for a shard written without one) and its layout digest (see
+    :mod:`fedcp_dist.data.shards`)."""
+    return {"path": path, "fingerprint": fingerprint or None, "layout": layout}
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def check_same_data(recorded: Optional[dict], current: dict, out_dir, echo) -> None:
+    """Refuse to resume the checkpointed run in ``out_dir`` on other data than it was made on (a
+    UserError): the fingerprints when both shards have one, else their layouts, said so."""
+    if not isinstance(recorded, dict):
+        echo(f"note: the checkpoint in {out_dir} records no shard fingerprint (written by an earlier version); "
+             f"the data is not checked against it")
+        return
+    old, new = recorded.get("fingerprint"), current.get("fingerprint")
+    refuse = (f"data.path {current.get('path')} holds other data than the checkpointed run in {out_dir} was made "
+              f"on ({{}}; partitioned again?); use another out_dir, or overwrite=true to start afresh")
+    if old and new:
+        if old != new:
+            raise UserError(refuse.format(f"shard fingerprint {new[:19]}..., checkpoint's {old[:19]}..."))
+        return
+    if recorded.get("layout") != current.get("layout"):
+        raise UserError(refuse.format("its clients' sample or label counts differ"))
+    which = "the shard" if not new else "the checkpointed run's shard"
+    echo(f"note: {which} has no content fingerprint (written before shards had one); resuming checked only "
+         f"its clients' sample and label counts")
+
+
+def _check_client_shapes(d: Path, store, client_states: dict) -> None:
+    """The checkpointed clients' states against the method's initial client state (one line on a
+    tensor of another shape)."""
+    if not client_states:
+        return
+    template = store.algo.init_client_state(next(iter(client_states))) or {}
+    for c, state in client_states.items():
+        for key, t in state.items():
+            want = template.get(key)
+            if want is not None and tuple(want.shape) != tuple(t.shape):
+                raise UserError(f"checkpoint {d}: client {c}'s tensor '{key}' has shape {list(t.shape)} but this "
+                                f"run's is {list(want.shape)} (another model or data?); use another out_dir, "
+                                f"or overwrite=true to start afresh")
 
 
 def _cpu(state: dict) -> dict:
@@ -54,7 +88,8 @@ def _cpu(state: dict) -> dict:
 
 class Checkpointer:
     def __init__(self, out_dir: str, rank: int, world_size: int, keep: int):
-        self.root = Path(out_dir) / CHECKPOINTS
+        self.run = RunDir(out_dir)
+        self.root = self.run.checkpoints
         self.rank = rank
         self.world_size = world_size
         self.keep = max(1, keep)
@@ -72,9 +107,9 @@ class Checkpointer:
         try:
             d.mkdir(parents=True, exist_ok=True)
             part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
-            _atomic_torch_save(part, d / f"clients_{self.rank}.pt")
+            atomic_torch_save(part, d / f"clients_{self.rank}.pt")
             if self.rank == 0:
-                _atomic_torch_save(
+                atomic_torch_save(
                     {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, d / "global.pt"
                 )
         except OSError as exc:
@@ -88,12 +123,12 @@ class Checkpointer:
                         "world_size": self.world_size,
                         "sha256": {p: _sha256(d / p) for p in parts},
                     }
-                    _atomic_write_text(d / MARKER, json.dumps(manifest, indent=1) + "\n")
+                    atomic_write_bytes(d / MARKER, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
                 except OSError as exc:
                     problem = exc
             if all_ok(problem is None):  # nobody moves on before the checkpoint counts
                 if self.rank == 0:
-                    self._prune()
+                    self._prune(d)
                 return d
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
@@ -103,30 +138,33 @@ class Checkpointer:
             f"the previous complete checkpoint in {self.root} is intact"
         )
 
-    def _prune(self) -> None:
-        complete = [d for _, d in self._round_dirs() if (d / MARKER).exists()]
-        keep = set(complete[-self.keep :])
-        newest = complete[-1] if complete else None
-        for r, d in self._round_dirs():
-            if d in keep:
+    def _prune(self, fresh: Path) -> None:
+        """Keep ``fresh`` (just written, its checksums taken from the files on disk) and the
+        ``keep - 1`` newest older checkpoints that pass :meth:`verify`; remove every other one.
+
+        A checkpoint is counted only once verified, so a damaged one never takes the slot of an
+        intact one. Directories of rounds after ``fresh`` are leftovers of an earlier attempt that
+        the run did not resume from (unfinished, or damaged): they go too, unless one verifies.
+        """
+        fresh_round = int(fresh.name[6:])
+        kept = 1
+        for r, d in reversed(self._round_dirs()):
+            if d == fresh:
                 continue
-            # older complete ones beyond k, and leftovers of interrupted writes older than the newest
-            if (d / MARKER).exists() or (newest is not None and r < int(newest.name[6:])):
-                shutil.rmtree(d, ignore_errors=True)
+            if r > fresh_round:
+                if (d / MARKER).exists() and self.verify(d) is None:
+                    continue  # intact and newer: never the run's to remove
+            elif kept < self.keep and (d / MARKER).exists() and self.verify(d) is None:
+                kept += 1
+                continue
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- reading -------------------------------------------------------------
     def _round_dirs(self) -> list[tuple[int, Path]]:
-        if not self.root.is_dir():
-            return []
-        out = []
-        for d in self.root.iterdir():
-            m = _ROUND_DIR.match(d.name)
-            if m and d.is_dir():
-                out.append((int(m.group(1)), d))
-        return sorted(out)
+        return self.run.checkpoint_dirs()
 
     def exists(self) -> bool:
-        return any((d / MARKER).exists() for _, d in self._round_dirs())
+        return self.run.has_checkpoint()
 
     def verify(self, d: Path) -> Optional[str]:
         """None if the checkpoint in ``d`` is complete and intact, else what is wrong."""
@@ -154,19 +192,30 @@ class Checkpointer:
             warn(f"checkpoint {d} is damaged ({problem}); trying the previous one")
         return None
 
-    def resume(self, store, cfg, owned: Iterable[int], device, echo, mmap: bool = False) -> Optional[tuple]:
+    def resume(self, store, cfg, owned: Iterable[int], device, echo, mmap: bool = False,
+               data: Optional[dict] = None) -> Optional[tuple]:
         """Load the newest intact checkpoint into ``store`` (the global state and the ``owned``
-        clients' states) after checking that it was made by the same experiment; (rounds done, the
-        records, the rounds' seconds), or None when there is no checkpoint."""
-        from fedcp_dist.rundir import check_resume_config
-
+        clients' states) after checking that it was made by the same experiment on the same data
+        (``data``: this run's :func:`data_record`) and that its tensors have this run's shapes;
+        (rounds done, the records, the rounds' seconds), or None when there is no checkpoint."""
         d = self.latest(warn=echo)
         if d is None:
             return None
         rounds_done, global_state, client_states, meta = self.load(d, owned, device, mmap=mmap)
         check_resume_config(meta.get("config", {}), cfg.to_dict(), cfg.out_dir)
+        if data is not None:
+            check_same_data(meta.get("data"), data, cfg.out_dir, echo)
+        if rounds_done > cfg.rounds:
+            raise UserError(f"config key 'rounds' is {cfg.rounds} but the checkpointed run in {cfg.out_dir} has done "
+                            f"{rounds_done} rounds; resume with rounds >= {rounds_done}, or use another out_dir")
         if set(global_state) != set(store.global_state):
             raise UserError(f"checkpoint {d} does not hold this method's global state")
+        for key, t in global_state.items():
+            if tuple(t.shape) != tuple(store.global_state[key].shape):
+                raise UserError(f"checkpoint {d}: global tensor '{key}' has shape {list(t.shape)} but this run's is "
+                                f"{list(store.global_state[key].shape)} (another model or data?); use another "
+                                f"out_dir, or overwrite=true to start afresh")
+        _check_client_shapes(d, store, client_states)
         store.set_global(global_state)
         store.load_state_dict(client_states)
         echo(f"resuming from {d} ({rounds_done} rounds done)")

@@ -21,6 +21,7 @@ import yaml
 from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, method_options, option_classes
 from fedcp_dist.client_store import CLIENT_STATE_MODES
 from fedcp_dist.errors import UserError
+from fedcp_dist.loggers import logger_problem
 from fedcp_dist.models import FASTTEXT_FEATURES, FASTTEXT_MEANS, MODELS
 from fedcp_dist.placement import PARTICIPATION_DRAWS, PLACEMENTS
 
@@ -173,8 +174,9 @@ class _ConfigMethods:
         """Rounds between training probes (0: analysis off); ``analysis: true`` alone means every round."""
         return self.analysis_every or (1 if self.analysis else 0)
 
-    def validate(self) -> "Config":
-        """Raise :class:`UserError` naming the first impossible value."""
+    def validate(self, data_file: bool = True) -> "Config":
+        """Raise :class:`UserError` naming the first impossible value; ``data_file=False`` leaves out
+        the check that ``data.path`` names an existing file (printing a config needs no data)."""
 
         def bad(key: str, why: str):
             raise UserError(f"config key '{key}': {why}")
@@ -222,8 +224,6 @@ class _ConfigMethods:
             bad("fused_group", f"must be >= 0, got {self.fused_group}")
         if self.analysis_every < 0:
             bad("analysis_every", f"must be >= 0, got {self.analysis_every}")
-        from fedcp_dist.loggers import logger_problem  # loggers names its folder through rundir, which imports this
-
         logger_why = logger_problem(self.logger)
         if logger_why:
             bad("logger", logger_why)
@@ -280,9 +280,9 @@ class _ConfigMethods:
             if len(set(clients)) != len(clients):
                 dup = next(c for c in clients if clients.count(c) > 1)
                 bad("data.clients", f"lists client {dup} twice")
-        if not self.data.path:
+        if data_file and not self.data.path:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
-        if not os.path.isfile(self.data.path):
+        if data_file and not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
         return self
 

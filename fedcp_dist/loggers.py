@@ -31,8 +31,6 @@ import math
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Tuple
 
-from fedcp_dist.rundir import TENSORBOARD
-
 #: the values of the ``logger`` config key
 LOGGERS = ("none", "tensorboard")
 #: the numbers of an evaluation (EvalSums.summary) in a metrics record
@@ -106,10 +104,10 @@ class NoLogger:
 
 
 class TensorBoardLogger(NoLogger):
-    """``logger: tensorboard``: TensorBoard event files under ``run_dir/tensorboard/``."""
+    """``logger: tensorboard``: TensorBoard event files in ``folder`` (the run's ``tensorboard/``)."""
 
-    def __init__(self, run_dir):
-        self.dir = Path(run_dir) / TENSORBOARD
+    def __init__(self, folder):
+        self.dir = Path(folder)
         self._writer = None
 
     def start(self, records: list, analysis_lines: list) -> None:
@@ -144,6 +142,7 @@ class TensorBoardLogger(NoLogger):
             self._writer = None
 
 
-def make_logger(name: str, run_dir) -> NoLogger:
-    """The logger the ``logger`` key names, writing into ``run_dir``."""
-    return TensorBoardLogger(run_dir) if name == "tensorboard" else NoLogger()
+def make_logger(name: str, folder) -> NoLogger:
+    """The logger the ``logger`` key names, writing its files into ``folder`` (the run directory
+    names it: :data:`fedcp_dist.rundir.TENSORBOARD`)."""
+    return TensorBoardLogger(folder) if name == "tensorboard" else NoLogger()

@@ -13,8 +13,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from fedcp_dist.config import dump_config, load_config
 from fedcp_dist.errors import ArgumentParser, Preempted, UserError, cli_main
+from fedcp_dist.preemption import StopSignals, write_status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,30 +34,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_config(config_path: Optional[str], overrides: Sequence[str] = ()) -> dict:
+def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: Optional[StopSignals] = None) -> dict:
     """Run the experiment of ``config_path`` (None: the defaults) with ``key=value`` overrides on
     every rank of this job; returns its summary (on every rank).
 
-    Raises :class:`~fedcp_dist.errors.UserError` for a bad config or out_dir, ``RunFailure`` when the
-    run cannot go on and ``Preempted`` once a preemption signal's checkpoint is written.
+    ``stop``: the preemption signals noted since the process started (:func:`main`); without it they
+    are listened to from here. Raises :class:`~fedcp_dist.errors.UserError` for a bad config or
+    out_dir, ``RunFailure`` when the run cannot go on and ``Preempted`` once a preemption signal's
+    checkpoint is written (or, for a signal during start-up, before the first round).
     """
-    cfg = load_config(config_path, list(overrides))
-    # imported here so that --help and config errors stay fast
-    from fedcp_dist.runtime import init_runtime
-    from fedcp_dist.simulator import Simulator
+    from fedcp_dist.config import load_config  # torch loads with it, after main's signal handlers
 
-    rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory)
-    try:
-        return Simulator(cfg, rt).run()
-    except Preempted:
-        # torchrun turns a worker's exit status into its own: job scripts read this file instead
-        status_file = os.environ.get("FEDCP_STATUS_FILE")
-        if status_file and rt.is_main:
-            with open(status_file, "w", encoding="utf-8") as f:
-                f.write("preempted\n")
-        raise
-    finally:
-        rt.close()
+    stop = stop if stop is not None else StopSignals()
+    with stop:
+        cfg = load_config(config_path, list(overrides))
+        stop.listen((cfg.preempt_signal, "SIGTERM"))
+        # imported here so that --help and config errors stay fast
+        from fedcp_dist.runtime import init_runtime
+        from fedcp_dist.simulator import Simulator
+
+        rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory)
+        stop.rank = rt.rank
+        try:
+            return Simulator(cfg, rt, stop=stop).run()
+        except Preempted:
+            # torchrun turns a worker's exit status into its own: job scripts read this file instead
+            if rt.is_main:
+                write_status("preempted")
+            raise
+        finally:
+            rt.close()
 
 
 def parse_ranks(value: str) -> Optional[int]:
@@ -105,21 +111,36 @@ def local_ranks_command(n: int, config: Optional[str], overrides: Sequence[str],
 
 @cli_main
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    # listening at once: reading the config, starting the runtime, loading the shard and verifying a
+    # checkpoint can take minutes, and a preemption then must end in the requeue status too
+    with StopSignals() as stop:
+        _main(build_parser().parse_args(argv), stop)
+
+
+def _main(args, stop: StopSignals) -> None:
+    from fedcp_dist.config import dump_config, load_config
+
     if args.print_config:
-        print(dump_config(load_config(args.config, args.overrides)), end="")
-        return None
+        cfg = load_config(args.config, args.overrides, validate=False).validate(data_file=False)
+        print(dump_config(cfg), end="")
+        if not os.path.isfile(cfg.data.path):  # printed all the same: the file may be made later
+            what = f"{cfg.data.path} does not exist" if cfg.data.path else "is not set"
+            print(f"note: data.path {what}; a run needs the HDF5 partition written by fedcp-partition",
+                  file=sys.stderr, flush=True)
+        return
     if args.ranks != "1":
         n = parse_ranks(args.ranks)  # a bad value before the config is read
         cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
         n = n or auto_ranks(cfg.device)
         if n > 1:
             cmd, env = local_ranks_command(n, args.config, args.overrides)
+            if stop.signum is not None:  # asked to stop before the ranks were started: nothing ran
+                write_status("preempted")
+                raise Preempted("stopped before the ranks were started")
             sys.stdout.flush()
             sys.stderr.flush()
             os.execve(cmd[0], cmd, env)  # torchrun in this process's place: signals and exit status are its
-    run_config(args.config, args.overrides)
-    return None
+    run_config(args.config, args.overrides, stop=stop)
 
 
 if __name__ == "__main__":

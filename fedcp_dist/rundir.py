@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import IO, Any, Optional
@@ -31,6 +32,7 @@ from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.config import Config, flatten, legacy_defaults
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
+from fedcp_dist.loggers import make_logger
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -39,6 +41,10 @@ ANALYSIS = "analysis.jsonl"
 SUMMARY = "summary.json"
 FINAL_GLOBAL = "final_global.pt"
 CHECKPOINTS = "checkpoints"
+#: ``checkpoints/round_{R:07d}/``: the checkpoint after R rounds (:mod:`fedcp_dist.checkpoint` writes it)
+CHECKPOINT_DIR = re.compile(r"^round_(\d{7})$")
+#: the file whose presence makes a checkpoint directory complete (its parts' checksums)
+CHECKPOINT_MARKER = "COMPLETE"
 #: the event files of ``logger: tensorboard``
 TENSORBOARD = "tensorboard"
 LOCK = ".lock"
@@ -192,6 +198,22 @@ class RunDir:
     def lock(self) -> Path:
         return self.path / LOCK
 
+    def checkpoint_dirs(self) -> list:
+        """[(R, path)] of every ``checkpoints/round_R`` directory, complete or not, R ascending."""
+        if not self.checkpoints.is_dir():
+            return []
+        out = []
+        for d in self.checkpoints.iterdir():
+            m = CHECKPOINT_DIR.match(d.name)
+            if m and d.is_dir():
+                out.append((int(m.group(1)), d))
+        return sorted(out)
+
+    def has_checkpoint(self) -> bool:
+        """Whether a checkpoint directory is marked complete (whether its parts are intact is
+        :meth:`fedcp_dist.checkpoint.Checkpointer.verify`'s question)."""
+        return any((d / CHECKPOINT_MARKER).exists() for _, d in self.checkpoint_dirs())
+
     def status(self) -> str:
         """finished (summary.json) | unfinished (a run was started there) | pending."""
         if self.summary.exists():
@@ -266,8 +288,6 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
     unfinished one (a complete checkpoint or metrics.jsonl). Every refusal is a UserError, and the
     lock is released before it is raised.
     """
-    from fedcp_dist.checkpoint import Checkpointer  # imports torch; only runs need it
-
     run = RunDir(out_dir)
     out = run.path
     try:
@@ -290,7 +310,7 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
             raise UserError(
                 f"out_dir {out} holds a finished run ({SUMMARY}); choose another out_dir or pass overwrite=true"
             )
-        if resume == "never" and (Checkpointer(str(out), 0, 1, 1).exists() or run.metrics.exists()):
+        if resume == "never" and (run.has_checkpoint() or run.metrics.exists()):
             raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")
     except BaseException:
         lock.close()
@@ -318,14 +338,12 @@ class RunWriter:
     """
 
     def __init__(self, out_dir, enabled: bool, logger: str = "none"):
-        from fedcp_dist.loggers import make_logger
-
         self.enabled = enabled
         self.dir = Path(out_dir)
         self._metrics: Optional[IO[str]] = None
         self._analysis: Optional[IO[str]] = None
         self._analysis_kept: list = []  # the lines start_analysis kept, for the logger's start
-        self.logger = make_logger(logger if enabled else "none", self.dir)
+        self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD)
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
 

@@ -21,7 +21,6 @@ import datetime
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -251,35 +250,6 @@ class Runtime:
             f"backend={self.backend or 'none'} threads={self.threads}"
             + (f" keep_freed_memory={self.keep_freed}" if self.device.type == "cpu" else "")
         )
-
-
-class StopSignals:
-    """While active (a context), the signals that ask a run to stop after its round are noted
-    instead of ending the process: ``signum`` is the first one received (None: none yet)."""
-
-    def __init__(self, rank: int, names):
-        self.rank, self.names, self.signum = rank, sorted(set(names)), None
-        self._previous: dict = {}
-
-    def _note(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-            print(f"rank {self.rank}: got {signal.Signals(signum).name}; finishing the round, then checkpointing",
-                  flush=True)
-
-    def __enter__(self) -> "StopSignals":
-        for name in self.names:
-            sig = getattr(signal, name)
-            try:
-                self._previous[sig] = signal.signal(sig, self._note)
-            except ValueError:  # not the main thread (embedded use): signals stay the caller's
-                pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
 
 
 #: seconds between two looks of the launcher watch at this process's parent

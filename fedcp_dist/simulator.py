@@ -15,29 +15,34 @@ from typing import Callable
 
 from fedcp_dist import startup
 from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
-from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.checkpoint import Checkpointer, data_record
 from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
 from fedcp_dist.compress import Compressor, uplink_record
 from fedcp_dist.config import Config, dump_config
+from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
+from fedcp_dist.preemption import StopSignals
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.round_record import evaluation_record, round_record, summary_json
 from fedcp_dist.rundir import RunWriter, prepare_out_dir, progress_line, result_table
-from fedcp_dist.runtime import Runtime, StopSignals
+from fedcp_dist.runtime import Runtime
 from fedcp_dist.selection import draw_cohort, gather_client_vectors
 from fedcp_dist.training import CohortTrainer
 
 
 class Simulator:
-    """One run on this rank. ``wrap`` (for tests) wraps the algorithm the config names."""
+    """One run on this rank. ``wrap`` (for tests) wraps the algorithm the config names. ``stop``: the
+    preemption signals, listened to since before start-up (:func:`fedcp_dist.run.run_config`); by
+    default they are listened to while :meth:`run` runs."""
 
-    def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print, wrap: Callable = None):
+    def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print, wrap: Callable = None,
+                 stop: StopSignals = None):
         self.cfg, self.rt = cfg, rt
         self.echo = echo if rt.is_main else (lambda *_: None)
         self._lock = None
-        self.stop = StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
+        self.stop = stop if stop is not None else StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
         self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
@@ -75,16 +80,24 @@ class Simulator:
         return self.store.global_state
 
     # -- resume and checkpoints --------------------------------------------------------------
+    @property
+    def data_record(self) -> dict:
+        """The shard this run trains on, as its checkpoints record it (and resume checks it)."""
+        info = self.setup.info
+        return data_record(self.cfg.data.path, info.fingerprint, layout_digest(info))
+
     def _maybe_resume(self) -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory
         done = self.cfg.resume == "auto" and self.ckpt.resume(self.store, self.cfg, self.owned, self.rt.device, self.echo,
-                                                              mmap=isinstance(self.store, DiskClientStore))
+                                                              mmap=isinstance(self.store, DiskClientStore),
+                                                              data=self.data_record)
         if done:
             self.start_round, self.records, self.round_seconds = done
 
     def _save_checkpoint(self, rounds_done: int) -> None:
         self.rt.phase = f"checkpoint after round {rounds_done}"
-        meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict()}
+        meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict(),
+                "data": self.data_record}
         self.ckpt.save(rounds_done, self.global_state, self.store.state_dict(), meta,
                        lambda ok: startup.all_ok(self.rt, ok))
 
@@ -124,6 +137,10 @@ class Simulator:
 
     def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt
+        if not startup.all_ok(rt, self.stop.signum is None):  # a signal during start-up, on any rank
+            self.echo(f"asked to stop before round {self.start_round + 1}; exiting for requeue "
+                      f"(nothing new to checkpoint)")
+            raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}")
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
         self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line, self.algo.describe()))

@@ -2,6 +2,7 @@
 import sys
 
 import pytest
+import yaml
 
 from conftest import run_cmd
 from fedcp_dist.config import Config, load_config, parse_overrides
@@ -72,6 +73,20 @@ def test_client_count_must_agree(digits6, tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "data.num_clients" in err and "6 clients" in err
+
+
+def test_print_config_does_not_need_the_data_file(tmp_path, capsys):
+    """--print-config shows the config a run would use before its shard is made; stderr says the file
+    is missing. Every other check still applies."""
+    missing = tmp_path / "later.h5"
+    main(["--config", "configs/digits_fedcp.yaml", f"data.path={missing}", "rounds=7", "--print-config"])
+    out, err = capsys.readouterr()
+    printed = yaml.safe_load(out)
+    assert printed["data"]["path"] == str(missing) and printed["rounds"] == 7
+    assert err.count("\n") == 1 and f"data.path {missing} does not exist" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_fedcp.yaml", f"data.path={missing}", "rounds=0", "--print-config"])
+    assert exc.value.code == 2 and "'rounds'" in capsys.readouterr().err
 
 
 def test_missing_and_broken_config_files(tmp_path, capsys):

@@ -197,7 +197,7 @@ def test_nonfinite_update_skipped(digits6, tmp_path, capsys):
 # -- checkpoints on a full disk, damaged checkpoints ------------------------------------------------
 
 def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path, monkeypatch):
-    real = ckpt_mod._atomic_torch_save
+    real = ckpt_mod.atomic_torch_save
     calls = {"n": 0}
 
     def flaky(obj, path):
@@ -208,7 +208,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path,
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(obj, path)
 
-    monkeypatch.setattr(ckpt_mod, "_atomic_torch_save", flaky)
+    monkeypatch.setattr(ckpt_mod, "atomic_torch_save", flaky)
     cfg = load_config("configs/digits_fedcp.yaml", [f"data.path={digits6}", f"out_dir={tmp_path}", "rounds=6",
                                                     "checkpoint_every=2", "eval_every=3"])
     rt = init_runtime("cpu", 1, env={})

@@ -180,6 +180,9 @@ def test_csv_bad_inputs_are_one_line_errors(tmp_path, capsys):
                       "--drop-cols")
     expect_user_error(capsys, base, "--label-col")
     expect_user_error(capsys, base + ["--label-col", "label", "--client-col", "a"], "--client-col needs --partition column")
+    # without --num-clients too: the missing partition is what is wrong, not the missing count
+    no_count = ["--source", "csv", "--root", path, "--label-col", "label", "--client-col", "a", "--out", tmp_path / "x.h5"]
+    expect_user_error(capsys, no_count, "--client-col needs --partition column", "got --partition dir")
     expect_user_error(capsys, ["--source", "digits", "--label-col", "y", "--num-clients", 2, "--out", tmp_path / "x.h5"],
                       "--label-col applies to --source csv only")
     assert not (tmp_path / "x.h5").exists()

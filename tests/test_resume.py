@@ -140,6 +140,28 @@ def _fake_ckpt(tmp_path, rounds, keep=2):
     return ck
 
 
+def _damage(ck, rounds):
+    part = ck.root / f"round_{rounds:07d}" / "global.pt"
+    part.write_bytes(part.read_bytes()[:-10] + b"0123456789")
+
+
+def test_a_damaged_checkpoint_never_takes_the_slot_of_an_intact_one(tmp_path):
+    """keep_checkpoints=1: the run stopped after round 4, whose checkpoint is damaged, and resumed
+    from round 2. Its checkpoint after round 3 is the newest intact one and must survive pruning
+    (counting the damaged round 4 instead would leave nothing to resume from)."""
+    ck = _fake_ckpt(tmp_path, [2, 4])
+    _damage(ck, 4)
+    assert ck.latest(warn=lambda *_: None).name == "round_0000002"
+    ck = _fake_ckpt(tmp_path, [3], keep=1)
+    assert sorted(d.name for d in ck.root.iterdir()) == ["round_0000003"]
+    assert ck.latest().name == "round_0000003" and ck.load(ck.latest(), [0], "cpu")[0] == 3
+    # keep 2: a damaged older checkpoint is removed and the intact one before it kept instead
+    ck = _fake_ckpt(tmp_path, [5], keep=2)
+    _damage(ck, 5)
+    ck = _fake_ckpt(tmp_path, [6], keep=2)
+    assert sorted(d.name for d in ck.root.iterdir()) == ["round_0000003", "round_0000006"]
+
+
 def test_keeps_the_last_k_and_skips_damaged(tmp_path):
     ck = _fake_ckpt(tmp_path, [2, 4, 6])
     assert sorted(d.name for d in ck.root.iterdir()) == ["round_0000004", "round_0000006"]
@@ -155,3 +177,159 @@ def test_keeps_the_last_k_and_skips_damaged(tmp_path):
     # a directory without its COMPLETE marker does not count
     (ck.root / "round_0000008").mkdir()
     assert ck.latest(warn=seen.append).name == "round_0000004"
+
+
+# A run whose start-up (config read, shard load, checkpoint verification) is interrupted by a signal:
+# PATCH names the function that sends it, to this process, when called.
+_SIGNAL_DURING = """
+import os, signal, sys
+import fedcp_dist.checkpoint, fedcp_dist.config, fedcp_dist.startup
+module, name, sig = sys.argv[1].split(":")
+module = {"config": fedcp_dist.config, "startup": fedcp_dist.startup, "checkpoint": fedcp_dist.checkpoint}[module]
+owner = module.Checkpointer if name == "verify" else module
+real = getattr(owner, name)
+def signalled(*args, **kwargs):
+    os.kill(os.getpid(), getattr(signal, sig))
+    return real(*args, **kwargs)
+setattr(owner, name, signalled)
+from fedcp_dist.run import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during, sig", [("config:load_config", "SIGTERM"), ("startup:load", "SIGUSR2"),
+                                         ("checkpoint:verify", "SIGTERM")])
+def test_a_signal_during_start_up_exits_for_requeue(during, sig, digits6, tmp_path):
+    """SLURM requeues on status 75 only: a preemption signal while the run starts (reading its config,
+    loading the shard, verifying the checkpoint it resumes from) stops it before its first round with
+    that status and the status file, the last checkpoint left as it was."""
+    args = _args(digits6, tmp_path, "rounds=3", "checkpoint_every=1", "eval_every=3")
+    if during.startswith("checkpoint"):  # a run to resume: two rounds checkpointed
+        r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *args, "rounds=2"])
+        assert r.returncode == 0, r.stderr[-2000:]
+        (tmp_path / "summary.json").unlink()  # stopped before its end, as far as the next start knows
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) if during.startswith("checkpoint") else []
+    status = tmp_path / "status"
+    r = run_cmd([sys.executable, "-c", _SIGNAL_DURING, f"{during}:{sig}", *args],
+                env_extra={"FEDCP_STATUS_FILE": str(status)})
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert f"got {sig}" in r.stdout and "preempted: stopped" in r.stderr and "Traceback" not in r.stderr
+    assert status.read_text() == "preempted\n"
+    assert not (tmp_path / "summary.json").exists()
+    if before:
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+        assert Checkpointer(str(tmp_path), 0, 1, 2).latest().name == "round_0000002"
+
+
+# -- resuming onto other data ------------------------------------------------------------------------
+
+def _digits(path, seed, clients=4):
+    from conftest import partition
+
+    return partition(path, "--source", "digits", "--partition", "iid", "--num-clients", str(clients),
+                     "--seed", str(seed))
+
+
+def _drop_fingerprint(path):
+    """The shard as versions before fingerprints wrote it."""
+    import h5py
+
+    with h5py.File(path, "a") as f:
+        del f.attrs["fingerprint"]
+
+
+def _two_rounds_then(shard, out, *extra):
+    from helpers import run
+
+    args = [f"data.path={shard}", f"out_dir={out}", "rounds=2", "checkpoint_every=1", "eval_every=2", "threads=1"]
+    run("configs/digits_fedcp.yaml", args)
+    (out / "summary.json").unlink()  # as if stopped after its last checkpoint
+    said = []
+    run("configs/digits_fedcp.yaml", args[:2] + ["rounds=3", *args[3:], *extra], echo=said.append)
+    return said
+
+
+def test_shards_carry_a_content_fingerprint(tmp_path):
+    from fedcp_dist.data.shards import describe_lines, layout_digest, read_info
+
+    a = read_info(_digits(tmp_path / "a.h5", seed=1))
+    assert a.fingerprint.startswith("sha256:") and len(a.fingerprint) == 7 + 64
+    assert read_info(_digits(tmp_path / "again.h5", seed=1)).fingerprint == a.fingerprint  # same content, same print
+    b = read_info(_digits(tmp_path / "b.h5", seed=2))  # same source, clients and counts' sizes: other samples
+    assert b.fingerprint != a.fingerprint
+    _drop_fingerprint(tmp_path / "b.h5")
+    old = read_info(tmp_path / "b.h5")
+    assert old.fingerprint == "" and layout_digest(old) == layout_digest(b)
+    assert any(line.startswith("fingerprint:") and "none" in line for line in describe_lines(old))
+
+
+@pytest.mark.slow
+def test_resume_onto_a_shard_partitioned_again_is_refused(tmp_path):
+    """The same data.path, partitioned again with another seed after the checkpoints were written:
+    the run must not go on training its checkpointed clients on other clients' samples."""
+    from fedcp_dist.errors import UserError
+    from helpers import run
+
+    shard, out = _digits(tmp_path / "d.h5", seed=1), tmp_path / "run"
+    with pytest.raises(UserError, match="d.h5 holds other data than the checkpointed run .*shard fingerprint"):
+        run("configs/digits_fedcp.yaml", [f"data.path={shard}", f"out_dir={out}", "rounds=2", "checkpoint_every=1",
+                                          "eval_every=2", "threads=1"])
+        (out / "summary.json").unlink()
+        _digits(shard, seed=2)
+        run("configs/digits_fedcp.yaml", [f"data.path={shard}", f"out_dir={out}", "rounds=3", "checkpoint_every=1",
+                                          "eval_every=2", "threads=1"])
+    assert Checkpointer(str(out), 0, 1, 2).latest().name == "round_0000002"  # left as it was
+
+
+@pytest.mark.slow
+def test_resume_onto_the_same_shard_goes_on_and_an_old_shard_is_checked_by_its_counts(tmp_path):
+    from helpers import run
+
+    shard, out = _digits(tmp_path / "d.h5", seed=1), tmp_path / "run"
+    said = _two_rounds_then(shard, out)
+    assert any("resuming from" in line for line in said) and not any("fingerprint" in line for line in said)
+    # a shard written before fingerprints: resumed on its counts, and said so
+    _drop_fingerprint(shard)
+    (out / "summary.json").unlink()
+    said = []
+    run("configs/digits_fedcp.yaml", [f"data.path={shard}", f"out_dir={out}", "rounds=4", "checkpoint_every=1",
+                                      "eval_every=2", "threads=1"], echo=said.append)
+    assert any("the shard has no content fingerprint" in line for line in said), said
+    assert any("resuming from" in line and "round_0000003" in line for line in said)
+
+
+@pytest.mark.slow
+def test_resume_with_fewer_rounds_than_done_is_refused(tmp_path):
+    from fedcp_dist.errors import UserError
+    from helpers import run
+
+    shard, out = _digits(tmp_path / "d.h5", seed=1), tmp_path / "run"
+    args = [f"data.path={shard}", f"out_dir={out}", "checkpoint_every=1", "eval_every=1", "threads=1"]
+    run("configs/digits_fedcp.yaml", [*args, "rounds=2"])
+    (out / "summary.json").unlink()
+    with pytest.raises(UserError, match="config key 'rounds' is 1 but the checkpointed run .* has done 2 rounds"):
+        run("configs/digits_fedcp.yaml", [*args, "rounds=1"])
+    assert not (out / "summary.json").exists()
+
+
+def test_resume_refuses_tensors_of_another_shape(tmp_path):
+    """A backstop behind the config and data checks: a checkpointed tensor of another shape is one
+    line naming it, not a traceback from deep inside the model."""
+    from types import SimpleNamespace
+
+    from fedcp_dist.config import Config
+    from fedcp_dist.errors import UserError
+
+    cfg = Config(out_dir=str(tmp_path), rounds=5)
+    ck = Checkpointer(str(tmp_path), 0, 1, 1)
+    ck.save(1, {"w": torch.zeros(2, 3)}, {0: {"h": torch.zeros(4)}}, {"records": [], "round_seconds": [],
+                                                                        "config": cfg.to_dict()}, lambda ok: ok)
+    algo = SimpleNamespace(init_client_state=lambda c: {"h": torch.zeros(4)})
+    store = SimpleNamespace(global_state={"w": torch.zeros(2, 4)}, algo=algo)
+    with pytest.raises(UserError, match=r"global tensor 'w' has shape \[2, 3\] but this run's is \[2, 4\]"):
+        ck.resume(store, cfg, [0], "cpu", echo=lambda *_: None)
+    store.global_state = {"w": torch.zeros(2, 3)}
+    algo.init_client_state = lambda c: {"h": torch.zeros(5)}
+    with pytest.raises(UserError, match=r"client 0's tensor 'h' has shape \[4\] but this run's is \[5\]"):
+        ck.resume(store, cfg, [0], "cpu", echo=lambda *_: None)

@@ -310,3 +310,38 @@ def test_format_value():
     values = [0.1, 1.0, 1, 1e-05, 2.5e10, True, False, None, "fedcp", [0.1, 0.2], [], (1, "a")]
     assert [format_value(v) for v in values] == ["0.1", "1.0", "1", "1e-05", "25000000000.0", "true", "false", "null",
                                                  "fedcp", "0.1-0.2", "empty", "1-a"]
+
+
+def _package_imports() -> dict:
+    """fedcp_dist module -> the fedcp_dist modules it imports anywhere (module level or in a function)."""
+    import ast
+
+    root = REPO / "fedcp_dist"
+    mods = {}
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(REPO).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for m, p in mods.items():
+        targets = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            targets |= {n for n in names if n in mods and n != m and not m.startswith(n + ".")}
+        graph[m] = targets
+    return graph
+
+
+def test_the_run_directory_modules_import_one_way():
+    """config, loggers, rundir and checkpoint: none of them reaches itself through its imports, so
+    each can be read (and changed) knowing only the ones below it."""
+    graph = _package_imports()
+    for start in ("fedcp_dist.config", "fedcp_dist.loggers", "fedcp_dist.rundir", "fedcp_dist.checkpoint"):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+        assert start not in seen, f"{start} imports itself through {sorted(seen & set(graph))}"

@@ -88,7 +88,13 @@ def test_stop_signals_are_noted_then_restored():
         assert stop.signum == signal.SIGUSR2
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal does not replace the first
         assert stop.signum == signal.SIGUSR2
-    assert signal.getsignal(signal.SIGUSR2) == before
+        with stop:  # entered again (the run inside fedcp-run's own listening): nothing changes
+            assert signal.getsignal(signal.SIGUSR2) == stop._note
+        assert signal.getsignal(signal.SIGUSR2) == stop._note
+        stop.listen(("SIGTERM", "SIGHUP"))  # the config's preempt_signal: SIGUSR2 is given back
+        assert signal.getsignal(signal.SIGUSR2) == before and signal.getsignal(signal.SIGHUP) == stop._note
+        assert stop.signum == signal.SIGUSR2  # what was noted stays noted
+    assert signal.getsignal(signal.SIGUSR2) == before and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
 
 
 def test_keep_freed_memory_sets_both_thresholds_on_a_cpu_device():

@@ -405,7 +405,7 @@ def test_describe_summarises_many_clients(tmp_path, capsys):
     path = describe_shard(tmp_path / "d.h5")
     assert DESCRIBE_ROWS == 50
     lines = describe_lines(read_info(path))
-    assert len(lines) == 23
+    assert len(lines) == 24 and lines[6].startswith("fingerprint:      sha256:")
     at = next(k for k, line in enumerate(lines) if line.startswith("per client"))
     assert lines[at].split()[2:] == ["min", "5%", "25%", "median", "75%", "95%", "max", "mean"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[at + 1:at + 5]}

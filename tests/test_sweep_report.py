@@ -106,6 +106,38 @@ def test_bad_sweeps_name_the_key(fields, key, tmp_path, capsys):
     assert not (tmp_path / "sweeps").exists()
 
 
+@pytest.mark.parametrize("where, key", [
+    ("base", "overwrite"), ("base", "resume"), ("overrides", "overwrite"), ("overrides", "resume"),
+    ("grid", "overwrite"), ("grid", "resume"), ("variants", "overwrite"),
+])
+@pytest.mark.parametrize("executor", ["local", "slurm"])
+def test_a_sweep_never_clears_or_refuses_its_points_checkpoints(where, key, executor, tmp_path, capsys):
+    """A point is launched again after a requeue or a re-run: overwrite=true would clear its
+    checkpoints every time (resume=never would refuse them), so a sweep that sets either is refused
+    before anything is made or submitted, by both executors, in one line naming the key."""
+    value = {"overwrite": True, "resume": "never"}[key]
+    fields = {}
+    if where == "base":
+        base = tmp_path / "base.yaml"
+        base.write_text(Path(BASE).read_text() + f"\n{key}: {value if key == 'resume' else 'true'}\n")
+        fields["base"] = str(base)
+    elif where == "overrides":
+        fields["overrides"] = {"rounds": 2, key: value}
+    elif where == "grid":
+        fields["grid"] = {"seed": [1, 2], key: [RERUN_SAFE[key], value]}
+    else:
+        fields["variants"] = {"a": {}, "b": {key: value}}
+    err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path, **fields)), "--executor", executor])
+    assert f"{key}=" in err and "resume from its checkpoint" in err, err
+    assert not (tmp_path / "sweeps").exists()
+    # the values every point runs under are accepted wherever they are written
+    sw = sweep.load_sweep(write_sweep(tmp_path, overrides={"rounds": 2, **RERUN_SAFE}, partition=DIGITS6), kind=executor)
+    assert all(sweep.spec.point_config(sw, p).overwrite is False for p in sw.points)
+
+
+RERUN_SAFE = {"overwrite": False, "resume": "auto"}
+
+
 def test_unknown_grid_key_suggests(tmp_path, capsys):
     err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path, grid={"lamb": [1, 5]}))])
     assert "sweep grid key 'lamb'" in err and "did you mean 'lam'" in err

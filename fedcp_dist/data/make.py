@@ -115,6 +115,9 @@ class PartitionSpec:
         if natural and self.source != natural:
             raise UserError(f"--partition {self.partition} applies to --source {natural} only, "
                             f"not to '{self.source}'")
+        if self.client_col is not None and self.partition != "column":
+            raise UserError(f"--client-col needs --partition column (each value of the column is one client), "
+                            f"got --partition {self.partition}")
         if self.num_clients is None and not natural:
             raise UserError("--num-clients is required")
         if self.num_clients is not None and self.num_clients < 1:

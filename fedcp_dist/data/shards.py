@@ -3,8 +3,8 @@
 Format version 3, the one written (no pickled objects anywhere)::
 
     /                     attributes: format_version (3), kind, source, num_classes, num_clients,
-                          input_shape, mean, std, partition, partition_params (JSON), seed and,
-                          for text, vocab_size
+                          input_shape, mean, std, partition, partition_params (JSON), seed,
+                          fingerprint and, for text, vocab_size
     /train_x              every client's training samples, client 0's first: images uint8
                           (n, C, H, W), text int32 token ids (n, max_len); chunks of 256 samples,
                           gzip 4 + shuffle
@@ -43,6 +43,15 @@ a version it does not know by that number, with a clear message, instead of misr
 version-1 reader refuses text shards, readers of versions 1 and 2 refuse version 3.  This
 reader reads all three.
 
+``fingerprint`` (every version, as written now; shards written before it have none) is
+``sha256:`` and the hex SHA-256 of what a run reads from the file: every client's arrays in
+client order (each array's name, dtype, shape and bytes) and the attributes that shape
+training (kind, num_classes, input_shape, mean, std, the vocabulary, the feature names). Two
+shards with the same fingerprint train alike; a shard partitioned again at the same path gets
+another. A run records it in its checkpoints and refuses to resume onto other data
+(:mod:`fedcp_dist.checkpoint`).  :func:`layout_digest` is the cheap stand-in for a shard without
+one: the attributes and per-client counts, which a re-partition almost always changes.
+
 Files are written atomically (temporary file in the same directory, then ``os.replace``), so
 a reader never sees a half-written shard and an existing file survives a failed write.  Writing
 and loading go a block of :data:`WRITE_SAMPLES` rows at a time, so memory stays at the data
@@ -50,6 +59,7 @@ handed in (or loaded) plus a block or two.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -88,6 +98,8 @@ _REQUIRED_ATTRS = ("kind", "source", "num_classes", "num_clients", "input_shape"
 DESCRIBE_ROWS = 50
 #: the smallest clients the summary shows
 DESCRIBE_SMALLEST = 5
+#: the attribute holding a shard's content fingerprint (absent from shards written before it)
+FINGERPRINT = "fingerprint"
 #: attributes of versions 1 and 2 only (datasets in version 3)
 _COUNT_ATTRS = ("train_counts", "test_counts", "train_label_counts", "test_label_counts")
 
@@ -114,6 +126,9 @@ class ShardInfo:
     test_label_counts: np.ndarray
     #: number of token ids of a text shard (its vocabulary's length); 0 for images
     vocab_size: int = 0
+    #: the content fingerprint written with the shard ("sha256:..."); "" for a shard written before
+    #: fingerprints (see the module's docstring)
+    fingerprint: str = ""
 
 
 class Rows:
@@ -147,6 +162,36 @@ class Rows:
 
     def __getitem__(self, item) -> np.ndarray:
         return self.base[self.index[item]]
+
+
+class _Fingerprint:
+    """The running SHA-256 of a shard's content as it is written (see the module's docstring)."""
+
+    def __init__(self):
+        self.h = hashlib.sha256()
+
+    def add(self, name: str, x) -> None:
+        """One client's array (an array or :class:`Rows`), read a block of rows at a time."""
+        self.h.update(f"{name}|{np.dtype(x.dtype).str}|{tuple(x.shape)}|".encode())
+        for start in range(0, len(x), WRITE_SAMPLES):
+            self.h.update(np.ascontiguousarray(x[start:start + WRITE_SAMPLES]).tobytes())
+
+    def finish(self, meta: dict) -> str:
+        self.h.update(json.dumps(meta, sort_keys=True).encode())
+        return f"sha256:{self.h.hexdigest()}"
+
+
+def layout_digest(info: "ShardInfo") -> str:
+    """A digest of a shard's attributes that shape training and its per-client counts (cheap: no
+    sample is read). Stands in for :attr:`ShardInfo.fingerprint` on shards written without one."""
+    h = hashlib.sha256()
+    meta = {"kind": info.kind, "num_classes": info.num_classes, "num_clients": info.num_clients,
+            "input_shape": list(info.input_shape), "mean": list(info.mean), "std": list(info.std),
+            "vocab_size": info.vocab_size}
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    for key in ("train_counts", "test_counts", "train_label_counts", "test_label_counts"):
+        h.update(np.ascontiguousarray(getattr(info, key), dtype=np.int64).tobytes())
+    return f"sha256:{h.hexdigest()}"
 
 
 def _write_x(group: h5py.Group, name: str, x) -> None:
@@ -412,10 +457,13 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         else:
             body = _GroupWriter(f, kind, format_version)
         counts = _Counts(num_classes)
+        fingerprint = _Fingerprint()
         for i, arrays in enumerate(clients):
             checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
             body.add(i, checked)
             counts.add(checked[1], checked[3])
+            for name, arr in zip(body.names, checked):
+                fingerprint.add(name, arr)
         if len(counts) == 0:
             raise ValueError("write_shard needs at least one client")
         a = f.attrs
@@ -436,6 +484,11 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         a["partition"] = str(partition)
         a["partition_params"] = json.dumps(partition_params, sort_keys=True)
         a["seed"] = np.int64(seed)
+        a[FINGERPRINT] = fingerprint.finish({
+            "kind": kind, "num_classes": num_classes, "input_shape": list(input_shape),
+            "mean": [float(v) for v in np.asarray(mean, dtype=np.float64).ravel()],
+            "std": [float(v) for v in np.asarray(std, dtype=np.float64).ravel()],
+            "vocab": vocab, "columns": None if columns is None else [str(c) for c in columns]})
         body.finish(counts)
         f.flush()
 
@@ -577,6 +630,7 @@ def read_info(path) -> ShardInfo:
                 partition_params=params,
                 seed=int(attrs["seed"]),
                 vocab_size=vocab_size,
+                fingerprint=_as_str(attrs[FINGERPRINT]) if FINGERPRINT in attrs else "",
                 **counts,
             )
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
@@ -651,6 +705,7 @@ def describe_lines(info: ShardInfo, all_clients: bool = False) -> list[str]:
     lines += [f"partition:        {info.partition} "
               f"{json.dumps(info.partition_params, sort_keys=True)}",
               f"seed:             {info.seed}",
+              f"fingerprint:      {info.fingerprint or 'none (written before shards had one)'}",
               f"clients:          {info.num_clients}",
               ""]
     label_counts = info.train_label_counts + info.test_label_counts

@@ -74,6 +74,10 @@ PARTITION_KEYS = option_types()
 PARTITION_LOCATION_KEYS = ("root", "download")
 #: config keys a sweep sets itself
 RESERVED = ("out_dir",)
+#: config keys whose value a sweep fixes: both executors launch an unfinished point again (a
+#: requeue, a re-run of the sweep) and it must go on from its own checkpoint, which overwrite=true
+#: would remove every time and resume=never would refuse
+RERUN_KEYS = {"overwrite": False, "resume": "auto"}
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -316,9 +320,12 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
                              lambda key: f"sweep key 'overrides.{key}'")
     override_args = [f"{k}={yaml_value(v)}" for k, v in overrides.items()]
     try:
+        base_cfg = load_config(str(base_path), [], validate=False)
         load_config(str(base_path), override_args, validate=False)
     except UserError as exc:
         raise UserError(f"sweep key 'overrides': {exc}") from None
+    for key in RERUN_KEYS:
+        _check_rerun_key(key, getattr(base_cfg, key), f"sweep key 'base' ({base}) sets config key '{key}'")
 
     variants = _check_variants(raw.get("variants"), overrides, override_args, base_path)
 
@@ -350,6 +357,8 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
             seen.add(token)
         if key in RESERVED:
             raise UserError(f"sweep grid key '{key}': {key} is set by the sweep (one run directory per point)")
+        for v in values:
+            _check_rerun_key(key, v, f"sweep grid key '{key}'")
         if key in overrides:
             raise UserError(f"sweep grid key '{key}' is also set in overrides; keep it in one place")
         in_variant = [n for n, keys in variants.items() if key in keys]
@@ -442,6 +451,14 @@ def excluding_rule(sweep: Sweep, params: dict) -> Optional[int]:
     return None
 
 
+def _check_rerun_key(key: str, value, where: str) -> None:
+    """Refuse a value of a :data:`RERUN_KEYS` key other than the one every point runs under."""
+    if key in RERUN_KEYS and value != RERUN_KEYS[key]:
+        raise UserError(f"{where}: {key}={yaml_value(value)} cannot be part of a sweep: a point is launched again "
+                        f"after a requeue or a re-run and must resume from its checkpoint; remove a point's run "
+                        f"directory to run it afresh")
+
+
 def _config_keys(keys, where: str, key_where) -> dict:
     """A block of config keys (nested or dotted) as a flat mapping; none of them set by the sweep itself."""
     if not isinstance(keys, dict):
@@ -450,6 +467,7 @@ def _config_keys(keys, where: str, key_where) -> dict:
     for key in keys:
         if key in RESERVED:
             raise UserError(f"{key_where(key)}: {key} is set by the sweep (one run directory per point)")
+        _check_rerun_key(key, keys[key], key_where(key))
     return keys
 
 

@@ -1,0 +1,73 @@
+"""The signals that ask a run to stop for a requeue (``preempt_signal`` and SIGTERM).
+
+``fedcp-run`` listens from the moment it starts, before the config is read, the runtime started or
+the shard loaded: a signal during start-up is noted like one during a round, and the run stops
+before its first round with the requeue status (:data:`~fedcp_dist.errors.EXIT_REQUEUE`) instead
+of dying of the signal (exit 128 + its number, which a job script does not requeue). This module
+imports no torch, so that it can be in place before torch loads.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+#: what ``fedcp-run`` listens to before it has read the config: SIGTERM and the default preempt_signal
+AT_START = ("SIGTERM", "SIGUSR2")
+
+
+class StopSignals:
+    """While active (a context, which may be entered again), the signals that ask a run to stop
+    after its round are noted instead of ending the process: ``signum`` is the first one received
+    (None: none yet)."""
+
+    def __init__(self, rank: int = 0, names=AT_START):
+        self.rank, self.names, self.signum = rank, sorted(set(names)), None
+        self._previous: dict = {}
+        self._depth = 0
+
+    def _note(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            print(f"rank {self.rank}: got {signal.Signals(signum).name}; finishing the round, then checkpointing "
+                  f"(during start-up: stopping before the first round)", flush=True)
+
+    def _install(self) -> None:
+        for name in self.names:
+            sig = getattr(signal, name)
+            if sig in self._previous:
+                continue
+            try:
+                self._previous[sig] = signal.signal(sig, self._note)
+            except ValueError:  # not the main thread (embedded use): signals stay the caller's
+                pass
+
+    def listen(self, names) -> None:
+        """Listen to ``names`` from now on (the config's preempt_signal and SIGTERM): the handlers of
+        the signals no longer listened to are put back. A signal already noted stays noted."""
+        self.names = sorted(set(names))
+        if self._depth:
+            for sig in [s for s in self._previous if signal.Signals(s).name not in self.names]:
+                signal.signal(sig, self._previous.pop(sig))
+            self._install()
+
+    def __enter__(self) -> "StopSignals":
+        if self._depth == 0:
+            self._install()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous = {}
+
+
+def write_status(status: str = "preempted") -> None:
+    """``FEDCP_STATUS_FILE``, when set: one line saying how the run ended, for job scripts behind a
+    launcher (torchrun) that turns a worker's exit status into its own."""
+    path = os.environ.get("FEDCP_STATUS_FILE")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"{status}\n")
