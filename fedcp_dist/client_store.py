@@ -8,6 +8,7 @@ Checkpoints take its :meth:`state_dict` and give it back through :meth:`load_sta
 """
 from __future__ import annotations
 
+import math
 import os
 import resource
 from collections import OrderedDict
@@ -18,6 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from fedcp_dist.fileio import atomic_torch_save
+from fedcp_dist.options import Component, Option, described, one_of
 
 State = Dict[str, torch.Tensor]
 
@@ -427,3 +429,23 @@ def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tupl
     else:
         store, where = ClientStore(algo, global_state, bn_keys), "device"
     return store, f"client states: {where}" + (f" [{why}]" if why != "client_state" else "")
+
+
+class ClientStates(Component):
+    """Where each client's persistent state lives between rounds."""
+
+    options = (
+        Option("aggregate_bn_stats", False, "BatchNorm running statistics (ResNet-18): false keeps each client's own "
+               "(the reference's behaviour); true averages them across participants with the same sample weights as "
+               "the parameters"),
+        Option("client_state", "device", "where each client's persistent state lives between rounds: device | host "
+               "(moved to the device when used) | disk (one file per client, read ahead, written back in the "
+               "background) | auto (device when this rank's states fit client_state_budget_mb, disk otherwise)",
+               one_of(*CLIENT_STATE_MODES)),
+        Option("client_state_budget_mb", 0.0, "client_state=auto: MiB this rank's client states may take in memory; 0: "
+               "half the memory available at start",
+               described(">= 0", lambda v: None if math.isfinite(v) and v >= 0
+                         else f"must be a number >= 0 (MiB), got {v}")),
+        Option("client_state_dir", "", "client_state=disk: directory of the state files (a local scratch disk); "
+               "empty: out_dir/client_state"),
+    )

@@ -1,8 +1,13 @@
-"""Run configuration: dataclasses, YAML loading, ``key=value`` overrides, validation.
+"""Run configuration: the flat ``Config`` assembled from the options every component declares,
+YAML loading, ``key=value`` overrides, validation.
 
-Every user mistake becomes a :class:`~fedcp_dist.errors.UserError` whose one-line message names
-the key. The keys users touch most are flat (``method``, ``rounds``, ``lr``, ``lam`` ...); the data
-set lives under ``data.`` (``data.path``).
+Each component of the engine and each method declares its own keys next to its code
+(:class:`fedcp_dist.options.Option` in a :class:`~fedcp_dist.options.Component`'s ``options``: name,
+default, check, one help text); this module walks them in :data:`ENGINE_BEFORE`, the methods'
+(:func:`fedcp_dist.algorithms.option_classes`), :data:`ENGINE_AFTER` order, then the data set's keys
+under ``data.``. The configuration reference in the docs is generated from the same declarations
+(:mod:`fedcp_dist.cli.config_reference`). Every user mistake becomes a
+:class:`~fedcp_dist.errors.UserError` whose one-line message names the key.
 """
 from __future__ import annotations
 
@@ -13,153 +18,116 @@ import functools
 import math
 import os
 import typing
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import field
+from typing import Any, Optional, Union
 
 import yaml
 
-from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, method_options, option_classes
-from fedcp_dist.client_store import CLIENT_STATE_MODES
+from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, option_classes
+from fedcp_dist.client_store import ClientStates
 from fedcp_dist.errors import UserError
-from fedcp_dist.loggers import logger_problem
-from fedcp_dist.models import FASTTEXT_FEATURES, FASTTEXT_MEANS, MODELS
-from fedcp_dist.placement import PARTICIPATION_DRAWS, PLACEMENTS
+from fedcp_dist.evaluation import Evaluation
+from fedcp_dist.fused import Fusing
+from fedcp_dist.local_train import LocalSGD
+from fedcp_dist.loggers import Logging
+from fedcp_dist.models import ModelChoice
+from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of
+from fedcp_dist.placement import Participation
+from fedcp_dist.probes import Probing
+from fedcp_dist.runtime import Execution
+from fedcp_dist.training import NonFinite
 
 METHODS = tuple(ALGORITHMS)
-AMP_MODES = ("none", "bf16")
-DEVICES = ("auto", "cpu", "cuda")
-# SIGUSR1 is left alone: NCCL may use it
-PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
 
 
-@dataclass
-class DataConfig:
-    """Where the pre-sharded partition lives (an HDF5 file written by ``fedcp-partition``)."""
-
-    path: str = ""
-    #: expected number of clients; 0 takes the file's count, any other value must agree with it
-    num_clients: int = 0
-    #: expected source data set (digits, mnist, cifar10, ...); empty accepts any
-    source: str = ""
-    #: expected input shape [C, H, W]; null accepts any
-    input_shape: Optional[list] = None
-    #: the clients the run uses: null = all; K = a random K of them drawn once from the run seed;
-    #: a list = those client ids of the shard. The others neither train nor are evaluated.
-    clients: Optional[typing.Union[int, list]] = None
+def _known(kind: str, names) -> Check:
+    return described(" | ".join(names), lambda v: None if v in names else f"unknown {kind} {v!r}; known: {', '.join(names)}")
 
 
-@dataclass
-class _Experiment:
-    """The keys every run has, before the methods' own options (the config file's order)."""
+class Experiment(Component):
+    """The experiment: the method, how long it runs and its seed."""
 
-    #: federated method: fedcp | fedavg | fedprox | perfedavg | pfedme | fedamp | ditto | fedper | fedrep | fedrod | fedfomo | fedphp
-    method: str = "fedcp"
-    #: model: cnn (the paper's 4-layer CNN, sized from the shard's input shape) | resnet18 | fasttext (text shards)
-    #: | mlp (table shards)
-    model: str = "cnn"
-    #: mlp: width H of its two hidden layers (the feature dimension K)
-    mlp_hidden: int = 64
-    #: fasttext: embedding and feature width K (32, as the FedCP authors' AG News runs)
-    fasttext_dim: int = 32
-    #: fasttext: padded averages the embeddings over all max_len positions, padding included (the authors'
-    #: model); tokens over the real tokens only (this project's first variant)
-    fasttext_mean: str = "padded"
-    #: fasttext: where the head starts: linear = after Linear(K, K) (the authors' FedCP repository);
-    #: log_softmax = after a log-softmax on it (PFLlib's fastText of 2021-2024 under its head split)
-    fasttext_feature: str = "linear"
-    #: BatchNorm running statistics (ResNet-18): false keeps each client's own (the reference's behaviour);
-    #: true averages them across participants with the same sample weights as the parameters
-    aggregate_bn_stats: bool = False
-    #: communication rounds
-    rounds: int = 100
-    #: evaluate every this many rounds (before that round's training), and after the last round
-    eval_every: int = 1
-    #: fraction ρ of clients that train each round, in (0, 1]
-    participation: float = 1.0
-    #: if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round (drop-out study)
-    participation_range: Optional[list] = None
-    #: with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; count draws the number of
-    #: participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference library's rule, which reaches N)
-    participation_draw: str = "rho"
-    #: run seed: model init, cohorts and every client's batch order and noise derive from it
-    seed: int = 1
-    #: local learning rate η (plain SGD, no momentum)
-    lr: float = 0.005
-    #: local batch size B
-    batch_size: int = 10
-    #: local epochs E
-    local_epochs: int = 1
-    #: drop a last incomplete batch each epoch (the reference's data loader does)
-    drop_last: bool = True
+    options = (
+        Option("method", "fedcp", "the federated method: FedCP or one of the paper's eleven baselines (the Methods "
+               "page)", _known("method", METHODS)),
+        Option("rounds", 100, "communication rounds", above(0)),
+        Option("seed", 1, "run seed: model init, cohorts and every client's batch order and noise derive from it"),
+    )
 
 
-@dataclass
-class _Execution:
-    """The keys of how and where a run executes and what it writes (after the methods' options)."""
+class Output(Component):
+    """What a run writes, where, and how it resumes."""
 
-    #: samples per forward pass at evaluation
-    eval_batch_size: int = 1000
-    #: train a group of a rank's clients at once (stacked parameters, one forward/backward): auto where the
-    #: method and model can (else one by one) | true (the same; the start line says when it cannot) | false
-    fused: typing.Union[bool, str] = "auto"
-    #: clients per fused group; 0 picks it from free memory
-    fused_group: int = 0
-    #: CPU ranks: glibc's allocator keeps freed memory for reuse instead of returning large blocks to the
-    #: system (whose pages then fault in again on every use): auto (on a CPU device under glibc) | true | false
-    keep_freed_memory: typing.Union[bool, str] = "auto"
-    #: fused groups trained side by side on a CPU rank, one thread each: auto (one per thread of the rank) | N
-    fused_workers: typing.Union[int, str] = "auto"
-    #: what clients are weighted by when placed on ranks (largest first, to the least-loaded rank): samples |
-    #: steps (local SGD steps: batches × local_epochs) | auto (steps unless fused=false)
-    placement: str = "auto"
-    #: where each client's persistent state lives between rounds: device | host (moved to the device when used) |
-    #: disk (one file per client, read ahead, written back in the background) | auto (device when this rank's states
-    #: fit client_state_budget_mb, disk otherwise)
-    client_state: str = "device"
-    #: client_state=auto: MiB this rank's client states may take in memory; 0: half the memory available at start
-    client_state_budget_mb: float = 0.0
-    #: client_state=disk: directory of the state files (a local scratch disk); empty: out_dir/client_state
-    client_state_dir: str = ""
-    #: each round's record gains rank 0's resident memory now and at its peak and the MiB of client state
-    #: its store holds in memory (rss_mb, peak_rss_mb, client_state_held_mb): for soak runs
-    record_memory: bool = False
-    #: mixed precision of local training: none | bf16 (autocast; evaluation stays float32)
-    amp: str = "none"
-    #: run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, final_global.pt)
-    out_dir: str = "runs/default"
-    #: start afresh in an out_dir that holds a run (its checkpoints are removed); otherwise refused
-    overwrite: bool = False
-    #: auto: continue from the newest complete checkpoint in out_dir; never: refuse an out_dir with one
-    resume: str = "auto"
-    #: checkpoint every this many rounds (0: only on a preemption signal)
-    checkpoint_every: int = 50
-    #: complete checkpoints kept
-    keep_checkpoints: int = 2
-    #: probes for analysis.jsonl (FedCP): PIR and s histograms at every evaluation, PIR and the training loss
-    #: before/after local learning of every trained client every analysis_every rounds; results are unchanged
-    analysis: bool = False
-    #: take the training probes every this many rounds (rounds 1, k+1, 2k+1, ...); > 0 also turns analysis on
-    analysis_every: int = 0
-    #: none | tensorboard: rank 0 also writes every round's metrics and the analysis means as TensorBoard
-    #: events into out_dir/tensorboard/ (needs the tensorboard package)
-    logger: str = "none"
-    #: signal that asks the run to finish its round, checkpoint and exit with status 75 (SIGTERM too)
-    preempt_signal: str = "SIGUSR2"
-    #: a client's non-finite loss or update: error (stop every rank) | skip (leave it out of the round)
-    on_nonfinite: str = "error"
-    #: auto | cpu | cuda
-    device: str = "auto"
-    #: CPU threads per rank; 0 = cores / ranks on this node
-    threads: int = 0
-    #: seconds a collective may wait for a peer before the run fails
-    collective_timeout: float = 600.0
-    data: DataConfig = field(default_factory=DataConfig)
+    options = (
+        Option("out_dir", "runs/default", "run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, "
+               "final_global.pt)", described("a path", lambda v: None if v else "must not be empty")),
+        Option("overwrite", False, "start afresh in an out_dir that holds a run (its checkpoints are removed); "
+               "otherwise refused"),
+        Option("resume", "auto", "auto: continue from the newest complete checkpoint in out_dir; never: refuse an "
+               "out_dir with one", one_of("auto", "never")),
+        Option("checkpoint_every", 50, "checkpoint every this many rounds (0: only on a preemption signal)", at_least(0)),
+        Option("keep_checkpoints", 2, "complete checkpoints kept (the newest verified ones)", at_least(1)),
+        Option("record_memory", False, "each round's record gains rank 0's resident memory now and at its peak and the "
+               "MiB of client state its store holds in memory (rss_mb, peak_rss_mb, client_state_held_mb): for soak "
+               "runs"),
+    )
+
+
+def _clients(v) -> Optional[str]:
+    if isinstance(v, int) and v < 1:
+        return f"must be a client count >= 1 or a list of client ids, got {v}"
+    if isinstance(v, list):
+        if not v or not all(type_ok(c, int) and c >= 0 for c in v):
+            return f"must be a non-empty list of client ids >= 0, got {v}"
+        if len(set(v)) != len(v):
+            return f"lists client {next(c for c in v if v.count(c) > 1)} twice"
+    return None
+
+
+class Data(Component):
+    """The data set: the pre-sharded partition (an HDF5 file written by `fedcp-partition`), keys under `data.`."""
+
+    prefix = "data."
+    options = (
+        Option("path", "", "the HDF5 partition written by fedcp-partition (required)"),
+        Option("num_clients", 0, "expected number of clients; 0 takes the file's count, any other value must agree "
+               "with it", at_least(0)),
+        Option("source", "", "expected source data set (digits, mnist, cifar10, ...); empty accepts any"),
+        Option("input_shape", None, "expected input shape [C, H, W]; null accepts any", kind=Optional[list]),
+        Option("clients", None, "the clients the run uses: null = all; K = a random K of them drawn once from the run "
+               "seed; a list = those client ids of the shard. The others neither train nor are evaluated.",
+               described("null, a count >= 1 or a list of client ids", _clients), kind=Optional[Union[int, list]]),
+    )
+
+
+#: the engine's components whose keys come before the methods' in a config (the experiment) and after
+#: them (its execution), in the order a config file lists them
+ENGINE_BEFORE = (Experiment, ModelChoice, LocalSGD, Participation)
+ENGINE_AFTER = (Evaluation, Fusing, ClientStates, NonFinite, Probing, Logging, Output, Execution)
+
+
+def components() -> list:
+    """Every component that declares config keys, in the config's order (the data set's last)."""
+    return [*ENGINE_BEFORE, *option_classes(), *ENGINE_AFTER, Data]
+
+
+def _fields(options) -> list:
+    def one(o):
+        meta = {"help": o.help, "option": o}
+        if isinstance(o.default, (list, dict)):
+            return field(default_factory=lambda d=o.default: copy.deepcopy(d), metadata=meta)
+        return field(default=o.default, metadata=meta)
+
+    return [(o.name, o.type, one(o)) for o in options]
+
+
+DataConfig = dataclasses.make_dataclass("DataConfig", _fields(Data.options))
+DataConfig.__module__ = __name__
+DataConfig.__doc__ = Data.__doc__
 
 
 class _ConfigMethods:
-    """What every Config does; the class itself is assembled below from the keys of the run, the
-    options the methods declare next to their code (``options`` of each method class) and the keys
-    of execution."""
+    """What every Config does; the class itself is assembled below from every component's options."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -176,110 +144,30 @@ class _ConfigMethods:
 
     def validate(self, data_file: bool = True) -> "Config":
         """Raise :class:`UserError` naming the first impossible value; ``data_file=False`` leaves out
-        the check that ``data.path`` names an existing file (printing a config needs no data)."""
+        the check that ``data.path`` names an existing file (printing a config needs no data).
+
+        One walk over the components: every option's own check (in the config's order, the data set's
+        last, so a mistyped value is named even where the shard is not made yet), then each
+        component's checks across keys."""
 
         def bad(key: str, why: str):
             raise UserError(f"config key '{key}': {why}")
 
-        if self.method not in METHODS:
-            bad("method", f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
-        if self.model not in MODELS:
-            bad("model", f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
-        if self.device not in DEVICES:
-            bad("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        for key in ("rounds", "eval_every", "batch_size", "local_epochs", "eval_batch_size", "mlp_hidden",
-                    "fasttext_dim"):
-            if getattr(self, key) <= 0:
-                bad(key, f"must be > 0, got {getattr(self, key)}")
-        if self.fasttext_mean not in FASTTEXT_MEANS:
-            bad("fasttext_mean", f"must be one of {', '.join(FASTTEXT_MEANS)}, got {self.fasttext_mean!r}")
-        if self.fasttext_feature not in FASTTEXT_FEATURES:
-            bad("fasttext_feature", f"must be one of {', '.join(FASTTEXT_FEATURES)}, got {self.fasttext_feature!r}")
-        if self.on_nonfinite not in ("error", "skip"):
-            bad("on_nonfinite", f"must be error or skip, got {self.on_nonfinite!r}")
-        if self.resume not in ("auto", "never"):
-            bad("resume", f"must be auto or never, got {self.resume!r}")
-        if self.checkpoint_every < 0:
-            bad("checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
-        if self.keep_checkpoints < 1:
-            bad("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
-        if self.preempt_signal not in PREEMPT_SIGNALS:
-            bad("preempt_signal", f"must be one of {', '.join(PREEMPT_SIGNALS)}, got {self.preempt_signal!r}")
-        if self.threads < 0:
-            bad("threads", f"must be >= 0, got {self.threads}")
-        if isinstance(self.fused, str) and self.fused != "auto":
-            bad("fused", f"must be auto, true or false, got {self.fused!r}")
-        if isinstance(self.keep_freed_memory, str) and self.keep_freed_memory != "auto":
-            bad("keep_freed_memory", f"must be auto, true or false, got {self.keep_freed_memory!r}")
-        if self.client_state not in CLIENT_STATE_MODES:
-            bad("client_state", f"must be one of {', '.join(CLIENT_STATE_MODES)}, got {self.client_state!r}")
-        if not (math.isfinite(self.client_state_budget_mb) and self.client_state_budget_mb >= 0):
-            bad("client_state_budget_mb", f"must be a number >= 0 (MiB), got {self.client_state_budget_mb}")
-        if self.placement not in PLACEMENTS:
-            bad("placement", f"must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
-        if not (self.fused_workers == "auto" or (isinstance(self.fused_workers, int) and not isinstance(self.fused_workers, bool)
-                                                 and self.fused_workers >= 1)):
-            bad("fused_workers", f"must be auto or an integer >= 1, got {self.fused_workers!r}")
-        if self.fused_group < 0:
-            bad("fused_group", f"must be >= 0, got {self.fused_group}")
-        if self.analysis_every < 0:
-            bad("analysis_every", f"must be >= 0, got {self.analysis_every}")
-        logger_why = logger_problem(self.logger)
-        if logger_why:
-            bad("logger", logger_why)
-        if self.probe_every and not self.method_class.probes:
-            with_probes = ", ".join(m for m, cls in ALGORITHMS.items() if cls.probes)
-            bad("analysis" if self.analysis else "analysis_every",
-                f"{self.method} has no probes (they measure FedCP's policy; methods with probes: {with_probes})")
-        for key in ("lr", "participation", "collective_timeout"):
-            if not math.isfinite(getattr(self, key)):
-                bad(key, f"must be a finite number, got {getattr(self, key)}")
-        if self.lr <= 0:
-            bad("lr", f"must be > 0, got {self.lr}")
-        if not 0 < self.participation <= 1:
-            bad("participation", f"must lie in (0, 1], got {self.participation}")
-        if self.collective_timeout <= 0:
-            bad("collective_timeout", f"must be > 0, got {self.collective_timeout}")
-        if self.participation_range is not None:
-            r = self.participation_range
-            if (
-                len(r) != 2
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
-                or not 0 < r[0] <= r[1] <= 1
-            ):
-                bad("participation_range", f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}")
-        if self.participation_draw not in PARTICIPATION_DRAWS:
-            bad("participation_draw", f"must be one of {', '.join(PARTICIPATION_DRAWS)}, got {self.participation_draw!r}")
-        if self.participation_draw != "rho" and self.participation_range is None:
-            bad("participation_draw", f"{self.participation_draw} draws from participation_range, which is not set")
-        if self.amp not in AMP_MODES:
-            bad("amp", f"must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
-        if not self.out_dir:
-            bad("out_dir", "must not be empty")
-        # the methods' own options: each its own check, then each class's checks across its keys
-        for opt in method_options():
-            value = getattr(self, opt.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                bad(opt.name, f"must be a finite number, got {value}")
-            why = opt.check(value) if opt.check is not None else None
-            if why:
-                bad(opt.name, why)
-        for cls in option_classes():
-            problem = cls.check_config(self)
-            if problem:
-                bad(*problem)
-        # the data set last: a mistyped value is named even where the shard is not made yet
-        if self.data.num_clients < 0:
-            bad("data.num_clients", f"must be >= 0, got {self.data.num_clients}")
-        clients = self.data.clients
-        if isinstance(clients, int) and clients < 1:
-            bad("data.clients", f"must be a client count >= 1 or a list of client ids, got {clients}")
-        if isinstance(clients, list):
-            if not clients or not all(type_ok(c, int) and c >= 0 for c in clients):
-                bad("data.clients", f"must be a non-empty list of client ids >= 0, got {clients}")
-            if len(set(clients)) != len(clients):
-                dup = next(c for c in clients if clients.count(c) > 1)
-                bad("data.clients", f"lists client {dup} twice")
+        comps = components()
+        for comp in comps:
+            prefix = getattr(comp, "prefix", "")
+            holder = self.data if prefix else self
+            for opt in comp.options:
+                value = getattr(holder, opt.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    bad(prefix + opt.name, f"must be a finite number, got {value}")
+                why = opt.check(value) if opt.check is not None else None
+                if why:
+                    bad(prefix + opt.name, why)
+            if comp is not Data:
+                problem = comp.check_config(self)
+                if problem:
+                    bad(*problem)
         if data_file and not self.data.path:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
         if data_file and not os.path.isfile(self.data.path):
@@ -289,22 +177,18 @@ class _ConfigMethods:
 
 def _assemble_config():
     parts = []
-    for cls in (_Experiment, None, _Execution):
-        if cls is None:
-            parts += [(o.name, o.type, field(default=o.default, metadata={"help": o.help})) for o in method_options()]
-            continue
-        hints = typing.get_type_hints(cls)
-        parts += [(f.name, hints[f.name], f) for f in dataclasses.fields(cls)]
+    for comp in components():
+        if comp is Data:
+            parts.append(("data", DataConfig, field(default_factory=DataConfig)))
+        else:
+            parts += _fields(comp.options)
     return dataclasses.make_dataclass("Config", parts, bases=(_ConfigMethods,))
 
 
 Config = _assemble_config()
 Config.__module__ = __name__
-Config.__doc__ = """A whole run: the keys of the run, every method's options, the keys of execution.
-
-Defaults are the paper's for the 4-layer CNN. Flat keys (``method``, ``rounds``, ``lam`` ...) and
-the data set under ``data.`` (``data.path``). A method's options are listed with its code
-(``options`` of its class, :mod:`fedcp_dist.options`)."""
+Config.__doc__ = """A whole run: every component's keys (the experiment, every method's options, the
+execution) and the data set under ``data.``. Defaults are the paper's for the 4-layer CNN."""
 
 
 # ----------------------------------------------------------------------

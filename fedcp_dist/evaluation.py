@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from fedcp_dist.aggregate import Sums
 from fedcp_dist.algorithms.base import Context
+from fedcp_dist.options import Component, Option, above
 
 
 @dataclass
@@ -128,3 +129,13 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
             binary = (float((pred & pos).sum()), float(pos.sum()), float((~pred & ~pos).sum()), float((~pos).sum()))
         sums += EvalSums(correct, d.n_test, correct / d.n_test, 1.0, auc * d.n_test, loss, *binary)
     return sums
+
+
+class Evaluation(Component):
+    """Personalized evaluation of every client before a round's training."""
+
+    options = (
+        Option("eval_every", 1, "evaluate every this many rounds (before that round's training), and after the last "
+               "round", above(0)),
+        Option("eval_batch_size", 1000, "samples per forward pass at evaluation", above(0)),
+    )

@@ -57,7 +57,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,7 @@ from fedcp_dist.data.resident import channels_last
 from fedcp_dist.local_train import (Phase, PhaseOutcome, batch_indices, finished_tallies, full_precision, lr_of, num_batches,
                                      resolve)
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
+from fedcp_dist.options import Component, Option, at_least, auto_or, boolean_or_auto, described
 
 Tensor = torch.Tensor
 
@@ -768,3 +769,19 @@ def computes_head_of_features(model: nn.Module, x: Tensor) -> bool:
 
 def param_count(*modules: nn.Module, trainable: Optional[bool] = None) -> int:
     return sum(p.numel() for m in modules for p in m.parameters() if trainable is None or p.requires_grad == trainable)
+
+
+class Fusing(Component):
+    """Fused training: a group of a rank's clients trained at once as stacked parameters."""
+
+    options = (
+        Option("fused", "auto", "train a group of a rank's clients at once (stacked parameters, one forward/backward): "
+               "auto where the method and model can (else one by one) | true (the same; the start line says when it "
+               "cannot) | false", boolean_or_auto, kind=Union[bool, str]),
+        Option("fused_group", 0, "clients per fused group; 0 picks it from free memory", at_least(0)),
+        Option("fused_workers", "auto", "fused groups trained side by side on a CPU rank, one thread each: auto (one "
+               "per thread of the rank) | N", auto_or(described(">= 1", lambda v: None if isinstance(v, int)
+                                                              and not isinstance(v, bool) and v >= 1
+                                                              else f"must be auto or an integer >= 1, got {v!r}")),
+               kind=Union[int, str]),
+    )

@@ -30,6 +30,7 @@ import importlib.util
 import math
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Tuple
+from fedcp_dist.options import Component, Option, described
 
 #: the values of the ``logger`` config key
 LOGGERS = ("none", "tensorboard")
@@ -146,3 +147,13 @@ def make_logger(name: str, folder) -> NoLogger:
     """The logger the ``logger`` key names, writing its files into ``folder`` (the run directory
     names it: :data:`fedcp_dist.rundir.TENSORBOARD`)."""
     return TensorBoardLogger(folder) if name == "tensorboard" else NoLogger()
+
+
+class Logging(Component):
+    """Where rank 0 also writes the metrics."""
+
+    options = (
+        Option("logger", "none", "none | tensorboard: rank 0 also writes every round's metrics and the analysis means "
+               "as TensorBoard events into out_dir/tensorboard/ (needs the tensorboard package)",
+               described(" | ".join(LOGGERS), logger_problem)),
+    )

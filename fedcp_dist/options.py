@@ -7,6 +7,8 @@ impossible (``None``: it is fine); the loader turns that into a one-line error n
 """
 from __future__ import annotations
 
+import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -28,12 +30,28 @@ class Option:
         return self.kind if self.kind is not None else type(self.default)
 
 
+def described(text: str, check: Check) -> Check:
+    """``check`` with the one-line description of what it accepts that the configuration reference shows."""
+    check.accepts = text
+    return check
+
+
+def accepts(opt: "Option") -> str:
+    """What ``opt`` accepts, in words: its check's description, else its type."""
+    text = getattr(opt.check, "accepts", None)
+    if text:
+        return text
+    names = {bool: "true | false", int: "an integer", float: "a number", str: "text", list: "a list"}
+    args = typing.get_args(opt.type) if typing.get_origin(opt.type) is typing.Union else (opt.type,)
+    return " or ".join("null" if a is type(None) else names.get(a, getattr(a, "__name__", str(a))) for a in args)
+
+
 def at_least(lo: float) -> Check:
-    return lambda v: None if v >= lo else f"must be >= {lo}, got {v}"
+    return described(f">= {lo}", lambda v: None if v >= lo else f"must be >= {lo}, got {v}")
 
 
 def above(lo: float) -> Check:
-    return lambda v: None if v > lo else f"must be > {lo}, got {v}"
+    return described(f"> {lo}", lambda v: None if v > lo else f"must be > {lo}, got {v}")
 
 
 def within(lo: float, hi: float, *, low_open: bool = False, high_open: bool = False) -> Check:
@@ -44,11 +62,29 @@ def within(lo: float, hi: float, *, low_open: bool = False, high_open: bool = Fa
         ok = (v > lo if low_open else v >= lo) and (v < hi if high_open else v <= hi)
         return None if ok else f"must lie in {left}{lo}, {hi}{right}, got {v}"
 
-    return check
+    return described(f"{left}{lo}, {hi}{right}", check)
 
 
 def one_of(*values) -> Check:
-    return lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}"
+    return described(" | ".join(map(str, values)),
+                     lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}")
+
+
+def auto_or(check: Check) -> Check:
+    """The word ``auto`` or a value ``check`` accepts."""
+    return described(f"auto | {getattr(check, 'accepts', 'a value')}",
+                     lambda v: None if v == "auto" else check(v))
+
+
+def boolean_or_auto(v) -> Optional[str]:
+    return None if v == "auto" or isinstance(v, bool) else f"must be auto, true or false, got {v!r}"
+
+
+described("auto | true | false", boolean_or_auto)
+
+
+def finite(v) -> Optional[str]:
+    return None if math.isfinite(v) else f"must be a finite number, got {v}"
 
 
 class Component:

@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from fedcp_dist.options import Component, Option, described, finite, one_of, within
+
 # stream tags: keep the streams of different purposes apart
 STREAM_COHORT = 1
 STREAM_TRAIN = 2
@@ -143,3 +145,33 @@ def round_cohort_size(rng: np.random.Generator, num_clients: int, participation:
         low, high = (cohort_size(float(r), num_clients) for r in participation_range)
         return int(rng.integers(low, high + 1))
     return cohort_size(float(rng.uniform(*participation_range)), num_clients)
+
+
+def _rho_range(r) -> "str | None":
+    ok = (r is None or (len(r) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
+                        and 0 < r[0] <= r[1] <= 1))
+    return None if ok else f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}"
+
+
+class Participation(Component):
+    """Which clients train each round, and which rank hosts each client."""
+
+    options = (
+        Option("participation", 1.0, "fraction ρ of clients that train each round, in (0, 1]",
+               described("(0, 1]", lambda v: finite(v) or within(0, 1, low_open=True)(v))),
+        Option("participation_range", None, "if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round "
+               "(drop-out study)", described("null or [ρ_min, ρ_max], 0 < ρ_min <= ρ_max <= 1", _rho_range),
+               kind=Optional[list]),
+        Option("participation_draw", "rho", "with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; "
+               "count draws the number of participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference "
+               "library's rule, which reaches N)", one_of(*PARTICIPATION_DRAWS)),
+        Option("placement", "auto", "what clients are weighted by when placed on ranks (largest first, to the "
+               "least-loaded rank): samples | steps (local SGD steps: batches × local_epochs) | auto (steps unless "
+               "fused=false)", one_of(*PLACEMENTS)),
+    )
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.participation_draw != "rho" and cfg.participation_range is None:
+            return "participation_draw", f"{cfg.participation_draw} draws from participation_range, which is not set"
+        return None

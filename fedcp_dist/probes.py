@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
+from fedcp_dist.options import Component, Option, at_least
 
 S_BINS = 50
 #: a client's training row: trained (1/0), samples seen, Σ s̄ over them, Σ loss before, Σ loss after, samples of the losses
@@ -162,3 +163,22 @@ def keep_before(obj: dict, rounds_done: int) -> bool:
     if obj.get("kind") == "eval":
         return isinstance(obj.get("evaluated_after"), int) and obj["evaluated_after"] < rounds_done
     return False
+
+
+class Probing(Component):
+    """The analysis probes (FedCP's policy)."""
+
+    options = (
+        Option("analysis", False, "probes for analysis.jsonl (FedCP): PIR and s histograms at every evaluation, PIR and "
+               "the training loss before/after local learning of every trained client every analysis_every rounds; "
+               "results are unchanged"),
+        Option("analysis_every", 0, "take the training probes every this many rounds (rounds 1, k+1, 2k+1, ...); > 0 "
+               "also turns analysis on", at_least(0)),
+    )
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.probe_every and not cfg.method_class.probes:
+            return ("analysis" if cfg.analysis else "analysis_every",
+                    f"{cfg.method} has no probes (they measure FedCP's policy)")
+        return None

@@ -10,6 +10,7 @@ import torch
 from fedcp_dist.aggregate import TrainSums
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
+from fedcp_dist.options import Component, Option, one_of
 
 
 def stream_generator(seed: int, device, *keys: int) -> torch.Generator:
@@ -76,3 +77,12 @@ class CohortTrainer:
         if not self.compressor.enabled:
             return res.upload, None
         return self.compressor.compress(res.upload, self.store.global_state, self.store.residual(cid))
+
+
+class NonFinite(Component):
+    """What a round does with a client whose training diverged."""
+
+    options = (
+        Option("on_nonfinite", "error", "a client's non-finite loss or update: error (stop every rank) | skip (leave it "
+               "out of the round)", one_of("error", "skip")),
+    )

@@ -163,10 +163,9 @@ def test_compression_and_selection_ask_the_method_class(monkeypatch, digits6):
     with pytest.raises(UserError, match=r"^config key 'client_selection': feature_difference needs a method that keeps "
                                         r"a client vector; fedavg keeps none$"):
         load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"])
-    for method in ("fedcp", "fedcp_variant"):
-        extra = ["cpn_layers=2"] if method == "fedcp_variant" else []
+    for extra in ([], ["cpn_layers=2"]):  # a CPN design is an option of FedCP, not another class
         cfg = load_config(None, [*base, "method=fedcp", "client_selection=feature_difference", *extra])
-        assert cfg.method_class.has_client_vector and cfg.method_class.__name__ == {"fedcp": "FedCP", "fedcp_variant": "FedCPVariant"}[method]
+        assert cfg.method_class.has_client_vector and cfg.method_class.__name__ == "FedCP"
     monkeypatch.setattr(FedAvg, "has_client_vector", True)
     assert load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"]).method == "fedavg"
 

@@ -18,6 +18,7 @@ from fedcp_dist.models.cnn import CNN
 from fedcp_dist.models.fasttext import EMBED_DIM, FEATURES as FASTTEXT_FEATURES, MEANS as FASTTEXT_MEANS, FastText
 from fedcp_dist.models.mlp import DEFAULT_HIDDEN, MLP
 from fedcp_dist.models.resnet import ResNet18
+from fedcp_dist.options import Component, Option, above, one_of
 
 MODELS = ("cnn", "resnet18", "fasttext", "mlp")
 #: the kind of shard (fedcp_dist.data.shards) each model reads
@@ -110,3 +111,21 @@ def forward_batch_stats(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             for b, old in zip(m.buffers(), buffers):
                 b.copy_(old)
             m.train(training)
+
+
+class ModelChoice(Component):
+    """The model and its size."""
+
+    options = (
+        Option("model", "cnn", "model: cnn (the paper's 4-layer CNN, sized from the shard's input shape) | resnet18 | "
+               "fasttext (text shards) | mlp (table shards)", one_of(*MODELS)),
+        Option("mlp_hidden", DEFAULT_HIDDEN, "mlp: width H of its two hidden layers (the feature dimension K)", above(0)),
+        Option("fasttext_dim", EMBED_DIM, "fasttext: embedding and feature width K (32, as the FedCP authors' AG News "
+               "runs)", above(0)),
+        Option("fasttext_mean", "padded", "fasttext: padded averages the embeddings over all max_len positions, padding "
+               "included (the authors' model); tokens over the real tokens only (this project's first variant)",
+               one_of(*FASTTEXT_MEANS)),
+        Option("fasttext_feature", "linear", "fasttext: where the head starts: linear = after Linear(K, K) (the authors' "
+               "FedCP repository); log_softmax = after a log-softmax on it (PFLlib's fastText of 2021-2024 under its "
+               "head split)", one_of(*FASTTEXT_FEATURES)),
+    )

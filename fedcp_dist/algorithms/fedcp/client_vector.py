@@ -72,8 +72,7 @@ def stats_dim(model, num_classes: int) -> int:
 
 
 class ClientVector(Component):
-    """The part that owns the policy input: its options, the projection P and embedding e_i, and the
-    per-client values (v, s_i) a step reads."""
+    """FedCP's policy input: what the CPN conditions on (the client vector and the sample's feature)."""
 
     options = (
         Option("cpn_input", "both", "FedCP ablation (paper, Table 1): what the CPN sees: both (ĉ ⊙ h, the paper's) | "

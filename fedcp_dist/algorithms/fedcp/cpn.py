@@ -137,8 +137,7 @@ def policy_kl(teacher: torch.Tensor, student: torch.Tensor, feature_dim: int, ta
 
 
 class Policy(Component):
-    """The part that owns the CPN (and the group-level policy): its design options, its modules and
-    the (s, r) split of a batch."""
+    """FedCP's conditional policy network (CPN): its design, temperature and noise, and the group-level policy."""
 
     options = (
         Option("tau", 1.0, "FedCP: Gumbel-softmax temperature τ of the policy", above(0)),

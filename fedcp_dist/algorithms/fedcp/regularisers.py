@@ -37,6 +37,8 @@ def _bandwidth_list(v) -> Optional[str]:
 
 
 class MMD(Component):
+    """FedCP's global feature module: λ·MMD² between the client's features and the frozen received extractor's."""
+
     options = (
         Option("lam", 5.0, "FedCP: weight λ of the MMD term", at_least(0)),
         Option("mmd_kernel", "multi", "FedCP: MMD kernel on squared distances d: multi (Σ_a exp(−d/2a) over "
@@ -77,6 +79,8 @@ class MMD(Component):
 
 
 class Entropy(Component):
+    """FedCP: an entropy term on the policy's split (s, r)."""
+
     options = (
         Option("policy_entropy", 0.0, "FedCP: β of the policy entropy term β·mean Σ_k −(s_k log s_k + r_k log r_k) "
                "added to the loss (the entropy of each feature's pair (s, r)): > 0 pushes the policy to 0/1 splits, "
@@ -92,6 +96,8 @@ class Entropy(Component):
 
 
 class Distillation(Component):
+    """FedCP: distillation of the policy towards the received (last aggregated) CPN's."""
+
     options = (
         Option("cpn_distill", 0.0, "FedCP: κ of the policy distillation term κ·mean Σ_k KL(teacher policy ‖ own "
                "policy), the teacher being the last aggregated (received) CPN", at_least(0)),
