@@ -30,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, one_line, progress
 from fedcp_dist.errors import UserError
 
 #: files decoded per block (one block of decoded images is all that is held beyond the array)
@@ -42,10 +43,6 @@ MAX_FEATURES = 4096
 _GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L")
 #: the natural partitions and the source that has each
 NATURAL_PARTITIONS = {"folders": "imagefolder", "column": "csv"}
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def parse_image_size(text) -> Optional[tuple]:
@@ -84,7 +81,7 @@ def _listdir(folder: Path) -> list:
     try:
         return sorted(n for n in os.listdir(folder) if not n.startswith("."))
     except OSError as exc:
-        raise UserError(f"{folder} could not be listed: {_one_line(exc)}") from None
+        raise UserError(f"{folder} could not be listed: {one_line(exc)}") from None
 
 
 def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
@@ -117,7 +114,7 @@ def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
     except FileNotFoundError:
         raise UserError(f"{path} is missing") from None
     except Exception as exc:  # PIL's errors for truncated or foreign files
-        raise UserError(f"{path} is not a readable image: {_one_line(exc)}") from None
+        raise UserError(f"{path} is not a readable image: {one_line(exc)}") from None
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
@@ -129,13 +126,11 @@ def _first_image(path: Path) -> tuple[tuple, int]:
         with Image.open(path) as im:
             return (im.height, im.width), (1 if im.mode in _GREY_MODES else 3)
     except Exception as exc:
-        raise UserError(f"{path} is not a readable image: {_one_line(exc)}") from None
+        raise UserError(f"{path} is not a readable image: {one_line(exc)}") from None
 
 
 def _decode(files: list, size: tuple, channels: int) -> np.ndarray:
     """Decode ``files`` into one preallocated (n, channels, H, W) array, a block at a time."""
-    from fedcp_dist.data.sources import decode_images
-
     workers = max(1, min(8, os.cpu_count() or 1))
     return decode_images(files, (channels,) + tuple(size), lambda f: _read_image(f, size, channels), workers,
                          DECODE_BLOCK)
@@ -143,13 +138,11 @@ def _decode(files: list, size: tuple, channels: int) -> np.ndarray:
 
 def load_imagefolder(root, *, image_size=None, channels=None, natural: bool = False,
                      say=lambda _msg: None):
-    """The images under ``root`` as a :class:`~fedcp_dist.data.sources.Source`.
+    """The images under ``root`` as a :class:`~fedcp_dist.data.common.Source`.
 
     ``natural``: the layout ``root/<client>/<class>/<image>``; the source's ``groups`` then give
     each sample's client (the index of its folder in sorted order) and ``group_names`` the folders.
     """
-    from fedcp_dist.data.sources import NORM_MEAN, NORM_STD, Source
-
     if root is None:
         raise UserError("source 'imagefolder' needs its folder: pass --root DIR")
     root = Path(root)
@@ -229,8 +222,6 @@ def _label_values(raw: list) -> tuple[np.ndarray, list]:
 
 def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_cols=()):
     """(features float32 (n, F), feature names, labels (n,) int64, class names, client values or None)."""
-    from fedcp_dist.data.sources import progress
-
     path = Path(path)
     if not label_col:
         raise UserError("source 'csv' needs --label-col NAME (the column holding the labels)")
@@ -300,11 +291,11 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
     except UserError:
         raise
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: {_one_line(exc)}") from None
+        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: {one_line(exc)}") from None
     except csv.Error as exc:
-        raise UserError(f"{path} line {line + 1}: {_one_line(exc)}") from None
+        raise UserError(f"{path} line {line + 1}: {one_line(exc)}") from None
     except OSError as exc:
-        raise UserError(f"{path} could not be read: {_one_line(exc)}") from None
+        raise UserError(f"{path} could not be read: {one_line(exc)}") from None
     if not raw_labels:
         raise UserError(f"{path} holds no data rows")
     x = np.concatenate(blocks) if len(blocks) > 1 else blocks[0].copy()
@@ -315,11 +306,9 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
 
 def load_csv(root, *, label_col=None, client_col=None, drop_cols=None, natural: bool = False,
              say=lambda _msg: None):
-    """The table in the CSV file ``root`` as a :class:`~fedcp_dist.data.sources.Source` of kind
+    """The table in the CSV file ``root`` as a :class:`~fedcp_dist.data.common.Source` of kind
     ``table`` (``mean`` / ``std`` are filled in once the training rows are known:
     :func:`train_statistics`)."""
-    from fedcp_dist.data.sources import Source
-
     if root is None:
         raise UserError("source 'csv' needs its file: pass --root FILE.csv")
     if natural and not client_col:
