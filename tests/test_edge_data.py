@@ -1,0 +1,106 @@
+"""Edge data: clients with one training sample under BatchNorm, clients without test samples,
+more ranks than clients, unusual images in an image folder (16-bit greyscale, palettes,
+transparency, EXIF orientation) and broken CSV tables. Each case runs correctly or is refused in
+one line; files are written here in their real formats and read through the real loaders."""
+import copy
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from conftest import REPO, partition, run_cmd
+from fedcp_dist.algorithms.base import Context
+from fedcp_dist.cli.partition import main
+from fedcp_dist.data.resident import to_device
+from fedcp_dist.data.shards import load_clients, read_info
+from fedcp_dist.data.sources import load_source
+from fedcp_dist.errors import UserError
+from fedcp_dist.evaluation import evaluate_clients
+from fedcp_dist.models.batchnorm import one_value_batches
+from helpers import expect_user_error, run
+
+CPU = torch.device("cpu")
+
+
+def npz_shard(folder, sizes, shape, classes=3, seed=0):
+    """A shard of ``len(sizes)`` clients of random images, client i holding sizes[i] = (train,
+    test) samples, imported with ``fedcp-partition --from-npz`` (source name ``edge``)."""
+    rng = np.random.default_rng(seed)
+    for split in ("train", "test"):
+        (folder / split).mkdir(parents=True)
+    for i, sizes_i in enumerate(sizes):
+        for split, m in zip(("train", "test"), sizes_i):
+            np.savez(folder / split / f"{i}.npz", x=rng.integers(0, 256, (m, *shape)).astype(np.uint8),
+                     y=rng.integers(0, classes, m))
+    out = folder / "edge.h5"
+    main(["--from-npz", str(folder), "--out", str(out), "--source", "edge", "--num-classes", str(classes)])
+    return out
+
+
+def run_on(shard, out, method="fedcp", *extra):
+    return run(str(REPO / "configs" / f"digits_{method}.yaml"),
+               [f"data.path={shard}", "data.source=edge", f"out_dir={out}", "rounds=1", "eval_every=1",
+                "threads=1", *extra])
+
+
+# ---------------------------------------------------------------------------------------------
+# one training sample under BatchNorm
+
+
+@pytest.mark.parametrize("cls, shape", [(nn.BatchNorm1d, (1, 6)), (nn.BatchNorm2d, (1, 6, 1, 1))])
+def test_a_batch_of_one_value_per_channel_is_normalised_by_the_running_statistics(cls, shape):
+    torch.manual_seed(0)
+    plain = cls(6)
+    with torch.no_grad():
+        plain.running_mean.uniform_(-1, 1)
+        plain.running_var.uniform_(0.5, 2)
+        plain.weight.uniform_(0.5, 1.5)
+        plain.bias.uniform_(-1, 1)
+    safe = one_value_batches(copy.deepcopy(plain)).train()
+    assert isinstance(safe, cls) and type(safe) is not cls and type(safe).__name__ == cls.__name__
+    x = torch.randn(shape, requires_grad=True)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        copy.deepcopy(plain).train()(x)
+
+    out = safe(x)
+    view = (1, 6) + (1,) * (len(shape) - 2)
+    scale = (plain.weight / torch.sqrt(plain.running_var + plain.eps)).detach().view(view)
+    expect = (x.detach() - plain.running_mean.view(view)) * scale + plain.bias.detach().view(view)
+    assert torch.allclose(out, expect, atol=1e-6)
+    # the statistics stay as they were; the gradient reaches the input, the weight and the bias
+    assert torch.equal(safe.running_mean, plain.running_mean) and torch.equal(safe.running_var, plain.running_var)
+    assert int(safe.num_batches_tracked) == 0
+    out.sum().backward()
+    assert torch.allclose(x.grad, scale.expand(shape), atol=1e-6)
+    assert torch.allclose(safe.bias.grad, torch.ones(6)) and safe.weight.grad.abs().sum() > 0
+
+    # a batch of two: torch's own computation bit for bit, the statistics move as torch moves them
+    x2 = torch.randn((2,) + shape[1:])
+    a, b = copy.deepcopy(plain).train(), one_value_batches(copy.deepcopy(plain)).train()
+    assert torch.equal(a(x2), b(x2))
+    assert torch.equal(a.running_mean, b.running_mean) and torch.equal(a.running_var, b.running_var)
+    assert not torch.equal(b.running_mean, plain.running_mean)
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("fedcp", ["cpn_layers=2", "cpn_norm=batchnorm"]),
+    ("fedrep", []), ("perfedavg", []), ("pfedme", []),
+])
+def test_resnet18_trains_a_client_with_one_sample_and_a_last_batch_of_one(tmp_path, method, extra):
+    """ResNet-18 on 8x8 images has 1x1 maps in its last blocks: client 0's one sample and client
+    1's last batch (6 samples, batch 5, drop_last=false) each hold one value per channel there
+    (and in FedCP's CPN BatchNorm); torch's BatchNorm refuses such a batch in training mode."""
+    shard = npz_shard(tmp_path / "npz", [(1, 2), (6, 2), (5, 2)], (3, 8, 8))
+    s = run_on(shard, tmp_path / "run", method, "model=resnet18", "batch_size=5", "drop_last=false",
+               "data.num_clients=3", *extra)
+    assert s["rounds"] == 1 and 0 <= s["final_acc"] <= 1
+    state = torch.load(tmp_path / "run" / "final_global.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+    if method == "fedcp":  # the CPN's second block has a BatchNorm, and it trained
+        assert state["cpn.net.4.weight"].shape == (2 * 512,) and not torch.equal(state["cpn.net.4.weight"],
+                                                                               torch.ones(2 * 512))
