@@ -104,3 +104,61 @@ def test_resnet18_trains_a_client_with_one_sample_and_a_last_batch_of_one(tmp_pa
     if method == "fedcp":  # the CPN's second block has a BatchNorm, and it trained
         assert state["cpn.net.4.weight"].shape == (2 * 512,) and not torch.equal(state["cpn.net.4.weight"],
                                                                                torch.ones(2 * 512))
+
+
+# ---------------------------------------------------------------------------------------------
+# clients without test samples
+
+
+class _Scores:
+    """A method whose model scores a table row by its own features (3 features: 3 classes)."""
+
+    def prepare_eval(self, state, data, ctx):
+        return state
+
+    def predict(self, state, x, ctx):
+        return x
+
+
+class _Store:
+    def activate(self, cid):
+        return None
+
+
+def _table_client(cid, train_rows, test_rows):
+    arrays = {"train_x": np.asarray(train_rows, dtype=np.float32).reshape(-1, 3),
+              "train_y": np.zeros(len(train_rows), dtype=np.int64),
+              "test_x": np.asarray([r for r, _ in test_rows], dtype=np.float32).reshape(-1, 3),
+              "test_y": np.asarray([y for _, y in test_rows], dtype=np.int64)}
+    return to_device(cid, arrays, mean=[0.0] * 3, std=[1.0] * 3, device=CPU)
+
+
+def test_a_client_without_test_samples_weighs_nothing_in_the_evaluation():
+    datas = {
+        0: _table_client(0, [[1, 0, 0]], []),  # trains, nothing to test
+        1: _table_client(1, [], [([5, 0, 0], 0), ([0, 5, 0], 0)]),  # 1 of 2 right
+        2: _table_client(2, [[0, 1, 0]], [([0, 0, 5], 2), ([0, 0, 5], 2), ([0, 5, 0], 1), ([5, 0, 0], 2)]),  # 3 of 4
+    }
+    sums = evaluate_clients(_Scores(), _Store(), datas, [0, 1, 2], 0,
+                            lambda r, c: torch.Generator().manual_seed(c), batch_size=3)
+    assert sums.test_samples == 6 and sums.clients == 2 and sums.correct == 4
+    out = sums.summary()
+    assert out["acc"] == pytest.approx(4 / 6) and out["acc_client_mean"] == pytest.approx((1 / 2 + 3 / 4) / 2)
+    assert all(math.isfinite(v) for v in out.values())
+
+
+def test_a_run_with_clients_without_test_samples_counts_only_the_others(tmp_path):
+    shard = npz_shard(tmp_path / "npz", [(1, 0), (12, 4), (7, 3), (0, 3)], (1, 28, 28))
+    s = run_on(shard, tmp_path / "run", "fedcp", "data.num_clients=4")
+    # Σ correct / Σ test samples over the 10 test samples of clients 1-3
+    assert s["final_acc"] * 10 == pytest.approx(round(s["final_acc"] * 10), abs=1e-9)
+    assert all(math.isfinite(s[k]) for k in ("final_acc", "final_acc_client_mean", "final_auc"))
+
+
+def test_a_run_whose_clients_hold_no_test_sample_is_refused_in_one_line(tmp_path):
+    shard = npz_shard(tmp_path / "npz", [(5, 0), (12, 0)], (1, 28, 28))
+    with pytest.raises(UserError, match=f"the clients of {shard} hold no test sample: there is nothing to evaluate"):
+        run_on(shard, tmp_path / "run", "fedcp")
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedavg.yaml",
+                 f"data.path={shard}", "data.source=edge", f"out_dir={tmp_path / 'cli'}"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no test sample" in r.stderr, r.stderr
