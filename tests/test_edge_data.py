@@ -162,3 +162,31 @@ def test_a_run_whose_clients_hold_no_test_sample_is_refused_in_one_line(tmp_path
     r = run_cmd([sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedavg.yaml",
                  f"data.path={shard}", "data.source=edge", f"out_dir={tmp_path / 'cli'}"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no test sample" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# more ranks than clients
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fedcp", "fedamp"])
+def test_ranks_without_a_client_take_part_in_every_collective(tmp_path, method):
+    """Two ranks on a one-client shard: rank 1 owns nothing and still joins every all-reduce
+    (training, evaluation, probes, the peer exchange, checkpoints); same run as on one rank."""
+    shard = partition(tmp_path / "one.h5", "--source", "digits", "--partition", "iid", "--num-clients", "1")
+    args = ["--config", f"configs/digits_{method}.yaml", f"data.path={shard}", "rounds=2", "eval_every=1",
+            "checkpoint_every=1", "threads=1", "fused=false"] + (["analysis=true"] if method == "fedcp" else [])
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"ranks{nproc}"
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        r = run_cmd([*(launch if nproc > 1 else [sys.executable]), "-m", "fedcp_dist.run", *args, f"out_dir={out}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[nproc] = (torch.load(out / "final_global.pt", weights_only=True), summary,
+                       [l["acc"] for l in lines if "acc" in l])
+    (s1, sum1, acc1), (s2, sum2, acc2) = runs[1], runs[2]
+    assert sum2["world_size"] == 2 and len(acc1) == len(acc2) == 3
+    assert acc1 == pytest.approx(acc2, abs=1e-9) and acc1[-1] > acc1[0]
+    assert set(s1) == set(s2) and all(torch.allclose(s1[k], s2[k], atol=1e-6, rtol=0) for k in s1)
