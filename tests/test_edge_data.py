@@ -190,3 +190,90 @@ def test_ranks_without_a_client_take_part_in_every_collective(tmp_path, method):
     assert sum2["world_size"] == 2 and len(acc1) == len(acc2) == 3
     assert acc1 == pytest.approx(acc2, abs=1e-9) and acc1[-1] > acc1[0]
     assert set(s1) == set(s2) and all(torch.allclose(s1[k], s2[k], atol=1e-6, rtol=0) for k in s1)
+
+
+# ---------------------------------------------------------------------------------------------
+# image folders
+
+
+def load_folder(root, **options):
+    return load_source("imagefolder", root, own_options=options)
+
+
+def test_16_bit_greyscale_is_scaled_to_8_bits_not_clipped(tmp_path, capsys):
+    root = tmp_path / "imgs"
+    values = {"a": 0, "b": 1000, "c": 40000, "d": 65535}
+    for c, v in values.items():
+        (root / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((4, 5), v, dtype=np.uint16)).save(root / c / f"{i}.png")
+    assert Image.open(root / "c" / "0.png").mode == "I;16"
+    src = load_folder(root)
+    assert src.x.shape == (12, 1, 4, 5)
+    # v / 257 rounded: 1000 -> 4, 40000 -> 156 (Pillow's own conversion clips both to 255)
+    assert [int(src.x[src.y == k].min()) for k in range(4)] == [0, 4, 156, 255]
+    assert all(len(np.unique(src.x[src.y == k])) == 1 for k in range(4))
+    main(["--source", "imagefolder", "--root", str(root), "--partition", "iid", "--num-clients", "1",
+          "--out", str(tmp_path / "g.h5")])
+    arrays = load_clients(tmp_path / "g.h5", [0])[0]
+    for split in ("train", "test"):
+        x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        assert all(np.all(x[y == k] == [0, 4, 156, 255][k]) for k in range(4))
+
+
+def test_palette_images_load_through_their_colours(tmp_path):
+    root = tmp_path / "imgs"
+    (root / "a").mkdir(parents=True)
+    p = Image.new("P", (3, 1))
+    p.putpalette([200, 10, 10, 0, 255, 0, 30, 30, 30])
+    for x, k in enumerate((0, 1, 2)):
+        p.putpixel((x, 0), k)
+    p.save(root / "a" / "0.png")
+    rgb = load_folder(root).x[0]
+    assert rgb.shape == (3, 1, 3) and rgb[:, 0].T.tolist() == [[200, 10, 10], [0, 255, 0], [30, 30, 30]]
+    # index 1 transparent: white, as on a white page
+    p.info["transparency"] = 1
+    p.save(root / "a" / "0.png")
+    assert load_folder(root).x[0][:, 0].T.tolist() == [[200, 10, 10], [255, 255, 255], [30, 30, 30]]
+    # a palette of greys is a greyscale image: one channel by default
+    g = Image.new("P", (2, 1))
+    g.putpalette([0, 0, 0, 90, 90, 90, 255, 0, 0])
+    g.putpixel((1, 0), 1)
+    g.save(root / "a" / "0.png")
+    src = load_folder(root)
+    assert src.x.shape == (1, 1, 1, 2) and src.x[0, 0, 0].tolist() == [0, 90]
+
+
+def test_transparent_images_are_composited_onto_white(tmp_path):
+    root = tmp_path / "imgs"
+    (root / "a").mkdir(parents=True)
+    rgba = np.zeros((1, 3, 4), dtype=np.uint8)
+    rgba[0, 0] = (255, 0, 0, 255)  # opaque red
+    rgba[0, 1] = (255, 0, 0, 128)  # half-transparent red
+    rgba[0, 2] = (0, 0, 0, 0)  # fully transparent (stored black)
+    Image.fromarray(rgba, "RGBA").save(root / "a" / "0.png")
+    x = load_folder(root).x[0][:, 0].T.astype(int)
+    assert x[0].tolist() == [255, 0, 0] and x[2].tolist() == [255, 255, 255]
+    assert x[1][0] == 255 and abs(x[1][1] - 127) <= 1 and abs(x[1][2] - 127) <= 1
+    # greyscale with alpha: a transparent black pixel is white, an opaque one stays black
+    la = np.array([[[0, 0], [0, 255]]], dtype=np.uint8)
+    (root / "a" / "0.png").unlink()
+    Image.fromarray(la, "LA").save(root / "a" / "0.png")
+    src = load_folder(root)
+    assert src.x.shape == (1, 1, 1, 2) and src.x[0, 0, 0].tolist() == [255, 0]
+
+
+def test_exif_rotated_jpegs_are_turned_upright(tmp_path):
+    root = tmp_path / "imgs"
+    (root / "a").mkdir(parents=True)
+    stored = Image.new("RGB", (16, 8), (0, 0, 0))  # 16 wide, 8 high: dark left half, bright right half
+    stored.paste((255, 255, 255), (8, 0, 16, 8))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # the camera was turned: show the stored image rotated 90° clockwise
+    stored.save(root / "a" / "0.jpg", exif=exif, quality=95)
+    src = load_folder(root)
+    # upright: 8 wide, 16 high, the dark half on top
+    assert src.x.shape == (1, 3, 16, 8)
+    assert src.x[0, :, :6].max() < 40 and src.x[0, :, 10:].min() > 215
+    src = load_folder(root, image_size="4x4", channels=1)
+    assert src.x.shape == (1, 1, 4, 4) and src.x[0, 0, 0].max() < 40 and src.x[0, 0, 3].min() > 215

@@ -2,9 +2,13 @@
 
 * ``imagefolder``: torchvision's ImageFolder layout ``ROOT/<class>/<image>``, any format Pillow
   reads (files whose suffix Pillow does not know are skipped and counted).  Classes are the
-  sub-folders in sorted order (label k = the k-th name).  Every image is converted to greyscale
-  (``channels=1``) or RGB (``channels=3``; default: 1 when the first image is greyscale, else 3)
-  and resized (bilinear) to ``image_size`` (default: the first image's size).  With the natural
+  sub-folders in sorted order (label k = the k-th name).  Every image is turned upright by its
+  EXIF orientation (photos from cameras and phones), 16-bit greyscale is scaled to 8 bits
+  (v / 257; not clipped), an image with transparency (alpha, or a transparent palette or colour
+  key) is composited onto white, as it shows on a white page, and the image is converted to
+  greyscale (``channels=1``) or RGB (``channels=3``; default: 1 when the first image is
+  greyscale or a palette of greys, else 3; a palette image through its colours) and resized
+  (bilinear) to ``image_size`` (default: the first image's upright size).  With the natural
   partition ``folders`` the layout is ``ROOT/<client>/<class>/<image>``: each top folder is one
   client (a hospital), the classes the union of the clients' class folders.
 * ``csv``: a CSV file with a header row; ``label_col`` names the label (any values: the sorted
@@ -40,7 +44,7 @@ CSV_BLOCK = 8192
 #: most feature columns of a table: its mean and std are shard attributes (HDF5: 64 KiB each)
 MAX_FEATURES = 4096
 #: greyscale Pillow modes: the first image in one of these makes the default channels 1
-_GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L")
+_GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 #: the natural partitions and the source that has each
 NATURAL_PARTITIONS = {"folders": "imagefolder", "column": "csv"}
 
@@ -101,12 +105,48 @@ def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
     return out, skipped
 
 
-def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
-    """One image as uint8 (channels, H, W): converted to L or RGB, resized (bilinear) to ``size``."""
+#: EXIF's orientation tag; values 5-8 turn the stored image by a quarter (its width and height swap)
+_ORIENTATION = 0x0112
+#: Pillow modes with an alpha channel (transparency given as a colour key in ``im.info`` also counts)
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+def _wide_grey(im) -> bool:
+    """16-bit greyscale (``I;16`` and its byte orders; ``I``, as which older Pillows open 16-bit PNGs)."""
+    return im.mode.startswith("I;16") or im.mode == "I"
+
+
+def _eight_bits(im):
+    """A 16-bit greyscale image scaled to 8 bits (v / 257 rounded: 0 stays 0, 65535 becomes 255);
+    Pillow's own conversion would clip every value above 255 to white. Other images as they are."""
     from PIL import Image
+
+    if not _wide_grey(im):
+        return im
+    a = np.clip(np.asarray(im).astype(np.int64), 0, 65535)
+    return Image.fromarray(((a + 128) // 257).astype(np.uint8))
+
+
+def _on_white(im):
+    """An image with transparency (alpha channel, or a transparent colour of a palette, greyscale
+    or RGB image) composited onto white, as a viewer shows it on a white page; others as they are."""
+    from PIL import Image
+
+    if im.mode not in _ALPHA_MODES and "transparency" not in im.info:
+        return im
+    rgba = im.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+
+
+def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
+    """One image as uint8 (channels, H, W): turned upright by its EXIF orientation, 16-bit
+    greyscale scaled to 8 bits, transparency composited onto white, converted to L or RGB (a
+    palette through its colours), resized (bilinear) to ``size``."""
+    from PIL import Image, ImageOps
 
     try:
         with Image.open(path) as im:
+            im = _on_white(_eight_bits(ImageOps.exif_transpose(im)))
             im = im.convert("L" if channels == 1 else "RGB")
             if (im.height, im.width) != tuple(size):
                 im = im.resize((size[1], size[0]), Image.BILINEAR)
@@ -118,13 +158,26 @@ def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
+def _grey_palette(im) -> bool:
+    """True when every colour a palette image uses is a grey (R = G = B)."""
+    used = np.unique(np.asarray(im))
+    rgb = np.asarray(im.getpalette("RGB") or [], dtype=np.int64).reshape(-1, 3)
+    used = used[used < len(rgb)]
+    return bool(len(used)) and bool((rgb[used] == rgb[used][:, :1]).all())
+
+
 def _first_image(path: Path) -> tuple[tuple, int]:
-    """(H, W) and default channels (1 for a greyscale mode, else 3) of the first image."""
+    """(H, W) as displayed (after its EXIF orientation) and default channels (1 for a greyscale
+    mode or a palette of greys, else 3) of the first image."""
     from PIL import Image
 
     try:
         with Image.open(path) as im:
-            return (im.height, im.width), (1 if im.mode in _GREY_MODES else 3)
+            hw = (im.height, im.width)
+            if im.getexif().get(_ORIENTATION) in (5, 6, 7, 8):
+                hw = hw[::-1]
+            grey = im.mode in _GREY_MODES or (im.mode in ("P", "PA") and _grey_palette(im))
+            return hw, (1 if grey else 3)
     except Exception as exc:
         raise UserError(f"{path} is not a readable image: {one_line(exc)}") from None
 
