@@ -277,3 +277,41 @@ def test_exif_rotated_jpegs_are_turned_upright(tmp_path):
     assert src.x[0, :, :6].max() < 40 and src.x[0, :, 10:].min() > 215
     src = load_folder(root, image_size="4x4", channels=1)
     assert src.x.shape == (1, 1, 4, 4) and src.x[0, 0, 0].max() < 40 and src.x[0, 0, 3].min() > 215
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV tables
+
+
+def write_bytes(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("content, extra, fragments", [
+    (b"a,b,label\n1,2,0\n3,,1\n5,6,0\n", [], ["line 3", "column 'b' is empty", "--drop-cols"]),
+    (b"a,b,label\n1,2,0\n3,4\n5,6,0\n", [], ["line 3", "2 fields, the header has 3"]),
+    (b"a,b,label\n1,2,0\n3,4,1,9\n", [], ["line 3", "4 fields, the header has 3"]),
+    (b"a,b,label,\n1,2,0,\n3,4,1,\n", [], ["line 1", "column 4 of the header has no name"]),
+    (b"a,b,label,site\n1,2,0,x\n3,4,1,\n5,6,0,y\n", ["--partition", "column", "--client-col", "site"],
+     ["line 3", "the client column 'site' is empty"]),
+    (b"a,b,label\n1,2,0\n3,4,1\n5,6,0\n7,\xe98,1\n9,10,0\n", [], ["line 5", "not UTF-8", "0xe9"]),
+    # past the text decoder's first block: still the line of the bad byte
+    (b"a,b,label\n" + b"1,2,0\n" * 3000 + b"3,4\xff,1\n", [], ["line 3002", "not UTF-8", "0xff"]),
+])
+def test_csv_edge_cells_are_one_line_errors_naming_file_and_line(tmp_path, capsys, content, extra, fragments):
+    path = write_bytes(tmp_path / "t.csv", content)
+    partition_args = extra or ["--partition", "iid", "--num-clients", 1]
+    expect_user_error(capsys, ["--source", "csv", "--root", path, "--label-col", "label", *partition_args,
+                               "--out", tmp_path / "x.h5"], str(path), *fragments)
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_csv_with_a_bom_and_crlf_line_ends_reads(tmp_path, capsys):
+    """The accepted side of the same reader: CRLF line ends and a UTF-8 BOM are read as text."""
+    path = write_bytes(tmp_path / "t.csv", b"\xef\xbb\xbfa,b,label\r\n" + b"".join(
+        f"{i},{2 * i},{i % 2}\r\n".encode() for i in range(8)))
+    main(["--source", "csv", "--root", str(path), "--label-col", "label", "--partition", "iid", "--num-clients", "1",
+          "--out", str(tmp_path / "t.h5")])
+    info = read_info(tmp_path / "t.h5")
+    assert info.input_shape == (2,) and int(info.train_counts.sum() + info.test_counts.sum()) == 8

@@ -290,6 +290,9 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
             if header is None:
                 raise UserError(f"{path} is empty (expected a header row)")
             header = [h.strip() for h in header]
+            if "" in header:
+                raise UserError(f"{path} line {reader.line_num}: column {header.index('') + 1} of the header has "
+                                f"no name (a stray separator?)")
             for name in [label_col] + ([client_col] if client_col else []) + sorted(drop):
                 if name not in header:
                     flag = ("--label-col" if name == label_col else
@@ -320,6 +323,9 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
                                     f"{len(header)}")
                 for j, i in enumerate(feat_idx):
                     cell = row[i].strip()
+                    if not cell:
+                        raise UserError(f"{path} line {line}: column '{header[i]}' is empty, a feature column needs "
+                                        f"a number in every row (drop the column with --drop-cols)")
                     try:
                         v = float(cell)
                     except ValueError:
@@ -334,7 +340,10 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
                     raise UserError(f"{path} line {line}: the label column '{label_col}' is empty")
                 raw_labels.append(label)
                 if ci is not None:
-                    raw_clients.append(row[ci].strip())
+                    client = row[ci].strip()
+                    if not client:
+                        raise UserError(f"{path} line {line}: the client column '{client_col}' is empty")
+                    raw_clients.append(client)
                 fill += 1
                 if fill == CSV_BLOCK:
                     blocks.append(block)
@@ -343,8 +352,9 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
             blocks.append(block[:fill])
     except UserError:
         raise
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: {one_line(exc)}") from None
+    except UnicodeDecodeError:
+        bad, what = _undecodable_line(path)
+        raise UserError(f"{path} line {bad}: not UTF-8 text ({what}); save the file as UTF-8") from None
     except csv.Error as exc:
         raise UserError(f"{path} line {line + 1}: {one_line(exc)}") from None
     except OSError as exc:
@@ -355,6 +365,20 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
     del blocks
     y, classes = _label_values(raw_labels)
     return x, names, y, classes, (raw_clients if client_col else None)
+
+
+def _undecodable_line(path: Path) -> tuple[int, str]:
+    """(number, what is wrong) of the first line of ``path`` that is not UTF-8. The decoder of a
+    text file reads ahead by blocks, so its error does not tell the line; a multi-byte character
+    never spans a newline, so each line is decoded on its own here."""
+    number = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return number, f"byte 0x{raw[exc.start]:02x}, {exc.start + 1} bytes into the line"
+    return number, "a character cut at the end of the file"
 
 
 def load_csv(root, *, label_col=None, client_col=None, drop_cols=None, natural: bool = False,
