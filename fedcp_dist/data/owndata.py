@@ -176,7 +176,7 @@ def _first_image(path: Path) -> tuple[tuple, int]:
             hw = (im.height, im.width)
             if im.getexif().get(_ORIENTATION) in (5, 6, 7, 8):
                 hw = hw[::-1]
-            grey = im.mode in _GREY_MODES or (im.mode in ("P", "PA") and _grey_palette(im))
+            grey = im.mode in _GREY_MODES or (im.mode == "P" and _grey_palette(im))
             return hw, (1 if grey else 3)
     except Exception as exc:
         raise UserError(f"{path} is not a readable image: {one_line(exc)}") from None
