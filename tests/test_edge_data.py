@@ -315,3 +315,12 @@ def test_csv_with_a_bom_and_crlf_line_ends_reads(tmp_path, capsys):
           "--out", str(tmp_path / "t.h5")])
     info = read_info(tmp_path / "t.h5")
     assert info.input_shape == (2,) and int(info.train_counts.sum() + info.test_counts.sum()) == 8
+
+
+def test_ag_news_csv_names_the_line_of_a_non_utf8_byte(tmp_path):
+    from fedcp_dist.data.sources import read_agnews_csv
+
+    rows = b"".join(b'"%d","title %d","text %d"\n' % (1 + i % 4, i, i) for i in range(600))
+    path = write_bytes(tmp_path / "train.csv", rows + b'"2","caf\xe9","text"\n')
+    with pytest.raises(UserError, match=r"train.csv line 601: not UTF-8 text \(byte 9 of the line is 0xe9\)"):
+        read_agnews_csv(path)

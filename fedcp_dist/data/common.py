@@ -1,5 +1,6 @@
 """What the data sources share: the :class:`Source` record a loader returns, the images'
-normalisation, the progress bar of long passes and the block-wise image decoder.
+normalisation, the progress bar of long passes, the block-wise image decoder and the line of a
+text file that is not UTF-8.
 
 :mod:`fedcp_dist.data.sources` (the built-in sources) and :mod:`fedcp_dist.data.owndata` (users'
 own folders and tables) both build on this module; neither imports the other's internals.
@@ -66,6 +67,20 @@ class Source:
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (its type's name when it has none)."""
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def undecodable_line(path) -> tuple[int, str]:
+    """(number, what is wrong) of the first line of ``path`` that is not UTF-8. The decoder of a
+    text file reads ahead by blocks, so its error does not tell the line; a multi-byte character
+    never spans a newline, so each line is decoded on its own here."""
+    number = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return number, f"byte {exc.start + 1} of the line is 0x{raw[exc.start]:02x}"
+    return number, "a character cut at the end of the file"
 
 
 def decode_images(files: list, shape: tuple, read, workers: int, block: int) -> np.ndarray:

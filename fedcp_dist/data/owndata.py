@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, one_line, progress
+from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, one_line, progress, undecodable_line
 from fedcp_dist.errors import UserError
 
 #: files decoded per block (one block of decoded images is all that is held beyond the array)
@@ -353,7 +353,7 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
     except UserError:
         raise
     except UnicodeDecodeError:
-        bad, what = _undecodable_line(path)
+        bad, what = undecodable_line(path)
         raise UserError(f"{path} line {bad}: not UTF-8 text ({what}); save the file as UTF-8") from None
     except csv.Error as exc:
         raise UserError(f"{path} line {line + 1}: {one_line(exc)}") from None
@@ -365,20 +365,6 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
     del blocks
     y, classes = _label_values(raw_labels)
     return x, names, y, classes, (raw_clients if client_col else None)
-
-
-def _undecodable_line(path: Path) -> tuple[int, str]:
-    """(number, what is wrong) of the first line of ``path`` that is not UTF-8. The decoder of a
-    text file reads ahead by blocks, so its error does not tell the line; a multi-byte character
-    never spans a newline, so each line is decoded on its own here."""
-    number = 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                return number, f"byte 0x{raw[exc.start]:02x}, {exc.start + 1} bytes into the line"
-    return number, "a character cut at the end of the file"
 
 
 def load_csv(root, *, label_col=None, client_col=None, drop_cols=None, natural: bool = False,

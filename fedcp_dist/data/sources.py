@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from fedcp_dist.data import text as textlib
-from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, progress
+from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, progress, undecodable_line
 from fedcp_dist.data.common import one_line as _one_line
 from fedcp_dist.data.owndata import load_csv, load_imagefolder
 from fedcp_dist.errors import UserError
@@ -434,9 +434,9 @@ def read_agnews_csv(path) -> tuple[np.ndarray, list[str]]:
                 texts.append(row[1] + " " + row[2])
     except FileNotFoundError:
         raise UserError(f"{path} is missing") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: "
-                        f"{_one_line(exc)}") from None
+    except UnicodeDecodeError:
+        bad, what = undecodable_line(path)
+        raise UserError(f"{path} line {bad}: not UTF-8 text ({what})") from None
     except csv.Error as exc:
         raise UserError(f"{path} line {line + 1}: {_one_line(exc)}") from None
     except OSError as exc:
