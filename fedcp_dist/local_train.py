@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, mmd2
+from fedcp_dist.models.batchnorm import one_value_batches
 from fedcp_dist.options import Component, Option, above, finite, one_of, described
 
 
@@ -291,6 +292,7 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
 
     names = module_keys(phase)
     for prefix, m in phase.modules.items():
+        one_value_batches(m)  # a method's own BatchNorms (FedCP's CPN) take a batch of one as the model's do
         load_module(m, client.start, prefix)
         if any(prefix + n in phase.trainable for n, _ in m.named_parameters()):
             m.train()

@@ -84,7 +84,14 @@ def check_shard(cfg, info: ShardInfo) -> None:
 def run_clients(cfg, info: ShardInfo) -> np.ndarray:
     """The shard's ids of the run's clients, checked against the shard (see :class:`Setup`)."""
     check_shard(cfg, info)
-    return client_subset(cfg.data.clients, cfg.seed, info.num_clients)
+    clients = client_subset(cfg.data.clients, cfg.seed, info.num_clients)
+    if not int(info.test_counts[clients].sum()):
+        # each client is evaluated on its own test samples; a client without any weighs nothing in the
+        # sums, but with none anywhere every accuracy would be a 0 / 0
+        of = "" if cfg.data.clients is None else f" (the {len(clients)} of config key 'data.clients')"
+        raise UserError(f"the clients of {cfg.data.path}{of} hold no test sample: there is nothing to evaluate "
+                        f"(fedcp-partition splits each client's samples by --train-ratio)")
+    return clients
 
 
 def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:

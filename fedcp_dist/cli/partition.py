@@ -83,10 +83,11 @@ def _build_parser() -> argparse.ArgumentParser:
     own = p.add_argument_group("your own data (imagefolder, csv)")
     own.add_argument("--image-size", default=None, metavar="N|HxW",
                      help="imagefolder: resize every image to N x N or H x W pixels (default: the "
-                          "first image's size)")
+                          "first image's size, upright by its EXIF orientation)")
     own.add_argument("--channels", type=int, default=None, choices=(1, 3),
                      help="imagefolder: 1 (greyscale) or 3 (RGB) (default: 1 when the first image "
-                          "is greyscale, else 3)")
+                          "is greyscale or a palette of greys, else 3); transparency is composited "
+                          "onto white, 16-bit greyscale scaled to 8 bits")
     own.add_argument("--label-col", default=None, metavar="NAME",
                      help="csv: the column holding the labels (required)")
     own.add_argument("--client-col", default=None, metavar="NAME",

@@ -2,9 +2,13 @@
 
 * ``imagefolder``: torchvision's ImageFolder layout ``ROOT/<class>/<image>``, any format Pillow
   reads (files whose suffix Pillow does not know are skipped and counted).  Classes are the
-  sub-folders in sorted order (label k = the k-th name).  Every image is converted to greyscale
-  (``channels=1``) or RGB (``channels=3``; default: 1 when the first image is greyscale, else 3)
-  and resized (bilinear) to ``image_size`` (default: the first image's size).  With the natural
+  sub-folders in sorted order (label k = the k-th name).  Every image is turned upright by its
+  EXIF orientation (photos from cameras and phones), 16-bit greyscale is scaled to 8 bits
+  (v / 257; not clipped), an image with transparency (alpha, or a transparent palette or colour
+  key) is composited onto white, as it shows on a white page, and the image is converted to
+  greyscale (``channels=1``) or RGB (``channels=3``; default: 1 when the first image is
+  greyscale or a palette of greys, else 3; a palette image through its colours) and resized
+  (bilinear) to ``image_size`` (default: the first image's upright size).  With the natural
   partition ``folders`` the layout is ``ROOT/<client>/<class>/<image>``: each top folder is one
   client (a hospital), the classes the union of the clients' class folders.
 * ``csv``: a CSV file with a header row; ``label_col`` names the label (any values: the sorted
@@ -30,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 
+from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, one_line, progress, undecodable_line
 from fedcp_dist.errors import UserError
 
 #: files decoded per block (one block of decoded images is all that is held beyond the array)
@@ -39,13 +44,9 @@ CSV_BLOCK = 8192
 #: most feature columns of a table: its mean and std are shard attributes (HDF5: 64 KiB each)
 MAX_FEATURES = 4096
 #: greyscale Pillow modes: the first image in one of these makes the default channels 1
-_GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F", "P;L")
+_GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 #: the natural partitions and the source that has each
 NATURAL_PARTITIONS = {"folders": "imagefolder", "column": "csv"}
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def parse_image_size(text) -> Optional[tuple]:
@@ -84,7 +85,7 @@ def _listdir(folder: Path) -> list:
     try:
         return sorted(n for n in os.listdir(folder) if not n.startswith("."))
     except OSError as exc:
-        raise UserError(f"{folder} could not be listed: {_one_line(exc)}") from None
+        raise UserError(f"{folder} could not be listed: {one_line(exc)}") from None
 
 
 def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
@@ -104,12 +105,48 @@ def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
     return out, skipped
 
 
-def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
-    """One image as uint8 (channels, H, W): converted to L or RGB, resized (bilinear) to ``size``."""
+#: EXIF's orientation tag; values 5-8 turn the stored image by a quarter (its width and height swap)
+_ORIENTATION = 0x0112
+#: Pillow modes with an alpha channel (transparency given as a colour key in ``im.info`` also counts)
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+def _wide_grey(im) -> bool:
+    """16-bit greyscale (``I;16`` and its byte orders; ``I``, as which older Pillows open 16-bit PNGs)."""
+    return im.mode.startswith("I;16") or im.mode == "I"
+
+
+def _eight_bits(im):
+    """A 16-bit greyscale image scaled to 8 bits (v / 257 rounded: 0 stays 0, 65535 becomes 255);
+    Pillow's own conversion would clip every value above 255 to white. Other images as they are."""
     from PIL import Image
+
+    if not _wide_grey(im):
+        return im
+    a = np.clip(np.asarray(im).astype(np.int64), 0, 65535)
+    return Image.fromarray(((a + 128) // 257).astype(np.uint8))
+
+
+def _on_white(im):
+    """An image with transparency (alpha channel, or a transparent colour of a palette, greyscale
+    or RGB image) composited onto white, as a viewer shows it on a white page; others as they are."""
+    from PIL import Image
+
+    if im.mode not in _ALPHA_MODES and "transparency" not in im.info:
+        return im
+    rgba = im.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+
+
+def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
+    """One image as uint8 (channels, H, W): turned upright by its EXIF orientation, 16-bit
+    greyscale scaled to 8 bits, transparency composited onto white, converted to L or RGB (a
+    palette through its colours), resized (bilinear) to ``size``."""
+    from PIL import Image, ImageOps
 
     try:
         with Image.open(path) as im:
+            im = _on_white(_eight_bits(ImageOps.exif_transpose(im)))
             im = im.convert("L" if channels == 1 else "RGB")
             if (im.height, im.width) != tuple(size):
                 im = im.resize((size[1], size[0]), Image.BILINEAR)
@@ -117,25 +154,36 @@ def _read_image(path: Path, size: tuple, channels: int) -> np.ndarray:
     except FileNotFoundError:
         raise UserError(f"{path} is missing") from None
     except Exception as exc:  # PIL's errors for truncated or foreign files
-        raise UserError(f"{path} is not a readable image: {_one_line(exc)}") from None
+        raise UserError(f"{path} is not a readable image: {one_line(exc)}") from None
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
+def _grey_palette(im) -> bool:
+    """True when every colour a palette image uses is a grey (R = G = B)."""
+    used = np.unique(np.asarray(im))
+    rgb = np.asarray(im.getpalette("RGB") or [], dtype=np.int64).reshape(-1, 3)
+    used = used[used < len(rgb)]
+    return bool(len(used)) and bool((rgb[used] == rgb[used][:, :1]).all())
+
+
 def _first_image(path: Path) -> tuple[tuple, int]:
-    """(H, W) and default channels (1 for a greyscale mode, else 3) of the first image."""
+    """(H, W) as displayed (after its EXIF orientation) and default channels (1 for a greyscale
+    mode or a palette of greys, else 3) of the first image."""
     from PIL import Image
 
     try:
         with Image.open(path) as im:
-            return (im.height, im.width), (1 if im.mode in _GREY_MODES else 3)
+            hw = (im.height, im.width)
+            if im.getexif().get(_ORIENTATION) in (5, 6, 7, 8):
+                hw = hw[::-1]
+            grey = im.mode in _GREY_MODES or (im.mode == "P" and _grey_palette(im))
+            return hw, (1 if grey else 3)
     except Exception as exc:
-        raise UserError(f"{path} is not a readable image: {_one_line(exc)}") from None
+        raise UserError(f"{path} is not a readable image: {one_line(exc)}") from None
 
 
 def _decode(files: list, size: tuple, channels: int) -> np.ndarray:
     """Decode ``files`` into one preallocated (n, channels, H, W) array, a block at a time."""
-    from fedcp_dist.data.sources import decode_images
-
     workers = max(1, min(8, os.cpu_count() or 1))
     return decode_images(files, (channels,) + tuple(size), lambda f: _read_image(f, size, channels), workers,
                          DECODE_BLOCK)
@@ -143,13 +191,11 @@ def _decode(files: list, size: tuple, channels: int) -> np.ndarray:
 
 def load_imagefolder(root, *, image_size=None, channels=None, natural: bool = False,
                      say=lambda _msg: None):
-    """The images under ``root`` as a :class:`~fedcp_dist.data.sources.Source`.
+    """The images under ``root`` as a :class:`~fedcp_dist.data.common.Source`.
 
     ``natural``: the layout ``root/<client>/<class>/<image>``; the source's ``groups`` then give
     each sample's client (the index of its folder in sorted order) and ``group_names`` the folders.
     """
-    from fedcp_dist.data.sources import NORM_MEAN, NORM_STD, Source
-
     if root is None:
         raise UserError("source 'imagefolder' needs its folder: pass --root DIR")
     root = Path(root)
@@ -229,8 +275,6 @@ def _label_values(raw: list) -> tuple[np.ndarray, list]:
 
 def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_cols=()):
     """(features float32 (n, F), feature names, labels (n,) int64, class names, client values or None)."""
-    from fedcp_dist.data.sources import progress
-
     path = Path(path)
     if not label_col:
         raise UserError("source 'csv' needs --label-col NAME (the column holding the labels)")
@@ -246,6 +290,9 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
             if header is None:
                 raise UserError(f"{path} is empty (expected a header row)")
             header = [h.strip() for h in header]
+            if "" in header:
+                raise UserError(f"{path} line {reader.line_num}: column {header.index('') + 1} of the header has "
+                                f"no name (a stray separator?)")
             for name in [label_col] + ([client_col] if client_col else []) + sorted(drop):
                 if name not in header:
                     flag = ("--label-col" if name == label_col else
@@ -276,6 +323,9 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
                                     f"{len(header)}")
                 for j, i in enumerate(feat_idx):
                     cell = row[i].strip()
+                    if not cell:
+                        raise UserError(f"{path} line {line}: column '{header[i]}' is empty, a feature column needs "
+                                        f"a number in every row (drop the column with --drop-cols)")
                     try:
                         v = float(cell)
                     except ValueError:
@@ -290,7 +340,10 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
                     raise UserError(f"{path} line {line}: the label column '{label_col}' is empty")
                 raw_labels.append(label)
                 if ci is not None:
-                    raw_clients.append(row[ci].strip())
+                    client = row[ci].strip()
+                    if not client:
+                        raise UserError(f"{path} line {line}: the client column '{client_col}' is empty")
+                    raw_clients.append(client)
                 fill += 1
                 if fill == CSV_BLOCK:
                     blocks.append(block)
@@ -299,12 +352,13 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
             blocks.append(block[:fill])
     except UserError:
         raise
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: {_one_line(exc)}") from None
+    except UnicodeDecodeError:
+        bad, what = undecodable_line(path)
+        raise UserError(f"{path} line {bad}: not UTF-8 text ({what}); save the file as UTF-8") from None
     except csv.Error as exc:
-        raise UserError(f"{path} line {line + 1}: {_one_line(exc)}") from None
+        raise UserError(f"{path} line {line + 1}: {one_line(exc)}") from None
     except OSError as exc:
-        raise UserError(f"{path} could not be read: {_one_line(exc)}") from None
+        raise UserError(f"{path} could not be read: {one_line(exc)}") from None
     if not raw_labels:
         raise UserError(f"{path} holds no data rows")
     x = np.concatenate(blocks) if len(blocks) > 1 else blocks[0].copy()
@@ -315,11 +369,9 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
 
 def load_csv(root, *, label_col=None, client_col=None, drop_cols=None, natural: bool = False,
              say=lambda _msg: None):
-    """The table in the CSV file ``root`` as a :class:`~fedcp_dist.data.sources.Source` of kind
+    """The table in the CSV file ``root`` as a :class:`~fedcp_dist.data.common.Source` of kind
     ``table`` (``mean`` / ``std`` are filled in once the training rows are known:
     :func:`train_statistics`)."""
-    from fedcp_dist.data.sources import Source
-
     if root is None:
         raise UserError("source 'csv' needs its file: pass --root FILE.csv")
     if natural and not client_col:

@@ -31,20 +31,17 @@ from __future__ import annotations
 import csv
 import os
 import pickle
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
 from fedcp_dist.data import text as textlib
+from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, progress, undecodable_line
+from fedcp_dist.data.common import one_line as _one_line
+from fedcp_dist.data.owndata import load_csv, load_imagefolder
 from fedcp_dist.errors import UserError
-
-#: Per-channel normalisation used for every image source: x_float = (x / 255 - 0.5) / 0.5.
-NORM_MEAN = 0.5
-NORM_STD = 0.5
 
 #: Sources whose samples are token-id sequences rather than images.
 TEXT_SOURCES = ("agnews",)
@@ -52,51 +49,6 @@ TEXT_SOURCES = ("agnews",)
 TABLE_SOURCES = ("csv",)
 #: Users' own data (:mod:`fedcp_dist.data.owndata`): loaded with their own options.
 OWN_SOURCES = ("imagefolder", "csv")
-
-
-def progress(iterable, total: Optional[int] = None, desc: Optional[str] = None, unit: str = "it"):
-    """A tqdm bar on stderr around ``iterable``; it appears only once a pass has taken 2 s."""
-    from tqdm import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, delay=2.0,
-                mininterval=1.0, dynamic_ncols=True)
-
-
-@dataclass
-class Source:
-    """A whole data set.
-
-    Images: ``x`` (n, C, H, W) uint8.  Text: ``x`` (n, max_len) int32 token ids (0 = padding),
-    ``lengths`` (n,) int32 real tokens per row and ``vocab`` the tokens in id order.  Labels
-    ``y`` (n,) int64 in both.
-    """
-
-    x: np.ndarray
-    y: np.ndarray
-    num_classes: int
-    mean: tuple
-    std: tuple
-    name: str
-    kind: str = "image"
-    lengths: Optional[np.ndarray] = None
-    vocab: Optional[list] = None
-    #: how the source was built (text: max_len, vocab_size_cap, min_freq), recorded in the shard
-    params: dict = field(default_factory=dict)
-    #: natural partitions: each sample's client (index into ``group_names``); None otherwise
-    groups: Optional[np.ndarray] = None
-    group_names: Optional[list] = None
-    #: tables: the feature columns' names
-    feature_names: Optional[list] = None
-
-    @property
-    def input_shape(self) -> tuple:
-        """Shape of one sample: (C, H, W) for images, (max_len,) for text, (features,) for tables."""
-        return tuple(int(d) for d in self.x.shape[1:])
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids (0 for images)."""
-        return len(self.vocab) if self.vocab is not None else 0
 
 
 def _make_source(name: str, x: np.ndarray, y: np.ndarray, num_classes: int) -> Source:
@@ -109,10 +61,6 @@ def _make_source(name: str, x: np.ndarray, y: np.ndarray, num_classes: int) -> S
         std=(NORM_STD,) * channels,
         name=name,
     )
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _need_root(name: str, root, download_hint: bool = True) -> Path:
@@ -396,24 +344,6 @@ def _read_rgb(path: Path) -> np.ndarray:
     return rgb.transpose(2, 0, 1)
 
 
-def decode_images(files: list, shape: tuple, read, workers: int, block: int) -> np.ndarray:
-    """Decode ``files`` with ``read`` (a path → a uint8 array of ``shape``) into one preallocated
-    (n, *shape) uint8 array, ``block`` files at a time on ``workers`` threads (one block of decoded
-    images is all that is held beyond the array)."""
-    x = np.empty((len(files),) + tuple(shape), dtype=np.uint8)
-    bar = progress(None, total=len(files), desc="decoding images", unit="img")
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for start in range(0, len(files), block):
-                chunk = files[start:start + block]
-                for i, image in enumerate(pool.map(read, chunk), start):
-                    x[i] = image
-                bar.update(len(chunk))
-    finally:
-        bar.close()
-    return x
-
-
 def _load_tinyimagenet(root, download, include_val: bool = False, **_) -> Source:
     name = "tinyimagenet"
     if download:
@@ -504,9 +434,9 @@ def read_agnews_csv(path) -> tuple[np.ndarray, list[str]]:
                 texts.append(row[1] + " " + row[2])
     except FileNotFoundError:
         raise UserError(f"{path} is missing") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text near line {line + 1}: "
-                        f"{_one_line(exc)}") from None
+    except UnicodeDecodeError:
+        bad, what = undecodable_line(path)
+        raise UserError(f"{path} line {bad}: not UTF-8 text ({what})") from None
     except csv.Error as exc:
         raise UserError(f"{path} line {line + 1}: {_one_line(exc)}") from None
     except OSError as exc:
@@ -600,11 +530,9 @@ def load_source(name: str, root=None, download: bool = False, *,
     if include_val and name != "tinyimagenet":
         raise UserError(f"--include-val applies to --source tinyimagenet only, not to '{name}'")
     if name in OWN_SOURCES:
-        from fedcp_dist.data import owndata
-
         if download:
             _no_download(name, "it reads your own files from --root")
-        loader = owndata.load_imagefolder if name == "imagefolder" else owndata.load_csv
+        loader = load_imagefolder if name == "imagefolder" else load_csv
         return loader(root, **(own_options or {}))
     if source_kind(name) == "text":
         return _LOADERS[name](root, download, max_len=max_len, vocab_size=vocab_size,

@@ -6,6 +6,9 @@
   32; ``fasttext_mean`` and ``fasttext_feature`` choose the variant, see :mod:`.fasttext`);
 * ``mlp`` — two ReLU layers on standardised table rows (B, F) (K = ``mlp_hidden``).
 
+BatchNorm layers are :mod:`.batchnorm`'s: a training batch of one value per channel (a client
+holding one sample) is normalised by the running statistics instead of failing.
+
 Also two helpers for methods that must treat BatchNorm (or dropout) with care:
 :func:`mode_dependent` and :func:`forward_batch_stats`.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedcp_dist.models.batchnorm import one_value_batches
 from fedcp_dist.models.cnn import CNN
 from fedcp_dist.models.fasttext import EMBED_DIM, FEATURES as FASTTEXT_FEATURES, MEANS as FASTTEXT_MEANS, FastText
 from fedcp_dist.models.mlp import DEFAULT_HIDDEN, MLP
@@ -43,6 +47,7 @@ def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0,
     which also needs the ``vocab_size`` (ids 0 .. vocab_size - 1, 0 the padding) and takes
     ``fasttext_dim``, ``fasttext_mean``, ``fasttext_feature``, [F] for mlp (``mlp_hidden`` wide).
     Parameters are drawn from torch's global RNG: seed it first for identical models on every rank.
+    Its BatchNorms train on a batch of one value per channel (:mod:`.batchnorm`).
     """
     shape = tuple(int(s) for s in input_shape)
     num_classes = int(num_classes)
@@ -51,7 +56,7 @@ def build_model(name: str, input_shape, num_classes: int, vocab_size: int = 0,
     if num_classes < 1:
         raise ValueError(f"model {name!r} needs at least one class, got num_classes={num_classes}")
     fasttext = {"dim": int(fasttext_dim), "mean": fasttext_mean, "feature": fasttext_feature}
-    model = _build(name, shape, num_classes, vocab_size, mlp_hidden, fasttext)
+    model = one_value_batches(_build(name, shape, num_classes, vocab_size, mlp_hidden, fasttext))
     model.input_kind, model.input_shape = MODEL_KINDS[name], shape  # for methods that read the data's shape
     return model
 

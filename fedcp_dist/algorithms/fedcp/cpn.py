@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fedcp_dist.errors import UserError
+from fedcp_dist.models.batchnorm import BatchNorm1d
 from fedcp_dist.options import Component, Option, above, at_least, one_of, within
 
 #: the paper's CPN design (cpn_layers, cpn_norm, cpn_act)
@@ -30,8 +31,8 @@ PAPER_DESIGN = (1, "layernorm", "relu")
 def make_norm(kind: str, dim: int) -> nn.Module:
     if kind == "layernorm":
         return nn.LayerNorm(dim)
-    if kind == "batchnorm":
-        return nn.BatchNorm1d(dim)
+    if kind == "batchnorm":  # a batch of one sample is normalised by the running statistics
+        return BatchNorm1d(dim)
     if kind == "groupnorm":
         return nn.GroupNorm(2, dim)
     if kind == "none":
