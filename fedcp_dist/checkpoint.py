@@ -48,6 +48,13 @@ def _atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` where it names no file or only ``path``'s temporary file."""
+    if not exc.filename or Path(str(exc.filename)).name.startswith(f".{path.name}.tmp"):
+        exc.filename = str(path)
+    return exc
+
+
 def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() for k, v in state.items()}
 
@@ -69,16 +76,19 @@ class Checkpointer:
         """
         d = self.root / f"round_{rounds_done:07d}"
         problem = None
+        target = d
         try:
             d.mkdir(parents=True, exist_ok=True)
             part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
-            _atomic_torch_save(part, d / f"clients_{self.rank}.pt")
+            target = d / f"clients_{self.rank}.pt"
+            _atomic_torch_save(part, target)
             if self.rank == 0:
+                target = d / "global.pt"
                 _atomic_torch_save(
-                    {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, d / "global.pt"
+                    {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, target
                 )
         except OSError as exc:
-            problem = exc
+            problem = _naming(exc, target)
         if all_ok(problem is None):  # every part is on disk
             if self.rank == 0:
                 try:
@@ -90,14 +100,15 @@ class Checkpointer:
                     }
                     _atomic_write_text(d / MARKER, json.dumps(manifest, indent=1) + "\n")
                 except OSError as exc:
-                    problem = exc
+                    problem = _naming(exc, d / MARKER)
             if all_ok(problem is None):  # nobody moves on before the checkpoint counts
                 if self.rank == 0:
                     self._prune()
                 return d
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
-        why = f"{problem.strerror or problem}" if problem is not None else "a write failed on another rank"
+        why = (f"{problem.filename + ': ' if problem.filename else ''}{problem.strerror or problem}" if problem is not None
+               else "a write failed on another rank")
         raise RunFailure(
             f"the checkpoint after round {rounds_done} could not be written ({why}); "
             f"the previous complete checkpoint in {self.root} is intact"

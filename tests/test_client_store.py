@@ -139,7 +139,7 @@ def test_disk_store_reads_ahead_and_writes_back(tmp_path):
     for c in (1, 2, 3):
         store.put(c, {"w": torch.full((3,), float(c))}, {})
     store.flush()
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [f"client_{c:07d}.pt" for c in (1, 2, 3)]
+    assert sorted(p.name for p in (tmp_path / "s").glob("client_*")) == [f"client_{c:07d}.pt" for c in (1, 2, 3)]
     store.prefetch([3, 1, 2])
     assert set(store._ahead) == {3, 1}  # the first two are read ahead at once
     assert store.get(3)["w"].tolist() == [3.0] * 3
@@ -149,11 +149,12 @@ def test_disk_store_reads_ahead_and_writes_back(tmp_path):
     assert store.get(2)["w"].tolist() == [20.0] * 3  # the state being written back is the one handed out
     sd = store.state_dict()
     assert {c: s["w"].tolist()[0] for c, s in sd.items()} == {1: 1.0, 2: 20.0, 3: 3.0}
+    store.close()
     again = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s"))  # a new run: old files go
-    assert list((tmp_path / "s").iterdir()) == []
+    assert [p.name for p in (tmp_path / "s").iterdir()] == [".lock"]
     again.load_state_dict(sd)
     assert again.get(2)["w"].tolist() == [20.0] * 3 and again.peek(5) is None
-    store.close(), again.close()
+    again.close()
 
 
 def test_disk_store_writes_a_clients_state_and_residual_in_one_file_write(tmp_path):
