@@ -39,9 +39,18 @@ class Simulator:
     def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print, wrap: Callable = None):
         self.cfg, self.rt = cfg, rt
         self.echo = echo if rt.is_main else (lambda *_: None)
-        self._lock = None
+        self._lock = self.store = self.writer = None
         self.stop = StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
+        try:
+            self._start(wrap)
+        except BaseException:  # what was locked is released (a later run in this process may use it)
+            self._close(failed=True)
+            raise
+
+    def _start(self, wrap) -> None:
+        """Start-up: lock and load, the algorithm, the store, the training path, resume."""
+        cfg, rt = self.cfg, self.rt
         self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
 
@@ -140,13 +149,13 @@ class Simulator:
 
     def _close(self, failed: bool) -> None:
         """Close the store (its writes end, its folder is released), the writer and the out_dir
-        lock, each even when one before it fails; the first error is raised unless the run has
-        ``failed`` already."""
+        lock (those made so far), each even when one before it fails; the first error is raised
+        unless the run has ``failed`` already."""
         first = None
-        for close in (self.store.close, self.writer.close, self._lock.close if self._lock is not None else None):
+        for part in (self.store, self.writer, self._lock):
             try:
-                if close is not None:
-                    close()
+                if part is not None:
+                    part.close()
             except Exception as exc:
                 first = first or exc
         if first is not None and not failed:

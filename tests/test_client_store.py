@@ -500,3 +500,20 @@ def test_full_disk_under_the_store_is_one_line_and_leaves_no_temporary_file(digi
     run("configs/digits_ditto.yaml", args[2:], echo=said.append)
     assert any("(1 rounds done)" in l for l in said)
     _same(device_run, out)
+
+
+def test_a_run_refused_after_start_up_releases_its_folders(digits6, tmp_path):
+    """A resume refused after the store was made (a changed lr) leaves neither out_dir nor the
+    store's folder locked: the same process then resumes the run with its own config."""
+    from fedcp_dist.errors import UserError
+
+    out = tmp_path / "r"
+    args = _ditto(digits6, out, "client_state=disk", f"client_state_dir={tmp_path / 'scratch'}", "rounds=2",
+                  "checkpoint_every=0")
+    with pytest.raises(Preempted):
+        run("configs/digits_ditto.yaml", args, wrap=lambda x: _PreemptAt(x, 1))
+    with pytest.raises(UserError, match="config key 'lr'"):
+        run("configs/digits_ditto.yaml", args + ["lr=0.5"])
+    said = []
+    run("configs/digits_ditto.yaml", args, echo=said.append)
+    assert any("(1 rounds done)" in l for l in said) and (out / "summary.json").exists()
