@@ -517,3 +517,27 @@ def test_a_run_refused_after_start_up_releases_its_folders(digits6, tmp_path):
     said = []
     run("configs/digits_ditto.yaml", args, echo=said.append)
     assert any("(1 rounds done)" in l for l in said) and (out / "summary.json").exists()
+
+
+def test_an_io_error_nothing_else_names_is_one_line_naming_rank_phase_and_file(digits6, tmp_path, capsys,
+                                                                              monkeypatch):
+    """A client's file that cannot be read back while the checkpoint after round 1 is written (an
+    I/O error of the scratch disk): one line naming the rank, what it was doing and the file, exit 1."""
+    import errno
+    from fedcp_dist.run import main
+
+    real_load, bad = torch.load, []
+
+    def eio(f, *args, **kwargs):
+        if kwargs.get("mmap") and Path(str(f)).name.startswith("client_"):
+            bad.append(str(f))
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(f))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", eio)
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_ditto.yaml", *_ditto(digits6, tmp_path / "run", "client_state=disk", "rounds=1")])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "Traceback" not in err, err
+    assert err == f"error: rank 0, checkpoint after round 1: {bad[0]}: Input/output error\n"
