@@ -472,7 +472,11 @@ def lock_dir(directory: Path, run: str = ""):
         raise UserError(f"client_state_dir {directory} cannot be written: {exc.strerror or exc}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if not isinstance(exc, BlockingIOError):  # e.g. a file system without locks
+            f.close()
+            raise UserError(f"client_state_dir {directory} cannot be locked ({path}): {exc.strerror or exc}; "
+                            f"use a local disk") from None
         f.seek(0)
         holder = " ".join(f.read().split()) or "a process that did not say who it is"
         f.close()
