@@ -82,6 +82,13 @@ def _check_client_shapes(d: Path, store, client_states: dict) -> None:
                                 f"or overwrite=true to start afresh")
 
 
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` where it names no file or only ``path``'s temporary file."""
+    if not exc.filename or Path(str(exc.filename)).name.startswith(f".{path.name}.tmp"):
+        exc.filename = str(path)
+    return exc
+
+
 def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() for k, v in state.items()}
 
@@ -104,16 +111,19 @@ class Checkpointer:
         """
         d = self.root / f"round_{rounds_done:07d}"
         problem = None
+        target = d
         try:
             d.mkdir(parents=True, exist_ok=True)
             part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
-            atomic_torch_save(part, d / f"clients_{self.rank}.pt")
+            target = d / f"clients_{self.rank}.pt"
+            atomic_torch_save(part, target)
             if self.rank == 0:
+                target = d / "global.pt"
                 atomic_torch_save(
-                    {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, d / "global.pt"
+                    {"round": rounds_done, "global": _cpu(global_state), "meta_json": json.dumps(meta)}, target
                 )
         except OSError as exc:
-            problem = exc
+            problem = _naming(exc, target)
         if all_ok(problem is None):  # every part is on disk
             if self.rank == 0:
                 try:
@@ -125,14 +135,15 @@ class Checkpointer:
                     }
                     atomic_write_bytes(d / MARKER, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
                 except OSError as exc:
-                    problem = exc
+                    problem = _naming(exc, d / MARKER)
             if all_ok(problem is None):  # nobody moves on before the checkpoint counts
                 if self.rank == 0:
                     self._prune(d)
                 return d
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
-        why = f"{problem.strerror or problem}" if problem is not None else "a write failed on another rank"
+        why = (f"{problem.filename + ': ' if problem.filename else ''}{problem.strerror or problem}" if problem is not None
+               else "a write failed on another rank")
         raise RunFailure(
             f"the checkpoint after round {rounds_done} could not be written ({why}); "
             f"the previous complete checkpoint in {self.root} is intact"

@@ -8,9 +8,12 @@ Checkpoints take its :meth:`state_dict` and give it back through :meth:`load_sta
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import math
 import os
 import resource
+import socket
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import Dict, Optional
 
 import torch
 
+from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import atomic_torch_save
 from fedcp_dist.options import Component, Option, described, one_of
 
@@ -235,17 +239,30 @@ class DiskClientStore(ClientStore):
     method's initial one, made again when asked for (``init_client_state`` is the same every time).
     In memory are only the entries in flight: those read ahead of their use (:meth:`prefetch`), the
     last few used (``RECENT``) and those written back in the background; :meth:`flush` waits for
-    the writes. So a rank's memory does not grow with its number of clients."""
+    the writes. So a rank's memory does not grow with its number of clients.
+
+    The store holds ``directory`` for its life (an exclusive ``flock`` on its ``.lock`` file, which
+    names the holder's host and pid; :meth:`close` releases it): a second store on the same
+    directory is refused before it removes anything. The files found there at start are an earlier
+    attempt's and are removed (a resumed run takes its clients' states from the checkpoint). A file
+    that cannot be written or read is a :class:`~fedcp_dist.errors.RunFailure` naming it, and no
+    temporary file is left behind."""
 
     #: entries of the clients used last, kept to serve activate/get/residual of one client by one read
     RECENT = 4
+    #: the lock file in the store's directory
+    LOCK = ".lock"
 
-    def __init__(self, algo, global_state: State, bn_keys=(), directory: str = "", device="cpu"):
+    def __init__(self, algo, global_state: State, bn_keys=(), directory: str = "", device="cpu", run: str = ""):
         self.dir = Path(directory)
         self.device = torch.device(device)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for old in self.dir.glob("*client_*.pt*"):  # states of an earlier attempt: checkpoints rule
-            old.unlink()
+        self._lock = lock_dir(self.dir, run)
+        try:
+            for old in self.dir.glob("*client_*.pt*"):  # states of an earlier attempt: checkpoints rule
+                old.unlink()
+        except OSError as exc:
+            self._lock.close()
+            raise UserError(f"client_state_dir {self.dir} cannot be cleared: {exc.strerror or exc}") from None
         self.saved: set = set()  # clients with a file
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state")
         self._writing: Dict[int, tuple] = {}  # client -> (entry, future) until its file is written
@@ -290,11 +307,21 @@ class DiskClientStore(ClientStore):
         return self.dir / f"client_{cid:07d}.pt"
 
     def _read(self, cid: int) -> State:
-        return torch.load(self._path(cid), map_location=self.device, weights_only=True)
+        path = self._path(cid)
+        try:
+            return torch.load(path, map_location=self.device, weights_only=True)
+        except OSError as exc:
+            raise RunFailure(f"cannot read the client state file {path}: {exc.strerror or exc}") from None
 
     def _write(self, cid: int, state: State) -> None:
-        # complete or absent, but not synced: the files are this run's working space, not its record
-        atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self._path(cid), durable=False)
+        """Client ``cid``'s file, written whole under a temporary name and renamed (not synced: the files
+        are this run's working space, not its record); on an error the temporary file is removed, an
+        earlier file stays as it was, and a RunFailure names the file."""
+        path = self._path(cid)
+        try:
+            atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, path, durable=False)
+        except OSError as exc:
+            raise RunFailure(f"cannot write the client state file {path}: {exc.strerror or exc}") from None
 
     def prefetch(self, order) -> None:
         """Clients are about to be used in this order: each use reads the next ones ahead.
@@ -375,20 +402,33 @@ class DiskClientStore(ClientStore):
             self._older.pop(0).result()
 
     def flush(self) -> None:
-        """Wait for every write back; drop reads ahead that were not used."""
-        for f in self._older:
-            f.result()
-        self._older = []
-        for c in list(self._writing):
-            self._writing.pop(c)[1].result()
-        for f in self._ahead.values():
-            f.result()
-        self._ahead.clear()
+        """Wait for every write back; drop reads ahead that were not used. Every pending read and
+        write has ended when it returns or raises (the first failure)."""
+        pending = [*self._older, *(f for _, f in self._writing.values()), *self._ahead.values()]
+        self._older, self._writing, self._ahead = [], {}, {}
         self._order, self._pos = [], {}
+        first = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as exc:  # the others still end before this one is raised
+                first = first or exc
+        if first is not None:
+            raise first
 
     def close(self) -> None:
-        self.flush()
-        self._io.shutdown()
+        """Wait for the writes, then release the directory (also after a failed write, whose
+        error is raised once the lock is released)."""
+        if self._lock is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._io.shutdown(wait=True)
+            for tmp in self.dir.glob(".client_*.pt.tmp*"):  # none is being written any more
+                tmp.unlink(missing_ok=True)
+            self._lock.close()
+            self._lock = None
 
     def held_bytes(self) -> int:
         return (super().held_bytes() + sum(state_bytes(e) for e, _ in self._writing.values())
@@ -415,14 +455,60 @@ def pack(state: Optional[State], bn: Optional[State], ef: Optional[State]) -> St
             **{EF_PREFIX + k: v for k, v in (ef or {}).items()}}
 
 
+def lock_dir(directory: Path, run: str = ""):
+    """Create ``directory`` and take an exclusive, non-blocking ``flock`` on its lock file, which
+    then names the holder (host, pid and ``run``); returns the open lock file (closing it releases
+    the lock, and so does the process ending). A directory held by another process (or another
+    store of this one) is a one-line UserError naming it and its holder."""
+    path = directory / DiskClientStore.LOCK
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"client_state_dir {directory} cannot be written: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if not isinstance(exc, BlockingIOError):  # e.g. a file system without locks
+            f.close()
+            raise UserError(f"client_state_dir {directory} cannot be locked ({path}): {exc.strerror or exc}; "
+                            f"use a local disk") from None
+        f.seek(0)
+        holder = " ".join(f.read().split()) or "a process that did not say who it is"
+        f.close()
+        raise UserError(f"client_state_dir {directory} is in use by another run ({holder}); give each run its own "
+                        f"client_state_dir, or wait for that run to end") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"host {socket.gethostname()} pid {os.getpid()}" + (f" {run}" if run else "") + "\n")
+        f.flush()
+    except OSError as exc:
+        f.close()
+        raise UserError(f"client_state_dir {directory} cannot be written: {exc.strerror or exc}") from None
+    return f
+
+
+def run_state_dir(out_dir: str, client_state_dir: str, rank: int) -> Path:
+    """Rank ``rank``'s folder of a disk store: ``out_dir/client_state/rank_{r}``, or with
+    ``client_state_dir`` set, ``client_state_dir/{run}/rank_{r}`` where ``{run}`` is out_dir's name
+    and a hash of its absolute path. So runs that share a scratch disk never share a folder, and a
+    requeued run (the same out_dir) finds its own again."""
+    if not client_state_dir:
+        return Path(out_dir) / "client_state" / f"rank_{rank}"
+    resolved = Path(out_dir).resolve()
+    digest = hashlib.sha256(str(resolved).encode("utf-8")).hexdigest()[:16]
+    return Path(client_state_dir) / f"{resolved.name[:100]}-{digest}" / f"rank_{rank}"
+
+
 def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tuple[ClientStore, str]:
     """The run's client-state store (``client_state``) and a few words for the start line."""
     bn_keys = ClientStore.for_run(algo, global_state, cfg.aggregate_bn_stats).bn_keys
     per_client = state_bytes(algo.init_client_state(int(owned[0]))) if len(owned) else 0
     mode, why = resolve_mode(cfg.client_state, per_client, len(owned), cfg.client_state_budget_mb, device)
     if mode == "disk":
-        root = Path(cfg.client_state_dir) if cfg.client_state_dir else Path(cfg.out_dir) / "client_state"
-        store = DiskClientStore(algo, global_state, bn_keys, root / f"rank_{rank}", device)
+        store = DiskClientStore(algo, global_state, bn_keys, run_state_dir(cfg.out_dir, cfg.client_state_dir, rank),
+                                device, run=f"out_dir {Path(cfg.out_dir).resolve()} rank {rank}")
         where = f"disk ({store.dir})"
     elif mode == "host":
         store, where = HostClientStore(algo, global_state, bn_keys, device), "host"

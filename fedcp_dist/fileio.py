@@ -45,3 +45,31 @@ def atomic_torch_save(obj, path: Path, durable: bool = True) -> None:
     import torch  # here, so that command-line tools that never save tensors start fast
 
     atomic_write(path, lambda f: torch.save(obj, f), durable)
+
+
+class AppendFile:
+    """A file that grows by whole appends (a JSON-lines log): each :meth:`append` reaches the file
+    whole, or on an error (a full disk) the file is cut back to its length before it, so that no
+    torn line is left after the ones already written. Unbuffered: what returns is in the file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._f = open(self.path, "ab", buffering=0)
+
+    def append(self, text: str) -> None:
+        data = memoryview(text.encode("utf-8"))
+        size = os.fstat(self._f.fileno()).st_size
+        try:
+            while data:
+                data = data[self._f.write(data):]
+        except BaseException:
+            try:
+                os.ftruncate(self._f.fileno(), size)
+            except OSError:
+                pass
+            raise
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

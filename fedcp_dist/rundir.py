@@ -17,6 +17,7 @@ runs).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -30,8 +31,8 @@ import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.config import Config, flatten, legacy_defaults
-from fedcp_dist.errors import UserError
-from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
+from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes
 from fedcp_dist.loggers import make_logger
 
 CONFIG = "config.yaml"
@@ -329,27 +330,41 @@ def _json_default(o: Any):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+@contextlib.contextmanager
+def _writing(path: Path, what: str = "write"):
+    """An OSError while writing ``path`` as a one-line RunFailure naming it (what was written
+    before stays: whole files are replaced atomically, appends are cut back to whole lines)."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunFailure(f"cannot {what} {path}: {exc.strerror or exc}; what the run wrote before is kept "
+                         f"(a restart resumes from its last complete checkpoint)") from None
+
+
 class RunWriter:
     """Rank 0 writes the run directory; on any other rank (``enabled=False``) every call does nothing.
 
     Whole-file writes go to a temporary name and are renamed when complete; metrics.jsonl is
-    appended to and flushed one record at a time. ``logger`` (the config key: none | tensorboard)
-    also receives every metrics record and analysis line written (:mod:`fedcp_dist.loggers`).
+    appended to one whole record at a time (:class:`~fedcp_dist.fileio.AppendFile`). An I/O error
+    (a full disk) is a one-line RunFailure naming the file. ``logger`` (the config key: none |
+    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.loggers`).
     """
 
     def __init__(self, out_dir, enabled: bool, logger: str = "none"):
         self.enabled = enabled
         self.dir = Path(out_dir)
-        self._metrics: Optional[IO[str]] = None
-        self._analysis: Optional[IO[str]] = None
+        self._metrics: Optional[AppendFile] = None
+        self._analysis: Optional[AppendFile] = None
         self._analysis_kept: list = []  # the lines start_analysis kept, for the logger's start
         self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD)
         if enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with _writing(self.dir, "create"):
+                self.dir.mkdir(parents=True, exist_ok=True)
 
     def write_text(self, name: str, text: str) -> None:
         if self.enabled:
-            atomic_write_bytes(self.dir / name, text.encode("utf-8"))
+            with _writing(self.dir / name):
+                atomic_write_bytes(self.dir / name, text.encode("utf-8"))
 
     def write_json(self, name: str, obj: Any) -> None:
         if self.enabled:
@@ -357,7 +372,8 @@ class RunWriter:
 
     def save_tensors(self, name: str, state: dict) -> None:
         if self.enabled:
-            atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self.dir / name)
+            with _writing(self.dir / name):
+                atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self.dir / name)
 
     def write_config(self, text: str) -> None:
         """config.yaml: the resolved config."""
@@ -378,18 +394,19 @@ class RunWriter:
         if self._metrics is not None:
             self._metrics.close()
         text = "".join(json.dumps(r, default=_json_default) + "\n" for r in records)
-        atomic_write_bytes(self.dir / METRICS, text.encode("utf-8"))
-        self._metrics = open(self.dir / METRICS, "a", encoding="utf-8")
+        with _writing(self.dir / METRICS):
+            atomic_write_bytes(self.dir / METRICS, text.encode("utf-8"))
+            self._metrics = AppendFile(self.dir / METRICS)
         self.logger.start(records, self._analysis_kept)
 
     def log(self, record: dict) -> None:
-        """Append one line to metrics.jsonl and flush it."""
+        """Append one line to metrics.jsonl (whole, or not at all)."""
         if not self.enabled:
             return
         if self._metrics is None:
             self.start_metrics([])
-        self._metrics.write(json.dumps(record, default=_json_default) + "\n")
-        self._metrics.flush()
+        with _writing(self.dir / METRICS, "append to"):
+            self._metrics.append(json.dumps(record, default=_json_default) + "\n")
         self.logger.log_record(record)
 
     def start_analysis(self, rounds_done: int, create: bool) -> None:
@@ -411,27 +428,26 @@ class RunWriter:
             self._analysis.close()
         self._analysis_kept = kept
         text = "".join(json.dumps(r, default=_json_default) + "\n" for r in kept)
-        atomic_write_bytes(path, text.encode("utf-8"))
-        self._analysis = open(path, "a", encoding="utf-8")
+        with _writing(path):
+            atomic_write_bytes(path, text.encode("utf-8"))
+            self._analysis = AppendFile(path)
 
     def log_analysis(self, records: list) -> None:
-        """Append lines to analysis.jsonl (begun by :meth:`start_analysis`) and flush them."""
+        """Append lines to analysis.jsonl (begun by :meth:`start_analysis`), whole or not at all."""
         if not self.enabled or not records:
             return
-        if self._analysis is None:  # a writer used without start_analysis: the file begins here
-            self._analysis = open(self.dir / ANALYSIS, "a", encoding="utf-8")
-        self._analysis.write("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
-        self._analysis.flush()
+        with _writing(self.dir / ANALYSIS, "append to"):
+            if self._analysis is None:  # a writer used without start_analysis: the file begins here
+                self._analysis = AppendFile(self.dir / ANALYSIS)
+            self._analysis.append("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
         self.logger.log_analysis(records)
 
     def close(self) -> None:
         self.logger.close()
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
-        if self._analysis is not None:
-            self._analysis.close()
-            self._analysis = None
+        for f in (self._metrics, self._analysis):
+            if f is not None:
+                f.close()
+        self._metrics = self._analysis = None
 
 
 # ----------------------------------------------------------------------------- presenting

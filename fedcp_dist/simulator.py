@@ -41,9 +41,18 @@ class Simulator:
                  stop: StopSignals = None):
         self.cfg, self.rt = cfg, rt
         self.echo = echo if rt.is_main else (lambda *_: None)
-        self._lock = None
+        self._lock = self.store = self.writer = None
         self.stop = stop if stop is not None else StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
+        try:
+            self._start(wrap)
+        except BaseException:  # what was locked is released (a later run in this process may use it)
+            self._close(failed=True)
+            raise
+
+    def _start(self, wrap) -> None:
+        """Start-up: lock and load, the algorithm, the store, the training path, resume."""
+        cfg, rt = self.cfg, self.rt
         self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
 
@@ -52,7 +61,9 @@ class Simulator:
         startup.check_peer_memory(cfg, algo, self.num_clients,
                                                     int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
         global_state = algo.init_global_state()
-        self.store, self.store_line = make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank)
+        # a disk store locks its folder: a refusal on any rank stops every rank
+        self.store, self.store_line = startup.agree_on(
+            rt, lambda: make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank))
         self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
@@ -125,15 +136,37 @@ class Simulator:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Every round from the first not yet done, checkpoints, then the final evaluation; the summary."""
+        """Every round from the first not yet done, checkpoints, then the final evaluation; the summary.
+
+        An I/O error that no part turned into a one-line failure becomes one here, naming this rank,
+        what it was doing and the file. After a failure the store, the writer and the out_dir lock
+        are still closed, and the first failure is the one raised."""
         try:
             with self.stop:
-                return self._run()
-        finally:
-            self.store.close()
-            self.writer.close()
-            if self._lock is not None:
-                self._lock.close()
+                summary = self._run()
+        except OSError as exc:
+            self._close(failed=True)
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise RunFailure(f"rank {self.rt.rank}, {self.rt.phase}: {where}{exc.strerror or exc}") from None
+        except BaseException:
+            self._close(failed=True)
+            raise
+        self._close(failed=False)
+        return summary
+
+    def _close(self, failed: bool) -> None:
+        """Close the store (its writes end, its folder is released), the writer and the out_dir
+        lock (those made so far), each even when one before it fails; the first error is raised
+        unless the run has ``failed`` already."""
+        first = None
+        for part in (self.store, self.writer, self._lock):
+            try:
+                if part is not None:
+                    part.close()
+            except Exception as exc:
+                first = first or exc
+        if first is not None and not failed:
+            raise first
 
     def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import os
 import pickle
 import signal
@@ -58,6 +59,27 @@ def nonfinite_at(spec: str):
     """``"ROUND:CLIENT"`` → a ``wrap`` for :class:`Simulator` that injects :class:`NonFiniteAt`."""
     r, c = (int(v) for v in spec.split(":"))
     return lambda algo: NonFiniteAt(algo, r, c)
+
+
+def client_state_saves_fail(save, n: int):
+    """``save`` (torch.save) as on a disk that fills up at the ``n``-th file of a disk client store
+    (1-based; a name holding ``.client_``): that call writes part of the file, then it and every
+    later one raise OSError(ENOSPC). Other files are saved as ``save`` does."""
+    calls = {"n": 0}
+
+    def flaky(obj, f, *args, **kwargs):
+        name = str(getattr(f, "name", f))
+        if ".client_" in name:
+            calls["n"] += 1
+            if calls["n"] >= n:
+                if hasattr(f, "write"):
+                    f.write(b"partial")
+                else:
+                    Path(f).write_bytes(b"partial")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(obj, f, *args, **kwargs)
+
+    return flaky
 
 
 def run(config: str, overrides, wrap=None, echo=lambda *_: None) -> dict:
@@ -299,14 +321,23 @@ def kill_job(proc) -> None:
 @cli_main
 def _main(argv):
     """``python tests/helpers.py ROUND:CLIENT --config C key=value ...`` under any launcher: a run
-    whose client CLIENT produces a NaN update in round ROUND (exit codes as fedcp-run's)."""
+    whose client CLIENT produces a NaN update in round ROUND (exit codes as fedcp-run's).
+    ``python tests/helpers.py full-disk:RANK:N ...``: the disk of rank RANK's client store fills up
+    at its N-th file (:func:`client_state_saves_fail`)."""
     from fedcp_dist.run import build_parser
 
     args = build_parser().parse_args(argv[1:])
     cfg = load_config(args.config, args.overrides)
     rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
+    wrap = None
+    if argv[0].startswith("full-disk:"):
+        rank, n = (int(v) for v in argv[0].split(":")[1:])
+        if rt.rank == rank:
+            torch.save = client_state_saves_fail(torch.save, n)
+    else:
+        wrap = nonfinite_at(argv[0])
     try:
-        Simulator(cfg, rt, wrap=nonfinite_at(argv[0])).run()
+        Simulator(cfg, rt, wrap=wrap).run()
     finally:
         rt.close()
 

@@ -139,7 +139,7 @@ def test_disk_store_reads_ahead_and_writes_back(tmp_path):
     for c in (1, 2, 3):
         store.put(c, {"w": torch.full((3,), float(c))}, {})
     store.flush()
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [f"client_{c:07d}.pt" for c in (1, 2, 3)]
+    assert sorted(p.name for p in (tmp_path / "s").glob("client_*")) == [f"client_{c:07d}.pt" for c in (1, 2, 3)]
     store.prefetch([3, 1, 2])
     assert set(store._ahead) == {3, 1}  # the first two are read ahead at once
     assert store.get(3)["w"].tolist() == [3.0] * 3
@@ -149,11 +149,12 @@ def test_disk_store_reads_ahead_and_writes_back(tmp_path):
     assert store.get(2)["w"].tolist() == [20.0] * 3  # the state being written back is the one handed out
     sd = store.state_dict()
     assert {c: s["w"].tolist()[0] for c, s in sd.items()} == {1: 1.0, 2: 20.0, 3: 3.0}
+    store.close()
     again = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s"))  # a new run: old files go
-    assert list((tmp_path / "s").iterdir()) == []
+    assert [p.name for p in (tmp_path / "s").iterdir()] == [".lock"]
     again.load_state_dict(sd)
     assert again.get(2)["w"].tolist() == [20.0] * 3 and again.peek(5) is None
-    store.close(), again.close()
+    again.close()
 
 
 def test_disk_store_writes_a_clients_state_and_residual_in_one_file_write(tmp_path):
@@ -399,3 +400,144 @@ def test_fedfomo_on_disk_keeps_8_bytes_per_client_outside_the_store(digits6, tmp
         assert float(gs["bank"][5].abs().sum()) == 0 and out["fresh"].tolist().count(1.0) == 2
         store.close()
     assert own == {50: 50 * 8, 200: 200 * 8}
+
+
+# -- a shared client_state_dir -------------------------------------------------------------------------
+
+def test_runs_sharing_a_client_state_dir_keep_apart_and_a_requeue_finds_its_own(digits6, device_run, tmp_path):
+    """Two runs given one client_state_dir (array tasks on one node's scratch disk) each get a folder
+    of their own, named after their out_dir; the other run's states are neither removed nor read, and
+    a requeue (the same out_dir, however spelt) resumes from its own folder exactly."""
+    from fedcp_dist.client_store import run_state_dir
+
+    scratch, a, b = tmp_path / "scratch", tmp_path / "a", tmp_path / "b"
+    args_a = _ditto(digits6, a, "client_state=disk", f"client_state_dir={scratch}", "checkpoint_every=0")
+    said = []
+    with pytest.raises(Preempted):
+        run("configs/digits_ditto.yaml", args_a, wrap=lambda x: _PreemptAt(x, 2), echo=said.append)
+    dir_a = run_state_dir(str(a), str(scratch), 0)
+    assert dir_a.parent.parent == scratch and dir_a.parent.name.startswith("a-") and dir_a.name == "rank_0"
+    assert f"client states: disk ({dir_a})" in said[0]
+    kept = {p.name: p.read_bytes() for p in dir_a.glob("client_*.pt")}
+    assert kept
+    said = []
+    run("configs/digits_ditto.yaml", _ditto(digits6, b, "client_state=disk", f"client_state_dir={scratch}"),
+        echo=said.append)
+    dir_b = run_state_dir(str(b), str(scratch), 0)
+    assert dir_b.parent != dir_a.parent and f"client states: disk ({dir_b})" in said[0]
+    _same(device_run, b)
+    assert {p.name: p.read_bytes() for p in dir_a.glob("client_*.pt")} == kept  # run b left a's states alone
+    said = []
+    again = [f"out_dir={tmp_path / 'b' / '..' / 'a'}" if x.startswith("out_dir=") else x for x in args_a[:-1]]
+    run("configs/digits_ditto.yaml", again + ["checkpoint_every=1"], echo=said.append)
+    assert any(f"client states: disk ({dir_a})" in l for l in said) and any("(2 rounds done)" in l for l in said)
+    _same(device_run, a)
+
+
+def test_a_second_store_on_a_held_folder_is_refused_naming_the_holder(tmp_path):
+    import socket
+    from fedcp_dist.errors import UserError
+
+    folder = tmp_path / "s"
+    first = DiskClientStore(_Algo(), {}, directory=str(folder), run="out_dir /runs/x rank 0")
+    first.put(1, {"w": torch.ones(3)}, {})
+    first.flush()
+    with pytest.raises(UserError) as exc:
+        DiskClientStore(_Algo(), {}, directory=str(folder))
+    assert str(exc.value).startswith(f"client_state_dir {folder} is in use by another run "
+                                     f"(host {socket.gethostname()} pid {os.getpid()} out_dir /runs/x rank 0)")
+    assert first.get(1)["w"].tolist() == [1.0] * 3  # the refused store removed nothing
+    first.close()
+    second = DiskClientStore(_Algo(), {}, directory=str(folder))  # released: the folder may be used again
+    assert second.peek(1) is None and not list(folder.glob("client_*"))
+    second.close()
+
+
+def test_a_run_on_a_held_client_state_folder_is_one_line_exit_2(digits6, tmp_path, capsys):
+    from fedcp_dist.client_store import run_state_dir
+    from fedcp_dist.run import main
+
+    scratch, out = tmp_path / "scratch", tmp_path / "run"
+    holder = DiskClientStore(_Algo(), {}, directory=str(run_state_dir(str(out), str(scratch), 0)), run="the holder")
+    holder.put(3, {"w": torch.ones(3)}, {})
+    holder.flush()
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_ditto.yaml",
+              *_ditto(digits6, out, "client_state=disk", f"client_state_dir={scratch}", "rounds=1")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: client_state_dir ") and f"pid {os.getpid()} the holder" in err, err
+    assert holder.get(3)["w"].tolist() == [1.0] * 3 and not (out / "metrics.jsonl").exists()
+    holder.close()
+
+
+# -- a full disk under the store -------------------------------------------------------------------
+
+def test_full_disk_under_the_store_is_one_line_and_leaves_no_temporary_file(digits6, device_run, tmp_path, capsys,
+                                                                            monkeypatch):
+    """The store's 4th file (round 2) meets a full disk in its background write: one line naming the
+    file, exit 1, no .tmp file left, the checkpoint after round 1 intact, and the run, restarted once
+    there is room, is the device store's bit for bit."""
+    import re
+    from helpers import client_state_saves_fail
+    from fedcp_dist.run import main
+
+    out = tmp_path / "full"
+    args = ["--config", "configs/digits_ditto.yaml", *_ditto(digits6, out, "client_state=disk")]
+    monkeypatch.setattr(torch, "save", client_state_saves_fail(torch.save, 4))
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    folder = out / "client_state" / "rank_0"
+    assert exc.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.fullmatch(rf"error: cannot write the client state file {re.escape(str(folder))}/client_\d{{7}}\.pt: "
+                        r"No space left on device\n", err), err
+    assert not [p for p in folder.iterdir() if "tmp" in p.name]
+    ck = Checkpointer(str(out), 0, 1, 1)
+    assert ck.latest().name == "round_0000001" and ck.verify(ck.latest()) is None
+    said = []
+    run("configs/digits_ditto.yaml", args[2:], echo=said.append)
+    assert any("(1 rounds done)" in l for l in said)
+    _same(device_run, out)
+
+
+def test_a_run_refused_after_start_up_releases_its_folders(digits6, tmp_path):
+    """A resume refused after the store was made (a changed lr) leaves neither out_dir nor the
+    store's folder locked: the same process then resumes the run with its own config."""
+    from fedcp_dist.errors import UserError
+
+    out = tmp_path / "r"
+    args = _ditto(digits6, out, "client_state=disk", f"client_state_dir={tmp_path / 'scratch'}", "rounds=2",
+                  "checkpoint_every=0")
+    with pytest.raises(Preempted):
+        run("configs/digits_ditto.yaml", args, wrap=lambda x: _PreemptAt(x, 1))
+    with pytest.raises(UserError, match="config key 'lr'"):
+        run("configs/digits_ditto.yaml", args + ["lr=0.5"])
+    said = []
+    run("configs/digits_ditto.yaml", args, echo=said.append)
+    assert any("(1 rounds done)" in l for l in said) and (out / "summary.json").exists()
+
+
+def test_an_io_error_nothing_else_names_is_one_line_naming_rank_phase_and_file(digits6, tmp_path, capsys,
+                                                                              monkeypatch):
+    """A client's file that cannot be read back while the checkpoint after round 1 is written (an
+    I/O error of the scratch disk): one line naming the rank, what it was doing and the file, exit 1."""
+    import errno
+    from fedcp_dist.run import main
+
+    real_load, bad = torch.load, []
+
+    def eio(f, *args, **kwargs):
+        if kwargs.get("mmap") and Path(str(f)).name.startswith("client_"):
+            bad.append(str(f))
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(f))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", eio)
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_ditto.yaml", *_ditto(digits6, tmp_path / "run", "client_state=disk", "rounds=1")])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "Traceback" not in err, err
+    assert err == f"error: rank 0, checkpoint after round 1: {bad[0]}: Input/output error\n"

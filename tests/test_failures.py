@@ -212,13 +212,126 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path,
     cfg = load_config("configs/digits_fedcp.yaml", [f"data.path={digits6}", f"out_dir={tmp_path}", "rounds=6",
                                                     "checkpoint_every=2", "eval_every=3"])
     rt = init_runtime("cpu", 1, env={})
-    with pytest.raises(RunFailure, match="after round 4 could not be written .No space left on device.; the previous"):
+    with pytest.raises(RunFailure, match=r"after round 4 could not be written \(\S*round_0000004/clients_0.pt: "
+                                         r"No space left on device\); the previous"):
         Simulator(cfg, rt, echo=lambda *_: None).run()
     assert calls["n"] == 1
     ck = Checkpointer(str(tmp_path), 0, 1, 2)
     assert ck.latest().name == "round_0000002"
     assert not (ck.root / "round_0000004").exists()
     assert ck.verify(ck.latest()) is None
+
+
+def _one_error_line(capsys, exc, code: int) -> str:
+    err = capsys.readouterr().err
+    assert exc.value.code == code and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+class _FillsUp:
+    """A file whose ``n``-th write (1-based) writes half its data, then meets a full disk."""
+
+    def __init__(self, f, n, calls):
+        self.__dict__.update(f=f, n=n, calls=calls)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def write(self, data):
+        self.calls["n"] += 1
+        if self.calls["n"] == self.n:
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.f.write(data)
+
+
+def test_full_disk_while_appending_metrics_keeps_whole_lines(digits6, tmp_path, capsys, monkeypatch):
+    """The third record meets a full disk half-way: one line naming metrics.jsonl, exit 1, the two
+    records before it whole and nothing after them, the checkpoint after round 2 intact; the run,
+    restarted, resumes from it and finishes."""
+    import builtins
+    from fedcp_dist.run import main
+
+    real_open, calls = builtins.open, {"n": 0}
+
+    def fills_up(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return _FillsUp(f, 3, calls) if str(file).endswith("metrics.jsonl") and "a" in mode else f
+
+    args = _args(digits6, tmp_path, "rounds=4", "checkpoint_every=2", "eval_every=2")
+    monkeypatch.setattr(builtins, "open", fills_up)
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    monkeypatch.undo()
+    err = _one_error_line(capsys, exc, 1)
+    assert err.startswith(f"error: cannot append to {tmp_path / 'metrics.jsonl'}: No space left on device"), err
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(l)["round"] for l in text.splitlines()] == [1, 2]
+    ck = Checkpointer(str(tmp_path), 0, 1, 2)
+    assert ck.latest().name == "round_0000002" and ck.verify(ck.latest()) is None
+    said = []
+    run(args[1], args[2:], echo=said.append)
+    assert any("(2 rounds done)" in l for l in said)
+    rows = [json.loads(l) for l in _lines(tmp_path)]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4, 4] and rows[-1]["kind"] == "final_eval"
+
+
+def test_full_disk_at_the_complete_marker_leaves_no_half_checkpoint(digits6, tmp_path, capsys, monkeypatch):
+    """The rename of round 4's COMPLETE marker meets a full disk: one line naming the marker, exit 1,
+    no round_0000004 folder or temporary file left, the checkpoint after round 2 the newest."""
+    from fedcp_dist.run import main
+
+    real_replace = os.replace
+
+    def fills_up(src, dst, *a, **k):
+        if str(dst).endswith("round_0000004/COMPLETE"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src), None, str(dst))
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", fills_up)
+    with pytest.raises(SystemExit) as exc:
+        main(_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2", "eval_every=3"))
+    monkeypatch.undo()
+    err = _one_error_line(capsys, exc, 1)
+    marker = tmp_path / "checkpoints" / "round_0000004" / "COMPLETE"
+    assert f"after round 4 could not be written ({marker}: No space left on device)" in err, err
+    ck = Checkpointer(str(tmp_path), 0, 1, 2)
+    assert sorted(p.name for p in ck.root.iterdir()) == ["round_0000002"]
+    assert not [p for p in ck.root.rglob("*") if "tmp" in p.name] and ck.verify(ck.latest()) is None
+
+
+@pytest.mark.slow
+def test_full_disk_on_rank_1_is_one_line_on_each_rank(digits6, tmp_path):
+    """Two ranks rendezvous by themselves; rank 1's client store meets a full disk in round 2. Rank 1
+    says so in one line naming its file (no traceback), rank 0 stops naming rank 1, no temporary file
+    is left and the checkpoint after round 1 is the newest."""
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "helpers.py"), "full-disk:1:4",
+             *_args(digits6, tmp_path, "rounds=3", "client_state=disk", "checkpoint_every=1", "collective_timeout=60")],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1], errs
+    said = [[l for l in err.splitlines() if l.startswith("error:")] for err in errs]
+    assert all(len(lines) == 1 for lines in said) and not any("Traceback" in err for err in errs), errs
+    folder = tmp_path / "client_state" / "rank_1"
+    assert re.fullmatch(rf"error: cannot write the client state file {re.escape(str(folder))}/client_\d{{7}}\.pt: "
+                        r"No space left on device", said[1][0]), said[1]
+    assert "rank(s) 1 stopped answering" in said[0][0] or "peer rank died" in said[0][0], said[0]
+    assert not [p for p in (tmp_path / "client_state").rglob("*") if "tmp" in p.name]
+    ck = Checkpointer(str(tmp_path), 0, 2, 2)
+    assert ck.latest().name == "round_0000001" and ck.verify(ck.latest()) is None
 
 
 @pytest.mark.slow
