@@ -532,6 +532,16 @@ class ClientStates(Component):
                "half the memory available at start",
                described(">= 0", lambda v: None if math.isfinite(v) and v >= 0
                          else f"must be a number >= 0 (MiB), got {v}")),
-        Option("client_state_dir", "", "client_state=disk: directory of the state files (a local scratch disk); "
-               "empty: out_dir/client_state"),
+        Option("client_state_dir", "", "client_state=disk (or auto): root directory of the state files (a local "
+               "scratch disk); each run keeps its files in a folder of its own under it, named by its out_dir and "
+               "locked while it runs; empty: out_dir/client_state"),
     )
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.client_state_dir and cfg.client_state in ("device", "host"):
+            return "client_state_dir", f"is where client_state=disk (or auto) keeps its files; client_state={cfg.client_state} " \
+                                       f"writes none"
+        if cfg.client_state_budget_mb and cfg.client_state != "auto":
+            return "client_state_budget_mb", f"sizes client_state=auto; client_state={cfg.client_state} ignores it"
+        return None
