@@ -14,6 +14,13 @@
 # SHARD: the MNIST partition (default data/bench_mnist_dir0.1_n20.h5, which bench/round.py makes from
 # the raw MNIST files under MNIST_ROOT when it is missing). DEVICE=cpu runs the same steps on the CPU
 # (with CONFIG, SLOTS and SAMPLES small, a quick check of the script itself).
+#
+# This script measures; the GPU path's correctness is checked by tests/test_cuda.py (NCCL on 2 ranks
+# against 1 rank, bf16 autocast, a SIGKILLed rank on NCCL, fused groups sized on the GPU against the
+# sequential path), a few minutes on the digits shard and skipped where no CUDA device is visible
+# (the NCCL tests need 2 GPUs):
+#
+#     python -m pytest tests/test_cuda.py -q -rs        # on a GPU node; -rs lists what was skipped and why
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
