@@ -190,9 +190,9 @@ def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(digits6, tmp
     caching (Θ_prev in the global state) and the asynchronous CPN (the participation counts in the
     client states) resume bit-exactly from their round-2 checkpoints."""
     config = "configs/digits_fedcp.yaml"
-    for name, switches in (("cache", SWITCHES), ("distill", DISTILL), ("async", ASYNC)):
+    for name, switches in (("cache", SWITCHES2), ("distill", DISTILL), ("async", ASYNC)):
         one, two, lines = tmp_path / f"{name}1", tmp_path / f"{name}2", []
-        summary = one_vs_two_ranks(config, _overrides(digits6, switches), one, two, echo=lines.append)
+        summary = one_vs_two_ranks(config, _overrides2(digits6, switches), one, two, echo=lines.append)
         assert any("group policy (G=8): 176 parameters, 256 FLOPs/sample" in l for l in lines), lines[:1]
         (s1, acc1, rec1), (s2, acc2, rec2) = load_run(one), load_run(two)
         assert any(k.startswith("cpng.") for k in s1)
@@ -214,6 +214,6 @@ def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(digits6, tmp
         total = summary["uplink_bytes_sent"] + summary["uplink_bytes_saved"]
         assert summary["uplink_saved_fraction"] == pytest.approx(summary["uplink_bytes_saved"] / total)
         if name != "distill":
-            s3, acc3, _ = resume_before_last_checkpoint(config, _overrides(digits6, switches), one,
+            s3, acc3, _ = resume_before_last_checkpoint(config, _overrides2(digits6, switches), one,
                                                         tmp_path / f"{name}-resumed", ROUNDS)
             assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1
