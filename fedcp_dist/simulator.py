@@ -23,6 +23,7 @@ from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
 from fedcp_dist.compress import Compressor, uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
+from fedcp_dist.fused_groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
 from fedcp_dist.probes import RoundProbes
@@ -42,18 +43,15 @@ class Simulator:
         self._lock = None
         self.stop = StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
+        self._wrap = wrap
         self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
-
-        torch.manual_seed(cfg.seed)  # the same initial model on every rank
-        model = startup.model_for_shard(cfg, s.info)
-        algo = make_algorithm(cfg.method, cfg, model, rt.device)
-        algo.num_clients = self.num_clients
-        self.algo = wrap(algo) if wrap else algo
+        algo = self.algo
         self.peer_bytes = startup.check_peer_memory(cfg, algo, self.num_clients,
                                                     int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
         global_state = algo.init_global_state()
         self.store, self.store_line = make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank)
+        # per-client BatchNorm statistics (known once the store is) keep the clients sequential
         self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
@@ -63,7 +61,9 @@ class Simulator:
                                   groups=algo.aggregation_groups(upload))
         self.compressor = Compressor.from_config(cfg, self.agg.shapes)
         self.select_by_features = cfg.client_selection == "feature_difference"
-        self.trainer = CohortTrainer(cfg, rt, self.algo, self.store, self.data, self.owner, self.fused, self.agg,
+        groups = (GroupTrainer(cfg, self.algo, self.store, self.data, s.owned_groups(rt.rank), rt.device)
+                  if self.fused and s.groups is not None else None)
+        self.trainer = CohortTrainer(cfg, rt, self.algo, self.store, self.data, self.owner, groups, self.agg,
                                      self.compressor)
         self.writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
         self.start_round, self.records, self.round_seconds = 0, [], []
@@ -74,7 +74,19 @@ class Simulator:
     def _lock_and_load(self) -> startup.Setup:
         if self.rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
             self._lock = prepare_out_dir(self.cfg.out_dir, overwrite=self.cfg.overwrite, resume=self.cfg.resume)
-        return startup.load(self.cfg, self.rt)
+        return startup.load(self.cfg, self.rt, self._build)
+
+    def _build(self, info, num_clients: int) -> int:
+        """The model and the algorithm, before the clients are placed (fused groups are placed
+        whole); returns the fused group size (0: the clients train one by one)."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # the same initial model on every rank
+        model = startup.model_for_shard(cfg, info)
+        algo = make_algorithm(cfg.method, cfg, model, self.rt.device)
+        algo.num_clients = num_clients
+        self.algo = self._wrap(algo) if self._wrap else algo
+        fusing, _ = startup.training_path(cfg, self.algo, False)
+        return fused_group_size(cfg, self.rt.device) if fusing else 0
 
     @property
     def global_state(self):

@@ -5,10 +5,13 @@ all-reduce buffer (compressed first when ``compress`` is on). The algorithm comp
 moves its results to where the round needs them."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fedcp_dist.aggregate import TrainSums
 from fedcp_dist.algorithms.base import Context
+from fedcp_dist.fused_groups import GroupTrainer
 from fedcp_dist.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
 
 
@@ -19,11 +22,11 @@ def stream_generator(seed: int, device, *keys: int) -> torch.Generator:
 
 class CohortTrainer:
     """Trains this rank's participants of a round. ``owner``: every client's rank; ``data``: the
-    owned clients' data; ``fused``: train in fused groups."""
+    owned clients' data; ``groups``: the fused groups' trainer (None: the clients train one by one)."""
 
-    def __init__(self, cfg, rt, algo, store, data, owner, fused: bool, agg, compressor):
+    def __init__(self, cfg, rt, algo, store, data, owner, groups: Optional[GroupTrainer], agg, compressor):
         self.cfg, self.rt, self.algo, self.store, self.data, self.owner = cfg, rt, algo, store, data, owner
-        self.fused, self.agg, self.compressor = fused, agg, compressor
+        self.groups, self.agg, self.compressor = groups, agg, compressor
 
     def generator(self, *keys: int) -> torch.Generator:
         return stream_generator(self.cfg.seed, self.rt.device, *keys)
@@ -53,14 +56,16 @@ class CohortTrainer:
         return train, payloads
 
     def _results(self, t: int, cids: list, probe: bool):
-        """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
-        self.store.prefetch(cids)  # a store off the device reads the next clients' states while one trains
-        ctxs = [Context(t, c, self.generator(STREAM_TRAIN, t, c), probe) for c in cids]
-        if self.fused:
-            items = [(self.store.get(c), self.data[c], ctx) for c, ctx in zip(cids, ctxs)]
-            yield from zip(cids, self.algo.train_fused(items))
+        """(client, LocalResult) for this rank's participants, one by one or in fused groups (group
+        by group: a group's states are read when it trains, each result kept before the next
+        groups' states are read)."""
+        if self.groups is not None:
+            yield from self.groups.results(self.groups.round_groups(cids),
+                                           lambda c: Context(t, c, self.generator(STREAM_TRAIN, t, c), probe))
             return
-        for c, ctx in zip(cids, ctxs):
+        self.store.prefetch(cids)  # a store off the device reads the next clients' states while one trains
+        for c in cids:
+            ctx = Context(t, c, self.generator(STREAM_TRAIN, t, c), probe)
             yield c, self.algo.local_train(self.store.activate(c), self.data[c], ctx)
 
     def _probe(self, t: int, cid: int, res, probes) -> None:
