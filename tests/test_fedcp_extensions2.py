@@ -16,6 +16,7 @@ from fedcp_dist.algorithms.fedcp import (PREV, FedCP, combine_group_logits, grou
                                          policy_kl, refresh_alpha)
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
+from fedcp_dist.fused_groups import train_group
 
 CPU = torch.device("cpu")
 
@@ -333,7 +334,7 @@ def test_switches_train_fused_as_sequentially(float64, switches):
     for t in (0, 1):  # a refresh (upload) round and one between
         items = [({**algo.init_client_state(d.cid), "v": algo.init_client_state(d.cid)["v"] + 0.1 * d.cid}, d,
                   Context(t, d.cid, torch.Generator().manual_seed(11 + d.cid))) for d in datas]
-        fus = algo.local_train_group(items)
+        fus = train_group(algo, items)
         seq = [algo.local_train(s, d, Context(t, c.client, torch.Generator().manual_seed(11 + c.client)))
                for s, d, c in items]
         for a, b in zip(seq, fus):
