@@ -583,3 +583,58 @@ def test_a_clients_result_depends_only_on_its_group(monkeypatch):
     for c in (0, 1, 2):
         for k in alone[c].upload:
             assert torch.equal(alone[c].upload[k], with_others[c].upload[k]), (c, k)
+
+
+@pytest.mark.parametrize("group, shard", [("0", "digits20"), ("2", "digits6"), ("2", "digits20")])
+def test_disk_store_holds_the_states_of_a_group_not_of_the_cohort(monkeypatch, request, tmp_path, group, shard):
+    """client_state=disk on the default (fused) path: a group's states are read when it trains and
+    written back before the next group's are read, so the states held for training at once (read,
+    not yet written back: count and MiB) are bounded by the group size, whatever the cohort: groups
+    of 2 hold 2 of the 6 and of the 20 clients; groups of 8 (auto) hold 8 of 20."""
+    from fedcp_dist.client_store import DiskClientStore, state_bytes
+    from fedcp_dist.training import CohortTrainer
+
+    held, peak, training = {}, {"states": 0, "bytes": 0}, []
+    get, put, train = DiskClientStore.get, DiskClientStore.put, CohortTrainer.train
+
+    def spy_get(self, cid):
+        state = get(self, cid)
+        if training:  # (evaluation reads a state and lets it go)
+            held[cid] = state_bytes(state)
+            peak["states"] = max(peak["states"], len(held))
+            peak["bytes"] = max(peak["bytes"], sum(held.values()))
+        return state
+
+    def spy_put(self, cid, *args, **kw):
+        held.pop(cid, None)
+        return put(self, cid, *args, **kw)
+
+    def spy_train(self, *args):
+        training.append(1)
+        try:
+            return train(self, *args)
+        finally:
+            training.clear()
+            assert not held  # every state read for training was written back
+
+    monkeypatch.setattr(DiskClientStore, "get", spy_get)
+    monkeypatch.setattr(DiskClientStore, "put", spy_put)
+    monkeypatch.setattr(CohortTrainer, "train", spy_train)
+    path = request.getfixturevalue(shard)
+    said = []
+    cfg = load_config("configs/digits_fedcp.yaml", [
+        "rounds=2", "eval_every=2", f"data.path={path}", f"out_dir={tmp_path}", "client_state=disk", "threads=1",
+        "checkpoint_every=0", "record_memory=true", f"fused_group={group}"])
+    rt = init_runtime("cpu", 1, env={})
+    try:
+        Simulator(cfg, rt, echo=said.append).run()
+    finally:
+        rt.close()
+    assert "training: fused (fused=auto" in said[0] and "client states: disk" in said[0], said[0]
+    cohort = 6 if shard == "digits6" else 20
+    size = int(group) or fused.CPU_SLOTS
+    one = state_bytes(FedCP(cfg, build_model("cnn", (1, 28, 28), 10), CPU).init_client_state(0))
+    assert peak["states"] == min(size, cohort)
+    assert peak["bytes"] == min(size, cohort) * one
+    rounds = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"round"' in l]
+    assert all("client_state_held_mb" in r for r in rounds if r.get("kind") == "round")
