@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from fedcp_dist import startup
-from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
+from fedcp_dist.aggregate import ClientOrder, FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
 from fedcp_dist.algorithms import make_algorithm
 from fedcp_dist.checkpoint import Checkpointer
 from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
@@ -58,7 +58,8 @@ class Simulator:
         upload = [k for k in algo.upload_keys(global_state) if k not in self.store.bn_keys]
         self.agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
                                   extra=RoundProbes.size(self.probe_every, self.num_clients),
-                                  groups=algo.aggregation_groups(upload))
+                                  groups=algo.aggregation_groups(upload),
+                                  rows=ClientOrder.size(TrainSums, self.num_clients) + ClientOrder.size(EvalSums, self.num_clients))
         self.compressor = Compressor.from_config(cfg, self.agg.shapes)
         self.select_by_features = cfg.client_selection == "feature_difference"
         groups = (GroupTrainer(cfg, self.algo, self.store, self.data, s.owned_groups(rt.rank), rt.device)
@@ -107,12 +108,13 @@ class Simulator:
                        lambda ok: startup.all_ok(self.rt, ok))
 
     # -- one round's pieces --------------------------------------------------------------------
-    def evaluate(self, round_idx: int, probes: dict = None) -> EvalSums:
+    def evaluate(self, round_idx: int, probes: dict = None, order: ClientOrder = None) -> EvalSums:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
-        evaluation probes)."""
+        evaluation probes; into ``order``, each client's own values)."""
         self.store.prefetch(self.owned)
         return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
-                                lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes)
+                                lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
+                                order)
 
     def _cohort(self, t: int):
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
@@ -166,15 +168,19 @@ class Simulator:
         rt.phase = f"round {t + 1}"
         t_start = time.perf_counter()
         self.algo.begin_round(t)
-        self.agg.begin_round(self.algo.skipped_groups(t))
         evaluated = t % cfg.eval_every == 0
         probes = RoundProbes(self.probe_every, self.num_clients, t, evaluated)
-        ev = self.evaluate(t, probes.evals) if evaluated else EvalSums()
+        # the sums of per-client fractions are taken in client order (the same bits on any world size)
+        ev_order = ClientOrder(EvalSums, self.num_clients) if evaluated else None
+        ev = self.evaluate(t, probes.evals, ev_order) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
 
         cohort = self._cohort(t)
+        train_order = ClientOrder(TrainSums, len(cohort))
+        self.agg.begin_round(self.algo.skipped_groups(t), train_order.values.numel()
+                             + (ev_order.values.numel() if ev_order is not None else 0))
         cpu_start = time.process_time()
-        train, payloads = self.trainer.train(t, cohort, probes)
+        train, payloads = self.trainer.train(t, cohort, probes, train_order)
         times = {"train_seconds": time.perf_counter() - t_start - t_eval,
                  "train_cpu_seconds": time.process_time() - cpu_start, "eval_seconds": t_eval}
 
@@ -182,7 +188,8 @@ class Simulator:
         if probes.on:
             self.agg.add_extra(probes.pack())
         mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev,
-                                               base=self.global_state if self.compressor.enabled else None)
+                                               base=self.global_state if self.compressor.enabled else None,
+                                               orders=(train_order, ev_order))
         if train.nonfinite_clients > 0 and cfg.on_nonfinite == "error":
             raise RunFailure(train.nonfinite_message(t))
         if total > 0:
@@ -205,12 +212,17 @@ class Simulator:
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
         probes = RoundProbes(self.probe_every, self.num_clients, cfg.rounds, evaluated=True, final=True)
-        values = torch.tensor(self.evaluate(cfg.rounds, probes.evals).values(), dtype=torch.float64)
+        order = ClientOrder(EvalSums, self.num_clients)
+        sums = torch.tensor(self.evaluate(cfg.rounds, probes.evals, order).values(), dtype=torch.float64)
+        values = torch.cat([sums, order.values])  # each client's own values, summed in client order below
         if probes.on:  # the clients' evaluation probes ride in the same all-reduce
             values = torch.cat([values, probes.pack()])
         values = rt.all_reduce_sum_(values.to(rt.device)).cpu()
-        e = final_eval(cfg.rounds, values[:EvalSums.size()].tolist())
-        self.writer.log_analysis(probes.records(values[EvalSums.size():]))
+        ev = EvalSums.from_values(values[:EvalSums.size()].tolist())
+        rows = EvalSums.size() + order.values.numel()
+        order.apply(values[EvalSums.size():rows], ev)
+        e = final_eval(cfg.rounds, ev.values())
+        self.writer.log_analysis(probes.records(values[rows:]))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self.echo(progress_line(cfg.rounds, e, None))
         summary = run_summary(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,

@@ -31,11 +31,13 @@ class CohortTrainer:
     def generator(self, *keys: int) -> torch.Generator:
         return stream_generator(self.cfg.seed, self.rt.device, *keys)
 
-    def train(self, t: int, cohort, probes) -> tuple[TrainSums, dict]:
+    def train(self, t: int, cohort, probes, order=None) -> tuple[TrainSums, dict]:
         """Round t's training of the cohort's owned clients, each finite result probed (when
         ``probes.train``), kept and added to the all-reduce. (Sums of the round's training,
-        {client: peer payload} for a method that exchanges models.)"""
+        {client: peer payload} for a method that exchanges models.) ``order``: a
+        :class:`~fedcp_dist.aggregate.ClientOrder` with a slot per member of the cohort, in its order."""
         train, bad, payloads = TrainSums(), [], {}
+        slot = {int(c): i for i, c in enumerate(cohort)}
         for cid, res in self._results(t, [int(c) for c in cohort if self.owner[int(c)] == self.rt.rank], probes.train):
             if not res.is_finite():
                 bad.append(cid)
@@ -51,7 +53,10 @@ class CohortTrainer:
             if self.algo.peer_dim:
                 payloads[cid] = self.algo.peer_payload(res)
             self.agg.add(upload, self.data[cid].n_train, skip=res.skipped)
-            train += TrainSums(res.loss_sum, res.samples)
+            mine = TrainSums(res.loss_sum, res.samples)
+            if order is not None:
+                order.add(slot[cid], mine)
+            train += mine
         train += TrainSums(nonfinite_clients=len(bad), nonfinite_client_id_sum=sum(bad))
         return train, payloads
 

@@ -271,7 +271,7 @@ def test_cohort_trainer_trains_owned_clients_and_leaves_a_nonfinite_one_out(caps
     agg = FlatAggregator({"w": torch.Size([2])}, 0, CPU)
     data = {c: SimpleNamespace(n_train=n) for c, n in ((0, 4), (1, 2), (3, 5))}
     trainer = CohortTrainer(Config(seed=1), SimpleNamespace(rank=0, device=CPU), algo, store, data,
-                            np.array([0, 0, 1, 0]), False, agg, Compressor("none", 1.0, 32, False, agg.shapes))
+                            np.array([0, 0, 1, 0]), None, agg, Compressor("none", 1.0, 32, False, agg.shapes))
     train, payloads = trainer.train(5, [0, 1, 2, 3], RoundProbes(0, 4, 5, False))
     assert [(t, c) for t, c, _ in algo.seen] == [(5, 0), (5, 1), (5, 3)]  # client 2 lives on rank 1
     assert algo.seen[0][2] == torch.rand(1, generator=trainer.generator(2, 5, 0)).item()  # STREAM_TRAIN, t, client
@@ -280,3 +280,27 @@ def test_cohort_trainer_trains_owned_clients_and_leaves_a_nonfinite_one_out(caps
     assert store.get(1)["w"].tolist() == [4.0, 4.0] and store.peek(3)["w"].tolist() == [3.0, 3.0]  # its initial one
     # Σ n_i·w_i = 4·[1, 1] + 2·[2, 2], Σ n_i = 6
     assert agg.buffer.tolist() == [8.0, 8.0, 6.0]
+
+
+def test_client_order_sums_are_the_one_rank_sum_on_any_split():
+    """Per-client fractions summed over ranks: rank by rank, 1 + (1e-16 + 1e-16) rounds up where
+    client by client (1 + 1e-16) + 1e-16 stays 1; through ClientOrder's rows every split of the
+    clients over ranks gives the one-rank sum, bit for bit."""
+    from fedcp_dist.aggregate import ClientOrder, TrainSums
+
+    losses = [1.0, 1e-16, 1e-16]
+    one_rank = 0.0
+    for v in losses:
+        one_rank += v
+    by_rank = 1.0 + (1e-16 + 1e-16)
+    assert by_rank != one_rank  # the order matters here
+    for split in ([[0, 1, 2]], [[0], [1, 2]], [[1], [0, 2]], [[2], [1], [0]]):
+        rows = torch.zeros(ClientOrder.size(TrainSums, 3), dtype=torch.float64)
+        for part in split:  # each rank fills its clients' slots; the all-reduce adds the ranks' rows
+            order = ClientOrder(TrainSums, 3)
+            for c in part:
+                order.add(c, TrainSums(loss_sum=losses[c], samples=1))
+            rows += order.values
+        got = TrainSums(loss_sum=123.0, samples=3)
+        ClientOrder(TrainSums, 3).apply(rows, got)
+        assert got.loss_sum == one_rank and got.samples == 3, split
