@@ -679,15 +679,23 @@ def workers_for(setting, device: torch.device, threads: int, groups: int) -> int
     return max(1, min(n, groups))
 
 
-def run_in_workers(jobs: Sequence[Callable[[], object]]) -> list:
+def run_in_workers(jobs: Sequence[Callable[[], object]], one_thread: bool = False) -> list:
     """``[job() for job in jobs]``, each in a thread of its own with one intra-op thread; the
     caller's thread count is restored afterwards. The jobs must be independent (their own
-    clients, generators and tensors): results are then the same whatever the threads' timing."""
+    clients, generators and tensors): results are then the same whatever the threads' timing.
+    A single job runs in the caller's thread, on one intra-op thread with ``one_thread`` (the
+    thread count changes a kernel's rounding), else on the caller's threads."""
+    threads = torch.get_num_threads()
     if len(jobs) == 1:
-        return [jobs[0]()]
+        if not one_thread or threads == 1:
+            return [jobs[0]()]
+        torch.set_num_threads(1)
+        try:
+            return [jobs[0]()]
+        finally:
+            torch.set_num_threads(threads)
     import concurrent.futures
 
-    threads = torch.get_num_threads()
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()  # thread-local in torch: carried over
 
     def one(job):

@@ -114,15 +114,26 @@ def group_slots(plan: fused.MemoryPlan, device: torch.device) -> int:
     return plan.slots(device, slot_cap(device), int(fused.MEMORY_FRACTION * fused.total_memory(device)))
 
 
-def side_by_side(jobs: Sequence[Callable[[], list]], workers: int, group_bytes: int, device: torch.device) -> list:
+def one_thread_each(cfg, device: torch.device, threads: int) -> bool:
+    """Whether each group trains on one intra-op thread: on a CPU rank of several threads unless
+    ``fused_workers`` = 1. The thread count changes a kernel's rounding, so under ``auto`` (one
+    group per thread) a group trains alike however many threads its rank has and however many
+    groups it trains at once; with ``fused_workers`` = 1 a group takes every thread of its rank,
+    and the trajectory is then the same on ranks of the same thread count only."""
+    return torch.device(device).type == "cpu" and threads > 1 and cfg.fused_workers != 1
+
+
+def side_by_side(jobs: Sequence[Callable[[], list]], workers: int, group_bytes: int, device: torch.device,
+                 one_thread: bool = False) -> list:
     """``[job() for job in jobs]`` (one job: one group), up to ``workers`` at once in threads of
-    their own (:func:`fused.run_in_workers`), fewer when that many groups of ``group_bytes`` each
-    would not fit in the memory free now (which changes how many run at once, not their results)."""
+    their own (:func:`fused.run_in_workers`; ``one_thread``: a job alone too on one intra-op
+    thread), fewer when that many groups of ``group_bytes`` each would not fit in the memory free
+    now (which changes how many run at once, not their results)."""
     fit = int(fused.MEMORY_FRACTION * fused.available_memory(device)) // max(1, group_bytes)
     at_once = max(1, min(workers, fit))
     out: list = []
     for i in range(0, len(jobs), at_once):
-        out.extend(fused.run_in_workers(list(jobs[i:i + at_once])))
+        out.extend(fused.run_in_workers(list(jobs[i:i + at_once]), one_thread))
     return out
 
 
@@ -147,7 +158,9 @@ class GroupTrainer:
     def results(self, groups: List[List[int]], context: Callable[[int], object]) -> Iterator[tuple]:
         """(client, LocalResult) for every client of ``groups`` (each trained as one fused group),
         group by group; ``context(c)``: the client's :class:`~fedcp_dist.algorithms.base.Context`."""
-        workers = fused.workers_for(self.cfg.fused_workers, self.device, torch.get_num_threads(), len(groups))
+        threads = torch.get_num_threads()
+        workers = fused.workers_for(self.cfg.fused_workers, self.device, threads, len(groups))
+        one_thread = one_thread_each(self.cfg, self.device, threads)
         self.store.prefetch([c for g in groups for c in g])
         i = 0
         while i < len(groups):
@@ -159,7 +172,7 @@ class GroupTrainer:
                 self.slots = group_slots(self.plan, self.device)
             group_bytes = self.slots * self.plan.per_slot + max(len(g) for g in wave) * self.plan.per_result
             done = side_by_side([lambda it=it, pl=pl: train_group(self.algo, it, self.slots, pl)
-                                 for it, pl in zip(items, plans)], len(wave), group_bytes, self.device)
+                                 for it, pl in zip(items, plans)], len(wave), group_bytes, self.device, one_thread)
             del items, plans
             for g, res in zip(wave, done):
                 yield from zip(g, res)

@@ -186,9 +186,13 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
         return False, f"sequential ({setting}: {why})" if cfg.fused == "auto" else f"sequential ({setting} not used: {why})"
     size = fused_group_size(cfg, algo.device)
     groups = f"groups of {size}" + ("" if cfg.fused_group else " (fused_group=auto)")
-    workers = fused.workers_for(cfg.fused_workers, algo.device, torch.get_num_threads(), 2)
-    if workers > 1:  # e.g. "groups sized by memory, 2 at once with 1 thread each (fused_workers=auto)"
+    threads = torch.get_num_threads()
+    workers = fused.workers_for(cfg.fused_workers, algo.device, threads, 2)
+    if workers > 1:  # e.g. "groups of 8 (fused_group=auto), 2 at once with 1 thread each (fused_workers=auto)"
         groups += f", {workers} at once with 1 thread each (fused_workers={cfg.fused_workers})"
+    elif algo.device.type == "cpu" and threads > 1:  # fused_workers=1: the rounding follows the thread count
+        groups += (f", one at a time with {threads} threads (fused_workers=1: the same trajectory on ranks "
+                   f"of {threads} threads only)")
     return True, f"fused ({setting}, {groups})"
 
 

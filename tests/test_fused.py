@@ -551,7 +551,7 @@ def test_fused_workers_train_whole_groups_side_by_side(float64, monkeypatch, cls
     groups = [[0, 2], [1, 3]]
     seen = []
     real = fused.run_in_workers
-    monkeypatch.setattr(fused, "run_in_workers", lambda jobs: seen.append(len(jobs)) or real(jobs))
+    monkeypatch.setattr(fused, "run_in_workers", lambda jobs, *a: seen.append(len(jobs)) or real(jobs, *a))
     threads = torch.get_num_threads()
     algo.cfg.fused_workers = 1
     one = _group_results(algo, gs, datas, groups)
@@ -638,3 +638,27 @@ def test_disk_store_holds_the_states_of_a_group_not_of_the_cohort(monkeypatch, r
     assert peak["bytes"] == min(size, cohort) * one
     rounds = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"round"' in l]
     assert all("client_state_held_mb" in r for r in rounds if r.get("kind") == "round")
+
+
+def test_a_group_trains_on_one_thread_whatever_its_ranks_thread_count():
+    """fused_workers=auto: a rank of 2 threads trains even a lone group on one intra-op thread
+    (the thread count changes a kernel's rounding), so the group's results are the bits a rank of
+    1 thread gets; the rank's thread count is restored."""
+    algo, gs = _algo(FedCP, lam=0.5, cpn_train_gumbel=True)
+    datas = [_client(i, n) for i, n in enumerate((23, 7, 40))]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _group_results(algo, gs, datas, [[0, 1, 2]])
+        torch.set_num_threads(2)
+        assert fused_groups.one_thread_each(algo.cfg, CPU, 2)
+        two = _group_results(algo, gs, datas, [[0, 1, 2]])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+    for c in one:
+        for k in one[c].upload:
+            assert torch.equal(one[c].upload[k], two[c].upload[k]), (c, k)
+    algo.cfg.fused_workers = 1  # one group at a time on every thread of the rank
+    assert not fused_groups.one_thread_each(algo.cfg, CPU, 2)
+    assert not fused_groups.one_thread_each(Config(), torch.device("cuda"), 8)
