@@ -101,12 +101,14 @@ class _Execution:
     #: train a group of a rank's clients at once (stacked parameters, one forward/backward): auto where the
     #: method and model can (else one by one) | true (the same; the start line says when it cannot) | false
     fused: typing.Union[bool, str] = "auto"
-    #: clients per fused group; 0 picks it from free memory
+    #: clients per fused group (groups are fixed for the run and placed whole on ranks); 0 (auto): the
+    #: device kind's slot cap (8 on a CPU, 256 on a GPU) × ⌈1 / participation⌉
     fused_group: int = 0
     #: CPU ranks: glibc's allocator keeps freed memory for reuse instead of returning large blocks to the
     #: system (whose pages then fault in again on every use): auto (on a CPU device under glibc) | true | false
     keep_freed_memory: typing.Union[bool, str] = "auto"
     #: fused groups trained side by side on a CPU rank, one thread each: auto (one per thread of the rank) | N
+    #: (1: one group at a time over all the rank's threads)
     fused_workers: typing.Union[int, str] = "auto"
     #: what clients are weighted by when placed on ranks (largest first, to the least-loaded rank): samples |
     #: steps (local SGD steps: batches × local_epochs) | auto (steps unless fused=false)

@@ -69,7 +69,7 @@ from torch.func import functional_call, vmap
 
 from fedcp_dist.data.resident import channels_last
 from fedcp_dist.local_train import (Phase, PhaseOutcome, batch_indices, finished_tallies, full_precision, lr_of, num_batches,
-                                     resolve, unsupported_reason)
+                                     resolve)
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
 
 Tensor = torch.Tensor

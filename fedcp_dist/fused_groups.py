@@ -142,7 +142,8 @@ class GroupTrainer:
     store just before it trains and its results handed back before the next groups' are read.
 
     ``groups``: this rank's groups (lists of client ids, the run's order), the same lists whichever
-    rank owns them; ``workers``: groups trained side by side (``fused_workers``)."""
+    rank owns them. ``fused_workers`` groups train side by side, one intra-op thread each
+    (:func:`one_thread_each`); the slots are the same for every group of the run (:func:`group_slots`)."""
 
     def __init__(self, cfg, algo, store, data: dict, groups: List[List[int]], device: torch.device):
         self.cfg, self.algo, self.store, self.data, self.device = cfg, algo, store, data, device
@@ -167,11 +168,15 @@ class GroupTrainer:
             wave = groups[i:i + workers]
             items = [[(self.store.get(c), self.data[c], context(c)) for c in g] for g in wave]
             plans = [[self.algo.phases(*item) for item in group] for group in items]
-            if self.slots is None:
-                self.plan = memory_plan(self.algo, plans[0][0], [d for _, d, _ in items[0]])
-                self.slots = group_slots(self.plan, self.device)
-            group_bytes = self.slots * self.plan.per_slot + max(len(g) for g in wave) * self.plan.per_result
-            done = side_by_side([lambda it=it, pl=pl: train_group(self.algo, it, self.slots, pl)
+            plan, slots = self.plan, self.slots
+            if slots is None:  # from the first wave that holds a training sample: the same on every rank
+                datas = [d for group in items for _, d, _ in group]
+                plan = memory_plan(self.algo, plans[0][0], datas)
+                slots = group_slots(plan, self.device)
+                if fused.probe_input(datas) is not None:
+                    self.plan, self.slots = plan, slots
+            group_bytes = slots * plan.per_slot + max(len(g) for g in wave) * plan.per_result
+            done = side_by_side([lambda it=it, pl=pl, s=slots: train_group(self.algo, it, s, pl)
                                  for it, pl in zip(items, plans)], len(wave), group_bytes, self.device, one_thread)
             del items, plans
             for g, res in zip(wave, done):

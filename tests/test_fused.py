@@ -445,7 +445,16 @@ FUSED_EQUALITY_TESTS = {
 }
 
 
-def test_fused_auto_is_the_default_and_falls_back_where_it_cannot():
+@pytest.fixture
+def one_thread():
+    """A rank of one thread (an in-process run before may have left the process with more)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_fused_auto_is_the_default_and_falls_back_where_it_cannot(one_thread):
     from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
     from fedcp_dist.errors import UserError
     from fedcp_dist.startup import training_path

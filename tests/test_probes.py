@@ -182,7 +182,7 @@ def small_shard(tmp_path_factory):
 def _args(shard, out, *extra):
     return ["method=fedcp", f"rounds={ROUNDS}", "eval_every=1", "lr=0.05", "batch_size=4", "lam=0.1",
             f"data.path={shard}", "data.source=", f"out_dir={out}", "threads=1", "checkpoint_every=1",
-            "fused=false",  # fused grouping depends on the clients per rank: compared across world sizes
+            "fused=false",  # the sequential path across world sizes (the fused one: test_multiprocess.py)
             *extra]
 
 

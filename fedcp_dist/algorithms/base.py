@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+# load_module and module_state live with the training loop that uses them; the methods take them from here
 from fedcp_dist.local_train import (ClientPhase, Phase, PhaseOutcome, load_module, module_state,  # noqa: F401
                                     train_sequential, unsupported_reason)
 
