@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.round import cpu_model, matmul_peak_gflops  # noqa: E402
 from fedcp_dist.models import build_model  # noqa: E402
+from fedcp_dist.fused_groups import train_group  # noqa: E402
 from fedcp_dist.runtime import keep_freed_memory  # noqa: E402
 
 #: a tiny step size: the in-place updates run many times on the same weights
@@ -250,7 +251,7 @@ def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int
     def one_round():
         items = [(algo.init_client_state(c), datas[c], Context(1, c, torch.Generator(device=device).manual_seed(c)))
                  for c in range(k)]
-        algo.local_train_group(items)
+        train_group(algo, items)
 
     return time_call(one_round, 1, repeats) / steps
 

@@ -36,8 +36,8 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
 * peak memory per rank (RSS on CPU, the process's peak so far, so with ``--compare`` the fused
   figure includes the sequential run's; max allocated on CUDA, per variant).
 
-``--fused`` runs with ``fused=true`` (``--fused-group N`` sets ``fused_group``, 0 = from memory;
-``--fused-slots N`` overrides how many clients train at once); ``--compare`` runs the sequential
+``--fused`` runs with ``fused=true`` (``--fused-group N`` sets ``fused_group``, 0 = auto: the slot cap
+× ⌈1 / participation⌉; ``--fused-slots N`` overrides how many clients train at once, and so the auto group size); ``--compare`` runs the sequential
 and the fused variant back to back in one invocation (same shard, same data on the device) and
 adds their ratios, so that machines shared with other work still give a fair comparison. The
 FLOP count is always that of the sequential local training, so GFLOP/s are useful work per
@@ -151,7 +151,7 @@ def main(argv=None):
     p.add_argument("--fused", action="store_true", help="train with fused=true (groups of clients at once)")
     p.add_argument("--sequential", action="store_true", help="train with fused=false (one client at a time)")
     p.add_argument("--compare", action="store_true", help="run the sequential and the fused variant back to back")
-    p.add_argument("--fused-group", type=int, default=0, help="fused_group: clients per group (0: from memory)")
+    p.add_argument("--fused-group", type=int, default=0, help="fused_group: clients per group (0: auto, from the slot cap and participation)")
     p.add_argument("--fused-slots", type=int, default=0,
                    help="clients trained at once in a fused group (0: the memory plan, capped per device)")
     p.add_argument("--json", default=str(REPO / "bench" / "last.json"))
@@ -323,7 +323,8 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
         "training": sim.path,
         "fused_slots": (fused.CUDA_SLOTS if rt.device.type == "cuda" else fused.CPU_SLOTS) if sim.fused else None,
         # fused groups side by side on this rank's threads (config key fused_workers)
-        "fused_workers": fused.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.owned)) if sim.fused else None,
+        "fused_workers": (fused.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.setup.owned_groups(rt.rank)))
+                          if sim.fused else None),
         "world_size": rt.world_size,
         "launcher": rt.launcher,
         "device": str(rt.device),

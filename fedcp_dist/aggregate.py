@@ -27,7 +27,10 @@ import torch
 @dataclasses.dataclass
 class Sums:
     """Named float sums that are added over clients and ranks; a subclass lists them as fields
-    (in the order they sit in the all-reduce buffer)."""
+    (in the order they sit in the all-reduce buffer), and in ``ORDERED`` those whose per-client
+    values are not whole numbers: their sums are taken in client order (:class:`ClientOrder`)."""
+
+    ORDERED = ()
 
     @classmethod
     def size(cls) -> int:
@@ -51,6 +54,8 @@ class Sums:
 class TrainSums(Sums):
     """What a round's local training adds up over participants (and ranks)."""
 
+    ORDERED = ("loss_sum",)
+
     loss_sum: float = 0.0
     samples: float = 0.0
     stop_requests: float = 0.0  # ranks that got a preemption signal
@@ -67,7 +72,7 @@ class TrainSums(Sums):
 
 class FlatAggregator:
     def __init__(self, spec: Mapping[str, torch.Size], num_metrics: int, device: torch.device, dtype=torch.float64,
-                 extra: int = 0, groups: Optional[Mapping[str, str]] = None):
+                 extra: int = 0, groups: Optional[Mapping[str, str]] = None, rows: int = 0):
         self.names = list(spec)
         #: {upload name: its aggregation group} for the names outside the main group (None: one group)
         self.group_of = {k: g for k, g in (groups or {}).items() if k in spec}
@@ -79,18 +84,25 @@ class FlatAggregator:
         self.num_params = sum(s.numel() for s in self.shapes.values())
         self.num_metrics = num_metrics
         self.num_extra = extra
-        self._storage = torch.zeros(self.num_params + self.num_weights + num_metrics + extra, device=device, dtype=dtype)
+        #: most values of per-client rows (:class:`ClientOrder`) a round may carry
+        self.max_rows = rows
+        self.num_rows = 0
+        self._storage = torch.zeros(self.num_params + self.num_weights + num_metrics + rows + extra, device=device,
+                                    dtype=dtype)
         self.last_seconds = 0.0
         #: after :meth:`reduce`: {extra group: (Σ weights, contributing clients)} summed over ranks
         self.group_totals: Dict[str, tuple] = {}
         self.begin_round()
 
-    def begin_round(self, skipped_groups: Sequence[str] = (), uploads: bool = True) -> None:
+    def begin_round(self, skipped_groups: Sequence[str] = (), rows: int = 0, uploads: bool = True) -> None:
         """Lay out and zero the buffer of a round whose clients all leave out ``skipped_groups``:
         their tensors are not in it (the buffer is the first part of the full one), the rest packed
         in order. A group none of whose tensors is aggregated here is no group of this buffer.
+        ``rows``: values of per-client rows the round carries (after the metric sums).
         ``uploads=False``: a reduction without training (the evaluation after the last round),
-        whose buffer holds no tensor, only the weights, the metric sums and the extra part."""
+        whose buffer holds no tensor, only the weights, the metric sums, the rows and the extra part."""
+        assert rows <= self.max_rows, f"{rows} row values, room for {self.max_rows}"
+        self.num_rows = rows
         self.round_skipped = frozenset(skipped_groups) & set(self.groups)
         #: the tensors in this round's buffer, and where each starts
         self.sent = [k for k in self.names if uploads and self.group_of.get(k) not in self.round_skipped]
@@ -100,7 +112,7 @@ class FlatAggregator:
             off += self.shapes[k].numel()
         #: values of this round's upload in the buffer
         self.sent_params = off
-        self.buffer = self._storage[: off + self.num_weights + self.num_metrics + self.num_extra]
+        self.buffer = self._storage[: off + self.num_weights + self.num_metrics + rows + self.num_extra]
         self.buffer.zero_()
 
     @property
@@ -142,7 +154,13 @@ class FlatAggregator:
 
     def extra(self) -> torch.Tensor:
         """The extra part (after :meth:`reduce`: summed over ranks), on the CPU."""
-        return self.buffer[self.sent_params + self.num_weights + self.num_metrics :].cpu()
+        return self.buffer[self.buffer.numel() - self.num_extra :].cpu()
+
+    def rows(self) -> torch.Tensor:
+        """The round's per-client rows (``rows`` values; filled before :meth:`reduce`, summed over
+        ranks after it)."""
+        start = self.sent_params + self.num_weights + self.num_metrics
+        return self.buffer[start : start + self.num_rows]
 
     def reduce(self, runtime, base=None) -> tuple[dict, float, list]:
         """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums).
@@ -177,18 +195,64 @@ class FlatAggregator:
         return mean, total, metrics
 
 
-def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums, base=None):
+def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums, base=None, orders: Sequence["ClientOrder"] = ()):
     """Add ``sums`` to the aggregator's metrics, all-reduce once; (mean, Σ weights, reduced sums
-    of the same classes, in order). ``base``: see :meth:`FlatAggregator.reduce`."""
+    of the same classes, in order). ``base``: see :meth:`FlatAggregator.reduce`. ``orders``: one
+    :class:`ClientOrder` (or None) per sums object, its rows carried in the aggregator's rows
+    (begun with room for all of them), whose client-order sums replace the ordered fields."""
     values = [v for s in sums for v in s.values()]
     aggregator.add_metrics(values)
+    packed = [o for o in orders if o is not None]
+    if packed:
+        aggregator.rows().copy_(torch.cat([o.values for o in packed]).to(aggregator.buffer.device, aggregator.buffer.dtype))
     mean, total, metrics = aggregator.reduce(runtime, base)
-    out, off = [], 0
-    for s in sums:
+    reduced = aggregator.rows().cpu()
+    out, off, row = [], 0, 0
+    for i, s in enumerate(sums):
         n = type(s).size()
-        out.append(type(s).from_values(metrics[off : off + n]))
+        got = type(s).from_values(metrics[off : off + n])
+        order = orders[i] if i < len(orders) else None
+        if order is not None:
+            order.apply(reduced[row : row + order.values.numel()], got)
+            row += order.values.numel()
+        out.append(got)
         off += n
     return mean, total, out
+
+
+class ClientOrder:
+    """Each client's values of a :class:`Sums` class's ``ORDERED`` fields, one slot per client,
+    carried through the all-reduce so that every rank adds them up in slot (client) order.
+
+    A float sum over ranks is added in rank order, which changes with the world size, and a sum
+    of fractions (a client's accuracy, its loss) rounds differently in another order. In the slots
+    each value meets only zeros from the other ranks (exact), and the sum taken afterwards from
+    0.0 in slot order is the very sum a single rank adds up client by client: the same bits on
+    any world size."""
+
+    def __init__(self, cls, slots: int):
+        self.fields = tuple(cls.ORDERED)
+        self.width = len(self.fields)
+        self.values = torch.zeros(slots * self.width, dtype=torch.float64)
+
+    @staticmethod
+    def size(sums_class, slots: int) -> int:
+        """Row values of ``slots`` clients of ``sums_class``."""
+        return slots * len(sums_class.ORDERED)
+
+    def add(self, slot: int, sums: Sums) -> None:
+        """Client ``slot``'s own contribution ``sums`` (its ordered fields)."""
+        for j, name in enumerate(self.fields):
+            self.values[slot * self.width + j] = float(getattr(sums, name))
+
+    def apply(self, reduced: torch.Tensor, sums: Sums) -> None:
+        """Set ``sums``' ordered fields to the client-order sums of the ``reduced`` rows."""
+        rows = reduced.reshape(-1, self.width).tolist()
+        for j, name in enumerate(self.fields):
+            total = 0.0
+            for r in rows:
+                total += r[j]
+            setattr(sums, name, total)
 
 
 def sums_size(*classes: Type[Sums]) -> int:

@@ -24,6 +24,8 @@ from fedcp_dist.options import Component, Option, above
 class EvalSums(Sums):
     """What one evaluation adds up over clients (and ranks)."""
 
+    ORDERED = ("acc_client_sum", "auc_weighted_sum", "loss_sum")
+
     correct: float = 0.0
     test_samples: float = 0.0
     acc_client_sum: float = 0.0  # Σ over clients of each client's accuracy
@@ -90,13 +92,14 @@ def binary_auc(y_true: np.ndarray, y_score: np.ndarray) -> float:
 @torch.no_grad()
 def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx: int,
                      generator: Callable[[int, int], torch.Generator], batch_size: int,
-                     probes: Optional[Dict[int, "EvalTally"]] = None) -> EvalSums:
+                     probes: Optional[Dict[int, "EvalTally"]] = None, order=None) -> EvalSums:
     """The sums over ``clients`` of their personalized models' test metrics.
 
     ``store`` hands each client's state (and swaps its own BatchNorm statistics in);
     ``generator(round, client)`` is the client's evaluation stream (stochastic policies).
     ``probes`` (analysis on): filled with each client's :class:`~fedcp_dist.probes.EvalTally` of
-    the policy's s, from the very forward passes whose logits are scored.
+    the policy's s, from the very forward passes whose logits are scored. ``order``
+    (a :class:`~fedcp_dist.aggregate.ClientOrder` with a slot per client): each client's own values.
     """
     from fedcp_dist.probes import EvalTally
 
@@ -127,7 +130,10 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
         if logits.shape[1] == 2:
             pred, pos = logits.argmax(1) == 1, d.test_y == 1
             binary = (float((pred & pos).sum()), float(pos.sum()), float((~pred & ~pos).sum()), float((~pos).sum()))
-        sums += EvalSums(correct, d.n_test, correct / d.n_test, 1.0, auc * d.n_test, loss, *binary)
+        mine = EvalSums(correct, d.n_test, correct / d.n_test, 1.0, auc * d.n_test, loss, *binary)
+        if order is not None:
+            order.add(cid, mine)
+        sums += mine
     return sums
 
 

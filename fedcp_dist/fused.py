@@ -49,7 +49,10 @@ Randomness
 
 Not fused
     Modules with floating-point buffers or batch-dependent layers (BatchNorm, dropout) are
-    refused (:func:`unsupported_reason`); the algorithms then fall back to the sequential loop.
+    refused (:func:`~fedcp_dist.local_train.unsupported_reason`); the algorithms then fall back to
+    the sequential loop.
+
+Which clients form a group, and how a rank's groups are trained side by side: :mod:`fedcp_dist.fused_groups`.
 """
 from __future__ import annotations
 
@@ -93,24 +96,6 @@ _CHANNELWISE = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
 # what can be fused, and how much memory it takes
 
 
-def unsupported_reason(*modules: nn.Module) -> Optional[str]:
-    """Why these modules cannot be trained fused (None: they can).
-
-    Refused: floating-point buffers (BatchNorm's running statistics would have to be stacked and
-    updated per client), batch statistics and dropout (a padded or merged batch would change them).
-    """
-    for module in modules:
-        for m in module.modules():
-            if isinstance(m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)):
-                return f"{type(m).__name__} layers are not fused"
-            if isinstance(m, nn.MaxPool2d) and m.return_indices:
-                return "MaxPool2d(return_indices=True) is not fused"
-        for name, b in module.named_buffers():
-            if b.is_floating_point():
-                return f"floating-point buffer {name!r} is not fused"
-    return None
-
-
 def available_memory(device: torch.device) -> int:
     """Bytes free for new tensors on ``device``.
 
@@ -131,6 +116,28 @@ def available_memory(device: torch.device) -> int:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def total_memory(device: torch.device) -> int:
+    """Bytes of memory ``device`` has in all (a fact of the device kind, unlike the free memory):
+    CUDA: the device's total memory; CPU: psutil's ``total``, else ``MemTotal`` from /proc/meminfo
+    (else 4 GiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -176,13 +183,6 @@ class MemoryPlan:
         cap = CUDA_SLOTS if device.type == "cuda" else CPU_SLOTS
         fit = budget // max(1, self.per_slot + self.per_result)
         return int(max(1, min(clients, cap, fit)))
-
-    def group_size(self, device: torch.device, clients: int) -> int:
-        """Clients per fused group: what fits next to the slots' working memory."""
-        budget = int(MEMORY_FRACTION * available_memory(device))
-        slots = self.slots(device, clients, budget)
-        fit = (budget - slots * self.per_slot) // max(1, self.per_result)
-        return int(max(1, min(clients, fit)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -665,43 +665,38 @@ def train_fused(
 # several fused groups side by side on a CPU rank's threads
 
 
-def workers_for(setting, device: torch.device, threads: int, clients: int) -> int:
+def workers_for(setting, device: torch.device, threads: int, groups: int) -> int:
     """Fused groups trained side by side (``fused_workers``): ``auto`` takes one per thread of a
-    CPU rank, an integer that many (on a CPU), never more than ``clients``; 1 on a GPU.
+    CPU rank, an integer that many (on a CPU), never more than ``groups``; 1 on a GPU.
 
     Why: at B = 10 most of a fused step's kernels are too small to split well over threads
     (measured on 2 cores: the main thread still did 0.65–0.7 of a step's single-thread CPU time
     with 2 threads, a 1.45× speed-up at best), while groups of clients are independent, so one
     group per thread scales like one rank per core does.
     """
-    if device.type != "cpu" or clients < 2:
+    if device.type != "cpu" or groups < 2:
         return 1
     n = threads if setting == "auto" else int(setting)
-    return max(1, min(n, clients))
+    return max(1, min(n, groups))
 
 
-def worker_parts(steps: Sequence[int], workers: int) -> List[List[int]]:
-    """Indices of ``steps`` split into ``workers`` parts of about equal total steps: largest
-    first, each to the part with the fewest steps so far (ties: the lower part); each part keeps
-    the original order. A function of the step counts only, so every run splits alike."""
-    load = [0] * workers
-    parts: List[List[int]] = [[] for _ in range(workers)]
-    for i in sorted(range(len(steps)), key=lambda i: (-steps[i], i)):
-        w = min(range(workers), key=lambda w: (load[w], w))
-        parts[w].append(i)
-        load[w] += steps[i]
-    return [sorted(p) for p in parts if p]
-
-
-def run_in_workers(jobs: Sequence[Callable[[], object]]) -> list:
+def run_in_workers(jobs: Sequence[Callable[[], object]], one_thread: bool = False) -> list:
     """``[job() for job in jobs]``, each in a thread of its own with one intra-op thread; the
     caller's thread count is restored afterwards. The jobs must be independent (their own
-    clients, generators and tensors): results are then the same whatever the threads' timing."""
+    clients, generators and tensors): results are then the same whatever the threads' timing.
+    A single job runs in the caller's thread, on one intra-op thread with ``one_thread`` (the
+    thread count changes a kernel's rounding), else on the caller's threads."""
+    threads = torch.get_num_threads()
     if len(jobs) == 1:
-        return [jobs[0]()]
+        if not one_thread or threads == 1:
+            return [jobs[0]()]
+        torch.set_num_threads(1)
+        try:
+            return [jobs[0]()]
+        finally:
+            torch.set_num_threads(threads)
     import concurrent.futures
 
-    threads = torch.get_num_threads()
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()  # thread-local in torch: carried over
 
     def one(job):
@@ -715,30 +710,6 @@ def run_in_workers(jobs: Sequence[Callable[[], object]]) -> list:
             return list(pool.map(one, jobs))
     finally:
         torch.set_num_threads(threads)
-
-
-def train_side_by_side(steps: Sequence[int], workers: int, slots: int, per_slot: int, device: torch.device,
-                       train: Callable[[List[int], int], list]) -> list:
-    """The outcomes of ``train(indices, slots)`` for every item, in the items' order.
-
-    ``steps[i]`` is item i's local steps; with ``workers`` > 1 the items are split by
-    :func:`worker_parts` and the parts trained side by side by :func:`run_in_workers`. Each part
-    keeps ``slots`` slots (a core's share of the cache suffices: measured 4 % less CPU per
-    client-step than halving them) where memory holds ``workers`` × ``slots`` slots of
-    ``per_slot`` bytes, else the slots are shared out (at least one each). One worker: ``train``
-    over every item with ``slots``.
-    """
-    if workers <= 1:
-        return train(list(range(len(steps))), slots)
-    parts = worker_parts(steps, workers)
-    fits = per_slot * slots * workers <= MEMORY_FRACTION * available_memory(device)
-    each = slots if fits else max(1, -(-slots // workers))
-    outcomes = run_in_workers([lambda part=part: train(part, each) for part in parts])
-    merged: list = [None] * len(steps)
-    for part, outs in zip(parts, outcomes):
-        for i, out in zip(part, outs):
-            merged[i] = out
-    return merged
 
 
 # ----------------------------------------------------------------------------------------------
@@ -778,9 +749,10 @@ class Fusing(Component):
         Option("fused", "auto", "train a group of a rank's clients at once (stacked parameters, one forward/backward): "
                "auto where the method and model can (else one by one) | true (the same; the start line says when it "
                "cannot) | false", boolean_or_auto, kind=Union[bool, str]),
-        Option("fused_group", 0, "clients per fused group; 0 picks it from free memory", at_least(0)),
+        Option("fused_group", 0, "clients per fused group (groups are fixed for the run and placed whole on ranks); "
+               "0 (auto): the device kind's slot cap (8 on a CPU, 256 on a GPU) × ⌈1 / participation⌉", at_least(0)),
         Option("fused_workers", "auto", "fused groups trained side by side on a CPU rank, one thread each: auto (one "
-               "per thread of the rank) | N", auto_or(described(">= 1", lambda v: None if isinstance(v, int)
+               "per thread of the rank) | N (1: one group at a time over all the rank's threads)", auto_or(described(">= 1", lambda v: None if isinstance(v, int)
                                                               and not isinstance(v, bool) and v >= 1
                                                               else f"must be auto or an integer >= 1, got {v!r}")),
                kind=Union[int, str]),

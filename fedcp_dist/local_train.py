@@ -253,6 +253,41 @@ class Step:
         return torch.empty_like(logits).exponential_(generator=self.generator).log_().neg_()
 
 
+def module_state(prefix: str, module: nn.Module) -> Dict[str, torch.Tensor]:
+    """Detached copies of a module's parameters and floating buffers, keys prefixed."""
+    out = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_floating_point():
+            out[f"{prefix}{name}"] = t.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def load_module(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> None:
+    """Copy ``state[prefix + name]`` into a module's parameters and floating buffers in place."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_floating_point():
+            t.copy_(state[f"{prefix}{name}"])
+
+
+def unsupported_reason(*modules: nn.Module) -> Optional[str]:
+    """Why these modules cannot be trained fused (:mod:`fedcp_dist.fused`; None: they can).
+
+    Refused: floating-point buffers (BatchNorm's running statistics would have to be stacked and
+    updated per client), batch statistics and dropout (a padded or merged batch would change them).
+    """
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)):
+                return f"{type(m).__name__} layers are not fused"
+            if isinstance(m, nn.MaxPool2d) and m.return_indices:
+                return "MaxPool2d(return_indices=True) is not fused"
+        for name, b in module.named_buffers():
+            if b.is_floating_point():
+                return f"floating-point buffer {name!r} is not fused"
+    return None
+
+
 def module_keys(phase: Phase) -> set:
     """The value names held by the phase's modules (parameters and floating buffers)."""
     keys = set()
@@ -261,10 +296,6 @@ def module_keys(phase: Phase) -> set:
             if t.is_floating_point():
                 keys.add(prefix + name)
     return keys
-
-
-def trained_parameters(phase: Phase) -> list:
-    return [p for _, p in trained_named_parameters(phase)]
 
 
 def trained_named_parameters(phase: Phase) -> list:
@@ -288,8 +319,6 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
     ``tally``: collect what the loss tallies (``Step.tally``) into the outcome's ``tallies`` (on
     anyway for the phase's ``tallied``);
     ``param_lr``: {value-name prefix: learning rate} for the values it names (others: ``lr``)."""
-    from fedcp_dist.algorithms.base import load_module, module_state
-
     names = module_keys(phase)
     for prefix, m in phase.modules.items():
         one_value_batches(m)  # a method's own BatchNorms (FedCP's CPN) take a batch of one as the model's do

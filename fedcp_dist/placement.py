@@ -65,6 +65,26 @@ def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
     return owner
 
 
+def form_groups(steps: Sequence[int], size: int) -> list:
+    """The run's fused groups (:mod:`fedcp_dist.fused_groups`): its clients ordered by their local
+    steps, largest first (ties: the lower id first), cut into consecutive groups of ``size``; each
+    group sorted by id. A function of the step counts and ``size`` alone, so the groups are the
+    same on every rank and every world size."""
+    order = sorted(range(len(steps)), key=lambda c: (-int(steps[c]), c))
+    return [np.sort(np.asarray(order[i:i + size], dtype=np.int64)) for i in range(0, len(order), max(1, int(size)))]
+
+
+def place_groups(weights: Sequence[int], groups: Sequence[np.ndarray], world_size: int) -> np.ndarray:
+    """Owner rank of every client when whole ``groups`` are placed: each group weighs the sum of
+    its clients' ``weights`` and goes where :func:`place_clients` puts it."""
+    w = np.asarray(weights, dtype=np.int64)
+    group_owner = place_clients([int(w[g].sum()) for g in groups], world_size)
+    owner = np.empty(len(w), dtype=np.int64)
+    for g, r in zip(groups, group_owner):
+        owner[g] = r
+    return owner
+
+
 #: how clients are weighted when placed on ranks (config key ``placement``)
 PLACEMENTS = ("auto", "samples", "steps")
 

@@ -14,13 +14,14 @@ import time
 from typing import Callable
 
 from fedcp_dist import startup
-from fedcp_dist.aggregate import FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
+from fedcp_dist.aggregate import ClientOrder, FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
 from fedcp_dist.checkpoint import Checkpointer, data_record
 from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
 from fedcp_dist.compress import Compressor, uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.errors import Preempted, RunFailure
+from fedcp_dist.fused_groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
 from fedcp_dist.preemption import StopSignals
@@ -44,36 +45,40 @@ class Simulator:
         self._lock = self.store = self.writer = None
         self.stop = stop if stop is not None else StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
+        self._wrap = wrap
         try:
-            self._start(wrap)
+            self._start()
         except BaseException:  # what was locked is released (a later run in this process may use it)
             self._close(failed=True)
             raise
 
-    def _start(self, wrap) -> None:
-        """Start-up: lock and load, the algorithm, the store, the training path, resume."""
+    def _start(self) -> None:
+        """Start-up: lock and load (the algorithm is built before the clients are placed), the store,
+        the training path, resume."""
         cfg, rt = self.cfg, self.rt
         self.setup = s = startup.agree_on(rt, self._lock_and_load)
         self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
-
-        algo = startup.build_method(cfg, s.info, self.num_clients, rt.device)  # the same initial model on every rank
-        self.algo = wrap(algo) if wrap else algo
-        startup.check_peer_memory(cfg, algo, self.num_clients,
-                                                    int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
+        algo = self.algo
+        startup.check_peer_memory(cfg, algo, self.num_clients, int(s.clients_per_rank(rt.world_size).max()),
+                                  rt.world_size)
         global_state = algo.init_global_state()
         # a disk store locks its folder: a refusal on any rank stops every rank
         self.store, self.store_line = startup.agree_on(
             rt, lambda: make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank))
+        # per-client BatchNorm statistics (known once the store is) keep the clients sequential
         self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
         upload = [k for k in algo.upload_keys(global_state) if k not in self.store.bn_keys]
         self.agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
                                   extra=RoundProbes.size(self.probe_every, self.num_clients),
-                                  groups=algo.aggregation_groups(upload))
+                                  groups=algo.aggregation_groups(upload),
+                                  rows=ClientOrder.size(TrainSums, self.num_clients) + ClientOrder.size(EvalSums, self.num_clients))
         self.compressor = Compressor.from_config(cfg, self.agg.shapes)
         self.select_by_features = cfg.client_selection == "feature_difference"
-        self.trainer = CohortTrainer(cfg, rt, self.algo, self.store, self.data, self.owner, self.fused, self.agg,
+        groups = (GroupTrainer(cfg, self.algo, self.store, self.data, s.owned_groups(rt.rank), rt.device)
+                  if self.fused and s.groups is not None else None)
+        self.trainer = CohortTrainer(cfg, rt, self.algo, self.store, self.data, self.owner, groups, self.agg,
                                      self.compressor)
         self.writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
         self.start_round, self.records, self.round_seconds = 0, [], []
@@ -84,7 +89,15 @@ class Simulator:
     def _lock_and_load(self) -> startup.Setup:
         if self.rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
             self._lock = prepare_out_dir(self.cfg.out_dir, overwrite=self.cfg.overwrite, resume=self.cfg.resume)
-        return startup.load(self.cfg, self.rt)
+        return startup.load(self.cfg, self.rt, self._build)
+
+    def _build(self, info, num_clients: int) -> int:
+        """The model and the algorithm, before the clients are placed (fused groups are placed
+        whole); returns the fused group size (0: the clients train one by one)."""
+        algo = startup.build_method(self.cfg, info, num_clients, self.rt.device)  # the same initial model on every rank
+        self.algo = self._wrap(algo) if self._wrap else algo
+        fusing, _ = startup.training_path(self.cfg, self.algo, False)
+        return fused_group_size(self.cfg, self.rt.device) if fusing else 0
 
     @property
     def global_state(self):
@@ -113,12 +126,13 @@ class Simulator:
                        lambda ok: startup.all_ok(self.rt, ok))
 
     # -- one round's pieces --------------------------------------------------------------------
-    def evaluate(self, round_idx: int, probes: dict = None) -> EvalSums:
+    def evaluate(self, round_idx: int, probes: dict = None, order: ClientOrder = None) -> EvalSums:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
-        evaluation probes)."""
+        evaluation probes; into ``order``, each client's own values)."""
         self.store.prefetch(self.owned)
         return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
-                                lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes)
+                                lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
+                                order)
 
     def _cohort(self, t: int):
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
@@ -198,15 +212,19 @@ class Simulator:
         rt.phase = f"round {t + 1}"
         t_start = time.perf_counter()
         self.algo.begin_round(t)
-        self.agg.begin_round(self.algo.skipped_groups(t))
         evaluated = t % cfg.eval_every == 0
         probes = RoundProbes(self.probe_every, self.num_clients, t, evaluated)
-        ev = self.evaluate(t, probes.evals) if evaluated else EvalSums()
+        # the sums of per-client fractions are taken in client order (the same bits on any world size)
+        ev_order = ClientOrder(EvalSums, self.num_clients) if evaluated else None
+        ev = self.evaluate(t, probes.evals, ev_order) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
 
         cohort = self._cohort(t)
+        train_order = ClientOrder(TrainSums, len(cohort))
+        self.agg.begin_round(self.algo.skipped_groups(t), train_order.values.numel()
+                             + (ev_order.values.numel() if ev_order is not None else 0))
         cpu_start = time.process_time()
-        train, payloads = self.trainer.train(t, cohort, probes)
+        train, payloads = self.trainer.train(t, cohort, probes, train_order)
         times = {"train_seconds": time.perf_counter() - t_start - t_eval,
                  "train_cpu_seconds": time.process_time() - cpu_start, "eval_seconds": t_eval}
 
@@ -214,7 +232,8 @@ class Simulator:
         if probes.on:
             self.agg.add_extra(probes.pack())
         mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev,
-                                               base=self.global_state if self.compressor.enabled else None)
+                                               base=self.global_state if self.compressor.enabled else None,
+                                               orders=(train_order, ev_order))
         if train.nonfinite_clients > 0 and cfg.on_nonfinite == "error":
             raise RunFailure(train.nonfinite_message(t))
         if total > 0:
@@ -237,12 +256,14 @@ class Simulator:
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
         probes = RoundProbes(self.probe_every, self.num_clients, cfg.rounds, evaluated=True, final=True)
-        ev = self.evaluate(cfg.rounds, probes.evals)
-        # the rounds' reduction, with no upload in the buffer: the sums and probes of a round without training
-        self.agg.begin_round(uploads=False)
+        # the rounds' reduction, with no upload in the buffer: the sums (per-client fractions in client
+        # order) and probes of a round without training
+        order = ClientOrder(EvalSums, self.num_clients)
+        ev = self.evaluate(cfg.rounds, probes.evals, order)
+        self.agg.begin_round(rows=order.values.numel(), uploads=False)
         if probes.on:
             self.agg.add_extra(probes.pack())
-        _, _, (_, ev) = reduce_sums(self.agg, rt, TrainSums(), ev)
+        _, _, (_, ev) = reduce_sums(self.agg, rt, TrainSums(), ev, orders=(None, order))
         e = evaluation_record(cfg.rounds, ev)
         self.writer.log_analysis(probes.records(self.agg.extra()))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})

@@ -12,13 +12,14 @@ import torch
 
 from fedcp_dist import fused
 from fedcp_dist.algorithms import Algorithm, make_algorithm
+from fedcp_dist.fused_groups import group_size as fused_group_size
 from fedcp_dist.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import build_model, model_options
-from fedcp_dist.placement import (client_subset, imbalance, place_clients, placement_rule, placement_weights,
-                                  steps_per_rank)
+from fedcp_dist.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
+                                  placement_weights, steps_per_rank)
 
 
 @dataclass
@@ -37,6 +38,9 @@ class Setup:
     placement: str = "samples"
     #: every rank's local SGD steps in a round in which all the run's clients train
     rank_steps: Optional[np.ndarray] = None
+    #: the run's fused groups (client ids of the run, each sorted; see :func:`fedcp_dist.placement.form_groups`),
+    #: placed whole; None: the clients train one by one
+    groups: Optional[List[np.ndarray]] = None
 
     @property
     def imbalance(self) -> float:
@@ -45,8 +49,13 @@ class Setup:
 
     def placement_line(self) -> str:
         """How the start line says the clients were placed."""
-        return (f"placed by {self.placement}, max/mean steps per rank {self.imbalance:.3f} "
+        whole = f" in {len(self.groups)} whole fused groups" if self.groups is not None else ""
+        return (f"placed by {self.placement}{whole}, max/mean steps per rank {self.imbalance:.3f} "
                 f"({'/'.join(str(int(s)) for s in self.rank_steps)})")
+
+    def owned_groups(self, rank: int) -> List[List[int]]:
+        """The fused groups ``rank`` owns, in the run's order (empty when not fused)."""
+        return [[int(c) for c in g] for g in (self.groups or []) if len(g) and self.owner[g[0]] == rank]
 
     @property
     def num_clients(self) -> int:
@@ -133,29 +142,40 @@ def build_method(cfg, info: ShardInfo, num_clients: int, device) -> Algorithm:
     return algo
 
 
-def place(cfg, train_counts, world_size: int) -> Tuple[np.ndarray, str, np.ndarray]:
+def place(cfg, train_counts, world_size: int, group_size: int = 0) -> Tuple[np.ndarray, str, np.ndarray]:
     """(owner rank of every client, the rule it was placed by, every rank's local steps in a round
     in which every client trains): a function of the config and the clients' sample counts alone,
-    computed alike on every rank."""
+    computed alike on every rank. ``group_size`` > 0: the clients train in fused groups of that
+    size (:func:`form_groups`), placed whole."""
     rule = placement_rule(cfg.placement, cfg.fused)
     steps = placement_weights("steps", train_counts, cfg.batch_size, cfg.local_epochs, cfg.drop_last)
     weights = steps if rule == "steps" else placement_weights(rule, train_counts, cfg.batch_size,
                                                               cfg.local_epochs, cfg.drop_last)
-    owner = place_clients(weights, world_size)
+    if group_size > 0:
+        owner = place_groups(weights, form_groups(steps, group_size), world_size)
+    else:
+        owner = place_clients(weights, world_size)
     return owner, rule, steps_per_rank(steps, owner, world_size)
 
 
-def load(cfg, rt) -> Setup:
-    """Read the shard's metadata, place the clients, load this rank's clients onto its device."""
+def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) -> Setup:
+    """Read the shard's metadata, place the clients, load this rank's clients onto its device.
+    ``group_size(info, clients)``: the size of the run's fused groups (0: not fused)."""
     info = read_info(cfg.data.path)
     clients = run_clients(cfg, info)
-    owner, rule, rank_steps = place(cfg, info.train_counts[clients], rt.world_size)
+    counts = info.train_counts[clients]
+    size = group_size(info, len(clients)) if group_size is not None else 0
+    owner, rule, rank_steps = place(cfg, counts, rt.world_size, size)
+    groups = None
+    if size > 0:
+        steps = placement_weights("steps", counts, cfg.batch_size, cfg.local_epochs, cfg.drop_last)
+        groups = form_groups(steps, size)
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
     t0 = time.perf_counter()
     arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
     data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
-    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps)
+    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps, groups)
 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
@@ -183,10 +203,15 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     why = "per-client BatchNorm statistics" if per_client_bn else algo.fused_reason()
     if why:
         return False, f"sequential ({setting}: {why})" if cfg.fused == "auto" else f"sequential ({setting} not used: {why})"
-    groups = f"groups of {cfg.fused_group}" if cfg.fused_group else "groups sized by memory"
-    workers = fused.workers_for(cfg.fused_workers, algo.device, torch.get_num_threads(), 2)
-    if workers > 1:  # e.g. "groups sized by memory, 2 at once with 1 thread each (fused_workers=auto)"
+    size = fused_group_size(cfg, algo.device)
+    groups = f"groups of {size}" + ("" if cfg.fused_group else " (fused_group=auto)")
+    threads = torch.get_num_threads()
+    workers = fused.workers_for(cfg.fused_workers, algo.device, threads, 2)
+    if workers > 1:  # e.g. "groups of 8 (fused_group=auto), 2 at once with 1 thread each (fused_workers=auto)"
         groups += f", {workers} at once with 1 thread each (fused_workers={cfg.fused_workers})"
+    elif algo.device.type == "cpu" and threads > 1:  # fused_workers=1: the rounding follows the thread count
+        groups += (f", one at a time with {threads} threads (fused_workers=1: the same trajectory on ranks "
+                   f"of {threads} threads only)")
     return True, f"fused ({setting}, {groups})"
 
 

@@ -5,10 +5,13 @@ all-reduce buffer (compressed first when ``compress`` is on). The algorithm comp
 moves its results to where the round needs them."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fedcp_dist.aggregate import TrainSums
 from fedcp_dist.algorithms.base import Context
+from fedcp_dist.fused_groups import GroupTrainer
 from fedcp_dist.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
 from fedcp_dist.options import Component, Option, one_of
 
@@ -20,20 +23,22 @@ def stream_generator(seed: int, device, *keys: int) -> torch.Generator:
 
 class CohortTrainer:
     """Trains this rank's participants of a round. ``owner``: every client's rank; ``data``: the
-    owned clients' data; ``fused``: train in fused groups."""
+    owned clients' data; ``groups``: the fused groups' trainer (None: the clients train one by one)."""
 
-    def __init__(self, cfg, rt, algo, store, data, owner, fused: bool, agg, compressor):
+    def __init__(self, cfg, rt, algo, store, data, owner, groups: Optional[GroupTrainer], agg, compressor):
         self.cfg, self.rt, self.algo, self.store, self.data, self.owner = cfg, rt, algo, store, data, owner
-        self.fused, self.agg, self.compressor = fused, agg, compressor
+        self.groups, self.agg, self.compressor = groups, agg, compressor
 
     def generator(self, *keys: int) -> torch.Generator:
         return stream_generator(self.cfg.seed, self.rt.device, *keys)
 
-    def train(self, t: int, cohort, probes) -> tuple[TrainSums, dict]:
+    def train(self, t: int, cohort, probes, order=None) -> tuple[TrainSums, dict]:
         """Round t's training of the cohort's owned clients, each finite result probed (when
         ``probes.train``), kept and added to the all-reduce. (Sums of the round's training,
-        {client: peer payload} for a method that exchanges models.)"""
+        {client: peer payload} for a method that exchanges models.) ``order``: a
+        :class:`~fedcp_dist.aggregate.ClientOrder` with a slot per member of the cohort, in its order."""
         train, bad, payloads = TrainSums(), [], {}
+        slot = {int(c): i for i, c in enumerate(cohort)}
         for cid, res in self._results(t, [int(c) for c in cohort if self.owner[int(c)] == self.rt.rank], probes.train):
             if not res.is_finite():
                 bad.append(cid)
@@ -49,19 +54,24 @@ class CohortTrainer:
             if self.algo.peer_dim:
                 payloads[cid] = self.algo.peer_payload(res)
             self.agg.add(upload, self.data[cid].n_train, skip=res.skipped)
-            train += TrainSums(res.loss_sum, res.samples)
+            mine = TrainSums(res.loss_sum, res.samples)
+            if order is not None:
+                order.add(slot[cid], mine)
+            train += mine
         train += TrainSums(nonfinite_clients=len(bad), nonfinite_client_id_sum=sum(bad))
         return train, payloads
 
     def _results(self, t: int, cids: list, probe: bool):
-        """(client, LocalResult) for this rank's participants, one by one or in fused groups."""
-        self.store.prefetch(cids)  # a store off the device reads the next clients' states while one trains
-        ctxs = [Context(t, c, self.generator(STREAM_TRAIN, t, c), probe) for c in cids]
-        if self.fused:
-            items = [(self.store.get(c), self.data[c], ctx) for c, ctx in zip(cids, ctxs)]
-            yield from zip(cids, self.algo.train_fused(items))
+        """(client, LocalResult) for this rank's participants, one by one or in fused groups (group
+        by group: a group's states are read when it trains, each result kept before the next
+        groups' states are read)."""
+        if self.groups is not None:
+            yield from self.groups.results(self.groups.round_groups(cids),
+                                           lambda c: Context(t, c, self.generator(STREAM_TRAIN, t, c), probe))
             return
-        for c, ctx in zip(cids, ctxs):
+        self.store.prefetch(cids)  # a store off the device reads the next clients' states while one trains
+        for c in cids:
+            ctx = Context(t, c, self.generator(STREAM_TRAIN, t, c), probe)
             yield c, self.algo.local_train(self.store.activate(c), self.data[c], ctx)
 
     def _probe(self, t: int, cid: int, res, probes) -> None:

@@ -50,9 +50,8 @@ class NonFiniteAt:
     def local_train(self, state, data, ctx):
         return self._poison(self.algo.local_train(state, data, ctx), ctx)
 
-    def train_fused(self, items):
-        for (_, _, ctx), res in zip(items, self.algo.train_fused(items)):
-            yield self._poison(res, ctx)
+    def finish(self, state, outcomes, ctx):  # the fused path's end of a client's training
+        return self._poison(self.algo.finish(state, outcomes, ctx), ctx)
 
 
 def nonfinite_at(spec: str):

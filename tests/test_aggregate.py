@@ -91,3 +91,27 @@ def test_round_record_by_hand():
     assert list(rec)[7:9] == ["allreduce_bytes", "peer_exchange_seconds"]
     assert evaluation_record(5, ev) == {"evaluated_after": 5, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
                                           "test_loss": 0.25}
+
+
+def test_client_order_sums_are_the_one_rank_sum_on_any_split():
+    """Per-client fractions summed over ranks: rank by rank, 1 + (1e-16 + 1e-16) rounds up where
+    client by client (1 + 1e-16) + 1e-16 stays 1; through ClientOrder's rows every split of the
+    clients over ranks gives the one-rank sum, bit for bit."""
+    from fedcp_dist.aggregate import ClientOrder, TrainSums
+
+    losses = [1.0, 1e-16, 1e-16]
+    one_rank = 0.0
+    for v in losses:
+        one_rank += v
+    by_rank = 1.0 + (1e-16 + 1e-16)
+    assert by_rank != one_rank  # the order matters here
+    for split in ([[0, 1, 2]], [[0], [1, 2]], [[1], [0, 2]], [[2], [1], [0]]):
+        rows = torch.zeros(ClientOrder.size(TrainSums, 3), dtype=torch.float64)
+        for part in split:  # each rank fills its clients' slots; the all-reduce adds the ranks' rows
+            order = ClientOrder(TrainSums, 3)
+            for c in part:
+                order.add(c, TrainSums(loss_sum=losses[c], samples=1))
+            rows += order.values
+        got = TrainSums(loss_sum=123.0, samples=3)
+        ClientOrder(TrainSums, 3).apply(rows, got)
+        assert got.loss_sum == one_rank and got.samples == 3, split

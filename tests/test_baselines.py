@@ -494,9 +494,9 @@ WORLD_CASES = [(m, f"configs/digits_{m}.yaml", []) for m in BASELINES] + [
     ("fedcp-fedper-like", "configs/digits_fedcp.yaml", ["fedcp_cpn=false", "fedcp_gfm=false", "fedcp_global_head=false"]),
     ("fedcp-cpn-2bn-sample", "configs/digits_fedcp.yaml", ["cpn_layers=2", "cpn_norm=batchnorm", "cpn_input=sample"]),
 ]
-#: cheaper local work for the check (the invariance does not depend on it); clients one by one, so
-#: that only the all-reduce's order of addition differs between world sizes (fused groups are
-#: composed per rank: their rounding is bounded in tests/test_fused.py)
+#: cheaper local work for the check (the invariance does not depend on it); clients one by one: the
+#: sequential path of every baseline across world sizes (the default fused path is checked on 1, 2
+#: and 3 ranks in tests/test_multiprocess.py)
 CHEAP = ["pfedme_k=2", "fedrep_head_epochs=2", "participation=0.5", "fused=false"]
 
 # One process per launcher runs every case in turn, as fedcp_dist.run's main does (config →

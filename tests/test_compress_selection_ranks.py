@@ -22,7 +22,7 @@ SWITCHES = ["compress=topk", "compress_ratio=0.05", "compress_bits=8", "compress
 def _overrides(shard, out):
     return [f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=1", "keep_checkpoints=5", f"data.path={shard}",
             f"out_dir={out}", "threads=1",
-            "fused=false", *SWITCHES]  # fused grouping depends on the clients per rank: compared across world sizes
+            "fused=false", *SWITCHES]  # the sequential path across world sizes (the fused one: test_multiprocess.py)
 
 
 def _load(out):

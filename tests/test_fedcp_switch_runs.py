@@ -8,6 +8,7 @@ from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import UserError
+from fedcp_dist.fused_groups import train_group
 
 CPU = torch.device("cpu")
 
@@ -44,7 +45,7 @@ def test_all_switches_train_fused_as_sequentially(float64, hard):
     for t in (0, 3):  # a warm-up round and a round with the CPN's own cosine rate
         items = [({**algo.init_client_state(d.cid), "v": algo.init_client_state(d.cid)["v"] + 0.1 * d.cid}, d,
                   Context(t, d.cid, torch.Generator().manual_seed(11 + d.cid))) for d in datas]
-        fus = algo.local_train_group(items)
+        fus = train_group(algo, items)
         seq = [algo.local_train(s, d, Context(t, c.client, torch.Generator().manual_seed(11 + c.client)))
                for s, d, c in items]
         for a, b in zip(seq, fus):
@@ -154,7 +155,7 @@ def test_caching_groups_and_async_train_fused_as_sequentially(float64, switches)
     for t in (0, 1):  # a refresh (upload) round and one between
         items = [({**algo.init_client_state(d.cid), "v": algo.init_client_state(d.cid)["v"] + 0.1 * d.cid}, d,
                   Context(t, d.cid, torch.Generator().manual_seed(11 + d.cid))) for d in datas]
-        fus = algo.local_train_group(items)
+        fus = train_group(algo, items)
         seq = [algo.local_train(s, d, Context(t, c.client, torch.Generator().manual_seed(11 + c.client)))
                for s, d, c in items]
         for a, b in zip(seq, fus):

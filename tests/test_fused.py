@@ -27,6 +27,8 @@ from fedcp_dist.algorithms.fedphp import FedPHP
 from fedcp_dist.algorithms.fedprox import FedProx
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.config import Config, load_config
+from fedcp_dist import fused_groups
+from fedcp_dist.fused_groups import train_group
 from fedcp_dist.local_train import batch_indices, num_batches
 from fedcp_dist.losses import grouped_mmd2, mmd2
 from fedcp_dist.models import build_model
@@ -110,7 +112,7 @@ def test_fedavg_fused_equals_sequential_in_float64(monkeypatch, float64, drop_la
     algo, gs = _algo(FedAvg, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2)
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
-    fus = algo.local_train_group(items)
+    fus = train_group(algo, items)
     assert fused_calls == {"train": len(SIZES)}
     seq = _sequential(algo, items)
     _assert_same_results(seq, fus, gs, atol=1e-12)
@@ -131,7 +133,7 @@ def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_las
     assert algo.fused_reason() is None
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
-    fus = algo.local_train_group(items)
+    fus = train_group(algo, items)
     assert fused_calls == {"train": len(SIZES)}
     seq = _sequential(algo, items)
     _assert_same_results(seq, fus, gs, atol=1e-12)
@@ -148,14 +150,14 @@ def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_las
 def test_fedavg_fused_equals_sequential_in_float32(drop_last):
     algo, gs = _algo(FedAvg, drop_last=drop_last, local_epochs=2)
     items = _items(algo, [_client(i, n) for i, n in enumerate(SIZES)])
-    _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
+    _assert_same_results(_sequential(algo, items), train_group(algo, items), gs)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_fedcp_fused_equals_sequential_in_float32(drop_last):
     algo, gs = _algo(FedCP, drop_last=drop_last, local_epochs=2, lam=0.5, cpn_train_gumbel=True)
     items = _items(algo, [_client(i, n) for i, n in enumerate(SIZES)])
-    _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
+    _assert_same_results(_sequential(algo, items), train_group(algo, items), gs)
 
 
 def test_fedcp_fused_uses_each_clients_own_noise():
@@ -164,9 +166,9 @@ def test_fedcp_fused_uses_each_clients_own_noise():
     algo, _ = _algo(FedCP, lam=0.0, cpn_train_gumbel=True)
     datas = [_client(i, 20) for i in range(2)]
     items = _items(algo, datas)
-    fus = algo.local_train_group(items)
+    fus = train_group(algo, items)
     swapped = [(s, d, Context(3, d.cid, torch.Generator().manual_seed(11 + 1 - d.cid))) for s, d, _ in items]
-    other = algo.local_train_group(swapped)
+    other = train_group(algo, swapped)
     for a, b in zip(fus, other):
         assert abs(a.loss_sum - b.loss_sum) > 1e-3
         assert max((a.upload[k] - b.upload[k]).abs().max() for k in a.upload) > 1e-5
@@ -199,7 +201,7 @@ def test_every_sgd_method_trains_fused_as_sequentially(float64, cls, kw, phases,
     assert algo.fused_reason() is None
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES[:3])]
     items = _items(algo, datas)
-    got = algo.local_train_group(items)
+    got = train_group(algo, items)
     assert set(fused_calls) == phases and all(n == 3 for n in fused_calls.values())
     _assert_same_results(_sequential(algo, items), got, gs, atol=1e-12)
 
@@ -207,9 +209,9 @@ def test_every_sgd_method_trains_fused_as_sequentially(float64, cls, kw, phases,
 def test_fedprox_term_changes_the_fused_result(fused_calls):
     algo, gs = _algo(FedProx, prox_mu=1.0)
     datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
-    got = algo.local_train_group(_items(algo, datas))
+    got = train_group(algo, _items(algo, datas))
     plain, _ = _algo(FedAvg)
-    fedavg = plain.local_train_group(_items(plain, datas))
+    fedavg = train_group(plain, _items(plain, datas))
     # the proximal term changes the result: FedProx's own objective was trained fused
     assert any((got[0].upload[k] - fedavg[0].upload[k]).abs().max() > 1e-4 for k in got[0].upload)
     assert fused_calls == {"prox": 3, "train": 3}
@@ -229,7 +231,7 @@ def test_peer_methods_train_fused_as_sequentially(float64, fused_calls):
         gs = algo.receive_peers(0, gs, {c: torch.cat([p, torch.zeros(algo.peer_dim - p.numel())]) for c, p in peers.items()})
         algo.set_global(gs)
         items = _items(algo, datas)
-        got = algo.local_train_group(items)
+        got = train_group(algo, items)
         seq = _sequential(algo, items)
         for s_, f in zip(seq, got):
             _assert_close(s_.client_state, f.client_state, 1e-12)
@@ -241,10 +243,10 @@ def test_fedcp_variant_trains_its_own_objective_fused():
     algo, gs = _algo(FedCP, cpn_input="sample")
     datas = [_client(i, n) for i, n in enumerate(SIZES[:3])]
     items = _items(algo, datas)
-    got = algo.local_train_group(items)
+    got = train_group(algo, items)
     _assert_same_results(_sequential(algo, items), got, gs)
     plain, _ = _algo(FedCP)
-    fedcp = plain.local_train_group(_items(plain, datas))
+    fedcp = train_group(plain, _items(plain, datas))
     assert (got[0].upload["cpn.net.0.weight"] - fedcp[0].upload["cpn.net.0.weight"]).abs().max() > 1e-4
 
 
@@ -279,15 +281,15 @@ def test_vmapped_modules_and_unsplit_models_match_sequential():
     algo, gs = _algo(FedAvg, net=Odd(), fused=True)
     datas = [_client(i, n, classes=6) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
-    got = algo.local_train_group(items)
+    got = train_group(algo, items)
     assert fused._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
     _assert_same_results(_sequential(algo, items), got, gs)
     algo.cfg.fused_workers = 2  # two threads sharing the module that functional_call reparametrises
-    _assert_same_results(_sequential(algo, items), algo.local_train_group(_items(algo, datas)), gs)
+    _assert_same_results(_sequential(algo, items), train_group(algo, _items(algo, datas)), gs)
 
     algo, gs = _algo(FedCP, net=Odd(), fused=True)  # FedCP uses features and head separately
     items = _items(algo, datas)
-    _assert_same_results(_sequential(algo, items), algo.local_train_group(items), gs)
+    _assert_same_results(_sequential(algo, items), train_group(algo, items), gs)
 
 
 def test_batchnorm_is_not_fused_and_says_why():
@@ -297,32 +299,44 @@ def test_batchnorm_is_not_fused_and_says_why():
     assert plain.fused_reason() is None
 
 
-def test_group_size_and_slots_follow_memory(monkeypatch, fused_calls):
+def test_memory_plan_and_slots_follow_the_device_not_its_free_memory(monkeypatch, fused_calls):
     algo, _ = _algo(FedCP)
     datas = [_client(i, n) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
-    plan = algo.memory_plan(algo.phases(*items[0]), datas)
+    plan = fused_groups.memory_plan(algo, algo.phases(*items[0]), datas)
     params = fused.param_count(algo.fe, algo.cpn, algo.head_p)
-    act = algo._fused_act["train"]
+    act = fused_groups.activation_counts(algo)["train"]
     # stacked parameters and their gradients, the client vector, and the activations of B samples
     assert plan.per_slot == 4 * (2 * params + algo.K) + fused.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act
     assert plan.per_result == 4 * (params + algo.K)
     # one sample through the CNN, the CPN and the head: conv 32·24·24, relu, pool 32·12·12, conv 64·8·8,
     # relu, pool 64·4·4, flatten 1024, linear 512, relu 512 | linear 1024, layernorm 1024, relu 1024 | head 10
     assert act == 2 * 32 * 24 * 24 + 32 * 12 * 12 + 2 * 64 * 8 * 8 + 64 * 4 * 4 + 1024 + 2 * 512 + 3 * 1024 + 10
-    monkeypatch.setattr(fused, "available_memory", lambda device: 1 << 40)
-    assert plan.slots(CPU, 100) == fused.CPU_SLOTS
-    assert plan.group_size(CPU, len(datas)) == len(datas)
+    monkeypatch.setattr(fused, "total_memory", lambda device: 1 << 40)
+    assert fused_groups.group_slots(plan, CPU) == fused.CPU_SLOTS
+    # the free memory of the moment does not change the slots (they change a client's rounding)
+    monkeypatch.setattr(fused, "available_memory", lambda device: 1024)
+    assert fused_groups.group_slots(plan, CPU) == fused.CPU_SLOTS
     tight = int((3 * plan.per_slot + 3 * plan.per_result) / fused.MEMORY_FRACTION) + 16
-    monkeypatch.setattr(fused, "available_memory", lambda device: tight)
-    assert plan.slots(CPU, 100) == 3
-    assert plan.group_size(CPU, len(datas)) == 3
-    # the engine's entry trains groups of that size, in order, with the same results
-    got = list(algo.train_fused(items))
+    monkeypatch.setattr(fused, "total_memory", lambda device: tight)
+    assert fused_groups.group_slots(plan, CPU) == 3
+    got = train_group(algo, items)  # 3 slots for 4 clients: one waits for a free slot
     assert fused_calls == {"train": len(datas)}
     _assert_same_results(_sequential(algo, items), got)
-    monkeypatch.setattr(fused, "available_memory", lambda device: 1024)
-    assert plan.group_size(CPU, len(datas)) == 1
+    monkeypatch.setattr(fused, "total_memory", lambda device: 1024)
+    assert fused_groups.group_slots(plan, CPU) == 1
+
+
+def test_group_size_is_a_function_of_the_config():
+    """fused_group=auto: the device kind's slot cap over the mean participation rate; the free
+    memory of a rank plays no part."""
+    cuda = torch.device("cuda")
+    assert fused_groups.group_size(Config(), CPU) == fused.CPU_SLOTS
+    assert fused_groups.group_size(Config(), cuda) == fused.CUDA_SLOTS
+    assert fused_groups.group_size(Config(participation=0.5), CPU) == 2 * fused.CPU_SLOTS
+    assert fused_groups.group_size(Config(participation=0.3), CPU) == 4 * fused.CPU_SLOTS  # ⌈1/0.3⌉ = 4
+    assert fused_groups.group_size(Config(participation_range=[0.2, 0.6]), CPU) == 3 * fused.CPU_SLOTS  # mean 0.4
+    assert fused_groups.group_size(Config(fused_group=5, participation=0.1), cuda) == 5
 
 
 @pytest.mark.parametrize("cls", [FedAvg, FedCP, FedProx])
@@ -336,9 +350,9 @@ def test_amp_bf16_on_cpu(cls, capsys):
     datas = [_client(i, n) for i, n in enumerate(SIZES)]
     a16, _ = _algo(cls, amp="bf16")
     a32, gs = _algo(cls)
-    fused16 = a16.local_train_group(_items(a16, datas))
+    fused16 = train_group(a16, _items(a16, datas))
     seq16 = _sequential(a16, _items(a16, datas))
-    fused32 = a32.local_train_group(_items(a32, datas))
+    fused32 = train_group(a32, _items(a32, datas))
     out = capsys.readouterr().out
 
     def flat(upload):
@@ -430,7 +444,16 @@ FUSED_EQUALITY_TESTS = {
 }
 
 
-def test_fused_auto_is_the_default_and_falls_back_where_it_cannot():
+@pytest.fixture
+def one_thread():
+    """A rank of one thread (an in-process run before may have left the process with more)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_fused_auto_is_the_default_and_falls_back_where_it_cannot(one_thread):
     from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
     from fedcp_dist.errors import UserError
     from fedcp_dist.startup import training_path
@@ -445,7 +468,8 @@ def test_fused_auto_is_the_default_and_falls_back_where_it_cannot():
         why = algo.fused_reason()
         if why is None:
             fusing.add(name)
-            assert training_path(cfg, algo, False) == (True, "fused (fused=auto, groups sized by memory)")
+            assert training_path(cfg, algo, False) == (True, f"fused (fused=auto, groups of {fused.CPU_SLOTS} "
+                                                              f"(fused_group=auto))")
             cfg.fused_group = 3
             assert training_path(cfg, algo, False) == (True, "fused (fused=auto, groups of 3)")
         else:
@@ -501,57 +525,148 @@ def test_fused_default_resumes_bit_for_bit(digits6, tmp_path):
         assert torch.equal(straight[k], resumed[k]), k
 
 
-def test_worker_parts_balance_steps_and_keep_order():
-    # largest first, each to the part with fewer steps: 641 → A; 300, 250 → B (550); 100 → B (650); 10 → A (651)
-    assert fused.worker_parts([641, 100, 300, 250, 10], 2) == [[0, 4], [1, 2, 3]]
-    assert fused.worker_parts([5, 5, 5], 2) == [[0, 2], [1]]
-    assert fused.worker_parts([7], 3) == [[0]]  # no empty parts
+def test_workers_for_counts_groups():
     assert fused.workers_for("auto", CPU, 2, 20) == 2
-    assert fused.workers_for("auto", CPU, 4, 3) == 3  # never more workers than clients
+    assert fused.workers_for("auto", CPU, 4, 3) == 3  # never more workers than groups
     assert fused.workers_for("auto", CPU, 2, 1) == 1
     assert fused.workers_for(1, CPU, 2, 20) == 1
     assert fused.workers_for(3, CPU, 1, 20) == 3
     assert fused.workers_for("auto", torch.device("cuda"), 8, 20) == 1
 
 
-def test_train_side_by_side_merges_in_order_and_shares_slots_when_memory_is_short(monkeypatch):
-    calls = []
+def _group_results(algo, gs, datas, groups):
+    """{client: LocalResult} of the engine's GroupTrainer over ``groups`` (one round, all taking
+    part) with the global state ``gs``."""
+    from fedcp_dist.client_store import ClientStore
 
-    def train(part, slots):
-        calls.append((part, slots))
-        return [(i, slots) for i in part]
-
-    monkeypatch.setattr(fused, "available_memory", lambda device: 1000)
-    # 2 workers × 3 slots × 100 bytes = 600 > 0.5 · 1000: the 3 slots are shared out, 2 each (ceil)
-    out = fused.train_side_by_side([641, 100, 300, 250, 10], 2, 3, 100, CPU, train)
-    assert sorted(calls) == [([0, 4], 2), ([1, 2, 3], 2)]  # two threads: either may call first
-    assert out == [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2)]
-    calls.clear()
-    # 2 × 3 × 80 = 480 ≤ 500: each part keeps all 3 slots
-    assert fused.train_side_by_side([641, 100, 300, 250, 10], 2, 3, 80, CPU, train)[1] == (1, 3)
-    calls.clear()
-    # one worker: a single call over every item, in order, with the group's slots
-    assert fused.train_side_by_side([3, 1], 1, 5, 10 ** 9, CPU, train) == [(0, 5), (1, 5)]
-    assert calls == [([0, 1], 5)]
+    store = ClientStore(algo, gs)
+    items = {d.cid: it for d, it in zip(datas, _items(algo, datas))}
+    trainer = fused_groups.GroupTrainer(algo.cfg, algo, store, {d.cid: d for d in datas}, groups, CPU)
+    ctx = {c: it[2] for c, it in items.items()}
+    for c, it in items.items():
+        store.states[c] = it[0]
+    return dict(trainer.results(trainer.round_groups(sorted(items)), lambda c: ctx[c]))
 
 
 @pytest.mark.parametrize("cls, kw", [(FedCP, {"lam": 0.5, "cpn_train_gumbel": True}), (FedProx, {"prox_mu": 0.1})])
-def test_fused_workers_train_side_by_side_as_one_group(float64, monkeypatch, cls, kw, fused_calls):
-    """fused_workers=2: two parts of the group, trained in two threads at once, give each client
-    the sequential result (float64, 1e-12) and the one-group result; the threads' count is restored."""
+def test_fused_workers_train_whole_groups_side_by_side(float64, monkeypatch, cls, kw, fused_calls):
+    """fused_workers=2: the rank's groups train two at a time in two threads; each group is the
+    same fused group as with one worker (float64: equal to 1e-13, and to the sequential result to
+    1e-12), the threads' count is restored, and with too little free memory for two groups at
+    once they train one after the other, with the same results."""
     algo, gs = _algo(cls, shape=(1, 16, 16), drop_last=False, local_epochs=2, **kw)
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
-    items = _items(algo, datas)
+    groups = [[0, 2], [1, 3]]
     seen = []
     real = fused.run_in_workers
-    monkeypatch.setattr(fused, "run_in_workers", lambda jobs: seen.append(len(jobs)) or real(jobs))
+    monkeypatch.setattr(fused, "run_in_workers", lambda jobs, *a: seen.append(len(jobs)) or real(jobs, *a))
     threads = torch.get_num_threads()
     algo.cfg.fused_workers = 1
-    one = algo.local_train_group(items)
-    assert seen == []
+    one = _group_results(algo, gs, datas, groups)
+    assert seen == [1, 1]
     algo.cfg.fused_workers = 2
-    two = algo.local_train_group(_items(algo, datas))  # fresh generators
+    seen.clear()
+    two = _group_results(algo, gs, datas, groups)
     assert seen == [2] and torch.get_num_threads() == threads
     assert list(fused_calls.values()) == [2 * len(SIZES)]  # both runs fused every client
-    _assert_same_results(_sequential(algo, items), two, gs, atol=1e-12)
-    _assert_same_results(one, two, atol=1e-13)
+    seq = dict(zip(range(len(SIZES)), _sequential(algo, _items(algo, datas))))
+    order = sorted(two)
+    _assert_same_results([seq[c] for c in order], [two[c] for c in order], gs, atol=1e-12)
+    _assert_same_results([one[c] for c in order], [two[c] for c in order], atol=1e-13)
+    seen.clear()
+    monkeypatch.setattr(fused, "available_memory", lambda device: 1024)
+    short = _group_results(algo, gs, datas, groups)
+    assert seen == [1, 1]
+    _assert_same_results([two[c] for c in order], [short[c] for c in order], atol=0)
+
+
+def test_a_clients_result_depends_only_on_its_group(monkeypatch):
+    """The groups fix what a client is trained with: the same group gives the same bits whether the
+    rank holds other groups or not, and whichever order the rank's groups train in."""
+    algo, gs = _algo(FedCP, lam=0.5, cpn_train_gumbel=True)
+    sizes = (23, 7, 40, 31, 15, 52)
+    datas = [_client(i, n) for i, n in enumerate(sizes)]
+    alone = _group_results(algo, gs, datas[:3], [[0, 1, 2]])
+    with_others = _group_results(algo, gs, datas, [[3, 4, 5], [0, 1, 2]])
+    for c in (0, 1, 2):
+        for k in alone[c].upload:
+            assert torch.equal(alone[c].upload[k], with_others[c].upload[k]), (c, k)
+
+
+@pytest.mark.parametrize("group, shard", [("0", "digits20"), ("2", "digits6"), ("2", "digits20")])
+def test_disk_store_holds_the_states_of_a_group_not_of_the_cohort(monkeypatch, request, tmp_path, group, shard):
+    """client_state=disk on the default (fused) path: a group's states are read when it trains and
+    written back before the next group's are read, so the states held for training at once (read,
+    not yet written back: count and MiB) are bounded by the group size, whatever the cohort: groups
+    of 2 hold 2 of the 6 and of the 20 clients; groups of 8 (auto) hold 8 of 20."""
+    from fedcp_dist.client_store import DiskClientStore, state_bytes
+    from fedcp_dist.training import CohortTrainer
+
+    held, peak, training = {}, {"states": 0, "bytes": 0}, []
+    get, put, train = DiskClientStore.get, DiskClientStore.put, CohortTrainer.train
+
+    def spy_get(self, cid):
+        state = get(self, cid)
+        if training:  # (evaluation reads a state and lets it go)
+            held[cid] = state_bytes(state)
+            peak["states"] = max(peak["states"], len(held))
+            peak["bytes"] = max(peak["bytes"], sum(held.values()))
+        return state
+
+    def spy_put(self, cid, *args, **kw):
+        held.pop(cid, None)
+        return put(self, cid, *args, **kw)
+
+    def spy_train(self, *args):
+        training.append(1)
+        try:
+            return train(self, *args)
+        finally:
+            training.clear()
+            assert not held  # every state read for training was written back
+
+    monkeypatch.setattr(DiskClientStore, "get", spy_get)
+    monkeypatch.setattr(DiskClientStore, "put", spy_put)
+    monkeypatch.setattr(CohortTrainer, "train", spy_train)
+    path = request.getfixturevalue(shard)
+    said = []
+    cfg = load_config("configs/digits_fedcp.yaml", [
+        "rounds=2", "eval_every=2", f"data.path={path}", f"out_dir={tmp_path}", "client_state=disk", "threads=1",
+        "checkpoint_every=0", "record_memory=true", f"fused_group={group}"])
+    rt = init_runtime("cpu", 1, env={})
+    try:
+        Simulator(cfg, rt, echo=said.append).run()
+    finally:
+        rt.close()
+    assert "training: fused (fused=auto" in said[0] and "client states: disk" in said[0], said[0]
+    cohort = 6 if shard == "digits6" else 20
+    size = int(group) or fused.CPU_SLOTS
+    one = state_bytes(FedCP(cfg, build_model("cnn", (1, 28, 28), 10), CPU).init_client_state(0))
+    assert peak["states"] == min(size, cohort)
+    assert peak["bytes"] == min(size, cohort) * one
+    rounds = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"round"' in l]
+    assert all("client_state_held_mb" in r for r in rounds if r.get("kind") == "round")
+
+
+def test_a_group_trains_on_one_thread_whatever_its_ranks_thread_count():
+    """fused_workers=auto: a rank of 2 threads trains even a lone group on one intra-op thread
+    (the thread count changes a kernel's rounding), so the group's results are the bits a rank of
+    1 thread gets; the rank's thread count is restored."""
+    algo, gs = _algo(FedCP, lam=0.5, cpn_train_gumbel=True)
+    datas = [_client(i, n) for i, n in enumerate((23, 7, 40))]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _group_results(algo, gs, datas, [[0, 1, 2]])
+        torch.set_num_threads(2)
+        assert fused_groups.one_thread_each(algo.cfg, CPU, 2)
+        two = _group_results(algo, gs, datas, [[0, 1, 2]])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+    for c in one:
+        for k in one[c].upload:
+            assert torch.equal(one[c].upload[k], two[c].upload[k]), (c, k)
+    algo.cfg.fused_workers = 1  # one group at a time on every thread of the rank
+    assert not fused_groups.one_thread_each(algo.cfg, CPU, 2)
+    assert not fused_groups.one_thread_each(Config(), torch.device("cuda"), 8)

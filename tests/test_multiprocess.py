@@ -1,13 +1,15 @@
-"""1, 2 and 3 ranks (torchrun) and 2 ranks (mpirun) give the same trajectory."""
+"""1, 2 and 3 ranks (torchrun) and 2 ranks (mpirun) give the same trajectory: one by one
+(fused=false) and on the default fused path, bit for bit."""
 import json
 import os
+import re
 import shutil
 import sys
 
 import pytest
 import torch
 
-from conftest import BIN, run_cmd
+from conftest import BIN, REPO, run_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -16,8 +18,7 @@ ROUNDS = 3
 
 def _args(shard, out, method="fedcp"):
     # fused=false: clients train one by one, so a client's update is the same bits on any world size
-    # and only the all-reduce's order of addition differs. Fused groups (the default) are composed
-    # per rank, and their float32 rounding drifts further (tests/test_fused.py bounds it)
+    # and only the all-reduce's order of addition differs (the default fused path is checked below)
     return [
         "--config", "configs/digits_fedcp.yaml", "fused=false",
         f"method={method}", f"rounds={ROUNDS}", "eval_every=1", f"data.path={shard}", f"out_dir={out}", "threads=1",
@@ -173,3 +174,33 @@ def test_srun_path_on_two_hosts_matches_single_rank(single, digits6, tmp_path):
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"launcher=slurm world_size=4 device=cpu backend=gloo threads={threads}" in outs[0]
     _check_same(single, got, "srun path, 2 nodes x 2")
+
+
+def test_default_fused_path_is_bit_identical_on_one_two_and_three_ranks(digits20, tmp_path):
+    """The defaults (fused=auto, fused_group=auto, placement=auto): the 20 clients train in three
+    fused groups fixed by the config (8, 8, 4), which 2 and 3 ranks hold in different places; the
+    final global state, every client's state, the metric records and the summary are the same bits
+    on 1, 2 and 3 ranks (timings and the launch itself aside)."""
+    from golden.record import digest_run
+
+    def args(out):
+        return ["--config", "configs/digits_fedcp.yaml", "rounds=2", "eval_every=1", "checkpoint_every=1",
+                "keep_checkpoints=5", f"data.path={digits20}", f"out_dir={out}", "threads=1"]
+
+    digests, lines = {}, {}
+    for n in (1, 2, 3):
+        out = tmp_path / f"ranks{n}"
+        launch = ["-m", "fedcp_dist.run"] if n == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                                            f"--nproc_per_node={n}", "-m", "fedcp_dist.run"]
+        r = run_cmd([sys.executable, *launch, *args(out)], timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        lines[n] = next(line for line in r.stdout.splitlines() if line.startswith("fedcp_dist: fedcp"))
+        digests[n] = digest_run(out)
+    for n, line in lines.items():
+        assert "placed by steps in 3 whole fused groups" in line and "training: fused (fused=auto, groups of 8" in line
+    # the groups really are spread: every rank of 3 holds one (no rank's step count is 0)
+    assert re.search(r"max/mean steps per rank [0-9.]+ \(\d+/\d+/\d+\)", lines[3])
+    assert "/0/" not in lines[3] and "/0)" not in lines[3] and "(0/" not in lines[3]
+    assert digests[1]["final_acc"] > 0.3  # the model learned: the comparison is not of untouched states
+    assert digests[2] == digests[1]
+    assert digests[3] == digests[1]

@@ -14,8 +14,8 @@ import torch
 from conftest import REPO, run_cmd
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import (client_steps, cohort_size, imbalance, place_clients, placement_rule,
-                                  placement_weights, sample_cohort, steps_per_rank, stream_seed)
+from fedcp_dist.placement import (client_steps, cohort_size, form_groups, imbalance, place_clients, place_groups,
+                                  placement_rule, placement_weights, sample_cohort, steps_per_rank, stream_seed)
 from fedcp_dist.startup import place
 
 
@@ -114,6 +114,23 @@ def test_place_is_a_function_of_config_and_sizes():
     assert rule == "samples" and owner.tolist() == [0] + [1] * 10 and per_rank.tolist() == [10, 20]
 
 
+def test_fused_groups_follow_the_steps_and_are_placed_whole():
+    # steps 10, 2 × 10: ordered largest first (ties by id), cut into groups of 4, each sorted by id
+    groups = form_groups(client_steps(SIZES, 10, 1, False), 4)
+    assert [g.tolist() for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert [g.tolist() for g in form_groups([1, 5, 5, 3, 0], 2)] == [[1, 2], [0, 3], [4]]
+    # groups weigh 16, 8, 6 steps: 16 → rank 0, 8 → rank 1, 6 → rank 1 (8 < 16)
+    owner = place_groups(client_steps(SIZES, 10, 1, False), groups, 2)
+    assert owner.tolist() == [0] * 4 + [1] * 7
+    # the groups are the same lists on any world size; each lies on one rank of every world size
+    for world in (1, 2, 3, 5):
+        owner = place_groups(client_steps(SIZES, 10, 1, False), groups, world)
+        assert all(len(set(owner[g].tolist())) == 1 for g in groups)
+    cfg = SimpleNamespace(placement="auto", fused="auto", batch_size=10, local_epochs=1, drop_last=False)
+    owner, rule, per_rank = place(cfg, np.asarray(SIZES), 2, group_size=4)
+    assert rule == "steps" and owner.tolist() == [0] * 4 + [1] * 7 and per_rank.tolist() == [16, 14]
+
+
 def test_bad_placement_is_a_one_line_error():
     with pytest.raises(UserError, match="'placement': must be one of auto, samples, steps, got 'rows'"):
         load_config(str(REPO / "configs" / "digits_fedcp.yaml"), ["placement=rows"])
@@ -121,10 +138,10 @@ def test_bad_placement_is_a_one_line_error():
 
 @pytest.mark.slow
 def test_two_rank_fused_run_places_alike_and_keeps_its_accuracy(digits20, tmp_path):
-    """One 2-rank fused run (placement by steps) of the golden fedcp-fused case: every client is
-    held by exactly the rank the placement names (ranks that computed different placements would
-    hold a client twice or not at all), the start line reports the imbalance, and the accuracy is
-    the one recorded with placement by samples, within the golden tolerance."""
+    """One 2-rank fused run (placement by steps, whole fused groups) of the golden fedcp-fused case:
+    every client is held by exactly the rank the placement names (ranks that computed different
+    placements would hold a client twice or not at all), the start line reports the imbalance, and
+    the accuracy is the one recorded with placement by samples, within the golden tolerance."""
     from golden.record import ACC_TOLERANCE, ROUNDS
 
     out = tmp_path / "run"
@@ -136,21 +153,26 @@ def test_two_rank_fused_run_places_alike_and_keeps_its_accuracy(digits20, tmp_pa
 
     from fedcp_dist.data.shards import read_info
 
+    from fedcp_dist.fused_groups import group_size
+
     cfg = load_config(str(REPO / "configs" / "digits_fedcp.yaml"), overrides)
     counts = read_info(str(digits20)).train_counts
-    owner, rule, per_rank = place(cfg, counts, 2)
+    size = group_size(cfg, torch.device("cpu"))
+    owner, rule, per_rank = place(cfg, counts, 2, size)
     assert rule == "steps"
-    # on this shard the rule matters: by samples the clients land elsewhere
-    assert not np.array_equal(owner, place_clients(counts, 2))
+    # on this shard the groups matter: client by client they land elsewhere
+    assert not np.array_equal(owner, place(cfg, counts, 2)[0])
+    groups = form_groups(client_steps(counts, 10, 1, True), size)
+    assert len(groups) > 1 and all(len(set(owner[g].tolist())) == 1 for g in groups)
     ck = out / "checkpoints" / "round_0000001"
     held = [sorted(int(c) for c in torch.load(ck / f"clients_{r}.pt", weights_only=True)["clients"]) for r in (0, 1)]
     assert held == [np.flatnonzero(owner == r).tolist() for r in (0, 1)]
 
-    line = re.search(r"placed by (\w+), max/mean steps per rank ([0-9.]+) \((\d+)/(\d+)\)", r.stdout)
+    line = re.search(r"placed by (\w+)(?: in \d+ whole fused groups)?, max/mean steps per rank ([0-9.]+) \((\d+)/(\d+)\)", r.stdout)
     assert line, r.stdout[-2000:]
     assert line.group(1) == "steps" and [int(line.group(3)), int(line.group(4))] == per_rank.tolist()
     assert float(line.group(2)) == pytest.approx(imbalance(per_rank), abs=1e-3)
-    assert imbalance(per_rank) <= imbalance(steps_per_rank(client_steps(counts, 10, 1, True), place_clients(counts, 2), 2))
+    assert f"placed by steps in {len(groups)} whole fused groups" in r.stdout
 
     recorded = json.loads((REPO / "tests" / "golden" / "digests.json").read_text())["world_sizes"]["2"]["fedcp-fused"]
     summary = json.loads((out / "summary.json").read_text())

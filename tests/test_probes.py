@@ -14,6 +14,7 @@ from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.analysis.records import read_probes
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.fused_groups import train_group
 from fedcp_dist.probes import S_BINS, EvalTally, ProbeTable, RoundProbes, keep_before, s_histogram
 from helpers import CPU, Tiny, nonfinite_at, quarters_shard, run, tiny_data
 
@@ -121,7 +122,7 @@ def test_fedcp_training_tally_is_the_pir_of_the_samples_seen_and_changes_nothing
                  (state, d2, Context(0, 1, torch.Generator().manual_seed(2), probe=True))]
         seq = [algo.local_train(*it) for it in [(state, data, Context(0, 0, torch.Generator().manual_seed(1), True)),
                                                  (state, d2, Context(0, 1, torch.Generator().manual_seed(2), True))]]
-        fused = algo.local_train_group(items)
+        fused = train_group(algo, items)
         for a, b in zip(seq, fused):
             assert a.samples == b.samples and b.tallies["s"] == pytest.approx(a.tallies["s"], abs=1e-5)
 
@@ -180,7 +181,7 @@ def small_shard(tmp_path_factory):
 def _args(shard, out, *extra):
     return ["method=fedcp", f"rounds={ROUNDS}", "eval_every=1", "lr=0.05", "batch_size=4", "lam=0.1",
             f"data.path={shard}", "data.source=", f"out_dir={out}", "threads=1", "checkpoint_every=1",
-            "fused=false",  # fused grouping depends on the clients per rank: compared across world sizes
+            "fused=false",  # the sequential path across world sizes (the fused one: test_multiprocess.py)
             *extra]
 
 

@@ -19,8 +19,8 @@ ROUNDS = 10
 
 
 def _args(shard, out, *extra):
-    # fused=false: a run resumed on another world size is compared bit for bit, which holds for
-    # clients trained one by one; fused groups are composed per rank (their rounding differs)
+    # fused=false: these runs check the sequential path across world sizes (the default fused path
+    # is checked on 1, 2 and 3 ranks in tests/test_multiprocess.py)
     return ["--config", "configs/digits_fedcp.yaml", f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2",
             f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *extra]
 

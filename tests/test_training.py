@@ -36,7 +36,7 @@ def test_cohort_trainer_trains_owned_clients_and_leaves_a_nonfinite_one_out(caps
     agg = FlatAggregator({"w": torch.Size([2])}, 0, CPU)
     data = {c: SimpleNamespace(n_train=n) for c, n in ((0, 4), (1, 2), (3, 5))}
     trainer = CohortTrainer(Config(seed=1), FakeRuntime(), algo, store, data,
-                            np.array([0, 0, 1, 0]), False, agg, Compressor("none", 1.0, 32, False, agg.shapes))
+                            np.array([0, 0, 1, 0]), None, agg, Compressor("none", 1.0, 32, False, agg.shapes))
     train, payloads = trainer.train(5, [0, 1, 2, 3], RoundProbes(0, 4, 5, False))
     assert [(t, c) for t, c, _ in algo.seen] == [(5, 0), (5, 1), (5, 3)]  # client 2 lives on rank 1
     assert algo.seen[0][2] == torch.rand(1, generator=trainer.generator(2, 5, 0)).item()  # STREAM_TRAIN, t, client

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from fedcp_dist import fused
-from fedcp_dist.local_train import (ClientPhase, Phase, PhaseOutcome, Step, amp_autocast, module_keys,
-                                    train_sequential)
+# load_module and module_state live with the training loop that uses them; the methods take them from here
+from fedcp_dist.local_train import (ClientPhase, Phase, PhaseOutcome, load_module, module_state,  # noqa: F401
+                                    train_sequential, unsupported_reason)
 
 State = Dict[str, torch.Tensor]
 
@@ -56,23 +56,6 @@ class LocalResult:
             return False
         tensors = [*self.upload.values(), *(self.client_state or {}).values()]
         return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
-
-
-def module_state(prefix: str, module: nn.Module) -> State:
-    """Detached copies of a module's parameters and floating buffers, keys prefixed."""
-    out = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if t.is_floating_point():
-            out[f"{prefix}{name}"] = t.detach().clone()
-    return out
-
-
-@torch.no_grad()
-def load_module(module: nn.Module, state: State, prefix: str) -> None:
-    """Copy ``state[prefix + name]`` into a module's parameters and floating buffers in place."""
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if t.is_floating_point():
-            t.copy_(state[f"{prefix}{name}"])
 
 
 @torch.no_grad()
@@ -139,8 +122,8 @@ class Algorithm:
         return ""
 
     def fused_reason(self) -> Optional[str]:
-        """Why this method's clients cannot train fused here (None: they can, through
-        :meth:`SGDAlgorithm.train_fused`)."""
+        """Why this method's clients cannot train fused here (None: they can, through the engine's
+        :mod:`fedcp_dist.fused_groups`, from :meth:`SGDAlgorithm.phases` and ``finish``)."""
         return self.own_loop or f"{self.name} has its own local training loop"
 
     # -- the peer exchange (methods that need other clients' models: FedAMP, FedFomo) ------------
@@ -228,8 +211,8 @@ class SGDAlgorithm(Algorithm):
     Subclasses set ``self.training_phases`` (the :class:`~fedcp_dist.local_train.Phase` s they
     train, in order) and implement :meth:`phases` (each client's starting values per phase) and
     :meth:`finish` (upload and new client state from the phases' outcomes). The sequential path
-    (:meth:`local_train`) and the fused path (:meth:`local_train_group`) then run the very same
-    loss code, under ``amp`` alike.
+    (:meth:`local_train`) and the engine's fused path (:mod:`fedcp_dist.fused_groups`) then run
+    the very same loss code, under ``amp`` alike.
     """
 
     training_phases: List[Phase] = []
@@ -252,82 +235,8 @@ class SGDAlgorithm(Algorithm):
                     for phase, cp in self.phases(client_state, data, ctx)]
         return self.finish(client_state, outcomes, ctx)
 
-    # -- fused training -----------------------------------------------------------------------
     def fused_reason(self) -> Optional[str]:
         if self.own_loop is not None:
             return self.own_loop
         modules = [m for phase in self.training_phases for m in (*phase.modules.values(), *phase.shared)]
-        return fused.unsupported_reason(*modules)
-
-    def memory_plan(self, plans: list, datas: list) -> "fused.MemoryPlan":
-        """Per-client memory of fused training (the largest over the phases), from one client's
-        phases ``plans`` = [(phase, ClientPhase)]: 4 bytes per stacked value, twice for trained
-        ones (their gradient), plus activations counted on a one-sample forward of the loss."""
-        per_slot = per_result = 0
-        x = fused.probe_input(datas)
-        for phase, cp in plans:
-            trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
-            total = sum(t.numel() for t in cp.start.values())
-            act = self._activations(phase, cp, datas) if x is not None else 0
-            per_slot = max(per_slot, 4 * (trained + total) + fused.ACTIVATION_COPIES * 4 * self.cfg.batch_size * act)
-            per_result = max(per_result, 4 * total)
-        return fused.MemoryPlan(per_slot=per_slot, per_result=per_result)
-
-    def _activations(self, phase: Phase, cp: ClientPhase, datas: list) -> int:
-        """Output elements of the phase's modules' layers for one sample (counted once per phase)."""
-        counted = self.__dict__.setdefault("_fused_act", {})
-        if phase.name not in counted:
-            d = next(d for d in datas if d.n_train > 0)
-            x, y = d.train_batch(torch.zeros(1, dtype=torch.long, device=d.train_y.device))
-            names = module_keys(phase)
-            consts = {k: v for k, v in cp.start.items() if k not in names}
-            step = Step(x, y, phase.modules, consts, torch.Generator(device=y.device).manual_seed(0))
-            counted[phase.name] = fused.activation_elements(lambda: phase.loss(step), list(phase.modules.values()))
-        return counted[phase.name]
-
-    def local_train_group(self, items: list, plans: Optional[list] = None) -> List[LocalResult]:
-        """Train ``items`` = [(client_state, data, ctx), ...] at once, as many at a time as memory
-        allows (same results as :meth:`local_train` within float rounding). On a CPU rank with
-        several threads the group is split into ``fused_workers`` parts of about equal step counts
-        trained side by side, one thread each (:func:`fused.train_side_by_side`)."""
-        if not items:
-            return []
-        plans = plans or [self.phases(state, data, ctx) for state, data, ctx in items]
-        datas = [d for _, d, _ in items]
-        plan = self.memory_plan(plans[0], datas)
-        slots = plan.slots(self.device, len(items))
-        cfg = self.cfg
-        workers = fused.workers_for(cfg.fused_workers, self.device, torch.get_num_threads(), len(items))
-        steps = [fused.num_batches(d.n_train if p[0][1].index is None else int(p[0][1].index.numel()),
-                                   cfg.batch_size, cfg.local_epochs, cfg.drop_last) for d, p in zip(datas, plans)]
-        outcomes = fused.train_side_by_side(
-            steps, workers, slots, plan.per_slot, self.device,
-            lambda part, n: self._fused_outcomes([items[i] for i in part], [plans[i] for i in part], n))
-        return [self.finish(state, out, ctx) for (state, _, ctx), out in zip(items, outcomes)]
-
-    def _fused_outcomes(self, items: list, plans: list, slots: int) -> list:
-        """Each item's phase outcomes, its clients trained fused, ``slots`` at a time."""
-        cfg = self.cfg
-        outcomes = [[] for _ in items]
-        for j, phase in enumerate(p for p, _ in plans[0]):
-            runs = [fused.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
-                    for (_, d, ctx), plan in zip(items, plans)]
-            done = fused.train_fused(runs, phase, slots=slots, autocast=lambda: amp_autocast(cfg.amp, self.device),
-                                     tally=items[0][2].probe, **self._sgd_kwargs(items[0][2]))
-            for out, o, plan in zip(outcomes, done, plans):
-                o.info = plan[j][1].info
-                out.append(o)
-        return outcomes
-
-    def train_fused(self, items: list) -> Iterator[LocalResult]:
-        """One LocalResult per ``(client_state, data, ctx)`` of ``items``, in order, trained in
-        groups as large as memory allows (``fused_group`` sets the size); only when
-        :meth:`fused_reason` is None."""
-        pending = list(items)
-        while pending:
-            first = self.phases(*pending[0])
-            size = self.cfg.fused_group or self.memory_plan(first, [d for _, d, _ in pending]).group_size(
-                self.device, len(pending))
-            group, pending = pending[:size], pending[size:]
-            plans = [first] + [self.phases(*item) for item in group[1:]]
-            yield from self.local_train_group(group, plans)
+        return unsupported_reason(*modules)

@@ -1,0 +1,185 @@
+"""Fused training on a rank: groups fixed by the configuration, their memory, trained side by side.
+
+A client's fused result depends, in float rounding, on the clients it shares its steps with: the
+stacked kernels block their sums by the number of active slots, so a group of 8 and a group of 20
+give the same client different last bits (measured on a CPU: up to 2e-6 of a weight after one
+round). For the same trajectory on any world size the groups are therefore a function of the
+configuration and the shard alone (:func:`fedcp_dist.placement.form_groups`): the run's clients
+ordered by their local steps (largest first, ties by id) and cut into groups of
+:func:`group_size`; placement puts whole groups on ranks, and each round a group's participants
+train together with the same number of slots on whichever rank owns it. Clients of similar step
+counts share a group, so its slots stay busy until near its end.
+
+The engine (:class:`GroupTrainer`) reads each group's client states from the store just before
+the group trains and hands the results back group by group, so a rank holds the states of the
+groups in training, not of its whole cohort. The algorithm only declares its phases and its
+``finish``; the memory plan, the slots and the threads are decided here.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from fedcp_dist import fused
+from fedcp_dist.local_train import Step, amp_autocast, module_keys
+
+#: {algorithm: {phase name: activation elements per sample}}, counted once per phase
+_ACTIVATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def slot_cap(device: torch.device) -> int:
+    """Most clients one fused step trains at once on ``device``'s kind (see :mod:`fedcp_dist.fused`)."""
+    return fused.CUDA_SLOTS if torch.device(device).type == "cuda" else fused.CPU_SLOTS
+
+
+def group_size(cfg, device) -> int:
+    """Clients per fused group: ``fused_group``, or (0, auto) the slot cap of the device kind
+    divided by the mean participation rate, so that a round's group holds about a cap of
+    participants. A function of the configuration alone: the same on every rank and world size."""
+    if cfg.fused_group:
+        return int(cfg.fused_group)
+    rng = getattr(cfg, "participation_range", None)
+    rho = (float(rng[0]) + float(rng[1])) / 2 if rng else float(cfg.participation)
+    return int(slot_cap(device) * max(1, math.ceil(1.0 / max(rho, 1e-6) - 1e-9)))
+
+
+def activation_counts(algo) -> Dict[str, int]:
+    """Activation elements per sample of each phase the memory plan has counted for ``algo``."""
+    return _ACTIVATIONS.setdefault(algo, {})
+
+
+def _activations(algo, phase, cp, datas: list) -> int:
+    """Output elements of the phase's modules' layers for one sample (counted once per phase)."""
+    counted = activation_counts(algo)
+    if phase.name not in counted:
+        d = next(d for d in datas if d.n_train > 0)
+        x, y = d.train_batch(torch.zeros(1, dtype=torch.long, device=d.train_y.device))
+        names = module_keys(phase)
+        consts = {k: v for k, v in cp.start.items() if k not in names}
+        step = Step(x, y, phase.modules, consts, torch.Generator(device=y.device).manual_seed(0))
+        counted[phase.name] = fused.activation_elements(lambda: phase.loss(step), list(phase.modules.values()))
+    return counted[phase.name]
+
+
+def memory_plan(algo, plans: list, datas: list) -> fused.MemoryPlan:
+    """Per-client memory of fused training (the largest over the phases), from one client's
+    phases ``plans`` = [(phase, ClientPhase)]: 4 bytes per stacked value, twice for trained
+    ones (their gradient), plus activations counted on a one-sample forward of the loss."""
+    per_slot = per_result = 0
+    x = fused.probe_input(datas)
+    for phase, cp in plans:
+        trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
+        total = sum(t.numel() for t in cp.start.values())
+        act = _activations(algo, phase, cp, datas) if x is not None else 0
+        per_slot = max(per_slot, 4 * (trained + total) + fused.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act)
+        per_result = max(per_result, 4 * total)
+    return fused.MemoryPlan(per_slot=per_slot, per_result=per_result)
+
+
+def _outcomes(algo, items: list, plans: list, slots: int) -> list:
+    """Each item's phase outcomes, its clients trained fused, ``slots`` at a time."""
+    cfg = algo.cfg
+    outcomes = [[] for _ in items]
+    for j, phase in enumerate(p for p, _ in plans[0]):
+        runs = [fused.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
+                for (_, d, ctx), plan in zip(items, plans)]
+        done = fused.train_fused(runs, phase, slots=slots, autocast=lambda: amp_autocast(cfg.amp, algo.device),
+                                 tally=items[0][2].probe, **algo._sgd_kwargs(items[0][2]))
+        for out, o, plan in zip(outcomes, done, plans):
+            o.info = plan[j][1].info
+            out.append(o)
+    return outcomes
+
+
+def train_group(algo, items: list, slots: Optional[int] = None, plans: Optional[list] = None) -> list:
+    """The LocalResults of ``items`` = [(client_state, data, ctx), ...] trained as one fused group
+    (the same results as the algorithm's ``local_train`` within float rounding), ``slots`` at a
+    time (None: the slots of :func:`group_slots`)."""
+    if not items:
+        return []
+    plans = plans or [algo.phases(state, data, ctx) for state, data, ctx in items]
+    if slots is None:
+        slots = group_slots(memory_plan(algo, plans[0], [d for _, d, _ in items]), algo.device)
+    outcomes = _outcomes(algo, items, plans, slots)
+    return [algo.finish(state, out, ctx) for (state, _, ctx), out in zip(items, outcomes)]
+
+
+def group_slots(plan: fused.MemoryPlan, device: torch.device) -> int:
+    """Clients a group trains at once: the device kind's cap, fewer where that many would not fit
+    in :data:`fused.MEMORY_FRACTION` of the device's total memory (not its free memory, which
+    differs between ranks and moments: the slots change a client's rounding)."""
+    return plan.slots(device, slot_cap(device), int(fused.MEMORY_FRACTION * fused.total_memory(device)))
+
+
+def one_thread_each(cfg, device: torch.device, threads: int) -> bool:
+    """Whether each group trains on one intra-op thread: on a CPU rank of several threads unless
+    ``fused_workers`` = 1. The thread count changes a kernel's rounding, so under ``auto`` (one
+    group per thread) a group trains alike however many threads its rank has and however many
+    groups it trains at once; with ``fused_workers`` = 1 a group takes every thread of its rank,
+    and the trajectory is then the same on ranks of the same thread count only."""
+    return torch.device(device).type == "cpu" and threads > 1 and cfg.fused_workers != 1
+
+
+def side_by_side(jobs: Sequence[Callable[[], list]], workers: int, group_bytes: int, device: torch.device,
+                 one_thread: bool = False) -> list:
+    """``[job() for job in jobs]`` (one job: one group), up to ``workers`` at once in threads of
+    their own (:func:`fused.run_in_workers`; ``one_thread``: a job alone too on one intra-op
+    thread), fewer when that many groups of ``group_bytes`` each would not fit in the memory free
+    now (which changes how many run at once, not their results)."""
+    fit = int(fused.MEMORY_FRACTION * fused.available_memory(device)) // max(1, group_bytes)
+    at_once = max(1, min(workers, fit))
+    out: list = []
+    for i in range(0, len(jobs), at_once):
+        out.extend(fused.run_in_workers(list(jobs[i:i + at_once]), one_thread))
+    return out
+
+
+class GroupTrainer:
+    """A rank's fused training of a round: its groups' participants, a group's states read from the
+    store just before it trains and its results handed back before the next groups' are read.
+
+    ``groups``: this rank's groups (lists of client ids, the run's order), the same lists whichever
+    rank owns them. ``fused_workers`` groups train side by side, one intra-op thread each
+    (:func:`one_thread_each`); the slots are the same for every group of the run (:func:`group_slots`)."""
+
+    def __init__(self, cfg, algo, store, data: dict, groups: List[List[int]], device: torch.device):
+        self.cfg, self.algo, self.store, self.data, self.device = cfg, algo, store, data, device
+        self.groups = [list(g) for g in groups]
+        self.slots: Optional[int] = None
+        self.plan: Optional[fused.MemoryPlan] = None
+
+    def round_groups(self, participants: Sequence[int]) -> List[List[int]]:
+        """This rank's groups restricted to the round's ``participants`` (empty ones left out)."""
+        taking = set(int(c) for c in participants)
+        return [g for g in ([c for c in group if c in taking] for group in self.groups) if g]
+
+    def results(self, groups: List[List[int]], context: Callable[[int], object]) -> Iterator[tuple]:
+        """(client, LocalResult) for every client of ``groups`` (each trained as one fused group),
+        group by group; ``context(c)``: the client's :class:`~fedcp_dist.algorithms.base.Context`."""
+        threads = torch.get_num_threads()
+        workers = fused.workers_for(self.cfg.fused_workers, self.device, threads, len(groups))
+        one_thread = one_thread_each(self.cfg, self.device, threads)
+        self.store.prefetch([c for g in groups for c in g])
+        i = 0
+        while i < len(groups):
+            wave = groups[i:i + workers]
+            items = [[(self.store.get(c), self.data[c], context(c)) for c in g] for g in wave]
+            plans = [[self.algo.phases(*item) for item in group] for group in items]
+            plan, slots = self.plan, self.slots
+            if slots is None:  # from the first wave that holds a training sample: the same on every rank
+                datas = [d for group in items for _, d, _ in group]
+                plan = memory_plan(self.algo, plans[0][0], datas)
+                slots = group_slots(plan, self.device)
+                if fused.probe_input(datas) is not None:
+                    self.plan, self.slots = plan, slots
+            group_bytes = slots * plan.per_slot + max(len(g) for g in wave) * plan.per_result
+            done = side_by_side([lambda it=it, pl=pl, s=slots: train_group(self.algo, it, s, pl)
+                                 for it, pl in zip(items, plans)], len(wave), group_bytes, self.device, one_thread)
+            del items, plans
+            for g, res in zip(wave, done):
+                yield from zip(g, res)
+            i += len(wave)
+
