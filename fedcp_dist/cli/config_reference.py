@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from fedcp_dist.config import Data, components
+from fedcp_dist.config import components
 from fedcp_dist.errors import ArgumentParser, cli_main
 from fedcp_dist.fileio import atomic_write_bytes
 from fedcp_dist.options import accepts

@@ -24,7 +24,6 @@ import copy
 from typing import NamedTuple, Optional
 
 import torch
-from torch import nn
 
 from fedcp_dist.algorithms.base import LocalResult, SGDAlgorithm, freeze, load_module, module_state
 from fedcp_dist.algorithms.fedcp.client_vector import ClientVector
