@@ -12,7 +12,7 @@ the ``-fused`` cases override it with ``fused=true`` and keep the placement by s
 (``placement=samples``) that every run had then. Its digest covers the final global state,
 every client's persistent state in that checkpoint (all ranks' parts), the metric records without
 their timings (and byte counts, ACCOUNTING), and the summary without them: SHA-256 over the exact bytes and float reprs.
-The file also records the machine it was made on (torch version, CPU capability): float results
+The file also records the machine it was made on (torch version, CPU capability and model): float results
 are bit-identical only on the same kind of machine and thread count.
 """
 from __future__ import annotations
@@ -72,10 +72,23 @@ def _sha(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def cpu_model() -> str:
+    """The processor's model name (/proc/cpuinfo): two processors of one instruction set (AVX-512 on an
+    Intel Xeon and on an AMD EPYC) can still round differently in their math libraries."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def fingerprint() -> dict:
     import torch
 
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": 1}
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_model": cpu_model(), "threads": 1}
 
 
 def digest_run(out: Path) -> dict:
