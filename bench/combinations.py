@@ -65,7 +65,8 @@ def main(argv=None) -> int:
             results.append({"method": method, "label": f"{method}:pair", "row": pair, "expected": "refused",
                             "kind": "refused" if ok else "failed", "detail": str(err), "seconds": 0.0})
 
-    todo = C.rows(methods)
+    # the one-rank rows first (in this process, quick), then the two-rank rows (torchrun)
+    todo = sorted(C.rows(methods), key=lambda r: r[2].get(C.RANKS, 1))
     print(f"{len(todo)} rows to run; {len(results)} refusals checked without running", flush=True)
     for n, (method, label, row, expected) in enumerate(todo):
         out = work / "runs" / label.replace(":", "_").replace("#", "_")
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
         results.append({"method": method, "label": label, "row": C.varied(row), "expected": expected,
                         "kind": o.kind if ok else "failed", "detail": o.detail, "seconds": round(o.seconds, 2)})
         shutil.rmtree(out, ignore_errors=True)
+        if args.json:  # as it goes: an interrupted run keeps what it did
+            Path(args.json).write_text(json.dumps({"rows": results}, indent=1))
 
     run_rows = [r for r in results if r["label"].count("#") or r["label"].endswith(tuple(C.START_REFUSED))]
     summary = {
