@@ -469,8 +469,8 @@ def _run_here(flat: dict, t0: float) -> Outcome:
 
 def run_command(cmd: list, out_dir: Path, t0: float, timeout: float = 900) -> Outcome:
     """A ``fedcp-run`` (or torchrun) command's outcome: ran (exit 0, summary.json's accuracies
-    finite), refused (exit 2 under fedcp-run, one ``error:`` line naming a config key under
-    torchrun, no traceback either way) or failed."""
+    finite), refused (fedcp-run: exit 2, one ``error:`` line, no traceback; torchrun: every rank's
+    same ``error:`` line and exit 2, no traceback from the project) or failed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("FEDCP_LAUNCHER", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
@@ -479,6 +479,13 @@ def run_command(cmd: list, out_dir: Path, t0: float, timeout: float = 900) -> Ou
     except subprocess.TimeoutExpired:
         return Outcome("failed", f"no end within {timeout:.0f} s", time.time() - t0)
     seconds = time.time() - t0
+    torchrun = "torch.distributed.run" in cmd
+    errors = sorted({l for l in r.stderr.splitlines() if l.startswith("error: ")})
+    if torchrun and r.returncode != 0 and len(errors) == 1 and "exitcode  : 2 " in r.stderr \
+            and "/fedcp_dist/" not in r.stderr and "Traceback" not in r.stdout:
+        # every rank refused in the same line and exited 2; torchrun reports a failed worker with a
+        # traceback of its own (ChildFailedError) and exit 1, whatever the worker said
+        return Outcome("refused", errors[0][len("error: "):], seconds)
     if "Traceback" in r.stderr or "Traceback" in r.stdout:
         tail = [l for l in r.stderr.splitlines() if l.strip()][-3:]
         return Outcome("failed", f"exit {r.returncode}, traceback: {' | '.join(tail)}", seconds)
@@ -487,10 +494,8 @@ def run_command(cmd: list, out_dir: Path, t0: float, timeout: float = 900) -> Ou
         if not summary_path.exists():
             return Outcome("failed", "exit 0 without summary.json", seconds)
         return _ran(json.loads(summary_path.read_text()), t0)
-    errors = sorted({l for l in r.stderr.splitlines() if l.startswith("error: ")})
-    torchrun = "torch.distributed.run" in cmd
-    if len(errors) == 1 and (r.returncode == 2 or torchrun):
-        if not torchrun and len(r.stderr.strip().splitlines()) != 1:
+    if len(errors) == 1 and r.returncode == 2 and not torchrun:
+        if len(r.stderr.strip().splitlines()) != 1:
             return Outcome("failed", f"exit 2 with more than one line: {r.stderr.strip()[-300:]}", seconds)
         return Outcome("refused", errors[0][len("error: "):], seconds)
     return Outcome("failed", f"exit {r.returncode}: {r.stderr.strip()[-300:]}", seconds)

@@ -158,9 +158,15 @@ def test_the_probes_refused_without_a_cpn_name_the_key_set():
 
 
 @pytest.mark.slow
-def test_two_rank_rows_under_torchrun(tiny, tmp_path):
-    """A FedCP row and a baseline's row of the array on two ranks: exit 0 and finite accuracies."""
-    for method in ("fedcp", "fedper"):
-        row = next(r for r in C.array(method) if r[C.RANKS] == 2 and r["batch_size"] != 1)
-        o = C.run_row(method, row, tiny, tmp_path / method)
-        assert o.kind == "ran", (o, C.describe(row))
+def test_a_two_rank_row_under_torchrun(tiny, tmp_path):
+    """A FedCP row of the array on two ranks: exit 0 and finite accuracies."""
+    row = next(r for r in C.array("fedcp") if r[C.RANKS] == 2 and r["batch_size"] != 1)
+    o = C.run_row("fedcp", row, tiny, tmp_path / "run")
+    assert o.kind == "ran", (o, C.describe(row))
+
+
+@pytest.mark.slow
+def test_a_start_up_refusal_on_two_ranks_is_each_ranks_one_line(tiny, tmp_path):
+    """Every rank prints the same one line and exits 2; torchrun adds its own report of a failed worker."""
+    o = C.run_row("fedcp", {C.RANKS: 2, "cpn_groups": 3}, tiny, tmp_path / "run")
+    assert o.kind == "refused" and C.refused_key(o.detail) == "cpn_groups", o
