@@ -143,12 +143,13 @@ def test_fedcp_run_refuses_in_one_line_with_exit_2(tiny, tmp_path, method, row, 
 # -- rows the array found failing, each fixed (a refusal or a repair) --------------------------------
 
 @pytest.mark.parametrize("other", [{"batch_size": 1}, {"drop_last": False}])
-def test_a_batchnorm_cpn_is_refused_where_a_batch_may_hold_one_sample(other):
-    """Was: ValueError 'Expected more than 1 value per channel when training' in the first batch of one."""
-    err = C.config_of("fedcp", {"cpn_norm": "batchnorm", **other})
-    assert isinstance(err, UserError) and C.refused_key(str(err)) == "cpn_norm"
-    assert C.names_keys(str(err), ["cpn_norm", *other]) == ["cpn_norm", *other]
-    assert C.accepted("fedcp", {"cpn_norm": "batchnorm", "fedcp_cpn": True})
+def test_a_batchnorm_cpn_trains_batches_of_one_sample(other, tiny, tmp_path):
+    """Was: ValueError 'Expected more than 1 value per channel when training' in a batch of one; such
+    a batch is now normalised by the layer's running statistics (fedcp_dist/models/batchnorm.py)."""
+    row = {"cpn_norm": "batchnorm", "fused": False, **other}
+    assert C.accepted("fedcp", row)
+    o = C.run_row("fedcp", row, tiny, tmp_path / "run")
+    assert o.kind == "ran", (o, C.describe(row))
 
 
 def test_the_probes_refused_without_a_cpn_name_the_key_set():

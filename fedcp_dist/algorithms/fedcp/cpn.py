@@ -169,13 +169,6 @@ class Policy(Component):
     def check_config(cls, cfg):
         if cfg.cpn_hidden and cfg.cpn_layers != 1:
             return "cpn_hidden", "is a one-hidden-layer CPN design; cpn_layers must stay 1"
-        # BatchNorm's batch statistics need two samples: a batch of one cannot train
-        if cfg.fedcp_cpn and cfg.cpn_norm == "batchnorm":
-            if cfg.batch_size == 1:
-                return "cpn_norm", "batchnorm needs batches of 2 or more samples, but batch_size is 1"
-            if not cfg.drop_last:
-                return "cpn_norm", ("batchnorm needs batches of 2 or more samples, but drop_last=false keeps a "
-                                    "client's last batch, which may hold one")
         return None
 
     def __init__(self, cfg, feature_dim: int):
