@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import Recorder
-from fedcp_dist.aggregate import TrainSums, sums_size
+from fedcp_dist.aggregate import ClientOrder, TrainSums, sums_size
 from fedcp_dist.client_store import ClientStore
 from fedcp_dist.data.resident import to_device
 from fedcp_dist.evaluation import EvalSums, evaluate_clients, micro_auc
@@ -67,8 +67,8 @@ def test_the_final_evaluation_goes_through_the_rounds_reduction(digits6, tmp_pat
 
     calls, real = [], simulator.reduce_sums
 
-    def spy(agg, rt, *sums, base=None):
-        out = real(agg, rt, *sums, base=base)
+    def spy(agg, rt, *sums, base=None, orders=()):
+        out = real(agg, rt, *sums, base=base, orders=orders)
         calls.append((list(agg.sent), agg.buffer.numel(), agg.num_params, out[2][-1]))
         return out
 
@@ -77,7 +77,8 @@ def test_the_final_evaluation_goes_through_the_rounds_reduction(digits6, tmp_pat
         [f"data.path={digits6}", "rounds=2", "analysis=true", f"out_dir={tmp_path}", "threads=1"])
     assert len(calls) == 3 and all(c[0] for c in calls[:2]) and calls[2][0] == []
     (_, size, params, final_sums), clients = calls[2], 6
-    assert size == 1 + sums_size(TrainSums, EvalSums) + clients * (6 + 3 + 50) and params > size
+    assert size == (1 + sums_size(TrainSums, EvalSums) + ClientOrder.size(EvalSums, clients)
+                    + clients * (6 + 3 + 50)) and params > size
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1] == {"kind": "final_eval", "round": 2, **evaluation_record(2, final_sums)}
     assert final_sums.test_samples > 0 and final_sums.clients == clients

@@ -314,7 +314,8 @@ def test_full_disk_on_rank_1_is_one_line_on_each_rank(digits6, tmp_path):
                    PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
         procs.append(subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "helpers.py"), "full-disk:1:4",
-             *_args(digits6, tmp_path, "rounds=3", "client_state=disk", "checkpoint_every=1", "collective_timeout=60")],
+             *_args(digits6, tmp_path, "rounds=3", "client_state=disk", "checkpoint_every=1", "collective_timeout=60",
+                    "fused_group=3")],  # two fused groups: one on each rank
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         errs = [p.communicate(timeout=240)[1] for p in procs]

@@ -101,9 +101,11 @@ def _count(module: nn.Module) -> int:
 
 
 def test_build_model_knows_the_config_models():
-    from fedcp_dist.config import MODELS as CONFIG_MODELS
+    from fedcp_dist.models import ModelChoice
 
-    assert MODELS == CONFIG_MODELS == ("cnn", "resnet18", "fasttext", "mlp")
+    model_key = next(o for o in ModelChoice.options if o.name == "model")  # the config key's declaration
+    assert MODELS == ("cnn", "resnet18", "fasttext", "mlp")
+    assert all(model_key.check(m) is None for m in MODELS) and model_key.check("vgg") is not None
     assert isinstance(build_model("cnn", (1, 28, 28), 10), CNN)
     assert isinstance(build_model("resnet18", [3, 32, 32], 10), ResNet18)
     assert isinstance(build_model("fasttext", [200], 4, vocab_size=VOCAB), FastText)
