@@ -22,7 +22,6 @@ finite, in [0, 1]), ``refused`` (one line, exit 2, no traceback) or ``failed``.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import itertools

@@ -40,12 +40,19 @@ def pytest_configure(config):
         "markers", "slow: takes 10 s or more (processes, launchers, many rounds); `-m 'not slow'` skips them")
 
 
+#: seconds of the slowest files on one pinned core (make test, 2-core machine): they start first,
+#: longest first, so that the two workers finish together
+FILE_SECONDS = {"test_failures.py": 175, "test_multiprocess.py": 150, "test_slurm.py": 140, "test_resume.py": 130,
+                "test_golden.py": 105, "test_baselines.py": 100, "test_fedcp_switch_runs.py": 100,
+                "test_client_store.py": 85, "test_edge_data.py": 65}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with slow tests first (each file's tests in their order): under pytest-xdist's
-    ``--dist loadfile`` the long ones then start early and the fast files fill in around them,
-    instead of one long file running alone at the end."""
+    """Files with slow tests first, the longest of them first (each file's tests in their order):
+    under pytest-xdist's ``--dist loadfile`` the long ones then start early and the fast files fill
+    in around them, instead of one long file running alone at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    items.sort(key=lambda item: (item.path not in slow_files, -FILE_SECONDS.get(item.path.name, 0)))
 
 
 @pytest.fixture

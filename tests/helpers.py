@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import errno
+import json
 import os
 import pickle
 import signal
@@ -91,16 +92,46 @@ def run(config: str, overrides, wrap=None, echo=lambda *_: None) -> dict:
         rt.close()
 
 
-def one_vs_two_ranks(config: str, overrides_for, one: Path, two: Path, echo=lambda *_: None) -> dict:
-    """The same run on one rank in this process and on two ranks under torchrun; ``overrides_for(out)``
-    gives the overrides of the run writing to ``out``. Returns the one-rank run's summary."""
-    from conftest import run_cmd
+# One process per world runs its jobs in turn, as fedcp_dist.run's main does (config → runtime →
+# Simulator → run) but on one process group for all of them (torchrun's store does not take a second).
+_WORLD_DRIVER = r"""
+import json, sys
+from fedcp_dist.config import load_config
+from fedcp_dist.run import build_parser
+from fedcp_dist.runtime import init_runtime
+from fedcp_dist.simulator import Simulator
 
-    summary = run(config, overrides_for(one), echo=echo)
-    r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "fedcp_dist.run", "--config", config, *overrides_for(two)])
-    assert r.returncode == 0, r.stderr[-3000:]
-    return summary
+cfgs = [load_config(a.config, a.overrides) for a in map(build_parser().parse_args, json.load(open(sys.argv[1])))]
+rt = init_runtime(cfgs[0].device, cfgs[0].threads, cfgs[0].collective_timeout)
+try:
+    for cfg in cfgs:
+        Simulator(cfg, rt).run()
+finally:
+    rt.close()
+"""
+
+
+def runs_on_one_and_two_ranks(root: Path, jobs: dict, timeout: float = 600) -> dict:
+    """Every job (name → (config, overrides_for)) on one rank and on two ranks under torchrun, both
+    worlds at once, each world one process running its jobs in turn (Python and torch start twice,
+    not twice per job); job ``name`` writes to root/one/name and root/two/name. Returns each world's
+    standard output ({"one": ..., "two": ...}); a world that fails fails the test with its stderr."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "driver.py").write_text(_WORLD_DRIVER)
+    procs = {}
+    for label, cmd in (("one", [sys.executable]),
+                       ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])):
+        argvs = [["--config", config, *overrides_for(root / label / name)] for name, (config, overrides_for) in jobs.items()]
+        (root / f"{label}.json").write_text(json.dumps(argvs))
+        procs[label] = subprocess.Popen([*cmd, str(root / "driver.py"), str(root / f"{label}.json")], cwd=REPO,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+    outs = {}
+    for label, p in procs.items():
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"{label}: {err[-4000:]}"
+        outs[label] = out
+    return outs
 
 
 def load_run(out: Path) -> tuple:

@@ -2,9 +2,6 @@
 hand-checkable numbers, then one world-size check for all of them (1 rank vs 2 ranks)."""
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import REPO
-from helpers import Tiny
+from helpers import Tiny, runs_on_one_and_two_ranks
 from helpers import tiny_data as _data
 from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
 from fedcp_dist.algorithms.base import Context, load_module, module_state
@@ -485,9 +482,9 @@ def test_batchnorm_cpn_evaluates_with_running_statistics():
 
 
 # ----------------------------------------------------------------------------------------------
-# world size: 1 rank vs 2 ranks (torchrun), every method, 3 rounds
+# world size: 1 rank vs 2 ranks (torchrun), every method, 2 rounds
 
-ROUNDS = 3
+ROUNDS = 2
 #: (label, config, extra overrides): every baseline on its digits config, and FedCP ablations
 WORLD_CASES = [(m, f"configs/digits_{m}.yaml", []) for m in BASELINES] + [
     ("fedcp-no-cpn", "configs/digits_fedcp.yaml", ["fedcp_cpn=false"]),
@@ -499,28 +496,8 @@ WORLD_CASES = [(m, f"configs/digits_{m}.yaml", []) for m in BASELINES] + [
 #: and 3 ranks in tests/test_multiprocess.py)
 CHEAP = ["pfedme_k=2", "fedrep_head_epochs=2", "participation=0.5", "fused=false"]
 
-# One process per launcher runs every case in turn, as fedcp_dist.run's main does (config →
-# runtime → Simulator → run) but on one process group for all of them: Python and torch start
-# twice instead of twice per method (torchrun's store does not take a second process group).
-DRIVER = r"""
-import json, sys
-from fedcp_dist.config import load_config
-from fedcp_dist.run import build_parser
-from fedcp_dist.runtime import init_runtime
-from fedcp_dist.simulator import Simulator
-
-cfgs = [load_config(a.config, a.overrides) for a in map(build_parser().parse_args, json.load(open(sys.argv[1])))]
-rt = init_runtime(cfgs[0].device, cfgs[0].threads, cfgs[0].collective_timeout)
-try:
-    for cfg in cfgs:
-        Simulator(cfg, rt).run()
-finally:
-    rt.close()
-"""
-
-
-def _argv(shard, out, config, extra):
-    return ["--config", config, f"rounds={ROUNDS}", "eval_every=3", f"data.path={shard}", f"out_dir={out}",
+def _overrides(shard, out, extra):
+    return [f"rounds={ROUNDS}", f"eval_every={ROUNDS}", f"data.path={shard}", f"out_dir={out}",
             "threads=1", "overwrite=true", *CHEAP, *extra]
 
 
@@ -534,20 +511,8 @@ def _load(out):
 @pytest.fixture(scope="module")
 def world_runs(digits6, tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
-    (root / "driver.py").write_text(DRIVER)
-    procs = {}
-    for label, cmd in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
-                                                           "--standalone", "--nproc_per_node=2"])):
-        jobs = [_argv(digits6, root / label / name, cfg, extra) for name, cfg, extra in WORLD_CASES]
-        (root / f"{label}.json").write_text(json.dumps(jobs))
-        procs[label] = subprocess.Popen(
-            [*cmd, str(root / "driver.py"), str(root / f"{label}.json")], cwd=REPO,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-    for label, p in procs.items():
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, f"{label}: {err[-4000:]}"
+    runs_on_one_and_two_ranks(root, {name: (cfg, lambda out, extra=extra: _overrides(digits6, out, extra))
+                                     for name, cfg, extra in WORLD_CASES})
     return root
 
 

@@ -12,7 +12,6 @@ import pytest
 import combinations as C
 from conftest import run_cmd
 from fedcp_dist.algorithms import ALGORITHMS
-from fedcp_dist.errors import UserError
 
 METHODS = list(ALGORITHMS)
 

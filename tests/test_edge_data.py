@@ -14,7 +14,6 @@ from PIL import Image
 from torch import nn
 
 from conftest import REPO, partition, run_cmd
-from fedcp_dist.algorithms.base import Context
 from fedcp_dist.cli.partition import main
 from fedcp_dist.data.resident import to_device
 from fedcp_dist.data.shards import load_clients, read_info
@@ -168,26 +167,38 @@ def test_a_run_whose_clients_hold_no_test_sample_is_refused_in_one_line(tmp_path
 # more ranks than clients
 
 
+@pytest.fixture(scope="module")
+def one_client_runs(tmp_path_factory):
+    """FedCP (with the probes) and FedAMP on a one-client shard, on one rank and on two."""
+    from helpers import runs_on_one_and_two_ranks
+
+    root = tmp_path_factory.mktemp("one-client")
+    shard = partition(root / "one.h5", "--source", "digits", "--partition", "iid", "--num-clients", "1")
+
+    def job(method):
+        extra = ["analysis=true"] if method == "fedcp" else []
+        return (f"configs/digits_{method}.yaml", lambda out: [f"data.path={shard}", "rounds=1", "eval_every=1",
+                                                              "checkpoint_every=1", "threads=1", "fused=false",
+                                                              f"out_dir={out}", *extra])
+
+    runs_on_one_and_two_ranks(root, {m: job(m) for m in ("fedcp", "fedamp")})
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedcp", "fedamp"])
-def test_ranks_without_a_client_take_part_in_every_collective(tmp_path, method):
+def test_ranks_without_a_client_take_part_in_every_collective(one_client_runs, method):
     """Two ranks on a one-client shard: rank 1 owns nothing and still joins every all-reduce
     (training, evaluation, probes, the peer exchange, checkpoints); same run as on one rank."""
-    shard = partition(tmp_path / "one.h5", "--source", "digits", "--partition", "iid", "--num-clients", "1")
-    args = ["--config", f"configs/digits_{method}.yaml", f"data.path={shard}", "rounds=2", "eval_every=1",
-            "checkpoint_every=1", "threads=1", "fused=false"] + (["analysis=true"] if method == "fedcp" else [])
     runs = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"ranks{nproc}"
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        r = run_cmd([*(launch if nproc > 1 else [sys.executable]), "-m", "fedcp_dist.run", *args, f"out_dir={out}"])
-        assert r.returncode == 0, r.stderr[-3000:]
+    for world in ("one", "two"):
+        out = one_client_runs / world / method
         summary = json.loads((out / "summary.json").read_text())
         lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[nproc] = (torch.load(out / "final_global.pt", weights_only=True), summary,
+        runs[world] = (torch.load(out / "final_global.pt", weights_only=True), summary,
                        [l["acc"] for l in lines if "acc" in l])
-    (s1, sum1, acc1), (s2, sum2, acc2) = runs[1], runs[2]
-    assert sum2["world_size"] == 2 and len(acc1) == len(acc2) == 3
+    (s1, sum1, acc1), (s2, sum2, acc2) = runs["one"], runs["two"]
+    assert sum1["world_size"] == 1 and sum2["world_size"] == 2 and len(acc1) == len(acc2) == 2
     assert acc1 == pytest.approx(acc2, abs=1e-9) and acc1[-1] > acc1[0]
     assert set(s1) == set(s2) and all(torch.allclose(s1[k], s2[k], atol=1e-6, rtol=0) for k in s1)
 

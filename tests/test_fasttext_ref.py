@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from fedcp_dist.data.sources import load_source
 from fedcp_dist.data.text import tokenize_basic_english
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import build_model, model_options
-from fedcp_dist.models.fasttext import FastText, MeanEmbedding
+from fedcp_dist.models.fasttext import MeanEmbedding
 from fedcp_dist.sweep.spec import partition_file_name
 
 # ------------------------------------------------------------------------------------- tokens

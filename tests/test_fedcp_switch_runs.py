@@ -3,7 +3,8 @@ training with the switches on, one rank equals two, and runs resume bit-exactly.
 import pytest
 import torch
 
-from helpers import algo_with_moved_global, assert_states_close, load_run, one_vs_two_ranks, random_client, resume_before_last_checkpoint
+from helpers import (algo_with_moved_global, assert_states_close, load_run, random_client, resume_before_last_checkpoint,
+                     runs_on_one_and_two_ranks)
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.config import Config, load_config
@@ -66,21 +67,40 @@ SWITCHES = ["mmd_kernel=rbf", "mmd_sigma=median", "policy_entropy=0.01", "cpn_wa
             "cpn_hard=true", "cpn_hidden=32"]
 
 
-def _overrides(shard):
+#: caching with groups; distillation with skipped uploads and groups; the asynchronous CPN with groups
+SWITCHES2 = ["policy_refresh_every=2", "cpn_groups=8"]
+DISTILL = ["cpn_distill=0.5", "cpn_upload_every=2", "cpn_groups=8"]
+ASYNC = ["cpn_async_min_rate=0.6", "participation=0.5", "cpn_groups=8"]
+
+
+def _overrides(shard, switches):
     return lambda out: [f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2", "keep_checkpoints=2",
-                        f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *SWITCHES]
+                        f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *switches]
+
+
+CONFIG = "configs/digits_fedcp.yaml"
+
+
+@pytest.fixture(scope="module")
+def switch_runs(digits6, tmp_path_factory):
+    """The four short runs of the tests below on one rank and on two (root/one/NAME, root/two/NAME),
+    and the one-rank world's output."""
+    root = tmp_path_factory.mktemp("switch-runs")
+    jobs = {name: (CONFIG, _overrides(digits6, switches))
+            for name, switches in (("all", SWITCHES), ("cache", SWITCHES2), ("distill", DISTILL), ("async", ASYNC))}
+    outs = runs_on_one_and_two_ranks(root, jobs)
+    return root, outs["one"].splitlines()
 
 
 @pytest.mark.slow
-def test_all_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
+def test_all_switches_one_vs_two_ranks_and_exact_resume(switch_runs, digits6, tmp_path):
     """One short run with every switch on (τ = 0.5, hard policy): one rank and two ranks give the
     same trajectory; it learns; the warm-up round sends no CPN (its bytes saved, the all-reduce
     shorter by it); a resume from the round-2 checkpoint ends bit-identically."""
-    config, overrides, lines = "configs/digits_fedcp.yaml", _overrides(digits6), []
-    one_vs_two_ranks(config, overrides, tmp_path / "one", tmp_path / "two", echo=lines.append)
+    (root, lines), overrides = switch_runs, _overrides(digits6, SWITCHES)
     cpn = 52256  # the light CPN as the start line counts it: Linear(512, 32), Linear(32, 1024), LayerNorm(1024)
     assert any(f"CPN (light, H=32, K=512): {cpn} parameters, 98304 FLOPs/sample" in l for l in lines), lines[:1]
-    (s1, acc1, rec1), (s2, acc2, rec2) = load_run(tmp_path / "one"), load_run(tmp_path / "two")
+    (s1, acc1, rec1), (s2, acc2, rec2) = load_run(root / "one" / "all"), load_run(root / "two" / "all")
     assert any(k.startswith("cpn.net.2.") for k in s1)
     assert_states_close(s1, s2)
     assert len(acc1) == ROUNDS + 1 and acc1 == pytest.approx(acc2, abs=1e-9)
@@ -91,7 +111,7 @@ def test_all_switches_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
     assert rec1[0]["uplink_bytes_sent"] == rec1[1]["uplink_bytes_sent"] - 4 * n * cpn
     assert rec1[0]["allreduce_bytes"] == rec1[1]["allreduce_bytes"] - 8 * cpn
     assert [r["uplink_bytes_saved"] for r in rec2] == [r["uplink_bytes_saved"] for r in rec1]
-    s3, acc3, _ = resume_before_last_checkpoint(config, overrides, tmp_path / "one", tmp_path / "resumed", ROUNDS)
+    s3, acc3, _ = resume_before_last_checkpoint(CONFIG, overrides, root / "one" / "all", tmp_path / "resumed", ROUNDS)
     assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1
 
 
@@ -169,32 +189,22 @@ def test_caching_groups_and_async_train_fused_as_sequentially(float64, switches)
             assert any(k.startswith("cpng.") for k in moved) == (algo.sync.uploaded(t) and algo.cpng is not None)
 
 
-SWITCHES2 = ["policy_refresh_every=2", "cpn_groups=8"]
-
-
-DISTILL = ["cpn_distill=0.5", "cpn_upload_every=2", "cpn_groups=8"]
-
-
-ASYNC = ["cpn_async_min_rate=0.6", "participation=0.5", "cpn_groups=8"]
-
-
-def _overrides2(shard, switches):
-    return lambda out: [f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2", "keep_checkpoints=2",
-                        f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *switches]
 
 
 @pytest.mark.slow
-def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(digits6, tmp_path):
+def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(switch_runs, digits6, tmp_path):
     """Three short runs, caching with groups, distillation with skipped uploads and groups, and the
     asynchronous CPN with groups at participation 0.5, each on one and two ranks: the same trajectory; the skipped
     bytes counted per round, the rounds nobody sends the CPN in with an all-reduce shorter by it;
     caching (Θ_prev in the global state) and the asynchronous CPN (the participation counts in the
     client states) resume bit-exactly from their round-2 checkpoints."""
-    config = "configs/digits_fedcp.yaml"
+    import json
+
+    (root, lines) = switch_runs
+    assert any("group policy (G=8): 176 parameters, 256 FLOPs/sample" in l for l in lines), lines[:1]
     for name, switches in (("cache", SWITCHES2), ("distill", DISTILL), ("async", ASYNC)):
-        one, two, lines = tmp_path / f"{name}1", tmp_path / f"{name}2", []
-        summary = one_vs_two_ranks(config, _overrides2(digits6, switches), one, two, echo=lines.append)
-        assert any("group policy (G=8): 176 parameters, 256 FLOPs/sample" in l for l in lines), lines[:1]
+        one, two = root / "one" / name, root / "two" / name
+        summary = json.loads((one / "summary.json").read_text())
         (s1, acc1, rec1), (s2, acc2, rec2) = load_run(one), load_run(two)
         assert any(k.startswith("cpng.") for k in s1)
         assert any(k.startswith("prev.cpn.") for k in s1) == (name == "cache")
@@ -215,6 +225,6 @@ def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(digits6, tmp
         total = summary["uplink_bytes_sent"] + summary["uplink_bytes_saved"]
         assert summary["uplink_saved_fraction"] == pytest.approx(summary["uplink_bytes_saved"] / total)
         if name != "distill":
-            s3, acc3, _ = resume_before_last_checkpoint(config, _overrides2(digits6, switches), one,
+            s3, acc3, _ = resume_before_last_checkpoint(CONFIG, _overrides(digits6, switches), one,
                                                         tmp_path / f"{name}-resumed", ROUNDS)
             assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1

@@ -252,7 +252,6 @@ def test_analysis_numbers_the_subset_as_the_run_did(digits6, tmp_path):
 def test_pfedme_reference_compat_keeps_the_local_w():
     """One batch of 4, K = 2: θ takes two inner steps, then w ← w − ηλ(w − θ). The paper's pFedMe
     keeps θ for evaluation; the reference variant keeps w (the upload), computed here by hand."""
-    import torch.nn.functional as F
 
     from fedcp_dist.algorithms.base import Context
     from fedcp_dist.algorithms.pfedme import PFedMe

@@ -4,7 +4,6 @@ import csv
 import json
 
 import numpy as np
-import pytest
 import torch
 
 from fedcp_dist.cli.partition import main

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from conftest import REPO
 from fedcp_dist import sweep
 from fedcp_dist.cli import report
 from fedcp_dist.cli import sweep as sweep_cli

@@ -32,7 +32,7 @@ from fedcp_dist.algorithms.fedcp.probing import PolicyProbes
 from fedcp_dist.algorithms.fedcp.regularisers import REGULARISERS
 from fedcp_dist.algorithms.fedcp.schedules import Schedules
 from fedcp_dist.algorithms.fedcp.sync import POLICY_PREFIXES, PolicySync
-from fedcp_dist.local_train import ClientPhase, Phase, Step
+from fedcp_dist.local_train import ClientPhase, Phase
 from fedcp_dist.options import Option
 from fedcp_dist.placement import STREAM_INIT, stream_seed
 
