@@ -750,7 +750,8 @@ class Fusing(Component):
                "auto where the method and model can (else one by one) | true (the same; the start line says when it "
                "cannot) | false", boolean_or_auto, kind=Union[bool, str]),
         Option("fused_group", 0, "clients per fused group (groups are fixed for the run and placed whole on ranks); "
-               "0 (auto): the device kind's slot cap (8 on a CPU, 256 on a GPU) × ⌈1 / participation⌉", at_least(0)),
+               "0 (auto): about the device kind's slot cap (8 on a CPU, 256 on a GPU) × ⌈1 / participation⌉ clients, in a "
+               "power-of-two number of equal groups (20 clients on a CPU: 4 of 5)", at_least(0)),
         Option("fused_workers", "auto", "fused groups trained side by side on a CPU rank, one thread each: auto (one "
                "per thread of the rank) | N (1: one group at a time over all the rank's threads)", auto_or(described(">= 1", lambda v: None if isinstance(v, int)
                                                               and not isinstance(v, bool) and v >= 1

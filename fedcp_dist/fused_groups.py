@@ -4,11 +4,10 @@ A client's fused result depends, in float rounding, on the clients it shares its
 stacked kernels block their sums by the number of active slots, so a group of 8 and a group of 20
 give the same client different last bits (measured on a CPU: up to 2e-6 of a weight after one
 round). For the same trajectory on any world size the groups are therefore a function of the
-configuration and the shard alone (:func:`fedcp_dist.placement.form_groups`): the run's clients
-ordered by their local steps (largest first, ties by id) and cut into groups of
-:func:`group_size`; placement puts whole groups on ranks, and each round a group's participants
-train together with the same number of slots on whichever rank owns it. Clients of similar step
-counts share a group, so its slots stay busy until near its end.
+configuration and the shard alone (:func:`fedcp_dist.placement.form_groups`): the run's clients,
+largest first, dealt to groups of at most :func:`group_size` so that the groups weigh alike;
+placement puts whole groups on ranks, and each round a group's participants train together with
+the same number of slots on whichever rank owns it.
 
 The engine (:class:`GroupTrainer`) reads each group's client states from the store just before
 the group trains and hands the results back group by group, so a rank holds the states of the
@@ -35,15 +34,21 @@ def slot_cap(device: torch.device) -> int:
     return fused.CUDA_SLOTS if torch.device(device).type == "cuda" else fused.CPU_SLOTS
 
 
-def group_size(cfg, device) -> int:
-    """Clients per fused group: ``fused_group``, or (0, auto) the slot cap of the device kind
-    divided by the mean participation rate, so that a round's group holds about a cap of
-    participants. A function of the configuration alone: the same on every rank and world size."""
+def group_size(cfg, device, num_clients: int) -> int:
+    """Clients per fused group: ``fused_group``, or (0, auto) a size from the configuration and the
+    run's client count alone, the same on every rank and world size. Auto: about a slot cap of
+    participants a round (the cap of the device kind over the mean participation rate), in a
+    number of groups G rounded up to a power of two, each of ⌈N / G⌉ clients (the last may hold
+    fewer), so that 1, 2, 4, 8 … ranks can get equal shares of whole groups (20 clients, ρ = 1 on a
+    CPU: 4 groups of 5, where groups of 8, cut 8, 8, 4, left 2 ranks at 1.26× their mean steps)."""
     if cfg.fused_group:
         return int(cfg.fused_group)
-    rng = getattr(cfg, "participation_range", None)
+    rng = cfg.participation_range
     rho = (float(rng[0]) + float(rng[1])) / 2 if rng else float(cfg.participation)
-    return int(slot_cap(device) * max(1, math.ceil(1.0 / max(rho, 1e-6) - 1e-9)))
+    per_group = int(slot_cap(device) * max(1, math.ceil(1.0 / max(rho, 1e-6) - 1e-9)))
+    n = max(1, int(num_clients))
+    groups = 1 << max(0, math.ceil(n / per_group) - 1).bit_length()  # the next power of two
+    return math.ceil(n / groups)
 
 
 def activation_counts(algo) -> Dict[str, int]:

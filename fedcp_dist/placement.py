@@ -66,12 +66,22 @@ def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
 
 
 def form_groups(steps: Sequence[int], size: int) -> list:
-    """The run's fused groups (:mod:`fedcp_dist.fused_groups`): its clients ordered by their local
-    steps, largest first (ties: the lower id first), cut into consecutive groups of ``size``; each
-    group sorted by id. A function of the step counts and ``size`` alone, so the groups are the
-    same on every rank and every world size."""
-    order = sorted(range(len(steps)), key=lambda c: (-int(steps[c]), c))
-    return [np.sort(np.asarray(order[i:i + size], dtype=np.int64)) for i in range(0, len(order), max(1, int(size)))]
+    """The run's fused groups (:mod:`fedcp_dist.fused_groups`): ⌈N / size⌉ groups of at most ``size``
+    clients, dealt so that they weigh alike: the clients in order of their local steps, largest
+    first (ties: the lower id first), each to the group of fewest steps so far that has room (ties:
+    the lower group). Each group sorted by id. A function of the step counts and ``size`` alone,
+    so the groups are the same on every rank and every world size; groups of equal weight let
+    whole groups share out evenly over ranks."""
+    n, size = len(steps), max(1, int(size))
+    order = sorted(range(n), key=lambda c: (-int(steps[c]), c))
+    members = [[] for _ in range(math.ceil(n / size))]
+    heap = [(0, g) for g in range(len(members))]  # (steps so far, group) of the groups with room
+    for c in order:
+        load, g = heapq.heappop(heap)
+        members[g].append(c)
+        if len(members[g]) < size:
+            heapq.heappush(heap, (load + int(steps[c]), g))
+    return [np.sort(np.asarray(m, dtype=np.int64)) for m in members]
 
 
 def place_groups(weights: Sequence[int], groups: Sequence[np.ndarray], world_size: int) -> np.ndarray:

@@ -97,7 +97,7 @@ class Simulator:
         algo = startup.build_method(self.cfg, info, num_clients, self.rt.device)  # the same initial model on every rank
         self.algo = self._wrap(algo) if self._wrap else algo
         fusing, _ = startup.training_path(self.cfg, self.algo, False)
-        return fused_group_size(self.cfg, self.rt.device) if fusing else 0
+        return fused_group_size(self.cfg, self.rt.device, num_clients) if fusing else 0
 
     @property
     def global_state(self):

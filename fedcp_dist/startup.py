@@ -204,7 +204,7 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     why = "per-client BatchNorm statistics" if per_client_bn else algo.fused_reason()
     if why:
         return False, f"sequential ({setting}: {why})" if cfg.fused == "auto" else f"sequential ({setting} not used: {why})"
-    size = fused_group_size(cfg, algo.device)
+    size = fused_group_size(cfg, algo.device, algo.num_clients)
     groups = f"groups of {size}" + ("" if cfg.fused_group else " (fused_group=auto)")
     threads = torch.get_num_threads()
     workers = fused.workers_for(cfg.fused_workers, algo.device, threads, 2)

@@ -10,6 +10,7 @@ after which the trajectories drift apart by more than rounding; the float32 chec
 well-conditioned settings, and the end-to-end run a relative tolerance.
 """
 import json
+import math
 
 import pytest
 import torch
@@ -328,15 +329,18 @@ def test_memory_plan_and_slots_follow_the_device_not_its_free_memory(monkeypatch
 
 
 def test_group_size_is_a_function_of_the_config():
-    """fused_group=auto: the device kind's slot cap over the mean participation rate; the free
-    memory of a rank plays no part."""
-    cuda = torch.device("cuda")
-    assert fused_groups.group_size(Config(), CPU) == fused.CPU_SLOTS
-    assert fused_groups.group_size(Config(), cuda) == fused.CUDA_SLOTS
-    assert fused_groups.group_size(Config(participation=0.5), CPU) == 2 * fused.CPU_SLOTS
-    assert fused_groups.group_size(Config(participation=0.3), CPU) == 4 * fused.CPU_SLOTS  # ⌈1/0.3⌉ = 4
-    assert fused_groups.group_size(Config(participation_range=[0.2, 0.6]), CPU) == 3 * fused.CPU_SLOTS  # mean 0.4
-    assert fused_groups.group_size(Config(fused_group=5, participation=0.1), cuda) == 5
+    """fused_group=auto: about the device kind's slot cap over the mean participation rate of
+    participants a group, in a power-of-two number of groups of ⌈N / G⌉; the free memory of a rank
+    and the world size play no part."""
+    cuda, size = torch.device("cuda"), fused_groups.group_size
+    assert fused.CPU_SLOTS == 8
+    # ρ = 1 on a CPU: ⌈N / 8⌉ groups rounded up to a power of two
+    assert [size(Config(), CPU, n) for n in (1, 6, 8, 9, 16, 17, 20, 1000)] == [1, 6, 8, 5, 8, 5, 5, 8]
+    assert size(Config(), cuda, 20) == math.ceil(20 / (1 << (math.ceil(20 / fused.CUDA_SLOTS) - 1).bit_length()))
+    assert size(Config(participation=0.5), CPU, 20) == 10  # 16 a group: 2 groups
+    assert size(Config(participation=0.3), CPU, 100) == 25  # ⌈1/0.3⌉ = 4: 32 a group, ⌈100/32⌉ = 4 groups
+    assert size(Config(participation_range=[0.2, 0.6]), CPU, 100) == 13  # mean 0.4: 24 a group, 5 → 8 groups
+    assert size(Config(fused_group=5, participation=0.1), cuda, 1000) == 5
 
 
 @pytest.mark.parametrize("cls", [FedAvg, FedCP, FedProx])
@@ -468,7 +472,7 @@ def test_fused_auto_is_the_default_and_falls_back_where_it_cannot(one_thread):
         why = algo.fused_reason()
         if why is None:
             fusing.add(name)
-            assert training_path(cfg, algo, False) == (True, f"fused (fused=auto, groups of {fused.CPU_SLOTS} "
+            assert training_path(cfg, algo, False) == (True, f"fused (fused=auto, groups of 2 "
                                                               f"(fused_group=auto))")
             cfg.fused_group = 3
             assert training_path(cfg, algo, False) == (True, "fused (fused=auto, groups of 3)")
@@ -598,7 +602,7 @@ def test_disk_store_holds_the_states_of_a_group_not_of_the_cohort(monkeypatch, r
     """client_state=disk on the default (fused) path: a group's states are read when it trains and
     written back before the next group's are read, so the states held for training at once (read,
     not yet written back: count and MiB) are bounded by the group size, whatever the cohort: groups
-    of 2 hold 2 of the 6 and of the 20 clients; groups of 8 (auto) hold 8 of 20."""
+    of 2 hold 2 of the 6 and of the 20 clients; auto (4 groups of 5 for 20 clients) holds 5 of 20."""
     from fedcp_dist.client_store import DiskClientStore, state_bytes
     from fedcp_dist.training import CohortTrainer
 
@@ -640,7 +644,8 @@ def test_disk_store_holds_the_states_of_a_group_not_of_the_cohort(monkeypatch, r
         rt.close()
     assert "training: fused (fused=auto" in said[0] and "client states: disk" in said[0], said[0]
     cohort = 6 if shard == "digits6" else 20
-    size = int(group) or fused.CPU_SLOTS
+    size = int(group) or fused_groups.group_size(cfg, CPU, cohort)
+    assert size == (int(group) or 5)
     one = state_bytes(FedCP(cfg, build_model("cnn", (1, 28, 28), 10), CPU).init_client_state(0))
     assert peak["states"] == min(size, cohort)
     assert peak["bytes"] == min(size, cohort) * one

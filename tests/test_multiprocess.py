@@ -158,8 +158,8 @@ def test_srun_path_on_two_hosts_matches_single_rank(single, digits6, tmp_path):
 
 
 def test_default_fused_path_is_bit_identical_on_one_two_and_three_ranks(digits20, tmp_path):
-    """The defaults (fused=auto, fused_group=auto, placement=auto): the 20 clients train in three
-    fused groups fixed by the config (8, 8, 4), which 2 and 3 ranks hold in different places; the
+    """The defaults (fused=auto, fused_group=auto, placement=auto): the 20 clients train in four
+    fused groups fixed by the config (four of 5), which 2 and 3 ranks hold in different places; the
     final global state, every client's state, the metric records and the summary are the same bits
     on 1, 2 and 3 ranks (timings and the launch itself aside)."""
     from golden.record import digest_run
@@ -178,7 +178,7 @@ def test_default_fused_path_is_bit_identical_on_one_two_and_three_ranks(digits20
         lines[n] = next(line for line in r.stdout.splitlines() if line.startswith("fedcp_dist: fedcp"))
         digests[n] = digest_run(out)
     for n, line in lines.items():
-        assert "placed by steps in 3 whole fused groups" in line and "training: fused (fused=auto, groups of 8" in line
+        assert "placed by steps in 4 whole fused groups" in line and "training: fused (fused=auto, groups of 5" in line
     # the groups really are spread: every rank of 3 holds one (no rank's step count is 0)
     assert re.search(r"max/mean steps per rank [0-9.]+ \(\d+/\d+/\d+\)", lines[3])
     assert "/0/" not in lines[3] and "/0)" not in lines[3] and "(0/" not in lines[3]

@@ -115,20 +115,23 @@ def test_place_is_a_function_of_config_and_sizes():
 
 
 def test_fused_groups_follow_the_steps_and_are_placed_whole():
-    # steps 10, 2 × 10: ordered largest first (ties by id), cut into groups of 4, each sorted by id
+    # steps 10, 2 × 10 in ⌈11 / 4⌉ = 3 groups of at most 4: largest first (ties by id), each to the
+    # lightest group with room (ties: the lower group): 0 → A; 1 → B, 2 → C, 3 → B, 4 → C, 5 → B,
+    # 6 → C, 7 → B (full, 8), 8 → C (full, 8); 9, 10 → A (14)
     groups = form_groups(client_steps(SIZES, 10, 1, False), 4)
-    assert [g.tolist() for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
-    assert [g.tolist() for g in form_groups([1, 5, 5, 3, 0], 2)] == [[1, 2], [0, 3], [4]]
-    # groups weigh 16, 8, 6 steps: 16 → rank 0, 8 → rank 1, 6 → rank 1 (8 < 16)
+    assert [g.tolist() for g in groups] == [[0, 9, 10], [1, 3, 5, 7], [2, 4, 6, 8]]
+    # 5, 5, 3, 1, 0 steps in 3 groups of at most 2: 1 → A, 2 → B, 3 → C, 0 → C (4), 4 → A (5 = B, the lower)
+    assert [g.tolist() for g in form_groups([1, 5, 5, 3, 0], 2)] == [[1, 4], [2], [0, 3]]
+    # groups weigh 14, 8, 8 steps: 14 → rank 0, 8 → rank 1, 8 → rank 1 (8 < 14)
     owner = place_groups(client_steps(SIZES, 10, 1, False), groups, 2)
-    assert owner.tolist() == [0] * 4 + [1] * 7
+    assert owner.tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
     # the groups are the same lists on any world size; each lies on one rank of every world size
     for world in (1, 2, 3, 5):
         owner = place_groups(client_steps(SIZES, 10, 1, False), groups, world)
         assert all(len(set(owner[g].tolist())) == 1 for g in groups)
     cfg = SimpleNamespace(placement="auto", fused="auto", batch_size=10, local_epochs=1, drop_last=False)
     owner, rule, per_rank = place(cfg, np.asarray(SIZES), 2, group_size=4)
-    assert rule == "steps" and owner.tolist() == [0] * 4 + [1] * 7 and per_rank.tolist() == [16, 14]
+    assert rule == "steps" and owner.tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0] and per_rank.tolist() == [14, 16]
 
 
 def test_bad_placement_is_a_one_line_error():
@@ -157,7 +160,7 @@ def test_two_rank_fused_run_places_alike_and_keeps_its_accuracy(digits20, tmp_pa
 
     cfg = load_config(str(REPO / "configs" / "digits_fedcp.yaml"), overrides)
     counts = read_info(str(digits20)).train_counts
-    size = group_size(cfg, torch.device("cpu"))
+    size = group_size(cfg, torch.device("cpu"), len(counts))
     owner, rule, per_rank = place(cfg, counts, 2, size)
     assert rule == "steps"
     # on this shard the groups matter: client by client they land elsewhere
