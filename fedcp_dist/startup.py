@@ -50,8 +50,14 @@ class Setup:
     def placement_line(self) -> str:
         """How the start line says the clients were placed."""
         whole = f" in {len(self.groups)} whole fused groups" if self.groups is not None else ""
-        return (f"placed by {self.placement}{whole}, max/mean steps per rank {self.imbalance:.3f} "
+        line = (f"placed by {self.placement}{whole}, max/mean steps per rank {self.imbalance:.3f} "
                 f"({'/'.join(str(int(s)) for s in self.rank_steps)})")
+        world = len(self.rank_steps)
+        idle = world - len({int(self.owner[g[0]]) for g in self.groups if len(g)}) if self.groups is not None else 0
+        if idle > 0:  # groups are fixed by the configuration, not by the world size: say how to use every rank
+            line += (f", {idle} of {world} ranks hold no fused group (fused_group={max(1, self.num_clients // world)} "
+                     f"gives each rank one)")
+        return line
 
     def owned_groups(self, rank: int) -> List[List[int]]:
         """The fused groups ``rank`` owns, in the run's order (empty when not fused)."""

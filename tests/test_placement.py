@@ -181,3 +181,21 @@ def test_two_rank_fused_run_places_alike_and_keeps_its_accuracy(digits20, tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert abs(summary["final_acc"] - recorded["final_acc"]) <= ACC_TOLERANCE
     assert abs(summary["best_acc"] - recorded["best_acc"]) <= ACC_TOLERANCE
+
+
+def test_the_start_line_names_ranks_without_a_fused_group():
+    """Groups are fixed by the configuration: with more ranks than groups some ranks train nothing,
+    and the placement line says how many and which fused_group gives every rank a group."""
+    from fedcp_dist.startup import Setup
+
+    steps = client_steps([30] * 20, 10, 1, False)
+    for world, size, idle in ((2, 5, 0), (8, 5, 4), (8, 2, 0)):
+        groups = form_groups(steps, size)
+        owner = place_groups(steps, groups, world)
+        setup = Setup(None, np.arange(20), owner, [], {}, 0.0, "steps", steps_per_rank(steps, owner, world), groups)
+        line = setup.placement_line()
+        assert line.startswith(f"placed by steps in {len(groups)} whole fused groups, max/mean steps per rank")
+        if idle:
+            assert line.endswith(f", {idle} of {world} ranks hold no fused group (fused_group=2 gives each rank one)")
+        else:
+            assert "hold no fused group" not in line
