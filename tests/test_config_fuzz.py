@@ -76,5 +76,8 @@ def test_command_line_is_valid_or_one_line_error(capsys, shard_path, argv):
     assert code in (0, 2), (argv, code, err)
     if code == 2:
         assert err.count("\n") == 1 and err.startswith("error: "), (argv, err)
-    else:
-        assert yaml.safe_load(out)["data"]["path"]
+    else:  # printed, whatever data.path is: a path not set (or not made yet) is a note on stderr
+        path = yaml.safe_load(out)["data"]["path"]
+        assert isinstance(path, str)
+        if not path:
+            assert err == "note: data.path is not set; a run needs the HDF5 partition written by fedcp-partition\n", err
