@@ -313,6 +313,18 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return out
 
 
+def unflatten(flat: dict) -> dict:
+    """The inverse of :func:`flatten`: ``{"data.path": x, "lr": 1}`` → ``{"data": {"path": x}, "lr": 1}``."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate: bool = True,
                 values: Optional[dict] = None) -> Config:
     """Defaults ← YAML file ← ``key=value`` overrides, then validation. ``values``: the file's

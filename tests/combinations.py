@@ -40,7 +40,7 @@ import numpy as np
 
 from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.compress import CompressionOptions
-from fedcp_dist.config import Config, DataConfig, load_config
+from fedcp_dist.config import Config, DataConfig, load_config, unflatten
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.selection import SelectionOptions
 
@@ -244,24 +244,13 @@ def parameters(method: str) -> "OrderedDict":
 
 # ---------------------------------------------------------------- the config's verdict
 
-def nested(flat: dict) -> dict:
-    out: dict = {}
-    for k, v in flat.items():
-        node = out
-        *parents, last = k.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = v
-    return out
-
-
 def config_of(method: str, row: dict, shard: str = "", out_dir: str = "runs/combinations"):
     """The validated Config of a row ({key: value}, ``ranks`` ignored) over BASE, or the UserError
     the config refuses it with."""
     flat = {**BASE, "method": method, "out_dir": out_dir, "data.path": shard,
             **{k: v for k, v in row.items() if k != RANKS}}
     try:
-        return load_config(values=nested(flat), validate=False).validate(data_file=bool(shard))
+        return load_config(values=unflatten(flat), validate=False).validate(data_file=bool(shard))
     except UserError as exc:
         return exc
 
@@ -448,7 +437,7 @@ def _run_here(flat: dict, t0: float) -> Outcome:
 
     threads = torch.get_num_threads()
     try:
-        cfg = load_config(values=nested(flat))
+        cfg = load_config(values=unflatten(flat))
         rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, env={})
         try:
             summary = Simulator(cfg, rt, echo=lambda *_: None).run()

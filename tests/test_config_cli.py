@@ -227,3 +227,11 @@ def test_start_line_points_a_one_process_run_on_several_cores_to_ranks():
     assert ranks_hint(rt("single", "cpu", 1)) == ""  # one thread: nothing to gain
     assert ranks_hint(rt("torchrun", "cpu", 2)) == ""  # already ranks
     assert ranks_hint(rt("single", "cuda", 8)) == ""  # a GPU rank's threads feed the GPU
+
+
+def test_unflatten_inverts_flatten():
+    from fedcp_dist.config import flatten, unflatten
+
+    flat = {"data.path": "x.h5", "data.clients": [1, 2], "lr": 0.5}
+    assert unflatten(flat) == {"data": {"path": "x.h5", "clients": [1, 2]}, "lr": 0.5}
+    assert flatten(unflatten(flat)) == flat

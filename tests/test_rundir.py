@@ -11,7 +11,7 @@ from conftest import REPO
 from fedcp_dist import rundir
 from fedcp_dist.checkpoint import Checkpointer
 from fedcp_dist.cli import report
-from fedcp_dist.config import Config, flatten
+from fedcp_dist.config import Config, flatten, unflatten
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir import (
     NOT_DEFINING, RESUMABLE_CHANGES, RunDir, RunWriter, check_resume_config, format_value, prepare_out_dir,
@@ -242,7 +242,7 @@ def test_resume_sweep_drift_and_report_columns_use_the_one_list(tmp_path):
     defining = []
     for key, value in flat.items():
         changed = dict(flat, **{key: _changed(key, value)})
-        nested = _nest(changed)
+        nested = unflatten(changed)
         # resume
         if key in RESUMABLE_CHANGES:
             check_resume_config(want.to_dict(), nested, "out")
@@ -259,17 +259,6 @@ def test_resume_sweep_drift_and_report_columns_use_the_one_list(tmp_path):
             defining.append(key)
     assert "rounds" in defining and "eval_every" in defining and "lr" in defining and "data.path" in defining
     assert len(defining) + len(NOT_DEFINING) == len(flat)
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return out
 
 
 def test_resume_check_defaults_paths_and_rounds_scheduled_methods(tmp_path):
