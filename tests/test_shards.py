@@ -224,7 +224,7 @@ def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
     write(path, make_clients([(4, 2)] * 2))
     before = path.read_bytes()
 
-    real_append = shards._Appender.append
+    real_append = shards.write._Appender.append
     calls = []
 
     def failing_append(self, x):
@@ -233,7 +233,7 @@ def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         real_append(self, x)
 
-    monkeypatch.setattr(shards._Appender, "append", failing_append)
+    monkeypatch.setattr(shards.write._Appender, "append", failing_append)
     with pytest.raises(RuntimeError, match="disk on fire"):
         write(path, make_clients([(5, 5)] * 6, seed=1))
     assert calls[-1] == "/train_x"

@@ -1,0 +1,326 @@
+"""Reading a shard: its attributes and per-client counts checked (:func:`read_info`), its
+vocabulary, and chosen clients' arrays (:func:`load_clients`), each failure one :class:`UserError`
+naming the file."""
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy as np
+
+from fedcp_dist.data.shards.layout import (_COUNT_ATTRS, _REQUIRED_ATTRS, FINGERPRINT, FORMAT_VERSION,
+                                           IMAGE_FORMAT_VERSION, KIND, KINDS, READABLE_VERSIONS, SPLITS,
+                                           TABLE_KIND, TEXT_FORMAT_VERSION, TEXT_KIND, TEXT_SPLITS,
+                                           WRITE_SAMPLES, ShardInfo)
+from fedcp_dist.errors import UserError
+
+
+def _open(path) -> h5py.File:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise UserError(f"shard file {path} does not exist")
+    if os.path.isdir(path):
+        raise UserError(f"shard file {path} is a directory, not an HDF5 file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"shard file {path} is not a readable HDF5 file "
+                        f"(truncated or corrupt?): {' '.join(str(exc).split())}") from None
+
+
+def _check_version(f: h5py.File, path) -> int:
+    if "format_version" not in f.attrs:
+        raise UserError(f"shard file {path} lacks the attribute 'format_version' "
+                        f"(not a fedcp-dist shard?)")
+    version = int(f.attrs["format_version"])
+    if version not in READABLE_VERSIONS:
+        raise UserError(f"shard file {path} has format_version {version}, this version of "
+                        f"fedcp-dist reads format_version {IMAGE_FORMAT_VERSION} (images), "
+                        f"{TEXT_FORMAT_VERSION} (images or text) and {FORMAT_VERSION} (images or "
+                        f"text, one array per split); re-create it with fedcp-partition")
+    return version
+
+
+def _as_str(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _check_kind(path, kind: str, version: int) -> None:
+    if kind not in KINDS:
+        raise UserError(f"shard file {path} has kind '{kind}', expected one of "
+                        f"{', '.join(repr(k) for k in KINDS)}")
+    if kind == TEXT_KIND and version < TEXT_FORMAT_VERSION:
+        raise UserError(f"shard file {path} has kind 'text' but format_version {version}; text "
+                        f"shards are format_version {TEXT_FORMAT_VERSION}")
+    if kind == TABLE_KIND and version < FORMAT_VERSION:
+        raise UserError(f"shard file {path} has kind 'table' but format_version {version}; table "
+                        f"shards are format_version {FORMAT_VERSION}")
+
+
+def _offsets(f: h5py.File, path, split: str, num_clients: int, names) -> np.ndarray:
+    """The checked ``{split}_offsets`` of a version-3 shard: (N + 1,), from 0, non-decreasing,
+    ending at the length of each of the split's datasets among ``names``."""
+    key = f"{split}_offsets"
+    if key not in f or not isinstance(f[key], h5py.Dataset):
+        raise UserError(f"shard file {path} lacks the dataset '{key}'")
+    offsets = np.asarray(f[key][()])
+    if offsets.shape != (num_clients + 1,) or not np.issubdtype(offsets.dtype, np.integer):
+        raise UserError(f"shard file {path}: dataset '{key}' is {offsets.dtype} of shape "
+                        f"{offsets.shape}, expected ({num_clients + 1},) integers")
+    offsets = offsets.astype(np.int64)
+    if offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        raise UserError(f"shard file {path}: dataset '{key}' must start at 0 and never decrease")
+    for name in names:
+        if not name.startswith(split):
+            continue
+        if name not in f or not isinstance(f[name], h5py.Dataset):
+            raise UserError(f"shard file {path} lacks the dataset '{name}'")
+        if f[name].ndim < 1 or f[name].shape[0] != offsets[-1]:
+            raise UserError(f"shard file {path}: dataset '{name}' has {f[name].shape[:1]} rows "
+                            f"but '{key}' ends at {offsets[-1]} (truncated or corrupt?)")
+    return offsets
+
+
+def _split_counts(f: h5py.File, path, num_clients: int, num_classes: int, kind: str) -> dict:
+    """The per-client counts of a version-3 shard (ShardInfo's fields), checked together."""
+    names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+    out = {}
+    for split in ("train", "test"):
+        counts = np.diff(_offsets(f, path, split, num_clients, names))
+        key = f"{split}_label_counts"
+        if key not in f or not isinstance(f[key], h5py.Dataset):
+            raise UserError(f"shard file {path} lacks the dataset '{key}'")
+        labels = np.asarray(f[key][()], dtype=np.int64)
+        if labels.shape != (num_clients, num_classes):
+            raise UserError(f"shard file {path}: dataset '{key}' has shape {labels.shape}, "
+                            f"expected ({num_clients}, {num_classes})")
+        if not np.array_equal(labels.sum(axis=1), counts):
+            raise UserError(f"shard file {path}: dataset '{key}' does not add up to the client "
+                            f"sizes of '{split}_offsets' (corrupt file?)")
+        out[f"{split}_counts"], out[key] = counts, labels
+    return out
+
+
+def read_info(path) -> ShardInfo:
+    """Read and check the attributes (and, from version 3 on, the per-client counts) of the
+    shard at ``path``."""
+    f = _open(path)
+    try:
+        with f:
+            version = _check_version(f, path)
+            attrs = f.attrs
+            required = _REQUIRED_ATTRS + (_COUNT_ATTRS if version < FORMAT_VERSION else ())
+            for key in required:
+                if key not in attrs:
+                    raise UserError(f"shard file {path} lacks the attribute '{key}'")
+            kind = _as_str(attrs["kind"])
+            _check_kind(path, kind, version)
+            vocab_size, vocab_len = 0, None
+            if kind == TEXT_KIND:
+                if "vocab_size" not in attrs:
+                    raise UserError(f"shard file {path} lacks the attribute 'vocab_size'")
+                vocab_size = int(attrs["vocab_size"])
+                if "vocab" not in f or not isinstance(f["vocab"], h5py.Dataset):
+                    raise UserError(f"shard file {path} lacks the dataset 'vocab'")
+                if f["vocab"].ndim != 1:
+                    raise UserError(f"shard file {path}: dataset 'vocab' has shape "
+                                    f"{f['vocab'].shape}, expected ({vocab_size},)")
+                vocab_len = len(f["vocab"])
+            try:
+                params = json.loads(_as_str(attrs["partition_params"]))
+            except ValueError:
+                raise UserError(f"shard file {path}: attribute 'partition_params' "
+                                f"is not valid JSON") from None
+            n, c = int(attrs["num_clients"]), int(attrs["num_classes"])
+            if version >= FORMAT_VERSION:
+                counts = _split_counts(f, path, n, c, kind)
+            else:
+                counts = {key: np.asarray(attrs[key], dtype=np.int64) for key in _COUNT_ATTRS}
+                for key in ("train_counts", "test_counts"):
+                    counts[key] = counts[key].reshape(-1)
+            info = ShardInfo(
+                path=os.fspath(path),
+                format_version=version,
+                kind=kind,
+                source=_as_str(attrs["source"]),
+                num_classes=c,
+                num_clients=n,
+                input_shape=tuple(int(d) for d in np.atleast_1d(attrs["input_shape"])),
+                mean=tuple(float(v) for v in np.atleast_1d(attrs["mean"])),
+                std=tuple(float(v) for v in np.atleast_1d(attrs["std"])),
+                partition=_as_str(attrs["partition"]),
+                partition_params=params,
+                seed=int(attrs["seed"]),
+                vocab_size=vocab_size,
+                fingerprint=_as_str(attrs[FINGERPRINT]) if FINGERPRINT in attrs else "",
+                **counts,
+            )
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"shard file {path} could not be read (truncated or corrupt?): "
+                        f"{' '.join(str(exc).split())}") from None
+    for key in ("train_counts", "test_counts"):
+        if getattr(info, key).shape != (n,):
+            raise UserError(f"shard file {path}: attribute '{key}' has shape "
+                            f"{getattr(info, key).shape}, expected ({n},)")
+    for key in ("train_label_counts", "test_label_counts"):
+        if getattr(info, key).shape != (n, c):
+            raise UserError(f"shard file {path}: attribute '{key}' has shape "
+                            f"{getattr(info, key).shape}, expected ({n}, {c})")
+    if kind == TEXT_KIND:
+        if len(info.input_shape) != 1 or info.input_shape[0] < 1:
+            raise UserError(f"shard file {path}: a text shard's 'input_shape' must be "
+                            f"[max_len] with max_len >= 1, found {list(info.input_shape)}")
+        if vocab_size < 2:
+            raise UserError(f"shard file {path}: attribute 'vocab_size' is {vocab_size}, a "
+                            f"vocabulary holds at least <pad> and <unk>")
+        if vocab_len != vocab_size:
+            raise UserError(f"shard file {path}: dataset 'vocab' holds {vocab_len} tokens but "
+                            f"attribute 'vocab_size' is {vocab_size}")
+    elif kind == TABLE_KIND:
+        f_dim = info.input_shape[0] if len(info.input_shape) == 1 else -1
+        if f_dim < 1 or len(info.mean) != f_dim or len(info.std) != f_dim:
+            raise UserError(f"shard file {path}: a table shard's 'input_shape' must be [features] "
+                            f"with one 'mean' and 'std' per feature, found "
+                            f"{list(info.input_shape)}, {len(info.mean)} and {len(info.std)}")
+        if min(info.std) <= 0:
+            raise UserError(f"shard file {path}: attribute 'std' must be > 0 for every feature")
+    elif len(info.input_shape) != 3:
+        raise UserError(f"shard file {path}: an image shard's 'input_shape' must be [C, H, W], "
+                        f"found {list(info.input_shape)}")
+    return info
+
+
+def read_vocab(path) -> list[str]:
+    """The vocabulary of the text shard at ``path``: its tokens in id order."""
+    info = read_info(path)
+    if info.kind != TEXT_KIND:
+        raise UserError(f"shard file {path} holds images, not text: it has no vocabulary")
+    f = _open(path)
+    try:
+        with f:
+            return [str(token) for token in f["vocab"].asstr()[()]]
+    except (OSError, RuntimeError, KeyError, UnicodeDecodeError) as exc:
+        raise UserError(f"shard file {path}: could not read the vocabulary (corrupt file?): "
+                        f"{' '.join(str(exc).split())}") from None
+
+
+def _check_text_arrays(path, cid: int, arrays: dict, max_len: int, vocab_size: int) -> None:
+    for split in ("train", "test"):
+        x, lengths = arrays[f"{split}_x"], arrays[f"{split}_len"]
+        if x.ndim != 2 or x.shape[1] != max_len or not np.issubdtype(x.dtype, np.integer):
+            raise UserError(f"shard file {path}: client {cid} '{split}_x' is {x.dtype} of shape "
+                            f"{x.shape}, expected integer token ids of shape (n, {max_len})")
+        if lengths.shape != (len(x),) or not np.issubdtype(lengths.dtype, np.integer):
+            raise UserError(f"shard file {path}: client {cid} '{split}_len' is {lengths.dtype} "
+                            f"of shape {lengths.shape}, expected ({len(x)},) integers")
+        if x.size and (x.min() < 0 or x.max() >= vocab_size):
+            raise UserError(f"shard file {path}: client {cid} '{split}_x' holds token ids "
+                            f"outside [0, {vocab_size})")
+        if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
+            raise UserError(f"shard file {path}: client {cid} '{split}_len' holds lengths "
+                            f"outside [0, {max_len}]")
+
+
+def _row_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The rows [starts[k], starts[k] + lengths[k]) of every k, concatenated."""
+    before = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _gather_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
+    """``ds[rows]`` for sorted ``rows``, read a block of :data:`WRITE_SAMPLES` rows at a time.
+
+    Blocks are whole chunks, so each chunk is decompressed at most once whatever the chunk cache
+    holds, and only blocks that hold a wanted row are read.
+    """
+    out = np.empty((len(rows),) + ds.shape[1:], dtype=ds.dtype)
+    if not len(rows):
+        return out
+    cuts = np.flatnonzero(np.diff(rows // WRITE_SAMPLES)) + 1
+    for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(rows)]))):
+        first, last = int(rows[lo]), int(rows[hi - 1])
+        if last - first + 1 == hi - lo:  # contiguous rows: read straight into place
+            ds.read_direct(out, np.s_[first:last + 1], np.s_[lo:hi])
+        else:
+            out[lo:hi] = ds[first:last + 1][rows[lo:hi] - first]
+    return out
+
+
+def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int) -> dict:
+    """Version 3: each client's rows of every dataset in ``names`` (views of one array each)."""
+    order = np.unique(np.asarray(ids, dtype=np.int64))
+    out: dict[int, dict[str, np.ndarray]] = {int(c): {} for c in order}
+    for split in ("train", "test"):
+        offsets = _offsets(f, path, split, num_clients, names)
+        lengths = offsets[order + 1] - offsets[order]
+        rows = _row_ranges(offsets[order], lengths)
+        bounds = np.concatenate(([0], np.cumsum(lengths)))
+        for name in names:
+            if name.startswith(split):
+                data = _gather_rows(f[name], rows)
+                for k, cid in enumerate(order):
+                    out[int(cid)][name] = data[bounds[k]:bounds[k + 1]]
+    return out
+
+
+def _load_groups(f: h5py.File, path, ids: list[int], names, num_clients: int) -> dict:
+    """Versions 1 and 2: each client's datasets from its group."""
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for cid in ids:
+        key = f"clients/{cid}"
+        if key not in f:
+            raise UserError(f"shard file {path} has no client {cid} "
+                            f"(it holds {num_clients} clients)")
+        group = f[key]
+        arrays = {}
+        for name in names:
+            if name not in group:
+                raise UserError(f"shard file {path}: client {cid} lacks dataset '{name}'")
+            arrays[name] = group[name][()]
+        out[cid] = arrays
+    return out
+
+
+def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
+    """Read the arrays of the given clients, opening the file once.
+
+    Returns ``{client_id: {"train_x", "train_y", "test_x", "test_y"}}``; text shards add
+    ``"train_len"`` and ``"test_len"``.  Memory: the clients' arrays plus one block of rows.
+    """
+    f = _open(path)
+    try:
+        with f:
+            version = _check_version(f, path)
+            num_clients = int(f.attrs.get("num_clients", -1))
+            kind = _as_str(f.attrs.get("kind", KIND))
+            _check_kind(path, kind, version)
+            names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+            if kind == TEXT_KIND:
+                for key in ("vocab_size", "input_shape"):
+                    if key not in f.attrs:
+                        raise UserError(f"shard file {path} lacks the attribute '{key}'")
+                vocab_size = int(f.attrs["vocab_size"])
+                max_len = int(np.atleast_1d(f.attrs["input_shape"])[0])
+            ids = [int(cid) for cid in client_ids]
+            if version >= FORMAT_VERSION:
+                if "num_clients" not in f.attrs:
+                    raise UserError(f"shard file {path} lacks the attribute 'num_clients'")
+                for cid in ids:
+                    if not 0 <= cid < num_clients:
+                        raise UserError(f"shard file {path} has no client {cid} "
+                                        f"(it holds {num_clients} clients)")
+                out = _load_split_rows(f, path, ids, names, num_clients)
+            else:
+                out = _load_groups(f, path, ids, names, num_clients)
+            for cid, arrays in out.items():
+                if len(arrays["train_x"]) != len(arrays["train_y"]) or \
+                        len(arrays["test_x"]) != len(arrays["test_y"]):
+                    raise UserError(f"shard file {path}: client {cid} has samples and labels "
+                                    f"of different lengths")
+                if kind == TEXT_KIND:
+                    _check_text_arrays(path, cid, arrays, max_len, vocab_size)
+    except (OSError, RuntimeError, KeyError) as exc:
+        raise UserError(f"shard file {path}: could not read client data (corrupt file?): "
+                        f"{' '.join(str(exc).split())}") from None
+    return out

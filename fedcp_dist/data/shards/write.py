@@ -1,0 +1,332 @@
+"""Writing a shard: every client's arrays checked, appended a block at a time, fingerprinted, and
+the file moved into place only when complete."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterable
+
+import h5py
+import numpy as np
+
+from fedcp_dist.data.shards.layout import (ATTRIBUTE_BYTES, CHUNK_SAMPLES, FINGERPRINT, FORMAT_VERSION,
+                                           GROUP_VERSIONS, KIND, KINDS, SPLITS, TABLE_KIND, TEXT_KIND,
+                                           TEXT_SPLITS, WRITE_SAMPLES, Rows)
+from fedcp_dist.fileio import atomic_path
+
+
+class _Fingerprint:
+    """The running SHA-256 of a shard's content as it is written (see the module's docstring)."""
+
+    def __init__(self):
+        self.h = hashlib.sha256()
+
+    def add(self, name: str, x) -> None:
+        """One client's array (an array or :class:`Rows`), read a block of rows at a time."""
+        self.h.update(f"{name}|{np.dtype(x.dtype).str}|{tuple(x.shape)}|".encode())
+        for start in range(0, len(x), WRITE_SAMPLES):
+            self.h.update(np.ascontiguousarray(x[start:start + WRITE_SAMPLES]).tobytes())
+
+    def finish(self, meta: dict) -> str:
+        self.h.update(json.dumps(meta, sort_keys=True).encode())
+        return f"sha256:{self.h.hexdigest()}"
+
+
+def _write_x(group: h5py.Group, name: str, x) -> None:
+    """Write samples ``x`` (an array or :class:`Rows`) as a chunked, compressed dataset."""
+    n = len(x)
+    shape = (n,) + tuple(x.shape[1:])
+    if n == 0:
+        group.create_dataset(name, shape=shape, dtype=x.dtype)
+        return
+    chunk = (min(CHUNK_SAMPLES, n),) + shape[1:]
+    ds = group.create_dataset(name, shape=shape, dtype=x.dtype, chunks=chunk, compression="gzip",
+                              compression_opts=4, shuffle=True)
+    for start in range(0, n, WRITE_SAMPLES):
+        ds[start:start + WRITE_SAMPLES] = np.ascontiguousarray(x[start:start + WRITE_SAMPLES])
+
+
+def _samples(x):
+    return x if isinstance(x, Rows) else np.asarray(x)
+
+
+def _check_labels(i: int, name: str, y, n: int, num_classes: int) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim != 1 or len(y) != n:
+        raise ValueError(f"client {i}: {name} has shape {y.shape}, expected ({n},)")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"client {i}: {name} must be integer, got {y.dtype}")
+    y = y.astype(np.int64)
+    if len(y) and (y.min() < 0 or y.max() >= num_classes):
+        raise ValueError(f"client {i}: labels must lie in [0, {num_classes})")
+    return y
+
+
+class _IdRange:
+    """Checks that token ids lie in [0, vocab_size), each distinct base array only once."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.seen: set = set()
+
+    def check(self, i: int, name: str, x) -> None:
+        arr = x.base if isinstance(x, Rows) else x
+        if isinstance(x, Rows):
+            if id(arr) in self.seen:
+                return
+            self.seen.add(id(arr))
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"client {i}: {name} holds token ids outside [0, {self.vocab_size})")
+
+
+def _check_client(i: int, arrays, input_shape: tuple, num_classes: int, kind: str = KIND,
+                  ids: _IdRange = None):
+    expected = 6 if kind == TEXT_KIND else 4
+    if len(arrays) != expected:
+        names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+        raise ValueError(f"client {i}: expected ({', '.join(names)}), got {len(arrays)} items")
+    out = []
+    for split in (0, 2):
+        name = SPLITS[split]
+        x = _samples(arrays[split])
+        if kind == TABLE_KIND:
+            if x.dtype != np.float32:
+                raise ValueError(f"client {i}: {name} (feature rows) must be float32, got {x.dtype}")
+            if x.ndim != 2 or x.shape[1:] != input_shape:
+                raise ValueError(f"client {i}: {name} has shape {x.shape}, "
+                                 f"expected (n, {input_shape[0]})")
+        elif kind == KIND:
+            if x.dtype != np.uint8:
+                raise ValueError(f"client {i}: {name} must be uint8, got {x.dtype}")
+            if x.shape[1:] != input_shape or x.ndim != 4:
+                raise ValueError(f"client {i}: {name} has shape {x.shape}, "
+                                 f"expected (n, {', '.join(map(str, input_shape))})")
+        else:
+            if x.dtype != np.int32:
+                raise ValueError(f"client {i}: {name} (token ids) must be int32, got {x.dtype}")
+            if x.ndim != 2 or x.shape[1:] != input_shape:
+                raise ValueError(f"client {i}: {name} has shape {x.shape}, "
+                                 f"expected (n, {input_shape[0]})")
+            ids.check(i, name, x)
+        y = _check_labels(i, SPLITS[split + 1], arrays[split + 1], len(x), num_classes)
+        out += [x if isinstance(x, Rows) else np.ascontiguousarray(x), y]
+    if kind == TEXT_KIND:
+        max_len = input_shape[0]
+        for split, name in ((4, "train_len"), (5, "test_len")):
+            lengths = np.asarray(arrays[split])
+            n = len(out[2 * (split - 4)])  # rows of train_x, then of test_x
+            if lengths.shape != (n,) or (n and not np.issubdtype(lengths.dtype, np.integer)):
+                raise ValueError(f"client {i}: {name} must be {n} integers, got {lengths.dtype} "
+                                 f"of shape {lengths.shape}")
+            if n and (lengths.min() < 0 or lengths.max() > max_len):
+                raise ValueError(f"client {i}: {name} must lie in [0, {max_len}]")
+            out.append(lengths.astype(np.int32))
+    return out
+
+
+class _Counts:
+    """Each client's train and test sample counts and per-class counts, as they are written."""
+
+    def __init__(self, num_classes: int):
+        self.num_classes = num_classes
+        self.train, self.test, self.train_labels, self.test_labels = [], [], [], []
+
+    def add(self, train_y: np.ndarray, test_y: np.ndarray) -> None:
+        self.train.append(len(train_y))
+        self.test.append(len(test_y))
+        self.train_labels.append(np.bincount(train_y, minlength=self.num_classes))
+        self.test_labels.append(np.bincount(test_y, minlength=self.num_classes))
+
+    def __len__(self) -> int:
+        return len(self.train)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """``train_counts``, ``test_counts`` (N,) and ``*_label_counts`` (N, C), all int64."""
+        return {"train_counts": np.asarray(self.train, dtype=np.int64),
+                "test_counts": np.asarray(self.test, dtype=np.int64),
+                "train_label_counts": np.stack(self.train_labels).astype(np.int64),
+                "test_label_counts": np.stack(self.test_labels).astype(np.int64)}
+
+
+class _Appender:
+    """A growing dataset written a block of :data:`WRITE_SAMPLES` rows at a time.
+
+    Rows are gathered in one block-sized buffer and written when it is full (and at
+    :meth:`close`), so every chunk is compressed once however small the clients are.
+    """
+
+    def __init__(self, f: h5py.File, name: str, dtype, row_shape: tuple, chunk_rows: int):
+        self.ds = f.create_dataset(name, shape=(0,) + row_shape, maxshape=(None,) + row_shape,
+                                   dtype=dtype, chunks=(chunk_rows,) + row_shape,
+                                   compression="gzip", compression_opts=4, shuffle=True)
+        self.buf = np.empty((WRITE_SAMPLES,) + row_shape, dtype=dtype)
+        self.fill = 0
+
+    def append(self, x) -> None:
+        """Append the rows of ``x`` (an array or :class:`Rows`)."""
+        done = 0
+        while done < len(x):
+            k = min(len(x) - done, WRITE_SAMPLES - self.fill)
+            target = self.buf[self.fill:self.fill + k]
+            if isinstance(x, Rows):  # gather straight into the buffer
+                np.take(x.base, x.index[done:done + k], axis=0, out=target)
+            else:
+                target[...] = x[done:done + k]
+            self.fill += k
+            done += k
+            if self.fill == WRITE_SAMPLES:
+                self.close()
+
+    def close(self) -> None:
+        """Write what the buffer holds."""
+        if self.fill:
+            rows = self.ds.shape[0]
+            self.ds.resize(rows + self.fill, axis=0)
+            self.ds[rows:rows + self.fill] = self.buf[:self.fill]
+            self.fill = 0
+
+
+class _SplitWriter:
+    """Version 3: every client's rows appended to one dataset per split and array."""
+
+    def __init__(self, f: h5py.File, kind: str, input_shape: tuple):
+        self.f = f
+        self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+        x_dtype = {KIND: np.uint8, TEXT_KIND: np.int32, TABLE_KIND: np.float32}[kind]
+        self.columns = {}
+        for name in self.names:
+            if name.endswith("_x"):
+                self.columns[name] = _Appender(f, name, x_dtype, input_shape, CHUNK_SAMPLES)
+            else:
+                dtype = np.int64 if name.endswith("_y") else np.int32
+                self.columns[name] = _Appender(f, name, dtype, (), WRITE_SAMPLES)
+
+    def add(self, i: int, checked: list) -> None:
+        for name, arr in zip(self.names, checked):
+            self.columns[name].append(arr)
+
+    def finish(self, counts: _Counts) -> None:
+        for column in self.columns.values():
+            column.close()
+        arrays = counts.arrays()
+        for split in ("train", "test"):
+            sizes = arrays[f"{split}_counts"]
+            offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+            self.f.create_dataset(f"{split}_offsets", data=offsets)
+            self.f.create_dataset(f"{split}_label_counts", data=arrays[f"{split}_label_counts"],
+                                  chunks=True, compression="gzip", compression_opts=4,
+                                  shuffle=True)
+
+
+class _GroupWriter:
+    """Versions 1 and 2: a group per client, the counts among the root attributes."""
+
+    def __init__(self, f: h5py.File, kind: str, version: int):
+        self.f, self.version = f, version
+        self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+        self.root = f.create_group("clients")
+
+    def add(self, i: int, checked: list) -> None:
+        g = self.root.create_group(str(i))
+        for name, arr in zip(self.names, checked):
+            if name.endswith("_x"):
+                _write_x(g, name, arr)
+            else:
+                g.create_dataset(name, data=arr)
+
+    def finish(self, counts: _Counts) -> None:
+        arrays = counts.arrays()
+        largest = max(a.nbytes for a in arrays.values())
+        if largest > ATTRIBUTE_BYTES:
+            raise ValueError(
+                f"format_version {self.version} keeps the per-client counts in attributes, which "
+                f"HDF5 limits to 64 KiB: {len(counts)} clients of {counts.num_classes} classes "
+                f"need {largest} bytes; write format_version {FORMAT_VERSION}")
+        for key, value in arrays.items():
+            self.f.attrs[key] = value
+
+
+def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input_shape,
+                mean, std, partition: str, partition_params: dict, seed: int,
+                kind: str = KIND, vocab=None, format_version: int = FORMAT_VERSION,
+                columns=None) -> None:
+    """Write ``clients`` to ``path``.
+
+    Images: each client is ``(train_x, train_y, test_x, test_y)``.  Text (``kind="text"``, with
+    ``vocab`` the tokens in id order): ``(train_x, train_y, test_x, test_y, train_len,
+    test_len)``.  Any ``*_x`` may be a :class:`Rows` view, copied a block at a time.
+    ``format_version`` is :data:`FORMAT_VERSION`, or the group-per-client version of the kind
+    (1 for images, 2 for text) for readers that know no other.  Tables (``kind="table"``,
+    version 3 only): float32 feature rows, ``mean`` / ``std`` one value per feature, ``columns``
+    the feature names.
+
+    The file appears at ``path`` only once it is complete; on any failure the temporary file is
+    removed and whatever was at ``path`` before is left as it was.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if format_version not in (FORMAT_VERSION, GROUP_VERSIONS.get(kind, FORMAT_VERSION)):
+        raise ValueError(f"a {kind} shard is written as format_version {FORMAT_VERSION} or "
+                         f"{GROUP_VERSIONS[kind]}, not {format_version!r}")
+    if kind == TABLE_KIND:
+        if len(tuple(input_shape)) != 1 or len(mean) != input_shape[0] or len(std) != input_shape[0]:
+            raise ValueError(f"a table shard's input_shape is (features,) with one mean and std "
+                             f"per feature, got {tuple(input_shape)}, {len(mean)}, {len(std)}")
+        if columns is not None and len(columns) != input_shape[0]:
+            raise ValueError(f"{len(columns)} column names for {input_shape[0]} features")
+    elif columns is not None:
+        raise ValueError("only a table shard has feature column names")
+    if kind == TEXT_KIND:
+        if vocab is None or len(vocab) < 2:
+            raise ValueError("a text shard needs its vocabulary (at least <pad> and <unk>)")
+        vocab = [str(token) for token in vocab]
+    elif vocab is not None:
+        raise ValueError("an image shard has no vocabulary")
+    path = os.fspath(path)
+    input_shape = tuple(int(d) for d in input_shape)
+    if kind == TEXT_KIND and len(input_shape) != 1:
+        raise ValueError(f"a text shard's input_shape is (max_len,), got {input_shape}")
+    num_classes = int(num_classes)
+    ids = _IdRange(len(vocab)) if kind == TEXT_KIND else None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        if format_version == FORMAT_VERSION:
+            body = _SplitWriter(f, kind, input_shape)
+        else:
+            body = _GroupWriter(f, kind, format_version)
+        counts = _Counts(num_classes)
+        fingerprint = _Fingerprint()
+        for i, arrays in enumerate(clients):
+            checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
+            body.add(i, checked)
+            counts.add(checked[1], checked[3])
+            for name, arr in zip(body.names, checked):
+                fingerprint.add(name, arr)
+        if len(counts) == 0:
+            raise ValueError("write_shard needs at least one client")
+        a = f.attrs
+        a["format_version"] = np.int64(format_version)
+        if kind == TEXT_KIND:
+            a["vocab_size"] = np.int64(len(vocab))
+            f.create_dataset("vocab", data=vocab, dtype=h5py.string_dtype("utf-8"))
+        if columns is not None:
+            f.create_dataset("columns", data=[str(c) for c in columns],
+                             dtype=h5py.string_dtype("utf-8"))
+        a["kind"] = kind
+        a["source"] = str(source)
+        a["num_classes"] = np.int64(num_classes)
+        a["num_clients"] = np.int64(len(counts))
+        a["input_shape"] = np.asarray(input_shape, dtype=np.int64)
+        a["mean"] = np.asarray(mean, dtype=np.float64)
+        a["std"] = np.asarray(std, dtype=np.float64)
+        a["partition"] = str(partition)
+        a["partition_params"] = json.dumps(partition_params, sort_keys=True)
+        a["seed"] = np.int64(seed)
+        a[FINGERPRINT] = fingerprint.finish({
+            "kind": kind, "num_classes": num_classes, "input_shape": list(input_shape),
+            "mean": [float(v) for v in np.asarray(mean, dtype=np.float64).ravel()],
+            "std": [float(v) for v in np.asarray(std, dtype=np.float64).ravel()],
+            "vocab": vocab, "columns": None if columns is None else [str(c) for c in columns]})
+        body.finish(counts)
+        f.flush()
