@@ -3,6 +3,7 @@ from hand-made analysis.jsonl files; the server's copy of each method against th
 one end-to-end CLI call on a 2-round digits run with a checkpoint."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from torch import nn
 from fedcp_dist.analysis import dlg
 from fedcp_dist.analysis.gradcam import grad_cam, last_conv
 from fedcp_dist.analysis.imaging import match_images, psnr, ssim
-from fedcp_dist.analysis.records import hist_stats, loss_by_round, pir_by_round, read_probes
+from fedcp_dist.analysis.plots import s_shares
+from fedcp_dist.analysis.records import loss_by_round, pir_by_round, read_probes
 from fedcp_dist.errors import UserError
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -163,9 +165,29 @@ def test_probes_are_read_and_averaged_by_samples(tmp_path):
     assert len(train) == 2 and len(evals) == 1
     assert pir_by_round(train) == {1: pytest.approx((10 * 0.2 + 30 * 0.6) / 40)}
     assert loss_by_round(train) == {1: (pytest.approx(1.25), pytest.approx(0.625))}
-    st = hist_stats(evals[0].s_hist)
-    # bin centres 10.5/50 and 20.5/50, four each; the median ends bin 10; range [10/50, 21/50]
-    assert (st.mean, st.median, st.lo, st.hi) == (pytest.approx(0.31), pytest.approx(0.22), 0.2, 0.42)
+    shares = s_shares(evals[0].s_hist)  # what the s-distribution map colours: half the samples in each bin
+    assert shares[10] == shares[20] == 0.5 and shares.sum() == 1.0 and (shares > 0).sum() == 2
+    assert not s_shares([0] * 50).any()  # a client without samples: an empty row, not a division by zero
+
+
+def test_s_distribution_map_draws_each_clients_shares_at_the_last_evaluation():
+    from fedcp_dist.analysis.plots import plot_s_distribution, pyplot
+    from fedcp_dist.analysis.records import EvalProbe, Run
+
+    probes = [EvalProbe(1, c, 8, 0.5, _hist({25: 8})) for c in range(3)]  # an earlier evaluation: not drawn
+    probes += [EvalProbe(2, 0, 8, 0.3, _hist({10: 6, 30: 2})), EvalProbe(2, 1, 4, 0.9, _hist({45: 4})),
+               EvalProbe(2, 2, 0, 0.0, [0] * 50)]  # client 2 has no test sample at round 2: no row
+    run = Run(Path("r"), "fedcp", {}, [], [], None, eval_probes=probes)
+    fig = plot_s_distribution([run], None)
+    (ax, _colourbar) = fig.axes
+    drawn = np.ma.filled(ax.images[0].get_array(), np.nan)
+    assert drawn.shape == (2, 50) and [t.get_text() for t in ax.get_yticklabels()] == ["client 0", "client 1"]
+    assert drawn[0, 10] == 0.75 and drawn[0, 30] == 0.25 and drawn[1, 45] == 1.0
+    assert np.isnan(drawn).sum() == 100 - 3  # empty bins blank, not the smallest colour
+    assert list(ax.lines[0].get_xdata()) == [0.3, 0.9]  # each client's PIR marked on its row
+    assert "after 2 rounds" in ax.get_title()
+    pyplot().close(fig)
+    assert plot_s_distribution([run], [1]).axes[0].images[0].get_array().shape == (1, 50)  # --clients 1
 
 
 @pytest.mark.parametrize("bad, what", [

@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from fedcp_dist.analysis.records import hist_stats, loss_by_round, pir_by_round
+from fedcp_dist.analysis.records import loss_by_round, pir_by_round
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes
 
@@ -154,38 +154,55 @@ def plot_pir(runs: list, clients: Optional[list]):
     return fig
 
 
-def _violin_stats(counts: list) -> dict:
-    """matplotlib's violin statistics from a histogram of s on equal bins over [0, 1]."""
-    n = len(counts)
-    total = max(sum(counts), 1)
-    centres = (np.arange(n) + 0.5) / n
-    st = hist_stats(counts)
-    return {"coords": centres, "vals": np.asarray(counts, float) / total * n, "mean": st.mean, "median": st.median,
-            "min": st.lo, "max": st.hi}
+#: clients drawn as rows of the s-distribution map when none are chosen
+S_MAP_CLIENTS = 40
+
+
+def s_shares(counts: list) -> np.ndarray:
+    """A histogram of s as the share of the client's samples in each bin (all zeros when empty)."""
+    counts = np.asarray(counts, float)
+    total = counts.sum()
+    return counts / total if total > 0 else counts
 
 
 def plot_s_distribution(runs: list, clients: Optional[list]):
-    """The distribution of s over each chosen client's test samples at the run's last evaluation
-    (violins drawn from the probes' 50-bin histograms), one row per run."""
+    """The distribution of s over each chosen client's test samples at the run's last evaluation, one
+    panel per run: a map with a row per client and a column per bin of the probes' histogram, the
+    colour the share of the client's samples in that bin on a log scale (one bin often holds a third
+    of them, the tails a few samples), and the client's mean s (its PIR) as a white tick."""
     runs = [r for r in runs if r.eval_probes]
     if not runs:
         return None
     plt = pyplot()
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3.2 * len(runs)), squeeze=False)
-    for ax, run in zip(axes[:, 0], runs):
+    from matplotlib.colors import LogNorm
+
+    rows = []
+    for run in runs:
         last = max(p.evaluated_after for p in run.eval_probes)
         probes = {p.client: p for p in run.eval_probes if p.evaluated_after == last and sum(p.s_hist) > 0}
-        chosen = pick_clients(list(probes), clients, k=10)
-        if not chosen:
-            continue
-        stats = [_violin_stats(probes[c].s_hist) for c in chosen]
-        ax.violin(stats, positions=range(len(chosen)), widths=0.8, showmeans=True, showextrema=True,
-                  showmedians=False)
-        ax.set_xticks(range(len(chosen)), [f"client {c}\nPIR {probes[c].pir:.2f}" for c in chosen], fontsize=8)
-        ax.set_ylim(0, 1)
-        ax.set_ylabel("s (personal share)")
-        ax.set_title(f"{run.label}: s over each client's test samples after {last} rounds", fontsize=10)
-        ax.grid(alpha=0.3, axis="y")
+        chosen = pick_clients(list(probes), clients, k=S_MAP_CLIENTS)
+        if chosen:
+            rows.append((run, last, chosen, probes))
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), 1, squeeze=False,
+                             figsize=(9, sum(1.2 + 0.22 * len(chosen) for _, _, chosen, _ in rows)))
+    for ax, (run, last, chosen, probes) in zip(axes[:, 0], rows):
+        shares = np.stack([s_shares(probes[c].s_hist) for c in chosen])
+        smallest = shares[shares > 0].min()
+        image = ax.imshow(np.where(shares > 0, shares, np.nan), aspect="auto", cmap="viridis",
+                          norm=LogNorm(vmin=smallest, vmax=1.0), extent=(0.0, 1.0, len(chosen) - 0.5, -0.5),
+                          interpolation="nearest")
+        pir = [probes[c].pir for c in chosen]
+        ax.plot(pir, range(len(chosen)), "|", color="white", ms=9, mew=2, label="mean s (PIR)")
+        ax.set_yticks(range(len(chosen)), [f"client {c}" for c in chosen], fontsize=7)
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("s (share of a feature sent to the personal head); empty bins blank")
+        ax.set_title(f"{run.label}: s over each client's test samples after {last} rounds "
+                     f"(PIR {min(pir):.2f}-{max(pir):.2f})", fontsize=10)
+        ax.set_facecolor("#f4f4f4")
+        ax.legend(loc="upper right", fontsize=7, facecolor="#444444", labelcolor="white", framealpha=0.8)
+        fig.colorbar(image, ax=ax, label="share of the client's samples", pad=0.01)
     fig.tight_layout()
     return fig
 

@@ -167,32 +167,3 @@ def loss_by_round(probes: list) -> dict:
         groups.setdefault(p.round, []).append(p)
     return {r: (weighted_mean((p.samples, p.loss_bef) for p in ps), weighted_mean((p.samples, p.loss_aft) for p in ps))
             for r, ps in sorted(groups.items())}
-
-
-@dataclass
-class HistStats:
-    mean: float
-    median: float
-    lo: float  # left edge of the first non-empty bin
-    hi: float  # right edge of the last non-empty bin
-
-
-def hist_stats(counts: list) -> HistStats:
-    """Mean (bin centres), median (linear within its bin) and range of a histogram of s over
-    ``len(counts)`` equal bins on [0, 1]."""
-    n = len(counts)
-    total = sum(counts)
-    if total == 0:
-        nan = float("nan")
-        return HistStats(nan, nan, nan, nan)
-    width = 1.0 / n
-    mean = sum(c * (i + 0.5) * width for i, c in enumerate(counts)) / total
-    half, run = total / 2.0, 0
-    median = 1.0
-    for i, c in enumerate(counts):
-        if c and run + c >= half:
-            median = (i + (half - run) / c) * width
-            break
-        run += c
-    nonzero = [i for i, c in enumerate(counts) if c]
-    return HistStats(mean, median, nonzero[0] * width, (nonzero[-1] + 1) * width)
