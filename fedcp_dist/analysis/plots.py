@@ -159,7 +159,7 @@ S_MAP_CLIENTS = 40
 
 
 def s_shares(counts: list) -> np.ndarray:
-    """A histogram of s as the share of the client's samples in each bin (all zeros when empty)."""
+    """A histogram of s as the share of its values in each bin (all zeros when empty)."""
     counts = np.asarray(counts, float)
     total = counts.sum()
     return counts / total if total > 0 else counts
@@ -167,9 +167,10 @@ def s_shares(counts: list) -> np.ndarray:
 
 def plot_s_distribution(runs: list, clients: Optional[list]):
     """The distribution of s over each chosen client's test samples at the run's last evaluation, one
-    panel per run: a map with a row per client and a column per bin of the probes' histogram, the
-    colour the share of the client's samples in that bin on a log scale (one bin often holds a third
-    of them, the tails a few samples), and the client's mean s (its PIR) as a white tick."""
+    panel per run: a map with a row per client and a column per bin of the probes' histogram (s of
+    every feature of every test sample), the colour the share of the client's s values in that bin
+    on a log scale (one bin often holds a third of them, the tails a few), and the client's mean s
+    (its PIR) as a white tick."""
     runs = [r for r in runs if r.eval_probes]
     if not runs:
         return None
@@ -202,7 +203,7 @@ def plot_s_distribution(runs: list, clients: Optional[list]):
                      f"(PIR {min(pir):.2f}-{max(pir):.2f})", fontsize=10)
         ax.set_facecolor("#f4f4f4")
         ax.legend(loc="upper right", fontsize=7, facecolor="#444444", labelcolor="white", framealpha=0.8)
-        fig.colorbar(image, ax=ax, label="share of the client's samples", pad=0.01)
+        fig.colorbar(image, ax=ax, label="share of the client's s values", pad=0.01)
     fig.tight_layout()
     return fig
 

@@ -23,7 +23,8 @@ CAPTIONS = {
            "and samples: per round over the training samples each client saw (left) and at each evaluation "
            "over its test samples (right); thin lines are single clients, the thick one the sample-weighted mean.",
     "s_distribution": "The distribution of s over each client's test samples at the last evaluation: each "
-                      "violin is one client's histogram of the policy's personal shares, its bar the mean (the PIR).",
+                      "row is one client's histogram of the policy's personal shares (colour: the share of its "
+                      "s values in the bin, log scale), the white tick its mean (the PIR).",
     "loss_before_after": "Training loss before and after each round's local learning (sample-weighted over the "
                          "round's clients) against the accuracy at each evaluation: the gap is what local "
                          "learning gains on the clients' own data.",
