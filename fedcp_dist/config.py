@@ -161,6 +161,8 @@ class _ConfigMethods:
                 value = getattr(holder, opt.name)
                 if isinstance(value, float) and not math.isfinite(value):
                     bad(prefix + opt.name, f"must be a finite number, got {value}")
+                if isinstance(value, str) and "\x00" in value:  # no file name or label holds one
+                    bad(prefix + opt.name, f"holds a NUL character: {value!r}")
                 why = opt.check(value) if opt.check is not None else None
                 if why:
                     bad(prefix + opt.name, why)
@@ -281,6 +283,8 @@ def read_yaml_mapping(path, what: str = "config file") -> dict:
         raise UserError(f"{what} not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{what} {path} cannot be read: {exc}") from None
+    except ValueError as exc:  # a name the system cannot take (a NUL byte)
+        raise UserError(f"{what} {path!r} is not a usable file name: {exc}") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         loc = f" (line {where.line + 1})" if where is not None else ""

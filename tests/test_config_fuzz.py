@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fedcp_dist.config import Config, DataConfig, load_config
@@ -66,6 +66,8 @@ override_text = st.one_of(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(override_text, max_size=4))
+@example(argv=["--c", "method=\x00"])  # found by this test: a config path with a NUL byte made open() raise ValueError
+@example(argv=["out_dir=runs/a\x00b"])  # a NUL in a value: refused, not left for mkdir to raise on
 def test_command_line_is_valid_or_one_line_error(capsys, shard_path, argv):
     try:
         main(["--print-config", f"data.path={shard_path}", *argv])
@@ -81,3 +83,11 @@ def test_command_line_is_valid_or_one_line_error(capsys, shard_path, argv):
         assert isinstance(path, str)
         if not path:
             assert err == "note: data.path is not set; a run needs the HDF5 partition written by fedcp-partition\n", err
+
+
+def test_a_nul_character_in_a_value_is_refused(tmp_path, shard_path):
+    """YAML's "\\0" escape gives a NUL that no file name can hold: named at load, not raised by mkdir later."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f'out_dir: "runs/a\\0b"\ndata: {{path: {shard_path}}}\n')
+    with pytest.raises(UserError, match=r"config key 'out_dir': holds a NUL character: 'runs/a\\x00b'"):
+        load_config(str(path))
