@@ -36,7 +36,9 @@ def test_one_rank_matches_the_recorded_digests(case, digits20, tmp_path, one_thr
 
 @pytest.mark.slow
 def test_two_ranks_match_the_recorded_digests(digits20):
-    cases = ["fedcp", "fedcp-fused", "fedamp", "ditto", "fedphp"]
+    # the default (fused) FedCP path and a peer-exchange method; every other method's 1-vs-2-rank
+    # agreement is checked by tests/test_baselines.py and tests/test_fedcp_switch_runs.py
+    cases = ["fedcp-fused", "fedamp"]
     assert set(cases) <= set(CASES)
     r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  str(REPO / "tests" / "golden" / "record.py"), "--check", str(REPO / "tests" / "golden" / "digests.json"),
