@@ -68,7 +68,7 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedcp_dist import fused  # noqa: E402
+from fedcp_dist import fused, fused_memory  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
 from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
@@ -158,7 +158,7 @@ def main(argv=None):
     p.add_argument("overrides", nargs="*", help="config overrides (default rounds=3)")
     args = p.parse_args(argv)
     if args.fused_slots:
-        fused.CPU_SLOTS = fused.CUDA_SLOTS = args.fused_slots
+        fused_memory.CPU_SLOTS = fused_memory.CUDA_SLOTS = args.fused_slots
 
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     shard = Path(args.shard) if args.shard else REPO / "data" / "bench_mnist_dir0.1_n20.h5"
@@ -321,7 +321,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
                     + (f", amp={cfg.amp}" if cfg.amp != "none" else "")),
         "fused": bool(sim.fused),
         "training": sim.path,
-        "fused_slots": (fused.CUDA_SLOTS if rt.device.type == "cuda" else fused.CPU_SLOTS) if sim.fused else None,
+        "fused_slots": (fused_memory.CUDA_SLOTS if rt.device.type == "cuda" else fused_memory.CPU_SLOTS) if sim.fused else None,
         # fused groups side by side on this rank's threads (config key fused_workers)
         "fused_workers": (fused.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.setup.owned_groups(rt.rank)))
                           if sim.fused else None),

@@ -33,9 +33,10 @@ Unequal clients
 
 The SGD step
     ``w ← w − lr·∇w`` per client, as in :func:`~fedcp_dist.local_train.sgd`. The grouped Linear
-    layers take their step inside the backward pass (:class:`_LinearSGD`): at B = 10 their large
-    per-client matrices are bound by memory traffic, not arithmetic, and adding the gradient
-    straight into the weight saves writing and re-reading a gradient tensor. All other
+    layers take their step inside the backward pass
+    (:class:`~fedcp_dist.fused_forward._LinearSGD`): at B = 10 their large per-client matrices are
+    bound by memory traffic, not arithmetic, and adding the gradient straight into the weight
+    saves writing and re-reading a gradient tensor. All other
     parameters get their gradient from the backward pass and step after it. A loss that reads
     trained parameters itself (a proximal term: ``Phase.penalised``) gets plain gradients for
     every parameter instead, since a weight stepped inside the backward pass cannot also be read
@@ -52,331 +53,27 @@ Not fused
     refused (:func:`~fedcp_dist.local_train.unsupported_reason`); the algorithms then fall back to
     the sequential loop.
 
-Which clients form a group, and how a rank's groups are trained side by side: :mod:`fedcp_dist.fused_groups`.
+The layers' grouped forms: :mod:`fedcp_dist.fused_forward`; memory and the caps on slots:
+:mod:`fedcp_dist.fused_memory`; which clients form a group, and how a rank's groups are trained
+side by side: :mod:`fedcp_dist.fused_groups`.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, vmap
 
-from fedcp_dist.data.resident import channels_last
+from fedcp_dist.fused_forward import InBackwardSGD, grouped_forward, sub_params
 from fedcp_dist.local_train import (Phase, PhaseOutcome, batch_indices, finished_tallies, full_precision, lr_of, num_batches,
                                      resolve)
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
 from fedcp_dist.options import Component, Option, at_least, auto_or, boolean_or_auto, described
 
 Tensor = torch.Tensor
-
-#: at most this many clients train at once on a CPU: beyond about 8 slots the slots' fully
-#: connected weights and gradients (2 MiB + 2 MiB per client each for the CNN's 1024→512 layer
-#: and FedCP's CPN) no longer fit in a typical last-level cache and the step rate per client falls
-CPU_SLOTS = 8
-#: at most this many clients train at once on a GPU (memory permitting): enough samples per step
-#: (S·B) to fill the device for the small models here.
-CUDA_SLOTS = 256
-#: fraction of the available memory that fused training may plan to use
-MEMORY_FRACTION = 0.5
-#: an activation element is counted this many times per trained sample: the output kept for the
-#: backward pass plus its gradient during the backward pass
-ACTIVATION_COPIES = 2
-
-_ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
-_CHANNELWISE = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
-
-
-# ----------------------------------------------------------------------------------------------
-# what can be fused, and how much memory it takes
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on ``device``.
-
-    CUDA: the driver's free memory plus what PyTorch's caching allocator holds unused. CPU:
-    psutil's ``available`` when psutil is installed, else ``MemAvailable`` from /proc/meminfo
-    (else 4 GiB, a conservative guess for systems without either).
-    """
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
-def total_memory(device: torch.device) -> int:
-    """Bytes of memory ``device`` has in all (a fact of the device kind, unlike the free memory):
-    CUDA: the device's total memory; CPU: psutil's ``total``, else ``MemTotal`` from /proc/meminfo
-    (else 4 GiB)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
-def activation_elements(run: Callable[[], object], modules: Sequence[nn.Module]) -> int:
-    """Output elements of every leaf module of ``modules`` while ``run()`` does one forward pass."""
-    total = 0
-
-    def hook(_m, _inp, out):
-        nonlocal total
-        if isinstance(out, torch.Tensor):
-            total += out.numel()
-
-    handles = [m.register_forward_hook(hook) for mod in modules for m in mod.modules() if not list(m.children())]
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    return total
-
-
-@dataclass
-class MemoryPlan:
-    """Per-client memory of fused training, in bytes.
-
-    * ``per_slot``: a training client's stacked parameters and their gradients (2 × 4 bytes per
-      trained parameter, 4 per stacked constant) plus its activations:
-      ``ACTIVATION_COPIES`` × 4 bytes × B × (activation elements per sample);
-    * ``per_result``: a finished client's upload and new client state (4 bytes per element),
-      held until the group returns.
-    """
-
-    per_slot: int
-    per_result: int
-
-    def slots(self, device: torch.device, clients: int, budget: Optional[int] = None) -> int:
-        """Clients trained at once: memory permitting, at most the device's cap."""
-        budget = int(MEMORY_FRACTION * available_memory(device)) if budget is None else budget
-        cap = CUDA_SLOTS if device.type == "cuda" else CPU_SLOTS
-        fit = budget // max(1, self.per_slot + self.per_result)
-        return int(max(1, min(clients, cap, fit)))
-
-
-# ----------------------------------------------------------------------------------------------
-# grouped forward passes
-
-
-class Act:
-    """An activation of ``k`` clients' batches of ``B`` samples, in one of two layouts.
-
-    * client-major (``grouped=False``): (k, B, *sample_shape);
-    * slot-channel (``grouped=True``): images as (B, k·C, H, W), channels-last in memory; what a
-      grouped convolution reads and writes.
-    """
-
-    __slots__ = ("t", "k", "grouped")
-
-    def __init__(self, t: Tensor, k: int, grouped: bool = False):
-        self.t, self.k, self.grouped = t, k, grouped
-
-    def client_major(self) -> Tensor:
-        if not self.grouped:
-            return self.t
-        b, kc, h, w = self.t.shape
-        return self.t.view(b, self.k, kc // self.k, h, w).transpose(0, 1)
-
-    def slot_channel(self) -> Tensor:
-        if self.grouped:
-            return self.t
-        k, b, c, h, w = self.t.shape
-        return channels_last(self.t.transpose(0, 1).reshape(b, k * c, h, w))
-
-
-def sub_params(params: Dict[str, Tensor], prefix: str) -> Dict[str, Tensor]:
-    n = len(prefix)
-    return {name[n:]: t for name, t in params.items() if name.startswith(prefix)}
-
-
-def _per_slot(t: Tensor, k: int, ndim: int) -> Tensor:
-    """A (k, *shape) parameter viewed to broadcast against a (k, B, ..., *shape) activation."""
-    return t.view(k, *([1] * (ndim - t.dim())), *t.shape[1:])
-
-
-def _conv(m: nn.Conv2d, p: Dict[str, Tensor], a: Act) -> Act:
-    x = a.slot_channel()
-    w = p["weight"]
-    k = a.k
-    w = w.reshape(k * w.shape[1], *w.shape[2:])
-    bias = p["bias"].reshape(-1) if m.bias is not None else None
-    y = F.conv2d(x, w, bias, m.stride, m.padding, m.dilation, k * m.groups)
-    return Act(y, k, grouped=True)
-
-
-class InBackwardSGD:
-    """One fused step's SGD inside the backward pass: the learning rate, and the parameters whose
-    step their grouped Linear layer's backward has taken (see :class:`_LinearSGD`)."""
-
-    def __init__(self, lr: float, lrs: Optional[Dict[int, float]] = None):
-        self.lr = lr
-        self.lrs = lrs or {}  # {id(leaf): its own rate} where it differs from ``lr``
-        self.done: set = set()
-
-    def lr_of(self, t: Tensor) -> float:
-        return self.lrs.get(id(t), self.lr)
-
-    def claim(self, *tensors: Optional[Tensor]) -> bool:
-        """True (and remembered) when none of ``tensors`` has been claimed in this step yet."""
-        ids = [id(t) for t in tensors if t is not None]
-        if any(i in self.done for i in ids):
-            return False
-        self.done.update(ids)
-        return True
-
-
-class _LinearSGD(torch.autograd.Function):
-    """A grouped Linear, (k, N, in) → (k, N, out), whose backward also takes the SGD step.
-
-    The weight's gradient Σ_n g_n x_nᵀ is added into the weight directly (``baddbmm_`` with
-    α = −lr) once the input's gradient has been computed from the old weight, instead of being
-    written to a gradient tensor that the update then reads back: for the large per-client
-    matrices (the CNN's 1024 → 512 layer, FedCP's CPN) this halves the memory traffic of the
-    backward pass plus update, which bounds these layers at B = 10. Returns no gradient for the
-    weight and bias (their step is done); the weight must not be used anywhere else in the graph
-    (autograd's version check would refuse it).
-    """
-
-    @staticmethod
-    def forward(ctx, x3, w, b, lr):
-        ctx.save_for_backward(x3, w)
-        ctx.b, ctx.lr = b, lr
-        if b is None:
-            return torch.bmm(x3, w.transpose(1, 2))
-        return torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
-
-    @staticmethod
-    def backward(ctx, g):
-        x3, w = ctx.saved_tensors
-        gx = torch.bmm(g, w.to(g.dtype)).to(x3.dtype) if ctx.needs_input_grad[0] else None
-        with torch.no_grad():
-            g32 = g.to(w.dtype)
-            w.baddbmm_(g32.transpose(1, 2), x3.to(w.dtype), alpha=-ctx.lr)
-            if ctx.b is not None:
-                ctx.b.sub_(g32.sum(1), alpha=ctx.lr)
-        return gx, None, None, None
-
-
-def _linear(m: nn.Linear, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD]) -> Act:
-    x = a.client_major()
-    k = a.k
-    x3 = x.reshape(k, -1, x.shape[-1])
-    w, b = p["weight"], p.get("bias") if m.bias is not None else None
-    trained = w.requires_grad and (b is None or b.requires_grad)
-    if sgd is not None and trained and w.is_leaf and (b is None or b.is_leaf) and sgd.claim(w, b):
-        y = _LinearSGD.apply(x3, w, b, sgd.lr_of(w))
-    elif b is not None:
-        y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
-    else:
-        y = torch.bmm(x3, w.transpose(1, 2))
-    return Act(y.view(*x.shape[:-1], y.shape[-1]), k)
-
-
-def _layer_norm(m: nn.LayerNorm, p: Dict[str, Tensor], a: Act) -> Act:
-    x = a.client_major()
-    y = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
-    if "weight" in p:
-        y = y * _per_slot(p["weight"], a.k, y.dim())
-    if "bias" in p:
-        y = y + _per_slot(p["bias"], a.k, y.dim())
-    return Act(y, a.k)
-
-
-def _channelwise(m: nn.Module, a: Act) -> Act:
-    if a.grouped:
-        return Act(m(a.t), a.k, grouped=True)
-    x = a.t
-    y = m(x.reshape(-1, *x.shape[2:]))
-    return Act(y.view(*x.shape[:2], *y.shape[1:]), a.k)
-
-
-#: functional_call swaps a module's parameters in place while it runs: fused workers (threads)
-#: sharing a module take turns (the graph it records keeps the tensors, so the backward needs no lock)
-_FUNCTIONAL_CALL = threading.Lock()
-
-
-def _vmapped(m: nn.Module, p: Dict[str, Tensor], a: Act) -> Act:
-    def one(params, x):
-        return functional_call(m, params, (x,))
-
-    with _FUNCTIONAL_CALL:
-        return Act(vmap(one)(p, a.client_major()), a.k)
-
-
-def grouped_forward(module: nn.Module, params: Dict[str, Tensor], x, k: int,
-                    sgd: Optional[InBackwardSGD] = None) -> Tensor:
-    """``module`` applied to each slot's batch with that slot's parameters.
-
-    ``params``: {name: (k, *shape)} for the module's parameters (names as ``named_parameters``);
-    ``x``: a (k, B, ...) tensor or an :class:`Act`; ``sgd``: grouped Linear layers of trained
-    leaves take their SGD step in the backward pass. Returns the client-major (k, B, ...) output.
-    """
-    a = x if isinstance(x, Act) else Act(x, k)
-    return _run(module, params, a, sgd).client_major()
-
-
-def _run(m: nn.Module, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD]) -> Act:
-    if type(m) is nn.Sequential:
-        children = list(m.named_children())
-        i = 0
-        while i < len(children):
-            name, child = children[i]
-            if type(child) is nn.ReLU and i + 1 < len(children) and type(children[i + 1][1]) is nn.MaxPool2d:
-                # max-pooling and ReLU commute exactly (ReLU is monotonic): pooling first runs the
-                # ReLU and its backward on a quarter of the elements
-                a = _channelwise(children[i + 1][1], a)
-                a = Act(torch.relu(a.t), a.k, a.grouped)
-                i += 2
-                continue
-            a = _run(child, sub_params(p, f"{name}."), a, sgd)
-            i += 1
-        return a
-    if type(m) is nn.Conv2d and m.padding_mode == "zeros":
-        return _conv(m, p, a)
-    if type(m) is nn.Linear:
-        return _linear(m, p, a, sgd)
-    if type(m) is nn.LayerNorm:
-        return _layer_norm(m, p, a)
-    if type(m) in _ELEMENTWISE:
-        return Act(m(a.t), a.k, a.grouped)
-    if type(m) in _CHANNELWISE:
-        return _channelwise(m, a)
-    if type(m) is nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
-        x = a.client_major()
-        return Act(x.reshape(*x.shape[:2], -1), a.k)
-    return _vmapped(m, p, a)
-
 
 # ----------------------------------------------------------------------------------------------
 # the step a phase's loss is computed on, for a group of clients

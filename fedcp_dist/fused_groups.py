@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from fedcp_dist import fused
+from fedcp_dist import fused, fused_memory
 from fedcp_dist.local_train import Step, amp_autocast, module_keys
 
 #: {algorithm: {phase name: activation elements per sample}}, counted once per phase
@@ -30,8 +30,8 @@ _ACTIVATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def slot_cap(device: torch.device) -> int:
-    """Most clients one fused step trains at once on ``device``'s kind (see :mod:`fedcp_dist.fused`)."""
-    return fused.CUDA_SLOTS if torch.device(device).type == "cuda" else fused.CPU_SLOTS
+    """Most clients one fused step trains at once on ``device``'s kind (see :mod:`fedcp_dist.fused_memory`)."""
+    return fused_memory.CUDA_SLOTS if torch.device(device).type == "cuda" else fused_memory.CPU_SLOTS
 
 
 def group_size(cfg, device, num_clients: int) -> int:
@@ -65,11 +65,11 @@ def _activations(algo, phase, cp, datas: list) -> int:
         names = module_keys(phase)
         consts = {k: v for k, v in cp.start.items() if k not in names}
         step = Step(x, y, phase.modules, consts, torch.Generator(device=y.device).manual_seed(0))
-        counted[phase.name] = fused.activation_elements(lambda: phase.loss(step), list(phase.modules.values()))
+        counted[phase.name] = fused_memory.activation_elements(lambda: phase.loss(step), list(phase.modules.values()))
     return counted[phase.name]
 
 
-def memory_plan(algo, plans: list, datas: list) -> fused.MemoryPlan:
+def memory_plan(algo, plans: list, datas: list) -> fused_memory.MemoryPlan:
     """Per-client memory of fused training (the largest over the phases), from one client's
     phases ``plans`` = [(phase, ClientPhase)]: 4 bytes per stacked value, twice for trained
     ones (their gradient), plus activations counted on a one-sample forward of the loss."""
@@ -79,9 +79,9 @@ def memory_plan(algo, plans: list, datas: list) -> fused.MemoryPlan:
         trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
         total = sum(t.numel() for t in cp.start.values())
         act = _activations(algo, phase, cp, datas) if x is not None else 0
-        per_slot = max(per_slot, 4 * (trained + total) + fused.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act)
+        per_slot = max(per_slot, 4 * (trained + total) + fused_memory.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act)
         per_result = max(per_result, 4 * total)
-    return fused.MemoryPlan(per_slot=per_slot, per_result=per_result)
+    return fused_memory.MemoryPlan(per_slot=per_slot, per_result=per_result)
 
 
 def _outcomes(algo, items: list, plans: list, slots: int) -> list:
@@ -112,11 +112,11 @@ def train_group(algo, items: list, slots: Optional[int] = None, plans: Optional[
     return [algo.finish(state, out, ctx) for (state, _, ctx), out in zip(items, outcomes)]
 
 
-def group_slots(plan: fused.MemoryPlan, device: torch.device) -> int:
+def group_slots(plan: fused_memory.MemoryPlan, device: torch.device) -> int:
     """Clients a group trains at once: the device kind's cap, fewer where that many would not fit
-    in :data:`fused.MEMORY_FRACTION` of the device's total memory (not its free memory, which
+    in :data:`fedcp_dist.fused_memory.MEMORY_FRACTION` of the device's total memory (not its free memory, which
     differs between ranks and moments: the slots change a client's rounding)."""
-    return plan.slots(device, slot_cap(device), int(fused.MEMORY_FRACTION * fused.total_memory(device)))
+    return plan.slots(device, slot_cap(device), int(fused_memory.MEMORY_FRACTION * fused_memory.total_memory(device)))
 
 
 def one_thread_each(cfg, device: torch.device, threads: int) -> bool:
@@ -134,7 +134,7 @@ def side_by_side(jobs: Sequence[Callable[[], list]], workers: int, group_bytes: 
     their own (:func:`fused.run_in_workers`; ``one_thread``: a job alone too on one intra-op
     thread), fewer when that many groups of ``group_bytes`` each would not fit in the memory free
     now (which changes how many run at once, not their results)."""
-    fit = int(fused.MEMORY_FRACTION * fused.available_memory(device)) // max(1, group_bytes)
+    fit = int(fused_memory.MEMORY_FRACTION * fused_memory.available_memory(device)) // max(1, group_bytes)
     at_once = max(1, min(workers, fit))
     out: list = []
     for i in range(0, len(jobs), at_once):
@@ -154,7 +154,7 @@ class GroupTrainer:
         self.cfg, self.algo, self.store, self.data, self.device = cfg, algo, store, data, device
         self.groups = [list(g) for g in groups]
         self.slots: Optional[int] = None
-        self.plan: Optional[fused.MemoryPlan] = None
+        self.plan: Optional[fused_memory.MemoryPlan] = None
 
     def round_groups(self, participants: Sequence[int]) -> List[List[int]]:
         """This rank's groups restricted to the round's ``participants`` (empty ones left out)."""

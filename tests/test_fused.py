@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedcp_dist import fused
+from fedcp_dist import fused, fused_memory
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.ditto import Ditto
@@ -109,7 +109,7 @@ def test_step_counts_match_batch_indices():
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("slots", [1, 2, 8])
 def test_fedavg_fused_equals_sequential_in_float64(monkeypatch, float64, drop_last, slots, fused_calls):
-    monkeypatch.setattr(fused, "CPU_SLOTS", slots)
+    monkeypatch.setattr(fused_memory, "CPU_SLOTS", slots)
     algo, gs = _algo(FedAvg, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2)
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
@@ -127,7 +127,7 @@ def test_fedcp_fused_equals_sequential_in_float64(monkeypatch, float64, drop_las
     loop. With selection_vector=features, each client's mean feature over every sample it trained
     on (ragged and padded batches, a client of 7 samples) is the same fused as alone too, and an
     unprobed round's results carry no tallies."""
-    monkeypatch.setattr(fused, "CPU_SLOTS", slots)
+    monkeypatch.setattr(fused_memory, "CPU_SLOTS", slots)
     select = {"client_selection": "feature_difference", "selection_vector": "features"} if features else {}
     algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=drop_last, local_epochs=2, lam=5.0, lr=0.01,
                      cpn_train_gumbel=True, **select)
@@ -308,23 +308,23 @@ def test_memory_plan_and_slots_follow_the_device_not_its_free_memory(monkeypatch
     params = fused.param_count(algo.fe, algo.cpn, algo.head_p)
     act = fused_groups.activation_counts(algo)["train"]
     # stacked parameters and their gradients, the client vector, and the activations of B samples
-    assert plan.per_slot == 4 * (2 * params + algo.K) + fused.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act
+    assert plan.per_slot == 4 * (2 * params + algo.K) + fused_memory.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act
     assert plan.per_result == 4 * (params + algo.K)
     # one sample through the CNN, the CPN and the head: conv 32·24·24, relu, pool 32·12·12, conv 64·8·8,
     # relu, pool 64·4·4, flatten 1024, linear 512, relu 512 | linear 1024, layernorm 1024, relu 1024 | head 10
     assert act == 2 * 32 * 24 * 24 + 32 * 12 * 12 + 2 * 64 * 8 * 8 + 64 * 4 * 4 + 1024 + 2 * 512 + 3 * 1024 + 10
-    monkeypatch.setattr(fused, "total_memory", lambda device: 1 << 40)
-    assert fused_groups.group_slots(plan, CPU) == fused.CPU_SLOTS
+    monkeypatch.setattr(fused_memory, "total_memory", lambda device: 1 << 40)
+    assert fused_groups.group_slots(plan, CPU) == fused_memory.CPU_SLOTS
     # the free memory of the moment does not change the slots (they change a client's rounding)
-    monkeypatch.setattr(fused, "available_memory", lambda device: 1024)
-    assert fused_groups.group_slots(plan, CPU) == fused.CPU_SLOTS
-    tight = int((3 * plan.per_slot + 3 * plan.per_result) / fused.MEMORY_FRACTION) + 16
-    monkeypatch.setattr(fused, "total_memory", lambda device: tight)
+    monkeypatch.setattr(fused_memory, "available_memory", lambda device: 1024)
+    assert fused_groups.group_slots(plan, CPU) == fused_memory.CPU_SLOTS
+    tight = int((3 * plan.per_slot + 3 * plan.per_result) / fused_memory.MEMORY_FRACTION) + 16
+    monkeypatch.setattr(fused_memory, "total_memory", lambda device: tight)
     assert fused_groups.group_slots(plan, CPU) == 3
     got = train_group(algo, items)  # 3 slots for 4 clients: one waits for a free slot
     assert fused_calls == {"train": len(datas)}
     _assert_same_results(_sequential(algo, items), got)
-    monkeypatch.setattr(fused, "total_memory", lambda device: 1024)
+    monkeypatch.setattr(fused_memory, "total_memory", lambda device: 1024)
     assert fused_groups.group_slots(plan, CPU) == 1
 
 
@@ -333,10 +333,10 @@ def test_group_size_is_a_function_of_the_config():
     participants a group, in a power-of-two number of groups of ⌈N / G⌉; the free memory of a rank
     and the world size play no part."""
     cuda, size = torch.device("cuda"), fused_groups.group_size
-    assert fused.CPU_SLOTS == 8
+    assert fused_memory.CPU_SLOTS == 8
     # ρ = 1 on a CPU: ⌈N / 8⌉ groups rounded up to a power of two
     assert [size(Config(), CPU, n) for n in (1, 6, 8, 9, 16, 17, 20, 1000)] == [1, 6, 8, 5, 8, 5, 5, 8]
-    assert size(Config(), cuda, 20) == math.ceil(20 / (1 << (math.ceil(20 / fused.CUDA_SLOTS) - 1).bit_length()))
+    assert size(Config(), cuda, 20) == math.ceil(20 / (1 << (math.ceil(20 / fused_memory.CUDA_SLOTS) - 1).bit_length()))
     assert size(Config(participation=0.5), CPU, 20) == 10  # 16 a group: 2 groups
     assert size(Config(participation=0.3), CPU, 100) == 25  # ⌈1/0.3⌉ = 4: 32 a group, ⌈100/32⌉ = 4 groups
     assert size(Config(participation_range=[0.2, 0.6]), CPU, 100) == 13  # mean 0.4: 24 a group, 5 → 8 groups
@@ -472,8 +472,8 @@ def test_fused_auto_is_the_default_and_falls_back_where_it_cannot(one_thread):
         why = algo.fused_reason()
         if why is None:
             fusing.add(name)
-            assert training_path(cfg, algo, False) == (True, f"fused (fused=auto, groups of 2 "
-                                                              f"(fused_group=auto))")
+            assert training_path(cfg, algo, False) == (True, "fused (fused=auto, groups of 2 "
+                                                              "(fused_group=auto))")
             cfg.fused_group = 3
             assert training_path(cfg, algo, False) == (True, "fused (fused=auto, groups of 3)")
         else:
@@ -578,7 +578,7 @@ def test_fused_workers_train_whole_groups_side_by_side(float64, monkeypatch, cls
     _assert_same_results([seq[c] for c in order], [two[c] for c in order], gs, atol=1e-12)
     _assert_same_results([one[c] for c in order], [two[c] for c in order], atol=1e-13)
     seen.clear()
-    monkeypatch.setattr(fused, "available_memory", lambda device: 1024)
+    monkeypatch.setattr(fused_memory, "available_memory", lambda device: 1024)
     short = _group_results(algo, gs, datas, groups)
     assert seen == [1, 1]
     _assert_same_results([two[c] for c in order], [short[c] for c in order], atol=0)
