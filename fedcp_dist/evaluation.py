@@ -9,7 +9,7 @@ samples, the positive class's recall TP / (TP + FN) and the balanced accuracy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Optional
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from fedcp_dist.aggregate import Sums
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.options import Component, Option, above
+
+if TYPE_CHECKING:  # the evaluation imports it where it fills probes
+    from fedcp_dist.probes import EvalTally
 
 
 @dataclass

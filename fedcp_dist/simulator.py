@@ -1,8 +1,8 @@
 """The round loop. Identical control flow on every rank; one all-reduce per round (and, with
 feature-difference client selection, one before it that gathers the client vectors).
 
-The pieces it wires: :mod:`startup` (shard, placement, loading, the start line),
-:mod:`client_store` (per-client state), :mod:`training` (the owned participants' training and
+The pieces it wires, made by :mod:`run_start`: :mod:`startup` (shard, placement, loading, the
+start line), :mod:`client_store` (per-client state), :mod:`training` (the owned participants' training and
 uploads), :mod:`evaluation`, :mod:`aggregate` (the one all-reduce and the peer exchange),
 :mod:`compress` (compressed uploads, byte counts), :mod:`probes` (``analysis: true``),
 :mod:`round_record` (what a round and the run report), :mod:`checkpoint` (and resume) and
@@ -14,23 +14,21 @@ import time
 from typing import Callable
 
 from fedcp_dist import startup
-from fedcp_dist.aggregate import ClientOrder, FlatAggregator, TrainSums, exchange_peers, reduce_sums, sums_size
-from fedcp_dist.checkpoint import Checkpointer, data_record
-from fedcp_dist.client_store import DiskClientStore, make_store, memory_record
-from fedcp_dist.compress import Compressor, uplink_record
+from fedcp_dist.aggregate import ClientOrder, TrainSums, exchange_peers, reduce_sums
+from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.client_store import memory_record
+from fedcp_dist.compress import uplink_record
 from fedcp_dist.config import Config, dump_config
-from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.errors import Preempted, RunFailure
-from fedcp_dist.fused_groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
 from fedcp_dist.preemption import StopSignals
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.round_record import evaluation_record, round_record, summary_json
-from fedcp_dist.rundir import RunWriter, prepare_out_dir, progress_line, result_table
+from fedcp_dist.rundir import progress_line, result_table
+from fedcp_dist.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.selection import draw_cohort, gather_client_vectors
-from fedcp_dist.training import CohortTrainer
 
 
 class Simulator:
@@ -42,86 +40,28 @@ class Simulator:
                  stop: StopSignals = None):
         self.cfg, self.rt = cfg, rt
         self.echo = echo if rt.is_main else (lambda *_: None)
-        self._lock = self.store = self.writer = None
         self.stop = stop if stop is not None else StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
-        self._wrap = wrap
-        try:
-            self._start()
-        except BaseException:  # what was locked is released (a later run in this process may use it)
-            self._close(failed=True)
-            raise
-
-    def _start(self) -> None:
-        """Start-up: lock and load (the algorithm is built before the clients are placed), the store,
-        the training path, resume."""
-        cfg, rt = self.cfg, self.rt
-        self.setup = s = startup.agree_on(rt, self._lock_and_load)
-        self.num_clients, self.owner, self.owned, self.data = s.num_clients, s.owner, s.owned, s.data
-        algo = self.algo
-        startup.check_peer_memory(cfg, algo, self.num_clients, int(s.clients_per_rank(rt.world_size).max()),
-                                  rt.world_size)
-        global_state = algo.init_global_state()
-        # a disk store locks its folder: a refusal on any rank stops every rank
-        self.store, self.store_line = startup.agree_on(
-            rt, lambda: make_store(cfg, self.algo, global_state, self.owned, rt.device, rt.rank))
-        # per-client BatchNorm statistics (known once the store is) keep the clients sequential
-        self.fused, self.path = startup.training_path(cfg, self.algo, bool(self.store.bn_keys))
+        p = start_run(cfg, rt, self.ckpt, self.echo, wrap)  # closes what it made if it fails
+        self.setup, self.algo, self.store, self.store_line, self.writer, self._lock = (
+            p.setup, p.algo, p.store, p.store_line, p.writer, p.lock)
+        self.num_clients, self.owner, self.owned, self.data = (
+            p.setup.num_clients, p.setup.owner, p.setup.owned, p.setup.data)
+        self.fused, self.path, self.agg, self.compressor, self.trainer = p.fused, p.path, p.agg, p.compressor, p.trainer
+        self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
-        upload = [k for k in algo.upload_keys(global_state) if k not in self.store.bn_keys]
-        self.agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
-                                  extra=RoundProbes.size(self.probe_every, self.num_clients),
-                                  groups=algo.aggregation_groups(upload),
-                                  rows=ClientOrder.size(TrainSums, self.num_clients) + ClientOrder.size(EvalSums, self.num_clients))
-        self.compressor = Compressor.from_config(cfg, self.agg.shapes)
         self.select_by_features = cfg.client_selection == "feature_difference"
-        groups = (GroupTrainer(cfg, self.algo, self.store, self.data, s.owned_groups(rt.rank), rt.device)
-                  if self.fused and s.groups is not None else None)
-        self.trainer = CohortTrainer(cfg, rt, self.algo, self.store, self.data, self.owner, groups, self.agg,
-                                     self.compressor)
-        self.writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
-        self.start_round, self.records, self.round_seconds = 0, [], []
-        startup.agree_on(rt, self._maybe_resume)
-        # analysis.jsonl: the lines of the rounds done kept, the rest computed again
-        startup.agree_on(rt, lambda: self.writer.start_analysis(self.start_round, create=bool(self.probe_every)))
-
-    def _lock_and_load(self) -> startup.Setup:
-        if self.rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
-            self._lock = prepare_out_dir(self.cfg.out_dir, overwrite=self.cfg.overwrite, resume=self.cfg.resume)
-        return startup.load(self.cfg, self.rt, self._build)
-
-    def _build(self, info, num_clients: int) -> int:
-        """The model and the algorithm, before the clients are placed (fused groups are placed
-        whole); returns the fused group size (0: the clients train one by one)."""
-        algo = startup.build_method(self.cfg, info, num_clients, self.rt.device)  # the same initial model on every rank
-        self.algo = self._wrap(algo) if self._wrap else algo
-        fusing, _ = startup.training_path(self.cfg, self.algo, False)
-        return fused_group_size(self.cfg, self.rt.device, num_clients) if fusing else 0
 
     @property
     def global_state(self):
         return self.store.global_state
 
-    # -- resume and checkpoints --------------------------------------------------------------
-    @property
-    def data_record(self) -> dict:
-        """The shard this run trains on, as its checkpoints record it (and resume checks it)."""
-        info = self.setup.info
-        return data_record(self.cfg.data.path, info.fingerprint, layout_digest(info))
-
-    def _maybe_resume(self) -> None:
-        # a disk store takes the states one by one from the checkpoint mapped into memory
-        done = self.cfg.resume == "auto" and self.ckpt.resume(self.store, self.cfg, self.owned, self.rt.device, self.echo,
-                                                              mmap=isinstance(self.store, DiskClientStore),
-                                                              data=self.data_record)
-        if done:
-            self.start_round, self.records, self.round_seconds = done
-
+    # -- checkpoints ---------------------------------------------------------------------------
     def _save_checkpoint(self, rounds_done: int) -> None:
         self.rt.phase = f"checkpoint after round {rounds_done}"
         meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict(),
-                "data": self.data_record}
+                "data": run_data_record(self.cfg, self.setup)}
         self.ckpt.save(rounds_done, self.global_state, self.store.state_dict(), meta,
                        lambda ok: startup.all_ok(self.rt, ok))
 
@@ -169,18 +109,9 @@ class Simulator:
         return summary
 
     def _close(self, failed: bool) -> None:
-        """Close the store (its writes end, its folder is released), the writer and the out_dir
-        lock (those made so far), each even when one before it fails; the first error is raised
-        unless the run has ``failed`` already."""
-        first = None
-        for part in (self.store, self.writer, self._lock):
-            try:
-                if part is not None:
-                    part.close()
-            except Exception as exc:
-                first = first or exc
-        if first is not None and not failed:
-            raise first
+        """Close the store (its writes end, its folder is released), the writer and the out_dir lock,
+        each even when one before it fails; the first error is raised unless the run has ``failed``."""
+        close_parts((self.store, self.writer, self._lock), failed)
 
     def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt

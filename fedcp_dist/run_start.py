@@ -1,0 +1,135 @@
+"""A run's start-up on this rank: everything :class:`~fedcp_dist.simulator.Simulator`'s round loop
+works with, built in order, each step agreed on by every rank.
+
+1. rank 0 locks ``out_dir`` (the overwrite and resume rules); every rank loads the shard, builds
+   the model and the method (before the clients are placed: fused groups are placed whole), places
+   the clients and loads its own (:func:`fedcp_dist.startup.load`);
+2. the peer exchange's memory is checked, the global state made, the client store opened (a disk
+   store locks its folder) and the training path chosen (fused or one client at a time);
+3. the aggregator's buffer, the compressor, the cohort trainer and the run directory's writer;
+4. resume from the newest verified checkpoint (``resume: auto``), and analysis.jsonl kept up to the
+   rounds done.
+
+A refusal on any rank stops every rank (:func:`fedcp_dist.startup.agree_on`); what start-up made
+that holds a lock or a file (the out_dir lock, the store, the writer) is closed again before the
+error goes on, so a later run in the same process may take them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from fedcp_dist import startup
+from fedcp_dist.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
+from fedcp_dist.checkpoint import Checkpointer, data_record
+from fedcp_dist.client_store import DiskClientStore, make_store
+from fedcp_dist.compress import Compressor
+from fedcp_dist.config import Config
+from fedcp_dist.data.shards import layout_digest
+from fedcp_dist.evaluation import EvalSums
+from fedcp_dist.fused_groups import GroupTrainer, group_size as fused_group_size
+from fedcp_dist.probes import RoundProbes
+from fedcp_dist.rundir import RunWriter, prepare_out_dir
+from fedcp_dist.runtime import Runtime
+from fedcp_dist.training import CohortTrainer
+
+
+@dataclass
+class RunParts:
+    """What start-up made. ``fused``/``path``: the training path and how the start line names it;
+    ``start_round``, ``records``, ``round_seconds``: the rounds done (from a checkpoint, else none)."""
+
+    setup: startup.Setup
+    algo: object
+    store: object
+    store_line: str
+    fused: bool
+    path: str
+    agg: FlatAggregator
+    compressor: Compressor
+    trainer: CohortTrainer
+    writer: RunWriter
+    lock: object
+    start_round: int = 0
+    records: List[dict] = field(default_factory=list)
+    round_seconds: List[float] = field(default_factory=list)
+
+
+def run_data_record(cfg: Config, setup: startup.Setup) -> dict:
+    """The shard a run trains on, as its checkpoints record it (and resume checks it)."""
+    return data_record(cfg.data.path, setup.info.fingerprint, layout_digest(setup.info))
+
+
+def close_parts(parts, failed: bool) -> None:
+    """Close each of ``parts`` (None: not made), even when one before it fails; the first error is
+    raised unless the run has ``failed`` already."""
+    first = None
+    for part in parts:
+        try:
+            if part is not None:
+                part.close()
+        except Exception as exc:
+            first = first or exc
+    if first is not None and not failed:
+        raise first
+
+
+def start_run(cfg: Config, rt: Runtime, ckpt: Checkpointer, echo: Callable[[str], None],
+              wrap: Optional[Callable] = None) -> RunParts:
+    """Start-up, steps 1–4 of the module's list. ``wrap`` (for tests) wraps the method the config
+    names; ``echo`` says what resume found (rank 0)."""
+    made = {"lock": None, "store": None, "writer": None}
+    try:
+        return _start(cfg, rt, ckpt, echo, wrap, made)
+    except BaseException:  # what was locked is released
+        close_parts((made["store"], made["writer"], made["lock"]), failed=True)
+        raise
+
+
+def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
+    built = {}
+
+    def build(info, num_clients: int) -> int:
+        algo = startup.build_method(cfg, info, num_clients, rt.device)  # the same initial model on every rank
+        built["algo"] = algo = wrap(algo) if wrap else algo
+        fusing, _ = startup.training_path(cfg, algo, False)
+        return fused_group_size(cfg, rt.device, num_clients) if fusing else 0
+
+    def lock_and_load() -> startup.Setup:
+        if rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
+            made["lock"] = prepare_out_dir(cfg.out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
+        return startup.load(cfg, rt, build)
+
+    s = startup.agree_on(rt, lock_and_load)
+    algo = built["algo"]
+    startup.check_peer_memory(cfg, algo, s.num_clients, int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
+    global_state = algo.init_global_state()
+    # a disk store locks its folder: a refusal on any rank stops every rank
+    store, store_line = startup.agree_on(rt, lambda: make_store(cfg, algo, global_state, s.owned, rt.device, rt.rank))
+    made["store"] = store
+    # per-client BatchNorm statistics (known once the store is) keep the clients sequential
+    fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
+    upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
+    agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
+                         extra=RoundProbes.size(cfg.probe_every, s.num_clients),
+                         groups=algo.aggregation_groups(upload),
+                         rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
+    compressor = Compressor.from_config(cfg, agg.shapes)
+    groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device)
+              if fused and s.groups is not None else None)
+    trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor)
+    made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
+    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"])
+
+    def maybe_resume() -> None:
+        # a disk store takes the states one by one from the checkpoint mapped into memory
+        done = cfg.resume == "auto" and ckpt.resume(store, cfg, s.owned, rt.device, echo,
+                                                    mmap=isinstance(store, DiskClientStore),
+                                                    data=run_data_record(cfg, s))
+        if done:
+            parts.start_round, parts.records, parts.round_seconds = done
+
+    startup.agree_on(rt, maybe_resume)
+    # analysis.jsonl: the lines of the rounds done kept, the rest computed again
+    startup.agree_on(rt, lambda: writer.start_analysis(parts.start_round, create=bool(cfg.probe_every)))
+    return parts
