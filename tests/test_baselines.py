@@ -491,9 +491,10 @@ WORLD_CASES = [(m, f"configs/digits_{m}.yaml", []) for m in BASELINES] + [
     ("fedcp-fedper-like", "configs/digits_fedcp.yaml", ["fedcp_cpn=false", "fedcp_gfm=false", "fedcp_global_head=false"]),
     ("fedcp-cpn-2bn-sample", "configs/digits_fedcp.yaml", ["cpn_layers=2", "cpn_norm=batchnorm", "cpn_input=sample"]),
 ]
-#: cheaper local work for the check (the invariance does not depend on it): 6 of the 20 digits clients
-#: a round (about 67 training samples each); clients one by one: the sequential path of every baseline
-#: across world sizes (the default fused path is checked on 1, 2 and 3 ranks in tests/test_multiprocess.py)
+#: cheaper local work for the check (the invariance does not depend on it): the digits clients at 16 x 16
+#: pixels, 6 of the 20 a round (about 67 training samples each); clients one by one: the sequential path
+#: of every baseline across world sizes (the default fused path is checked on 1, 2 and 3 ranks in
+#: tests/test_multiprocess.py)
 CHEAP = ["pfedme_k=2", "fedrep_head_epochs=2", "participation=0.3", "fused=false"]
 
 def _overrides(shard, out, extra):
@@ -509,9 +510,9 @@ def _load(out):
 
 
 @pytest.fixture(scope="module")
-def world_runs(digits20, tmp_path_factory):
+def world_runs(digits20_16px, tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
-    runs_on_one_and_two_ranks(root, {name: (cfg, lambda out, extra=extra: _overrides(digits20, out, extra))
+    runs_on_one_and_two_ranks(root, {name: (cfg, lambda out, extra=extra: _overrides(digits20_16px, out, extra))
                                      for name, cfg, extra in WORLD_CASES})
     return root
 

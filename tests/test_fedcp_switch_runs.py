@@ -82,22 +82,22 @@ CONFIG = "configs/digits_fedcp.yaml"
 
 
 @pytest.fixture(scope="module")
-def switch_runs(digits6, tmp_path_factory):
+def switch_runs(digits6_16px, tmp_path_factory):
     """The four short runs of the tests below on one rank and on two (root/one/NAME, root/two/NAME),
     and the one-rank world's output."""
     root = tmp_path_factory.mktemp("switch-runs")
-    jobs = {name: (CONFIG, _overrides(digits6, switches))
+    jobs = {name: (CONFIG, _overrides(digits6_16px, switches))
             for name, switches in (("all", SWITCHES), ("cache", SWITCHES2), ("distill", DISTILL), ("async", ASYNC))}
     outs = runs_on_one_and_two_ranks(root, jobs)
     return root, outs["one"].splitlines()
 
 
 @pytest.mark.slow
-def test_all_switches_one_vs_two_ranks_and_exact_resume(switch_runs, digits6, tmp_path):
+def test_all_switches_one_vs_two_ranks_and_exact_resume(switch_runs, digits6_16px, tmp_path):
     """One short run with every switch on (τ = 0.5, hard policy): one rank and two ranks give the
     same trajectory; it learns; the warm-up round sends no CPN (its bytes saved, the all-reduce
     shorter by it); a resume from the round-2 checkpoint ends bit-identically."""
-    (root, lines), overrides = switch_runs, _overrides(digits6, SWITCHES)
+    (root, lines), overrides = switch_runs, _overrides(digits6_16px, SWITCHES)
     cpn = 52256  # the light CPN as the start line counts it: Linear(512, 32), Linear(32, 1024), LayerNorm(1024)
     assert any(f"CPN (light, H=32, K=512): {cpn} parameters, 98304 FLOPs/sample" in l for l in lines), lines[:1]
     (s1, acc1, rec1), (s2, acc2, rec2) = load_run(root / "one" / "all"), load_run(root / "two" / "all")
@@ -192,7 +192,7 @@ def test_caching_groups_and_async_train_fused_as_sequentially(float64, switches)
 
 
 @pytest.mark.slow
-def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(switch_runs, digits6, tmp_path):
+def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(switch_runs, digits6_16px, tmp_path):
     """Three short runs, caching with groups, distillation with skipped uploads and groups, and the
     asynchronous CPN with groups at participation 0.5, each on one and two ranks: the same trajectory; the skipped
     bytes counted per round, the rounds nobody sends the CPN in with an all-reduce shorter by it;
@@ -225,6 +225,6 @@ def test_caching_groups_and_async_one_vs_two_ranks_and_exact_resume(switch_runs,
         total = summary["uplink_bytes_sent"] + summary["uplink_bytes_saved"]
         assert summary["uplink_saved_fraction"] == pytest.approx(summary["uplink_bytes_saved"] / total)
         if name != "distill":
-            s3, acc3, _ = resume_before_last_checkpoint(CONFIG, _overrides(digits6, switches), one,
+            s3, acc3, _ = resume_before_last_checkpoint(CONFIG, _overrides(digits6_16px, switches), one,
                                                         tmp_path / f"{name}-resumed", ROUNDS)
             assert all(torch.equal(s1[k], s3[k]) for k in s1) and acc3[-ROUNDS - 1:] == acc1

@@ -46,9 +46,9 @@ def _check_same(ref, other, label):
 
 
 @pytest.fixture(scope="module")
-def single(digits6, tmp_path_factory):
+def single(digits6_16px, tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, out)])
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, out)])
     assert r.returncode == 0, r.stderr
     ref = _load(out)
     assert ref[1]["world_size"] == 1 and ref[1]["launcher"] == "single"
@@ -58,22 +58,22 @@ def single(digits6, tmp_path_factory):
     return ref
 
 
-def test_fedcp_run_ranks_matches_single_rank(single, digits6, tmp_path):
+def test_fedcp_run_ranks_matches_single_rank(single, digits6_16px, tmp_path):
     """``fedcp-run --ranks 2``: the one command starts 2 ranks under torchrun, same trajectory (3 ranks:
     the default fused path below; every baseline on 2 ranks: tests/test_baselines.py)."""
-    r = run_cmd([str(BIN / "fedcp-run"), "--ranks", "2", *_args(digits6, tmp_path)])
+    r = run_cmd([str(BIN / "fedcp-run"), "--ranks", "2", *_args(digits6_16px, tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     got = _load(tmp_path)
     assert got[1]["world_size"] == 2 and got[1]["launcher"] == "torchrun"
     assert "launcher=torchrun world_size=2" in r.stdout
     _check_same(single, got, "fedcp-run --ranks 2")
 
-def test_mpirun_matches_single_rank(single, digits6, tmp_path):
+def test_mpirun_matches_single_rank(single, digits6_16px, tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun not installed (pip install '.[mpi]')")
     r = run_cmd([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2",
-                 sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path)])
+                 sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path)])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = _load(tmp_path)
     assert got[1]["world_size"] == 2 and got[1]["launcher"] == "mpi"
@@ -121,14 +121,14 @@ def _start_all(cmds_envs):
     return [p.returncode for p in procs], outs
 
 
-def test_two_nodes_of_two_ranks_under_torchrun_match_single_rank(single, digits6, tmp_path):
+def test_two_nodes_of_two_ranks_under_torchrun_match_single_rank(single, digits6_16px, tmp_path):
     """2 "nodes" × 2 ranks: two torchrun agents (--nnodes=2, --node_rank=0/1) meeting at a c10d
     rendezvous on localhost, as on two hosts; each node's two workers share its cores."""
     port = _free_port()
     rc, outs = _start_all([
         ([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2",
           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=fedcp-two-nodes",
-          "-m", "fedcp_dist.run", *_args(digits6, tmp_path)[:-1], "threads=0"], {})
+          "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path)[:-1], "threads=0"], {})
         for node in (0, 1)])
     assert rc == [0, 0], "\n".join(o[-2000:] for o in outs)
     got = _load(tmp_path)
@@ -139,14 +139,14 @@ def test_two_nodes_of_two_ranks_under_torchrun_match_single_rank(single, digits6
     _check_same(single, got, "torchrun, 2 nodes x 2")
 
 
-def test_srun_path_on_two_hosts_matches_single_rank(single, digits6, tmp_path):
+def test_srun_path_on_two_hosts_matches_single_rank(single, digits6_16px, tmp_path):
     """The srun path as a 2-node step with 2 tasks per node sets it up: SLURM_* variables per task
     (a multi-host node list whose first host is this one), no srun needed."""
     port = _free_port()
     common = {"SLURM_JOB_ID": str(port - 20000), "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_NODELIST": "localhost,node2",
               "SLURM_STEP_NODELIST": "localhost,node2", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
     rc, outs = _start_all([
-        ([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path)[:-1], "threads=0"],
+        ([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path)[:-1], "threads=0"],
          {**common, "SLURM_PROCID": str(rank), "SLURM_NODEID": str(rank // 2), "SLURM_LOCALID": str(rank % 2)})
         for rank in range(4)])
     assert rc == [0, 0, 0, 0], "\n".join(o[-2000:] for o in outs)
@@ -157,7 +157,7 @@ def test_srun_path_on_two_hosts_matches_single_rank(single, digits6, tmp_path):
     _check_same(single, got, "srun path, 2 nodes x 2")
 
 
-def test_default_fused_path_is_bit_identical_on_one_two_and_three_ranks(digits20, tmp_path):
+def test_default_fused_path_is_bit_identical_on_one_two_and_three_ranks(digits20_16px, tmp_path):
     """The defaults (fused=auto, fused_group=auto, placement=auto): the 20 clients train in four
     fused groups fixed by the config (four of 5), which 2 and 3 ranks hold in different places; the
     final global state, every client's state, the metric records and the summary are the same bits
@@ -166,7 +166,7 @@ def test_default_fused_path_is_bit_identical_on_one_two_and_three_ranks(digits20
 
     def args(out):
         return ["--config", "configs/digits_fedcp.yaml", "rounds=2", "eval_every=1", "checkpoint_every=1",
-                "keep_checkpoints=5", f"data.path={digits20}", f"out_dir={out}", "threads=1"]
+                "keep_checkpoints=5", f"data.path={digits20_16px}", f"out_dir={out}", "threads=1"]
 
     digests, lines = {}, {}
     for n in (1, 2, 3):

@@ -53,31 +53,31 @@ def _same_run(a: Path, b: Path, exact_metrics=True):
 
 
 @pytest.fixture(scope="module")
-def reference(digits20, tmp_path_factory):
+def reference(digits20_16px, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    r = run_cmd([*_torchrun(), *_args(digits20, out)])
+    r = run_cmd([*_torchrun(), *_args(digits20_16px, out)])
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
 
 @pytest.mark.slow
-def test_sigkill_mid_round_then_exact_resume(reference, digits20, tmp_path):
-    proc = _start([*_torchrun(), *_args(digits20, tmp_path)])
+def test_sigkill_mid_round_then_exact_resume(reference, digits20_16px, tmp_path):
+    proc = _start([*_torchrun(), *_args(digits20_16px, tmp_path)])
     _wait_for(tmp_path / "checkpoints" / "round_0000004" / "COMPLETE", proc)
     time.sleep(0.3)  # inside round 5
     _kill_job(proc)
     assert not (tmp_path / "summary.json").exists()
     done = [l for l in _strip(tmp_path) if l["kind"] == "round"]
     assert 4 <= len(done) < ROUNDS
-    r = run_cmd([*_torchrun(), *_args(digits20, tmp_path)])
+    r = run_cmd([*_torchrun(), *_args(digits20_16px, tmp_path)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout
     _same_run(reference, tmp_path)
 
 
 @pytest.mark.slow
-def test_preemption_signal_checkpoints_and_exits_75(reference, digits20, tmp_path):
-    proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits20, tmp_path, "checkpoint_every=0")])
+def test_preemption_signal_checkpoints_and_exits_75(reference, digits20_16px, tmp_path):
+    proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits20_16px, tmp_path, "checkpoint_every=0")])
     _wait_for(tmp_path / "metrics.jsonl", proc)
     while len((tmp_path / "metrics.jsonl").read_text().splitlines()) < 3:
         assert proc.poll() is None
@@ -91,7 +91,7 @@ def test_preemption_signal_checkpoints_and_exits_75(reference, digits20, tmp_pat
     assert latest is not None and 3 <= int(latest.name[6:]) < ROUNDS
     assert not (tmp_path / "summary.json").exists()
     # resumed on another world size (1 → 2 ranks): client states are keyed by client id
-    r = run_cmd([*_torchrun(), *_args(digits20, tmp_path, "checkpoint_every=0")])
+    r = run_cmd([*_torchrun(), *_args(digits20_16px, tmp_path, "checkpoint_every=0")])
     assert r.returncode == 0, r.stderr[-3000:]
     _same_run(reference, tmp_path, exact_metrics=False)
 
