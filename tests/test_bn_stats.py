@@ -23,9 +23,9 @@ def _latest_clients(out):
     return {c: s for part in parts for c, s in part.items()}
 
 
-def test_bn_statistics_stay_with_each_client_by_default(digits6, tmp_path):
-    own = _run(digits6, tmp_path / "own", "rounds=3", "checkpoint_every=2")
-    avg = _run(digits6, tmp_path / "avg", "rounds=3", "aggregate_bn_stats=true")
+def test_bn_statistics_stay_with_each_client_by_default(digits6_16px, tmp_path):
+    own = _run(digits6_16px, tmp_path / "own", "rounds=3", "checkpoint_every=2")
+    avg = _run(digits6_16px, tmp_path / "avg", "rounds=3", "aggregate_bn_stats=true")
     # not aggregated: the global copy keeps its initial statistics (zeros), while averaging moves them
     assert torch.equal(own[BN_KEY], torch.zeros_like(own[BN_KEY]))
     assert avg[BN_KEY].abs().sum() > 0
@@ -35,13 +35,13 @@ def test_bn_statistics_stay_with_each_client_by_default(digits6, tmp_path):
     assert not torch.equal(stats[0], stats[1])  # each client's own
 
 
-def test_per_client_bn_statistics_resume_exactly(digits6, tmp_path):
-    straight = _run(digits6, tmp_path / "straight", "rounds=3")
+def test_per_client_bn_statistics_resume_exactly(digits6_16px, tmp_path):
+    straight = _run(digits6_16px, tmp_path / "straight", "rounds=3")
     out = tmp_path / "resumed"
-    _run(digits6, out, "rounds=2", "checkpoint_every=1")  # leaves a checkpoint after round 1
+    _run(digits6_16px, out, "rounds=2", "checkpoint_every=1")  # leaves a checkpoint after round 1
     for name in ("summary.json", "final_global.pt"):
         (out / name).unlink()
-    resumed = _run(digits6, out, "rounds=3", "checkpoint_every=1")
+    resumed = _run(digits6_16px, out, "rounds=3", "checkpoint_every=1")
     assert set(straight) == set(resumed)
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k

@@ -32,12 +32,12 @@ def _load(out):
             json.loads((out / "summary.json").read_text()))
 
 
-def test_one_and_two_ranks_and_a_resumed_run_agree(digits6, tmp_path):
+def test_one_and_two_ranks_and_a_resumed_run_agree(digits6_16px, tmp_path):
     config = str(REPO / "configs" / "digits_fedcp.yaml")
     one, two = tmp_path / "one", tmp_path / "two"
-    run(config, _overrides(digits6, one))
+    run(config, _overrides(digits6_16px, one))
     r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "fedcp_dist.run", "--config", config, *_overrides(digits6, two)])
+                 "-m", "fedcp_dist.run", "--config", config, *_overrides(digits6_16px, two)])
     assert r.returncode == 0, r.stderr[-3000:]
     g1, rounds1, s1 = _load(one)
     g2, rounds2, s2 = _load(two)
@@ -77,7 +77,7 @@ def test_one_and_two_ranks_and_a_resumed_run_agree(digits6, tmp_path):
     for d in sorted((two / "checkpoints").iterdir())[1:]:
         shutil.rmtree(d)
     (two / "summary.json").unlink()
-    run(config, _overrides(digits6, two))
+    run(config, _overrides(digits6_16px, two))
     g3, rounds3, _ = _load(two)
     assert [r["cohort"] for r in rounds3] == cohorts
     for k in g1:

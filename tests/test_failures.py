@@ -55,7 +55,7 @@ def _free_port():
 # -- a rank dies -------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_dead_rank_without_a_launcher_to_clean_up(digits6, tmp_path):
+def test_dead_rank_without_a_launcher_to_clean_up(digits6_16px, tmp_path):
     """Two ranks rendezvous by themselves (no torchrun agent to kill the survivor): when rank 1
     is SIGKILLed, rank 0 must stop on its own, naming rank 1 and the round."""
     port = _free_port()
@@ -65,7 +65,7 @@ def test_dead_rank_without_a_launcher_to_clean_up(digits6, tmp_path):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500", "collective_timeout=30")],
+            [sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path, "rounds=500", "collective_timeout=30")],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         _wait_rounds(tmp_path, procs[0], 3)
@@ -85,9 +85,9 @@ def test_dead_rank_without_a_launcher_to_clean_up(digits6, tmp_path):
 
 
 @pytest.mark.slow
-def test_dead_rank_under_torchrun(digits6, tmp_path):
+def test_dead_rank_under_torchrun(digits6_16px, tmp_path):
     proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500", "collective_timeout=30")])
+                   "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path, "rounds=500", "collective_timeout=30")])
     _wait_rounds(tmp_path, proc, 3)
     kids = [int(k) for k in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     assert len(kids) == 2
@@ -101,12 +101,12 @@ def test_dead_rank_under_torchrun(digits6, tmp_path):
 
 
 @pytest.mark.slow
-def test_dead_rank_under_mpirun(digits6, tmp_path):
+def test_dead_rank_under_mpirun(digits6_16px, tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN))
     if mpirun is None:
         pytest.skip("mpirun not installed (pip install '.[mpi]')")
     proc = _start([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "fedcp_dist.run",
-                   *_args(digits6, tmp_path, "rounds=500", "collective_timeout=30")])
+                   *_args(digits6_16px, tmp_path, "rounds=500", "collective_timeout=30")])
     _wait_rounds(tmp_path, proc, 3)
     ranks = [p for p in descendants(proc.pid)[1:] if "fedcp_dist.run" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(ranks) == 2
@@ -127,12 +127,12 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_workers_stop_when_torchrun_is_killed(digits6, tmp_path):
+def test_workers_stop_when_torchrun_is_killed(digits6_16px, tmp_path):
     """torchrun SIGKILLed (an OOM kill, a lost node agent): its workers, in sessions of their own,
     must not train on. Each notices within seconds, says so in one line and exits; the newest
     complete checkpoint stays loadable and the run resumes from it."""
     proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500", "checkpoint_every=2")])
+                   "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path, "rounds=500", "checkpoint_every=2")])
     ck = Checkpointer(str(tmp_path), 0, 2, 2)
     workers = []
     try:
@@ -161,7 +161,7 @@ def test_workers_stop_when_torchrun_is_killed(digits6, tmp_path):
     assert not (tmp_path / "summary.json").exists()
     # the run goes on from it: two more rounds, in this process
     said = []
-    run("configs/digits_fedcp.yaml", _args(digits6, tmp_path, f"rounds={rounds_done + 2}")[2:], echo=said.append)
+    run("configs/digits_fedcp.yaml", _args(digits6_16px, tmp_path, f"rounds={rounds_done + 2}")[2:], echo=said.append)
     assert any(f"resuming from {latest}" in line for line in said), said
     assert json.loads((tmp_path / "summary.json").read_text())["rounds"] == rounds_done + 2
 
@@ -169,10 +169,10 @@ def test_workers_stop_when_torchrun_is_killed(digits6, tmp_path):
 # -- non-finite updates --------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_nonfinite_update_stops_every_rank_and_keeps_the_checkpoint(digits6, tmp_path):
+def test_nonfinite_update_stops_every_rank_and_keeps_the_checkpoint(digits6_16px, tmp_path):
     """Two ranks; the client's owner sees the NaN, both stop in the same round with exit status 1."""
     r = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 str(REPO / "tests" / "helpers.py"), "4:2", *_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")])
+                 str(REPO / "tests" / "helpers.py"), "4:2", *_args(digits6_16px, tmp_path, "rounds=6", "checkpoint_every=2")])
     assert r.returncode == 1, r.stderr[-2000:]
     assert "round 4: client 2 produced a non-finite loss or update (on_nonfinite=error)" in r.stderr
     latest = Checkpointer(str(tmp_path), 0, 2, 2).latest()
@@ -180,12 +180,12 @@ def test_nonfinite_update_stops_every_rank_and_keeps_the_checkpoint(digits6, tmp
     assert not (tmp_path / "summary.json").exists()
     # the run continues from the good checkpoint once the cause is gone
     said = []
-    run(_args(digits6, tmp_path)[1], _args(digits6, tmp_path, "rounds=6", "checkpoint_every=2")[2:], echo=said.append)
+    run(_args(digits6_16px, tmp_path)[1], _args(digits6_16px, tmp_path, "rounds=6", "checkpoint_every=2")[2:], echo=said.append)
     assert any("resuming from" in line and "round_0000002" in line for line in said)
 
 
-def test_nonfinite_update_skipped(digits6, tmp_path, capsys):
-    run(_args(digits6, tmp_path)[1], _args(digits6, tmp_path, "rounds=3", "on_nonfinite=skip")[2:], wrap=nonfinite_at("2:3"))
+def test_nonfinite_update_skipped(digits6_16px, tmp_path, capsys):
+    run(_args(digits6_16px, tmp_path)[1], _args(digits6_16px, tmp_path, "rounds=3", "on_nonfinite=skip")[2:], wrap=nonfinite_at("2:3"))
     assert "round 2: client 3 produced a non-finite loss or update (left out of the round)" in capsys.readouterr().out
     rows = [json.loads(l) for l in _lines(tmp_path) if '"round"' in l]
     assert [row.get("nonfinite_skipped") for row in rows if row["kind"] == "round"] == [0, 1, 0]
@@ -196,7 +196,7 @@ def test_nonfinite_update_skipped(digits6, tmp_path, capsys):
 
 # -- checkpoints on a full disk, damaged checkpoints ------------------------------------------------
 
-def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path, monkeypatch):
+def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6_16px, tmp_path, monkeypatch):
     real = ckpt_mod.atomic_torch_save
     calls = {"n": 0}
 
@@ -209,7 +209,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(digits6, tmp_path,
         return real(obj, path)
 
     monkeypatch.setattr(ckpt_mod, "atomic_torch_save", flaky)
-    cfg = load_config("configs/digits_fedcp.yaml", [f"data.path={digits6}", f"out_dir={tmp_path}", "rounds=6",
+    cfg = load_config("configs/digits_fedcp.yaml", [f"data.path={digits6_16px}", f"out_dir={tmp_path}", "rounds=6",
                                                     "checkpoint_every=2", "eval_every=3"])
     rt = init_runtime("cpu", 1, env={})
     with pytest.raises(RunFailure, match=r"after round 4 could not be written \(\S*round_0000004/clients_0.pt: "
@@ -246,7 +246,7 @@ class _FillsUp:
         return self.f.write(data)
 
 
-def test_full_disk_while_appending_metrics_keeps_whole_lines(digits6, tmp_path, capsys, monkeypatch):
+def test_full_disk_while_appending_metrics_keeps_whole_lines(digits6_16px, tmp_path, capsys, monkeypatch):
     """The third record meets a full disk half-way: one line naming metrics.jsonl, exit 1, the two
     records before it whole and nothing after them, the checkpoint after round 2 intact; the run,
     restarted, resumes from it and finishes."""
@@ -259,7 +259,7 @@ def test_full_disk_while_appending_metrics_keeps_whole_lines(digits6, tmp_path, 
         f = real_open(file, mode, *args, **kwargs)
         return _FillsUp(f, 3, calls) if str(file).endswith("metrics.jsonl") and "a" in mode else f
 
-    args = _args(digits6, tmp_path, "rounds=4", "checkpoint_every=2", "eval_every=2")
+    args = _args(digits6_16px, tmp_path, "rounds=4", "checkpoint_every=2", "eval_every=2")
     monkeypatch.setattr(builtins, "open", fills_up)
     with pytest.raises(SystemExit) as exc:
         main(args)
@@ -277,7 +277,7 @@ def test_full_disk_while_appending_metrics_keeps_whole_lines(digits6, tmp_path, 
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 4] and rows[-1]["kind"] == "final_eval"
 
 
-def test_full_disk_at_the_complete_marker_leaves_no_half_checkpoint(digits6, tmp_path, capsys, monkeypatch):
+def test_full_disk_at_the_complete_marker_leaves_no_half_checkpoint(digits6_16px, tmp_path, capsys, monkeypatch):
     """The rename of round 4's COMPLETE marker meets a full disk: one line naming the marker, exit 1,
     no round_0000004 folder or temporary file left, the checkpoint after round 2 the newest."""
     from fedcp_dist.run import main
@@ -291,7 +291,7 @@ def test_full_disk_at_the_complete_marker_leaves_no_half_checkpoint(digits6, tmp
 
     monkeypatch.setattr(os, "replace", fills_up)
     with pytest.raises(SystemExit) as exc:
-        main(_args(digits6, tmp_path, "rounds=6", "checkpoint_every=2", "eval_every=3"))
+        main(_args(digits6_16px, tmp_path, "rounds=6", "checkpoint_every=2", "eval_every=3"))
     monkeypatch.undo()
     err = _one_error_line(capsys, exc, 1)
     marker = tmp_path / "checkpoints" / "round_0000004" / "COMPLETE"
@@ -302,7 +302,7 @@ def test_full_disk_at_the_complete_marker_leaves_no_half_checkpoint(digits6, tmp
 
 
 @pytest.mark.slow
-def test_full_disk_on_rank_1_is_one_line_on_each_rank(digits6, tmp_path):
+def test_full_disk_on_rank_1_is_one_line_on_each_rank(digits6_16px, tmp_path):
     """Two ranks rendezvous by themselves; rank 1's client store meets a full disk in round 2. Rank 1
     says so in one line naming its file (no traceback), rank 0 stops naming rank 1, no temporary file
     is left and the checkpoint after round 1 is the newest."""
@@ -314,7 +314,7 @@ def test_full_disk_on_rank_1_is_one_line_on_each_rank(digits6, tmp_path):
                    PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
         procs.append(subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "helpers.py"), "full-disk:1:4",
-             *_args(digits6, tmp_path, "rounds=3", "client_state=disk", "checkpoint_every=1", "collective_timeout=60",
+             *_args(digits6_16px, tmp_path, "rounds=3", "client_state=disk", "checkpoint_every=1", "collective_timeout=60",
                     "fused_group=3")],  # two fused groups: one on each rank
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
@@ -336,8 +336,8 @@ def test_full_disk_on_rank_1_is_one_line_on_each_rank(digits6, tmp_path):
 
 
 @pytest.mark.slow
-def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(digits6, tmp_path):
-    args = _args(digits6, tmp_path, "rounds=5", "checkpoint_every=1")
+def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(digits6_16px, tmp_path):
+    args = _args(digits6_16px, tmp_path, "rounds=5", "checkpoint_every=1")
     with pytest.raises(RunFailure, match="round 4: client 0 produced a non-finite"):
         run(args[1], args[2:], wrap=nonfinite_at("4:0"))
     newest = tmp_path / "checkpoints" / "round_0000003" / "clients_0.pt"
@@ -351,11 +351,11 @@ def test_damaged_newest_checkpoint_is_reported_and_the_previous_used(digits6, tm
 
 # -- a shared out_dir ------------------------------------------------------------------------------
 
-def test_second_run_on_the_same_out_dir_is_refused(digits6, tmp_path):
-    proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500")])
+def test_second_run_on_the_same_out_dir_is_refused(digits6_16px, tmp_path):
+    proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path, "rounds=500")])
     try:
         _wait_rounds(tmp_path, proc, 1)
-        r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=500")])
+        r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path, "rounds=500")])
         assert r.returncode == 2
         assert "is in use by another run" in r.stderr and "Traceback" not in r.stderr
         assert proc.poll() is None  # the first run is untouched
