@@ -80,6 +80,9 @@ def test_export_refusals_name_the_problem(digits6, tmp_path, capsys):
     expect_user_error(capsys, ["--source", "digits", "--num-clients", 4, "--out", tmp_path / "n.h5", "--to-npz", out],
                       "exists")
     assert not (tmp_path / "n.h5").exists()
+    expect_user_error(capsys, ["--source", "digits", "--num-clients", 4, "--out", tmp_path / "n.h5", "--to-npz",
+                               tmp_path / "no" / "F"], "the folder", "does not exist")
+    assert not (tmp_path / "n.h5").exists()
     expect_user_error(capsys, ["--shard", digits6], "--shard", "--to-npz")
     expect_user_error(capsys, ["--to-npz", tmp_path / "F"], "--shard FILE", "--out FILE")
     expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--shard", digits6, "--source", "digits"], "--source")

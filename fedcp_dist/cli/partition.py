@@ -302,6 +302,9 @@ def _check_export_args(args) -> None:
                         "this command makes")
     if Path(args.to_npz).exists() and not args.force:  # before a shard is made, not after
         raise UserError(f"--to-npz: {args.to_npz} exists; pass --force to replace it")
+    parent = Path(args.to_npz).resolve().parent
+    if not parent.is_dir():  # likewise: the export would fail only after the partition was written
+        raise UserError(f"--to-npz: the folder {parent} does not exist")
 
 
 @cli_main
