@@ -28,52 +28,40 @@ ACTIVATION_COPIES = 2
 
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on ``device``.
-
-    CUDA: the driver's free memory plus what PyTorch's caching allocator holds unused. CPU:
-    psutil's ``available`` when psutil is installed, else ``MemAvailable`` from /proc/meminfo
-    (else 4 GiB, a conservative guess for systems without either).
-    """
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+def _host_memory(field: str, meminfo_key: str) -> int:
+    """Host memory in bytes: psutil's ``virtual_memory().<field>`` when psutil is installed, else
+    ``<meminfo_key>`` from /proc/meminfo, else 4 GiB (a conservative guess for systems without either)."""
     try:
         import psutil
 
-        return int(psutil.virtual_memory().available)
+        return int(getattr(psutil.virtual_memory(), field))
     except ImportError:
         pass
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(meminfo_key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 4 << 30
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on ``device``. CUDA: the driver's free memory plus what PyTorch's
+    caching allocator holds unused; CPU: the host's available memory (:func:`_host_memory`)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return _host_memory("available", "MemAvailable")
 
 
 def total_memory(device: torch.device) -> int:
     """Bytes of memory ``device`` has in all (a fact of the device kind, unlike the free memory):
-    CUDA: the device's total memory; CPU: psutil's ``total``, else ``MemTotal`` from /proc/meminfo
-    (else 4 GiB)."""
+    CUDA: the device's total memory; CPU: the host's total memory (:func:`_host_memory`)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+    return _host_memory("total", "MemTotal")
 
 
 def activation_elements(run: Callable[[], object], modules: Sequence[nn.Module]) -> int:

@@ -675,3 +675,13 @@ def test_a_group_trains_on_one_thread_whatever_its_ranks_thread_count():
     algo.cfg.fused_workers = 1  # one group at a time on every thread of the rank
     assert not fused_groups.one_thread_each(algo.cfg, CPU, 2)
     assert not fused_groups.one_thread_each(Config(), torch.device("cuda"), 8)
+
+
+def test_host_memory_without_psutil_reads_proc_meminfo(monkeypatch):
+    """Without psutil the host's memory comes from /proc/meminfo (kB there, bytes here)."""
+    import sys
+
+    meminfo = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/meminfo")}
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now raises ImportError
+    assert fused_memory.total_memory(CPU) == meminfo["MemTotal"]
+    assert abs(fused_memory.available_memory(CPU) - meminfo["MemAvailable"]) < meminfo["MemTotal"] // 20
