@@ -24,7 +24,7 @@ from fedcp_dist.data.text import tokenize_basic_english
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import build_model, model_options
 from fedcp_dist.models.fasttext import MeanEmbedding
-from fedcp_dist.sweep.spec import partition_file_name
+from fedcp_dist.sweep.names import partition_file_name
 
 # ------------------------------------------------------------------------------------- tokens
 

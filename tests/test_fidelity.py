@@ -284,7 +284,8 @@ def test_pfedme_reference_compat_keeps_the_local_w():
 
 def test_a_sweep_partition_with_the_val_images_gets_its_own_file():
     from fedcp_dist.data.make import PartitionSpec
-    from fedcp_dist.sweep.spec import PARTITION_KEYS, partition_file_name
+    from fedcp_dist.sweep.names import partition_file_name
+    from fedcp_dist.sweep.spec import PARTITION_KEYS
 
     assert PARTITION_KEYS["include_val"] is bool
     train = partition_file_name(PartitionSpec(source="tinyimagenet", num_clients=20))

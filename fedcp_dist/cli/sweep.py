@@ -22,7 +22,7 @@ import sys
 from fedcp_dist.errors import ArgumentParser, cli_main
 from fedcp_dist.rundir import FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
-from fedcp_dist.sweep.spec import display_path
+from fedcp_dist.sweep.names import display_path
 
 
 def dry_run(sweep: Sweep) -> None:

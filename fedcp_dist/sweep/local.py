@@ -16,7 +16,8 @@ from typing import Mapping
 from fedcp_dist.errors import EXIT_REQUEUE
 from fedcp_dist.rundir import FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
-from fedcp_dist.sweep.spec import Sweep, display_path, drift_warning, now
+from fedcp_dist.sweep.names import display_path, now
+from fedcp_dist.sweep.spec import Sweep, drift_warning
 
 
 #: seconds torchrun lets its workers finish after it forwards a SIGTERM before it SIGKILLs them

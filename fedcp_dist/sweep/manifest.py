@@ -13,7 +13,8 @@ from typing import Optional
 from fedcp_dist.data.make import make_shard
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes
-from fedcp_dist.sweep.spec import Sweep, display_path
+from fedcp_dist.sweep.names import display_path
+from fedcp_dist.sweep.spec import Sweep
 
 MANIFEST = "sweep.json"
 MANIFEST_FORMAT = 1

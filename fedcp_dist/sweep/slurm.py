@@ -20,7 +20,8 @@ from fedcp_dist.errors import EXIT_REQUEUE, Preempted, UserError
 from fedcp_dist.rundir import FINISHED, SUMMARY, RunDir
 from fedcp_dist.sweep.local import pump, stderr_tail
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
-from fedcp_dist.sweep.spec import Sweep, display_path, drift_warning, now
+from fedcp_dist.sweep.names import display_path, now
+from fedcp_dist.sweep.spec import Sweep, drift_warning
 
 #: seconds between SLURM's warning signal and the kill, unless the sweep sets executor.slurm.signal_delay_s
 SIGNAL_DELAY_S = 120

@@ -21,9 +21,6 @@ them with their reasons.
 """
 from __future__ import annotations
 
-import datetime
-import difflib
-import hashlib
 import itertools
 import json
 import os
@@ -33,15 +30,13 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
-
-import yaml
+from typing import Optional
 
 from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping, type_ok
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
-from fedcp_dist.data.sources import TEXT_SOURCES
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir import FINISHED, RunDir, defining_changes, format_value
+from fedcp_dist.rundir import FINISHED, RunDir, defining_changes
+from fedcp_dist.sweep.names import did_you_mean, display_path, partition_file_name, point_name, yaml_value
 
 DEFAULT_ROOT = "runs/sweeps"
 TOP_KEYS = ("name", "root", "base", "overrides", "grid", "variants", "partition", "executor", "exclude")
@@ -71,89 +66,12 @@ SLURM_KEYS = {
 #: fedcp-partition options a partition block (or a grid key) may set: option -> type
 PARTITION_KEYS = option_types()
 #: partition options that do not change which samples a client gets (left out of the file name)
-PARTITION_LOCATION_KEYS = ("root", "download")
 #: config keys a sweep sets itself
 RESERVED = ("out_dir",)
 #: config keys whose value a sweep fixes: both executors launch an unfinished point again (a
 #: requeue, a re-run of the sweep) and it must go on from its own checkpoint, which overwrite=true
 #: would remove every time and resume=never would refuse
 RERUN_KEYS = {"overwrite": False, "resume": "auto"}
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-
-def yaml_value(value: Any) -> str:
-    """The text of ``value`` that ``key=value`` overrides read back as the same value."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip()
-    if text.endswith("\n..."):
-        text = text[: -len("\n...")].strip()
-    elif text.endswith("..."):
-        text = text[:-3].strip()
-    return text
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
-
-
-def point_name(params: dict) -> str:
-    """A stable, readable directory name from a point's parameters, keys sorted.
-
-    ``{"seed": 2, "method": "fedcp"}`` → ``method=fedcp,seed=2``. Characters outside
-    ``[A-Za-z0-9._+=,-]`` become ``_``; a name longer than 150 characters is cut and ends in a hash
-    of the full parameters.
-    """
-    if not params:
-        return "default"
-    name = ",".join(f"{k}={format_value(params[k])}" for k in sorted(params))
-    name = _UNSAFE.sub("_", name)
-    if len(name) > 150:
-        digest = hashlib.sha1(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:10]
-        name = f"{name[:120]}-{digest}"
-    return name
-
-
-def partition_file_name(spec: PartitionSpec) -> str:
-    """A readable shard name from a partition spec: ``digits_dir0.1_n20_s1.h5``.
-
-    Options other than source, scheme, its parameter, clients and seed that differ from the
-    defaults add a short hash, so that different partitions never share a name; a text source's
-    ``text_pipeline`` always enters the hash.
-    """
-    scheme = spec.partition
-    if scheme == "dir":
-        scheme += format_value(spec.beta)
-    elif scheme == "pat":
-        scheme += f"{spec.classes_per_client}" + ("u" if spec.unbalanced else "")
-    name = f"{spec.source}_{scheme}_n{spec.num_clients}_s{spec.seed}"
-    named = {"source", "partition", "beta", "classes_per_client", "unbalanced", "num_clients", "seed",
-             *PARTITION_LOCATION_KEYS}
-    defaults = PartitionSpec().to_dict()
-    extra = {k: v for k, v in spec.to_dict().items() if k not in named and v != defaults[k]}
-    if spec.source in TEXT_SOURCES:
-        # always named, so that a shard made before the reference pipeline became the default
-        # (same options, other tokens) is never taken for one made with it
-        extra["text_pipeline"] = spec.text_pipeline
-    if extra:
-        name += "_" + hashlib.sha1(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8]
-    return _UNSAFE.sub("_", name) + ".h5"
-
-
-def display_path(path: Path) -> str:
-    """A path relative to the current directory when it lies below it, else absolute."""
-    try:
-        return os.path.relpath(os.path.abspath(path)) if Path(os.path.abspath(path)).is_relative_to(Path.cwd()) else str(path)
-    except ValueError:
-        return str(path)
-
-
-def did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def now() -> str:
-    return datetime.datetime.now().isoformat(timespec="seconds")
 
 
 # ----------------------------------------------------------------------------- the sweep
