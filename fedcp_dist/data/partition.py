@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -32,9 +33,10 @@ PARTITION_KINDS = ("dir", "pat", "iid")
 PROBE_DRAWS = 20
 #: redrawing stops once the estimated chance that the remaining draws meet the rule is below this
 GIVE_UP_CHANCE = 0.01
-#: redrawing for longer than this is an error (stopping on the clock would make the partition
-#: depend on the machine's speed)
-MAX_REDRAW_SECONDS = 60.0
+#: while redrawing, a line on stderr says how far it is every this many seconds; the clock never
+#: stops or fails drawing (that would make a seed's partition, or its error, depend on the
+#: machine's speed and load)
+PROGRESS_SECONDS = 10.0
 
 
 def least_samples(batch_size: int, train_ratio: float, total: int, num_clients: int) -> int:
@@ -91,7 +93,7 @@ class DirDraws:
 
 def partition_dir(labels: np.ndarray, num_clients: int, num_classes: int, beta: float,
                   least: int, rng: np.random.Generator, max_tries: int = 10000,
-                  max_seconds: float = MAX_REDRAW_SECONDS) -> tuple[list[np.ndarray], DirDraws]:
+                  progress_every: float = PROGRESS_SECONDS) -> tuple[list[np.ndarray], DirDraws]:
     """Dirichlet label-skew partition; returns the sample indices of each client, and what it did.
 
     The whole allocation is redrawn until the smallest client holds ``least`` samples, as the
@@ -103,7 +105,8 @@ def partition_dir(labels: np.ndarray, num_clients: int, num_classes: int, beta: 
       succeed: with m the mean number of short clients per draw so far, a draw meets the rule
       with probability about exp(-m) (short clients are rare, nearly independent events), so
       drawing stops once ``remaining · exp(-m)`` < :data:`GIVE_UP_CHANCE`;
-    * drawing for longer than ``max_seconds`` is a :class:`UserError` naming the options to change.
+    * every ``progress_every`` seconds of drawing a line on stderr gives the draws made, the bound
+      and the best draw's short clients, naming ``--max-tries`` (lower it to top up sooner).
 
     When no draw met the rule, the draw that missed it by the fewest samples is kept and topped
     up: each short client receives the samples it lacks, taken at random from the clients that
@@ -121,7 +124,7 @@ def partition_dir(labels: np.ndarray, num_clients: int, num_classes: int, beta: 
     class_idx = [np.flatnonzero(labels == k) for k in range(num_classes)]
     alpha = np.full(num_clients, float(beta))
     clients = np.arange(num_clients)
-    start = time.perf_counter()
+    next_note = time.perf_counter() + progress_every
     best = None  # (deficit, permuted class indices, per-class counts, sizes) of the best draw
     short_sum, stop, draw = 0, "max_tries", 0
     for draw in range(1, max_tries + 1):
@@ -153,12 +156,12 @@ def partition_dir(labels: np.ndarray, num_clients: int, num_classes: int, beta: 
         if draw >= PROBE_DRAWS and remaining * math.exp(-short_sum / draw) < GIVE_UP_CHANCE:
             stop = "unlikely"
             break
-        if remaining and time.perf_counter() - start > max_seconds:
-            raise UserError(
-                f"the dir partition drew {draw} allocations in {max_seconds:g} s and none gave "
-                f"each of {num_clients} clients {least} samples (the best left "
-                f"{int((best[3] < least).sum())} short); lower --max-tries (the best draw is then "
-                f"topped up), raise --beta or use fewer --num-clients")
+        if remaining and time.perf_counter() >= next_note:
+            print(f"dir partition: {draw} of at most {max_tries} draws, none yet gives each of {num_clients} "
+                  f"clients {least} samples (the best leaves {int((best[3] < least).sum())} short); "
+                  f"still drawing (--max-tries {max_tries} bounds it; a lower one tops up the best draw sooner)",
+                  file=sys.stderr, flush=True)
+            next_note = time.perf_counter() + progress_every
     deficit, perms, class_counts, sizes = best
     report = DirDraws(least=least, draws=draw, stop=stop,
                       short_clients=int((sizes < least).sum()),
@@ -318,7 +321,7 @@ def partition_clients(labels: np.ndarray, num_classes: int, kind: str, num_clien
                       seed: int, beta: float = 0.1, classes_per_client: int = 2,
                       balance: bool = True, batch_size: int = 10, train_ratio: float = 0.75,
                       max_tries: int = 10000,
-                      max_seconds: float = MAX_REDRAW_SECONDS) -> Partition:
+                      progress_every: float = PROGRESS_SECONDS) -> Partition:
     """Partition ``labels`` among ``num_clients`` clients and split each share into train/test.
 
     ``dir`` and ``iid`` give every client at least :func:`min_split_samples` samples (one train
@@ -366,7 +369,7 @@ def partition_clients(labels: np.ndarray, num_classes: int, kind: str, num_clien
     draws = None
     if kind == "dir":
         shares, draws = partition_dir(labels, num_clients, num_classes, beta, max(least, floor),
-                                      rng, max_tries, max_seconds)
+                                      rng, max_tries, progress_every)
     elif kind == "pat":
         shares = partition_pat(labels, num_clients, num_classes, classes_per_client, balance,
                                least, rng)
