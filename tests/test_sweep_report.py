@@ -477,3 +477,44 @@ def test_local_points_give_torchrun_time_to_checkpoint_after_a_sigterm(monkeypat
     assert local.run_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(local.SHUTDOWN_TIMEOUT_S) == "1800"
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
     assert local.run_env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"
+
+
+def test_metrics_read_from_the_records_rounds_to_acc_after_and_pir(tmp_path, capsys):
+    """rounds_to_P, acc_after_R and the test PIR come from metrics.jsonl and analysis.jsonl, computed
+    here by hand from the curves written below (evaluations after rounds 0, 2 and 4)."""
+    curves = {1: [0.10, 0.96, 0.985], 2: [0.10, 0.94, 0.97], 3: [0.20, 0.97, 0.99]}
+    for seed, accs in curves.items():
+        folder = tmp_path / "runs" / f"s{seed}"
+        fake_run(folder, "fedcp", seed, 0.1, max(accs))
+        with open(folder / "metrics.jsonl", "w") as f:
+            for t, acc in zip((0, 2, 4), accs):
+                f.write(json.dumps({"round": t + 1, "evaluated_after": t, "acc": acc}) + "\n")
+    # seed 1 probed its policy: the evaluation after round 2 is not the last and does not count
+    probes = [{"kind": "eval", "evaluated_after": 2, "client": 0, "samples": 10, "pir": 0.9, "s_hist": [0] * 50},
+              {"kind": "eval", "evaluated_after": 4, "client": 0, "samples": 10, "pir": 0.2, "s_hist": [0] * 50},
+              {"kind": "eval", "evaluated_after": 4, "client": 1, "samples": 30, "pir": 0.6, "s_hist": [0] * 50}]
+    (tmp_path / "runs" / "s1" / "analysis.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes))
+    report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--no-plots",
+                 "--metric", "rounds_to_95,rounds_to_98,rounds_to_99.5,acc_after_2,acc_after_3,pir_test,pir_test_spread"])
+    with open(tmp_path / "out" / "report.csv", newline="") as f:
+        table = {r["metric"]: r for r in csv.DictReader(f)}
+    # first round at >= 95 %: 2, 4, 2
+    assert float(table["rounds_to_95"]["mean"]) == pytest.approx(8 / 3)
+    assert float(table["rounds_to_95"]["std"]) == pytest.approx(statistics.pstdev([2, 4, 2]))
+    # >= 98 %: seeds 1 and 3 after round 4; seed 2 never, so it is not averaged in
+    assert table["rounds_to_98"]["mean"] == "4.0" and table["rounds_to_98"]["seeds"] == "1 3"
+    assert table["rounds_to_99.5"]["n_seeds"] == "0"
+    assert float(table["acc_after_2"]["mean"]) == pytest.approx(statistics.mean([96, 94, 97]))
+    assert table["acc_after_3"]["n_seeds"] == "0"  # nobody evaluated after round 3
+    # seed 1 only: (10 * 0.2 + 30 * 0.6) / 40 = 0.5; the clients' PIRs 0.2 and 0.6 spread by 0.2
+    assert float(table["pir_test"]["mean"]) == pytest.approx(0.5) and table["pir_test"]["seeds"] == "1"
+    assert float(table["pir_test_spread"]["mean"]) == pytest.approx(0.2)
+    md = (tmp_path / "out" / "report.md").read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| fedcp"))
+    cells = [c.strip() for c in row.split("|")[2:-1]]
+    assert cells[1] == "4 ± 0 (2/3; 1 not reached)" and cells[2] == "not reached"
+    assert cells[4] == "n/a" and cells[5].startswith("0.5 ± 0")
+    capsys.readouterr()
+    # P outside (0, 100] is no metric: the error lists what is
+    msg = cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", "rounds_to_101"])
+    assert "'rounds_to_101'" in msg and "rounds_to_P" in msg

@@ -9,7 +9,9 @@ A run is a directory holding ``config.yaml``; it is finished when ``summary.json
 Rows are methods, columns are settings: the values of the swept keys other than ``seed`` and
 ``method`` (a sweep's grid keys when a ``sweep.json`` is found, else the config keys whose values
 differ between runs, or ``--by``); ``--rows KEY`` makes the rows by another key (a sweep's
-``variant``, say), and ``--metric`` may list several summary keys, each then a column per setting.
+``variant``, say), and ``--metric`` may list several summary keys, each then a column per setting;
+besides the summary's keys it knows metrics read from each run's records (``rounds_to_95``: the
+first round evaluated at 95 % or more; ``acc_after_10``; ``pir_test``, ``pir_test_spread``).
 A cell is mean ± std over seeds of the metric (100·metric for accuracies and AUCs). Runs that are
 missing or unfinished are listed and their cells marked ``(finished/expected)``; they are never
 averaged in. Points a sweep's ``exclude`` rules kept from running are listed with their reasons, and
@@ -40,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", help="comma-separated keys that make the columns (default: the swept keys)")
     p.add_argument("--metric", default="best_acc",
                    help="summary.json key(s) to tabulate, comma-separated (default best_acc); also "
-                        "uplink_bytes_per_round (uplink_bytes / rounds)")
+                        "uplink_bytes_per_round (uplink_bytes / rounds) and, from each run's records, "
+                        "rounds_to_P (first round evaluated at >= P %%), acc_after_R, pir_test and "
+                        "pir_test_spread (FedCP's test PIR at the last evaluation: mean and spread over "
+                        "clients, with analysis: true)")
     p.add_argument("--rows", default="method", help="the key whose values make the rows (default method; "
                                                      "a sweep's named variants: variant)")
     p.add_argument("--no-plots", action="store_true", help="write the table only")

@@ -11,14 +11,16 @@ import io
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fedcp_dist.analysis.records import read_probes, weighted_mean
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes
-from fedcp_dist.rundir import CHECKPOINTS, CONFIG, NOT_DEFINING, SUMMARY, RunDir, format_value
+from fedcp_dist.rundir import ANALYSIS, CHECKPOINTS, CONFIG, NOT_DEFINING, SUMMARY, RunDir, format_value
 from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
 #: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not
@@ -30,6 +32,54 @@ DERIVED = {
                                          if _numeric(s.get("uplink_bytes")) and _numeric(s.get("rounds"))
                                          and s["rounds"] > 0 else None),
 }
+#: metrics read from a finished run's records instead of its summary (:func:`record_metric`)
+RECORD_METRICS = {
+    "rounds_to_P": "the first round after which the accuracy evaluated is >= P % (e.g. rounds_to_95); "
+                   "a run that never gets there is counted apart",
+    "acc_after_R": "the accuracy evaluated after R rounds (e.g. acc_after_10)",
+    "pir_test": "FedCP's PIR over the test samples at the last evaluation, the sample-weighted mean over the "
+                "clients (runs with analysis: true)",
+    "pir_test_spread": "the population std over the clients of their test PIR at the last evaluation (analysis: true)",
+}
+_ROUNDS_TO = re.compile(r"rounds_to_(\d+(?:\.\d+)?)")
+_ACC_AFTER = re.compile(r"acc_after_(\d+)")
+#: a run's value of a rounds_to_P metric when its accuracy never reached P
+NOT_REACHED = "not reached"
+
+
+def is_record_metric(name: str) -> bool:
+    """Whether ``name`` is one of :data:`RECORD_METRICS` (``rounds_to_95``, ``acc_after_10``, ``pir_test``…)."""
+    m = _ROUNDS_TO.fullmatch(name)
+    if m:
+        return 0 < float(m.group(1)) <= 100
+    return bool(_ACC_AFTER.fullmatch(name)) or name in ("pir_test", "pir_test_spread")
+
+
+def record_metric(curve: list, path: Path, name: str):
+    """The value of a :data:`RECORD_METRICS` metric from a run's curve [(evaluated_after, acc)] and, for
+    the PIR, its ``analysis.jsonl``: a number, :data:`NOT_REACHED`, or None where the run does not
+    record it (no evaluation after that round, no probes)."""
+    m = _ROUNDS_TO.fullmatch(name)
+    if m:
+        target = float(m.group(1)) / 100.0
+        return next((t for t, acc in curve if acc >= target - 1e-12), NOT_REACHED)
+    m = _ACC_AFTER.fullmatch(name)
+    if m:
+        return dict(curve).get(int(m.group(1)))
+    analysis = path / ANALYSIS
+    if not analysis.is_file():
+        return None
+    _, evals = read_probes(analysis)
+    if not evals:
+        return None
+    last = max(p.evaluated_after for p in evals)
+    at_last = [p for p in evals if p.evaluated_after == last]
+    if name == "pir_test":
+        return weighted_mean((p.samples, p.pir) for p in at_last)
+    mean = sum(p.pir for p in at_last) / len(at_last)
+    return math.sqrt(sum((p.pir - mean) ** 2 for p in at_last) / len(at_last))
+
+
 #: summary keys only some runs have (fedcp_dist.compress.byte_totals: none for peer methods and runs saved
 #: before every run counted its bytes; the saved bytes only with skipped uploads):
 #: a report of runs that have none of them says n/a rather than stopping
@@ -73,9 +123,12 @@ class Run:
         return str(self.value(self.row_key))
 
     def metric(self, name: str):
-        """The summary's value of ``name`` (or of a :data:`DERIVED` metric); None when it has none."""
+        """The summary's value of ``name`` (or of a :data:`DERIVED` or :data:`RECORD_METRICS` metric:
+        then perhaps :data:`NOT_REACHED`); None when it has none."""
         if self.summary is None:
             return None
+        if name not in self.summary and is_record_metric(name):
+            return record_metric(self.curve(), self.path, name)
         if name in DERIVED and name not in self.summary:
             return DERIVED[name](self.summary)
         return self.summary.get(name)
@@ -274,6 +327,8 @@ class Cell:
     seeds: list = field(default_factory=list)
     #: finished runs that do not record the metric
     not_recorded: int = 0
+    #: finished runs whose accuracy never reached a rounds_to_P metric's P
+    not_reached: int = 0
 
     @property
     def n(self) -> int:
@@ -321,13 +376,17 @@ class Table:
         if cell is None:
             return ""
         if not cell.values:
+            if cell.not_reached:
+                return NOT_REACHED + (f" ({cell.not_reached}/{cell.expected})" if cell.not_reached < cell.expected else "")
             if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
                 return NA_CELL + (f" ({cell.not_recorded}/{cell.expected})" if cell.not_recorded < cell.expected else "")
             return f"{MISSING_CELL} (0/{cell.expected})"
         scale_fmt = "{:.2f}" if _is_percent(self.metric) else ("{:.4g}" if "fraction" in self.metric or
                                                                  abs(cell.mean) < 1e4 else "{:.0f}")
         s = f"{scale_fmt.format(cell.mean)} ± {scale_fmt.format(cell.std)}"
-        if cell.n < cell.expected:
+        if cell.not_reached:
+            s += f" ({cell.n}/{cell.expected}; {cell.not_reached} {NOT_REACHED})"
+        elif cell.n < cell.expected:
             s += f" ({cell.n}/{cell.expected})"
         elif cell.n != self.typical_n:
             s += f" (n={cell.n})"
@@ -338,10 +397,10 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     runs = col.runs
     scale = 100.0 if _is_percent(metric) else 1.0
     finished = [r for r in runs if r.finished]
-    if finished and metric not in OPTIONAL and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
+    if finished and metric not in OPTIONAL and not is_record_metric(metric) and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
         raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
-                        f" (and, computed from them: {', '.join(DERIVED)})")
+                        f" (and, computed from them: {', '.join(DERIVED)}; from the records: {', '.join(RECORD_METRICS)})")
     cells: dict = {}
     settings: dict = {}
     missing = []
@@ -353,6 +412,9 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         cell = cells.setdefault(key, Cell(r.method, setting, "", []))
         cell.runs.append(r)
         value = r.metric(metric) if r.finished else None
+        if value == NOT_REACHED:
+            cell.not_reached += 1
+            continue
         if r.finished and value is None and metric not in r.summary:  # e.g. bytes a run that skips nothing lacks
             cell.not_recorded += 1
             continue
