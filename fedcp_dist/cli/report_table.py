@@ -381,8 +381,12 @@ class Table:
             if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
                 return NA_CELL + (f" ({cell.not_recorded}/{cell.expected})" if cell.not_recorded < cell.expected else "")
             return f"{MISSING_CELL} (0/{cell.expected})"
-        scale_fmt = "{:.2f}" if _is_percent(self.metric) else ("{:.4g}" if "fraction" in self.metric or
-                                                                 abs(cell.mean) < 1e4 else "{:.0f}")
+        if _is_percent(self.metric):
+            scale_fmt = "{:.2f}"
+        elif _ROUNDS_TO.fullmatch(self.metric):
+            scale_fmt = "{:.1f}"
+        else:
+            scale_fmt = "{:.4g}" if "fraction" in self.metric or abs(cell.mean) < 1e4 else "{:.0f}"
         s = f"{scale_fmt.format(cell.mean)} ± {scale_fmt.format(cell.std)}"
         if cell.not_reached:
             s += f" ({cell.n}/{cell.expected}; {cell.not_reached} {NOT_REACHED})"
