@@ -219,7 +219,8 @@ def test_dir_redrawing_never_depends_on_the_clock(capsys):
     # no draw meets the rule (Dir(0.1), 100 samples each): a progress line after every draw changes
     # nothing of what comes out, where a time limit used to fail the partition on a loaded machine
     labels = synthetic_labels()
-    quiet, d_quiet = partition_dir(labels, 20, 10, 0.1, 100, np.random.default_rng(0), max_tries=30)
+    quiet, d_quiet = partition_dir(labels, 20, 10, 0.1, 100, np.random.default_rng(0), max_tries=30,
+                                   progress_every=1e9)
     assert capsys.readouterr().err == ""
     noisy, d_noisy = partition_dir(labels, 20, 10, 0.1, 100, np.random.default_rng(0), max_tries=30,
                                    progress_every=0)
