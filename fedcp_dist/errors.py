@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 
 #: exit status of a run that was asked to stop (preemption signal), checkpointed and can be requeued
 EXIT_REQUEUE = 75
+#: exit status when the reader of our output went away (``fedcp-sweep --dry-run | head``): a shell's 128 + SIGPIPE
+EXIT_BROKEN_PIPE = 141
 
 
 class Preempted(Exception):
@@ -49,6 +52,15 @@ def cli_main(func):
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        except BrokenPipeError:
+            # the reader closed the pipe (head, less): stop quietly, and keep the interpreter's
+            # final flush of stdout from raising the same error again
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            sys.exit(EXIT_BROKEN_PIPE)
 
     return wrapper
 

@@ -117,6 +117,21 @@ def test_command_line_error_has_no_traceback(tmp_path):
     assert "'lam'" in r.stderr
 
 
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`fedcp-sweep --dry-run | head -1`: the reader goes away early; no traceback, the shell's SIGPIPE status."""
+    import subprocess
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(f"name: s\nroot: {tmp_path}/out\nbase: configs/digits_fedcp.yaml\n"
+                     f"grid:\n  seed: {list(range(1, 400))}\n"  # ~150 KB of lines, more than a pipe holds
+                     "partition: {source: digits, partition: dir, beta: 0.1, num_clients: 20, seed: 1}\n")
+    r = subprocess.run(f"set -o pipefail; {sys.executable} -m fedcp_dist.cli.sweep --dry-run {sweep} | head -1",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert r.stdout.startswith("sweep s: 399 points"), r.stdout
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+    assert r.returncode == 141, (r.returncode, r.stderr)
+
+
 def test_method_options_are_config_keys_with_their_checks():
     import dataclasses
 
