@@ -1,4 +1,5 @@
 """Config loading and the run command's refusals: one line naming the key, exit 2, no traceback."""
+import subprocess
 import sys
 
 import pytest
@@ -119,8 +120,6 @@ def test_command_line_error_has_no_traceback(tmp_path):
 
 def test_a_closed_pipe_ends_quietly(tmp_path):
     """`fedcp-sweep --dry-run | head -1`: the reader goes away early; no traceback, the shell's SIGPIPE status."""
-    import subprocess
-
     sweep = tmp_path / "s.yaml"
     sweep.write_text(f"name: s\nroot: {tmp_path}/out\nbase: configs/digits_fedcp.yaml\n"
                      f"grid:\n  seed: {list(range(1, 400))}\n"  # ~150 KB of lines, more than a pipe holds
