@@ -80,8 +80,9 @@ def test_export_refusals_name_the_problem(digits6, tmp_path, capsys):
     expect_user_error(capsys, ["--source", "digits", "--num-clients", 4, "--out", tmp_path / "n.h5", "--to-npz", out],
                       "exists")
     assert not (tmp_path / "n.h5").exists()
+    (tmp_path / "file").write_text("x")
     expect_user_error(capsys, ["--source", "digits", "--num-clients", 4, "--out", tmp_path / "n.h5", "--to-npz",
-                               tmp_path / "no" / "F"], "the folder", "does not exist")
+                               tmp_path / "file" / "no" / "F"], "is a file, not a folder")
     assert not (tmp_path / "n.h5").exists()
     expect_user_error(capsys, ["--shard", digits6], "--shard", "--to-npz")
     expect_user_error(capsys, ["--to-npz", tmp_path / "F"], "--shard FILE", "--out FILE")
@@ -89,8 +90,12 @@ def test_export_refusals_name_the_problem(digits6, tmp_path, capsys):
     expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--shard", tmp_path / "none.h5"], "no such file")
     expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--describe", digits6], "--describe")
     expect_user_error(capsys, ["--to-npz", tmp_path / "F", "--shard", digits6, "--max-len", 5], "--max-len")
-    expect_user_error(capsys, ["--to-npz", tmp_path / "no" / "F", "--shard", digits6], "does not exist")
+    expect_user_error(capsys, ["--to-npz", tmp_path / "file" / "F", "--shard", digits6], "is a file")
     assert not (tmp_path / "F").exists() and list(out.iterdir()) == []
+    # missing folders above DIR are made, as --out makes the shard's
+    main(["--to-npz", str(tmp_path / "no" / "such" / "F"), "--shard", str(digits6)])
+    assert sorted(p.name for p in (tmp_path / "no" / "such").iterdir()) == ["F"]
+    assert (tmp_path / "no" / "such" / "F" / "test" / "0.npz").is_file()
 
 
 def test_table_and_text_clients_in_the_library_layout(tmp_path):

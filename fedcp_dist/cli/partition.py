@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcp_dist.data.make import PartitionSpec, check_out, make_shard, say_written, text_options, with_progress
+from fedcp_dist.data.npz_export import check_export_target, export_npz
 from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE, TEXT_PIPELINES
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 
@@ -277,7 +278,6 @@ def _describe(path: str, all_clients: bool) -> None:
 
 
 def _to_npz(args, shard) -> None:
-    from fedcp_dist.data.npz_export import export_npz
 
     export_npz(shard, args.to_npz, force=args.force, say=_say)
 
@@ -300,11 +300,7 @@ def _check_export_args(args) -> None:
     elif args.out is None:
         raise UserError("--to-npz DIR needs the shard to export: --shard FILE, or --out FILE of the shard "
                         "this command makes")
-    if Path(args.to_npz).exists() and not args.force:  # before a shard is made, not after
-        raise UserError(f"--to-npz: {args.to_npz} exists; pass --force to replace it")
-    parent = Path(args.to_npz).resolve().parent
-    if not parent.is_dir():  # likewise: the export would fail only after the partition was written
-        raise UserError(f"--to-npz: the folder {parent} does not exist")
+    check_export_target(args.to_npz, args.force)  # before a shard is made, not after it
 
 
 @cli_main

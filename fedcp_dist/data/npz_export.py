@@ -16,7 +16,7 @@ as (x · (1/255) − mean) · (1/std), which can differ in the last bit. Tables:
 (x − mean) / std with the shard's per-feature statistics. Text: ``x`` an object array (n, 2) of
 (int64 token ids of length max_len, number of real tokens) pairs, the library's AG News layout.
 
-The files are written into a temporary folder beside DIR that replaces DIR only when complete, so
+Missing folders above DIR are made. The files are written into a temporary folder beside DIR that replaces DIR only when complete, so
 an interrupted export leaves neither a partial DIR nor a damaged earlier one.
 """
 from __future__ import annotations
@@ -89,6 +89,24 @@ def _save(path: Path, arrays: dict) -> None:
         np.savez_compressed(f, data=arrays)
 
 
+def check_export_target(out, force: bool) -> None:
+    """Refuse an export folder that cannot be written, before anything is made: DIR exists (without
+    ``force``), is not a folder, or the nearest existing folder above it is a file or not writable.
+    Missing folders above DIR are made by the export, as ``--out`` makes the shard's."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"--to-npz: {out} exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--to-npz: {out} is not a directory")
+    above = out.resolve().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise UserError(f"--to-npz: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(f"--to-npz: cannot write in {above}")
+
+
 def export_npz(shard, out_dir, *, force: bool = False, say: Callable[[str], None] = print) -> Path:
     """Write every client of ``shard`` to ``out_dir`` in the library's npz layout; returns out_dir.
 
@@ -97,14 +115,10 @@ def export_npz(shard, out_dir, *, force: bool = False, say: Callable[[str], None
     """
     shard, out = Path(shard), Path(out_dir)
     info = read_info(shard)
-    if out.exists() and not force:
-        raise UserError(f"--to-npz: {out} exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--to-npz: {out} is not a directory")
+    check_export_target(out, force)
     parent = out.resolve().parent
-    if not parent.is_dir():
-        raise UserError(f"--to-npz: the folder {parent} does not exist")
     try:
+        parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     except OSError as exc:
         raise UserError(f"--to-npz: cannot write in {parent}: {exc.strerror}") from None
