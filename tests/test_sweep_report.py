@@ -303,6 +303,7 @@ def test_report_marks_missing_runs_and_does_not_average_them(finished_sweep, tmp
     fedcp, fedavg = values["fedcp"][1], values["fedavg"][2]
     assert f"| fedcp | {fedcp:.2f} ± 0.00 (1/2) |" in md
     assert f"| fedavg | {fedavg:.2f} ± 0.00 (1/2) |" in md
+    assert "usual" not in md  # no row is complete: there is no usual seed count to name (was "the usual 0")
     missing = md[md.index("missing: 2 run(s)"):]
     assert "method=fedcp,seed=2" in missing and "no summary.json" in missing
     assert "method=fedavg,seed=1" in missing and "not started" in missing

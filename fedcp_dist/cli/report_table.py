@@ -479,8 +479,8 @@ def markdown(table, title: str, row_name: str = "method") -> str:
     lines = [f"# {title}", "",
              f"Mean ± std over seeds of {units}; std is the population standard deviation (ddof = 0). "
              f"Columns: {', '.join(first.keys) if first.keys else 'one setting'}. "
-             f"A cell marked (k/n) has k of its n runs finished; (n=k) counts seeds when they differ from "
-             f"the usual {first.typical_n}"
+             f"A cell marked (k/n) has k of its n runs finished"
+             + (f"; (n=k) counts seeds when they differ from the usual {first.typical_n}" if first.typical_n else "")
              + (f"; {NA_CELL}: the runs do not record the metric" if any(
                  c.not_recorded for t in tables for c in t.cells.values()) else "")
              + (f"; {EXCLUDED_CELL}: not run, for the reason listed below" if first.excluded else "") + ".", ""]
