@@ -278,7 +278,6 @@ def _describe(path: str, all_clients: bool) -> None:
 
 
 def _to_npz(args, shard) -> None:
-
     export_npz(shard, args.to_npz, force=args.force, say=_say)
 
 

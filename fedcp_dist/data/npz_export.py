@@ -16,8 +16,9 @@ as (x · (1/255) − mean) · (1/std), which can differ in the last bit. Tables:
 (x − mean) / std with the shard's per-feature statistics. Text: ``x`` an object array (n, 2) of
 (int64 token ids of length max_len, number of real tokens) pairs, the library's AG News layout.
 
-Missing folders above DIR are made. The files are written into a temporary folder beside DIR that replaces DIR only when complete, so
-an interrupted export leaves neither a partial DIR nor a damaged earlier one.
+Missing folders above DIR are made. The files are written into a temporary folder beside DIR that
+replaces DIR only when complete, so an interrupted export leaves neither a partial DIR nor a
+damaged earlier one.
 """
 from __future__ import annotations
 
