@@ -208,7 +208,8 @@ class Checkpointer:
         """Load the newest intact checkpoint into ``store`` (the global state and the ``owned``
         clients' states) after checking that it was made by the same experiment on the same data
         (``data``: this run's :func:`data_record`) and that its tensors have this run's shapes;
-        (rounds done, the records, the rounds' seconds), or None when there is no checkpoint."""
+        (rounds done, the records, the rounds' seconds, the whole metadata), or None when there is no
+        checkpoint."""
         d = self.latest(warn=echo)
         if d is None:
             return None
@@ -230,7 +231,7 @@ class Checkpointer:
         store.set_global(global_state)
         store.load_state_dict(client_states)
         echo(f"resuming from {d} ({rounds_done} rounds done)")
-        return rounds_done, meta["records"], meta["round_seconds"]
+        return rounds_done, meta["records"], meta["round_seconds"], meta
 
     def load(self, d: Path, owned: Iterable[int], device, mmap: bool = False) -> tuple[int, dict, dict, dict]:
         """(rounds done, global state, states of the ``owned`` clients, metadata). ``mmap``: the

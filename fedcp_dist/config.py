@@ -33,6 +33,7 @@ from fedcp_dist.loggers import Logging
 from fedcp_dist.models import ModelChoice
 from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of
 from fedcp_dist.placement import Participation
+from fedcp_dist.privacy import Privacy
 from fedcp_dist.probes import Probing
 from fedcp_dist.runtime import Execution
 from fedcp_dist.training import NonFinite
@@ -103,7 +104,7 @@ class Data(Component):
 #: the engine's components whose keys come before the methods' in a config (the experiment) and after
 #: them (its execution), in the order a config file lists them
 ENGINE_BEFORE = (Experiment, ModelChoice, LocalSGD, Participation)
-ENGINE_AFTER = (Evaluation, Fusing, ClientStates, NonFinite, Probing, Logging, Output, Execution)
+ENGINE_AFTER = (Privacy, Evaluation, Fusing, ClientStates, NonFinite, Probing, Logging, Output, Execution)
 
 
 def components() -> list:

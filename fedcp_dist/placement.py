@@ -20,9 +20,13 @@ STREAM_EVAL = 3
 STREAM_INIT = 4
 STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/after with cpn_eval_gumbel)
 STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
+STREAM_DP_NOISE = 7  # dp=central: the Gaussian noise on a round's sum of clipped uploads
+STREAM_DP_COUNT = 8  # dp_clip=adaptive: the noise on a round's count of unclipped uploads
 
 #: how a drop-out round's participants are counted (``participation_draw``)
 PARTICIPATION_DRAWS = ("rho", "count")
+#: how a round's cohort is drawn (``participation_sampling``)
+PARTICIPATION_SAMPLINGS = ("fixed", "poisson")
 
 
 def stream_seed(seed: int, *keys: int) -> int:
@@ -151,16 +155,23 @@ def sample_cohort(
     participation: float,
     participation_range: Optional[Sequence[float]] = None,
     draw: str = "rho",
+    sampling: str = "fixed",
 ) -> np.ndarray:
     """The sorted client ids that train in round ``round_idx`` (same on every rank).
 
-    With ``participation_range = [a, b]`` each round draws its cohort size: ``draw="rho"`` takes
-    ρ uniformly from [a, b] and ⌊ρN⌋ clients (ρ = b exactly has probability 0, so N is never
-    reached when b = 1); ``draw="count"`` takes the count uniformly from the integers
+    ``sampling="fixed"``: ⌊ρN⌋ clients (at least one) drawn uniformly without replacement.
+    ``sampling="poisson"``: each client joins with probability ρ on its own (one uniform draw per
+    client from the round's stream), so the cohort's size varies and may be 0.
+
+    With ``participation_range = [a, b]`` (fixed sampling) each round draws its cohort size:
+    ``draw="rho"`` takes ρ uniformly from [a, b] and ⌊ρN⌋ clients (ρ = b exactly has probability 0,
+    so N is never reached when b = 1); ``draw="count"`` takes the count uniformly from the integers
     {⌊aN⌋ … ⌊bN⌋} (at least 1), as the reference library draws its participants, so b = 1
     reaches all N clients.
     """
     rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
+    if sampling == "poisson":
+        return np.flatnonzero(rng.random(num_clients) < participation).astype(np.int64)
     m = round_cohort_size(rng, num_clients, participation, participation_range, draw)
     return np.sort(rng.choice(num_clients, size=m, replace=False))
 
@@ -192,6 +203,9 @@ class Participation(Component):
         Option("participation_range", None, "if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round "
                "(drop-out study)", described("null or [ρ_min, ρ_max], 0 < ρ_min <= ρ_max <= 1", _rho_range),
                kind=Optional[list]),
+        Option("participation_sampling", "fixed", "how a round's cohort is drawn: fixed (⌊ρN⌋ clients uniformly "
+               "without replacement) | poisson (each client on its own with probability ρ: the cohort's size varies, "
+               "and may be 0)", one_of(*PARTICIPATION_SAMPLINGS)),
         Option("participation_draw", "rho", "with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; "
                "count draws the number of participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference "
                "library's rule, which reaches N)", one_of(*PARTICIPATION_DRAWS)),
@@ -202,6 +216,9 @@ class Participation(Component):
 
     @classmethod
     def check_config(cls, cfg):
+        if cfg.participation_sampling == "poisson" and cfg.participation_range is not None:
+            return "participation_range", ("draws each round's cohort size; participation_sampling=poisson draws "
+                                           "every client on its own with probability participation: use one of them")
         if cfg.participation_draw != "rho" and cfg.participation_range is None:
             return "participation_draw", f"{cfg.participation_draw} draws from participation_range, which is not set"
         return None

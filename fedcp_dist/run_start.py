@@ -6,7 +6,8 @@ works with, built in order, each step agreed on by every rank.
    the clients and loads its own (:func:`fedcp_dist.startup.load`);
 2. the peer exchange's memory is checked, the global state made, the client store opened (a disk
    store locks its folder) and the training path chosen (fused or one client at a time);
-3. the aggregator's buffer, the compressor, the cohort trainer and the run directory's writer;
+3. ``dp: central``'s mechanism (its noise calibrated for a target ε), the aggregator's buffer, the
+   compressor, the cohort trainer and the run directory's writer;
 4. resume from the newest verified checkpoint (``resume: auto``), and analysis.jsonl kept up to the
    rounds done.
 
@@ -28,6 +29,7 @@ from fedcp_dist.config import Config
 from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.evaluation import EvalSums
 from fedcp_dist.fused_groups import GroupTrainer, group_size as fused_group_size
+from fedcp_dist.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.rundir import RunWriter, prepare_out_dir
 from fedcp_dist.runtime import Runtime
@@ -50,6 +52,8 @@ class RunParts:
     trainer: CohortTrainer
     writer: RunWriter
     lock: object
+    #: ``dp: central``'s mechanism (None: off)
+    dp: Optional[CentralDP] = None
     start_round: int = 0
     records: List[dict] = field(default_factory=list)
     round_seconds: List[float] = field(default_factory=list)
@@ -110,16 +114,19 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     # per-client BatchNorm statistics (known once the store is) keep the clients sequential
     fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
     upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
-    agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
+    # dp=central: the mechanism (its noise multiplier calibrated here when dp_target_epsilon is set)
+    dp = startup.agree_on(rt, lambda: CentralDP(cfg, plan_run(cfg, s.num_clients))) if cfg.dp == "central" else None
+    agg = FlatAggregator({k: global_state[k].shape for k in upload},
+                         sums_size(TrainSums, EvalSums, *((PrivacySums,) if dp else ())), rt.device,
                          extra=RoundProbes.size(cfg.probe_every, s.num_clients),
                          groups=algo.aggregation_groups(upload),
                          rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
     compressor = Compressor.from_config(cfg, agg.shapes)
     groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device)
               if fused and s.groups is not None else None)
-    trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor)
+    trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor, dp)
     made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
-    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"])
+    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], dp)
 
     def maybe_resume() -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory
@@ -127,7 +134,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
                                                     mmap=isinstance(store, DiskClientStore),
                                                     data=run_data_record(cfg, s))
         if done:
-            parts.start_round, parts.records, parts.round_seconds = done
+            parts.start_round, parts.records, parts.round_seconds, meta = done
+            if dp is not None:  # the clip norm adaptive clipping reached; ε follows from the rounds done
+                dp.load_state_dict(meta.get("privacy"))
 
     startup.agree_on(rt, maybe_resume)
     # analysis.jsonl: the lines of the rounds done kept, the rest computed again

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ from fedcp_dist.config import Config, flatten, legacy_defaults
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes
 from fedcp_dist.loggers import make_logger
+from fedcp_dist.privacy import rounds_scheduled as privacy_rounds_scheduled
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -114,7 +116,7 @@ def rounds_scheduled(cfg: dict) -> str:
     """Why this (flat) config's training depends on the total number of rounds ("": it does not):
     the method's class answers (:meth:`~fedcp_dist.algorithms.base.Algorithm.rounds_scheduled`)."""
     cls = ALGORITHMS.get(cfg.get("method"))
-    why = cls.rounds_scheduled(cfg) if cls is not None else None
+    why = (cls.rounds_scheduled(cfg) if cls is not None else None) or privacy_rounds_scheduled(cfg)
     return f"{why}; " if why else ""
 
 
@@ -474,6 +476,10 @@ def format_value(value: Any) -> str:
 def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
     """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
     tail = f"  {record['seconds']:.2f} s/round  train loss {record['train_loss']:.4f}" if record else "  (final)"
+    if record and "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
+        eps = record["dp_epsilon"]
+        tail += f"  ε after round {record['round']}: " + (f"{eps:.3g}" if math.isfinite(eps) else "∞")
+        tail += " (noise of a larger cohort: no guarantee here)" if record.get("dp_guarantee") is False else ""
     return (f"[eval after {e['evaluated_after']:>4}/{rounds} rounds] acc {e['acc']:.4f}  client-mean "
             f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
             + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else "")

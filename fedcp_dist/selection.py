@@ -91,6 +91,9 @@ class SelectionOptions:
         if cfg.client_selection == "uniform" and cfg.selection_vector != "client":
             return "selection_vector", (f"applies with client_selection=feature_difference only (it is uniform), "
                                         f"got {cfg.selection_vector!r}")
+        if cfg.client_selection == "feature_difference" and cfg.participation_sampling == "poisson":
+            return "client_selection", ("feature_difference draws a cohort of ⌊ρN⌋ by the clients' vectors; "
+                                        "participation_sampling=poisson draws every client on its own: use uniform")
         if cfg.client_selection == "feature_difference" and not cfg.method_class.has_client_vector:
             return "client_selection", f"feature_difference needs a method that keeps a client vector; {cfg.method} keeps none"
         return None
@@ -111,7 +114,7 @@ def draw_cohort(cfg, t: int, train_counts, vectors):
     ρ < 1 drawn by feature difference from ``vectors()`` (called only then: it is a collective)."""
     if cfg.client_selection != "feature_difference" or (cfg.participation >= 1 and cfg.participation_range is None):
         return sample_cohort(cfg.seed, t, len(train_counts), cfg.participation, cfg.participation_range,
-                             cfg.participation_draw)
+                             cfg.participation_draw, cfg.participation_sampling)
     probs = selection_probabilities(train_counts, vectors(), cfg.selection_min_prob)
     return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range, cfg.participation_draw)
 

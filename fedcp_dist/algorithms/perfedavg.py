@@ -28,6 +28,7 @@ from fedcp_dist.options import Option, above
 
 class PerFedAvg(FedAvg):
     name = "perfedavg"
+    privacy_uploads = "the meta-model w it trained"
     own_loop = "Per-FedAvg's meta step takes two gradients per update (inner and outer)"
     options = (
         Option("perfedavg_alpha", 0.005, "Per-FedAvg: step size α of the inner (adaptation) step, also used for the "

@@ -31,6 +31,8 @@ from fedcp_dist.options import Option, above, at_least
 
 class PFedMe(FedAvgWithPersonalModel):
     name = "pfedme"
+    privacy_uploads = "its local copy w of the global model"
+    privacy_keeps = "its personalised model θ_i"
     own_loop = "pFedMe solves an inner problem of K steps on each batch before its local step"
     options = (
         Option("pfedme_lam", 15.0, "pFedMe: weight λ of (λ/2)·‖θ − w‖² in the personalized problem; also scales the "
