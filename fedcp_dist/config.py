@@ -17,6 +17,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import typing
 from dataclasses import field
 from typing import Any, Optional, Union
@@ -229,6 +230,18 @@ def _type_hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
+#: a number in exponent notation without a dot (1e-5): a float in YAML 1.2, a string to PyYAML's YAML 1.1
+_EXPONENT_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
+def _exponent_float(value: Any, tp) -> Any:
+    """``value`` as a float where it is a string like ``1e-5`` and the key ``tp`` takes a float."""
+    takes = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
+    if isinstance(value, str) and float in takes and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
 def _apply(obj, values: dict, prefix: str = "") -> None:
     if not isinstance(values, dict):
         raise UserError(f"config section {prefix.rstrip('.') or '<top>'!r} must be a mapping")
@@ -244,6 +257,7 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, prefix=f"{full}.")
             continue
+        value = _exponent_float(value, tp)
         if not type_ok(value, tp):
             raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}")
         if tp is float:

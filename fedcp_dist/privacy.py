@@ -94,7 +94,7 @@ class Privacy(Component):
     options = (
         Option("dp", "none", "user-level differential privacy: none | central (each upload clipped to dp_clip, uniform "
                "weights, Gaussian noise on the sum, ε reported every round; the Privacy page)", one_of(*DP_MODES)),
-        Option("dp_clip", 1.0, "dp=central: C, the L2 norm each client's whole upload delta is clipped to, or adaptive "
+        Option("dp_clip", 0.1, "dp=central: C, the L2 norm each client's whole upload delta is clipped to, or adaptive "
                "(C tracks a quantile of the update norms from a noised count)", described(
                    "a number > 0 | adaptive", _clip_value), kind=Union[float, str]),
         Option("dp_noise_multiplier", 1.0, "dp=central: σ, the noise's standard deviation over C on the sum (0: clipping "
@@ -161,6 +161,25 @@ class Privacy(Component):
             if problem is not None:
                 return problem
         return None
+
+
+    @classmethod
+    def reference_notes(cls) -> str:
+        """The configuration reference's table of what dp=central covers, method by method."""
+        from fedcp_dist.algorithms import ALGORITHMS
+
+        rows = ["What `dp: central` covers, method by method: each participant's upload (clipped as one vector, "
+                "the sum noised); what never leaves the client is outside the mechanism, and so is every figure "
+                "the simulation measures on clients' data to report it (accuracies, losses, probes). The Privacy "
+                "page has the details.", "",
+                "| method | uploaded each round: covered | never leaves the client: outside |", "| --- | --- | --- |"]
+        for name, method in ALGORITHMS.items():
+            if not method.averages_uploads:
+                rows.append(f"| {name} | refused: each client's model goes to the other clients (the peer exchange), "
+                            f"which no noise on the server's sum covers | |")
+                continue
+            rows.append(f"| {name} | {method.privacy_uploads} | {method.privacy_keeps or 'nothing'} |")
+        return "\n".join(rows)
 
 
 def start_up_problem(cfg, num_clients: int) -> Optional[tuple]:

@@ -58,6 +58,7 @@ VALUES = {
     "participation": [0.5, 0.1],  # 0.1 of 5 clients: ⌊ρN⌋ = 0
     "participation_range": [[0.1, 0.6]],
     "participation_draw": ["count"],
+    "participation_sampling": ["poisson"],  # with participation 0.1 of 5 clients: empty rounds
     "seed": [0],
     "lr": [0.05],
     "batch_size": [1, 64],  # 64: more than any client's training samples (no full batch)
@@ -128,6 +129,17 @@ VALUES = {
     "client_selection": ["feature_difference"],
     "selection_min_prob": [1.0],
     "selection_vector": ["features"],
+    # -- user-level differential privacy (every method that averages its uploads)
+    "dp": ["central"],
+    "dp_clip": ["adaptive", 0.01],
+    "dp_noise_multiplier": [0.0, 0.5],  # larger σ on 1-5 clients is noise that no model survives, not a bug
+    "dp_delta": [0.01],
+    "dp_target_epsilon": [50.0],  # calibrated for the row's rounds at start-up
+    "dp_clip_init": [0.01],
+    "dp_clip_quantile": [0.9],
+    "dp_clip_lr": [1.0],
+    "dp_clip_count_stddev": [0.0, 2.0],  # 0.0: refused with noise (the count alone would be noise-free)
+    "dp_noise_cohort_size": [10],
     # -- execution
     "eval_batch_size": [1],
     "fused": [False, True],

@@ -66,7 +66,7 @@ def test_clipped_uniform_mean_with_a_fixed_denominator_hand_computed():
     client 1 uploads (1, 1.5): Δ = (0, 0.5), unclipped. Each weighs 1 whatever its samples (8 and 2),
     and the sum is divided by m̄ = 4 (a fixed cohort of ⌊0.5·8⌋ of 8 clients), though only 2 trained:
     w' = (1, 1) + (0.6, 1.3)/4 = (1.15, 1.325). Without noise the mean is exact."""
-    cfg = dp_config(seed=3, dp_noise_multiplier=0.0, participation=0.5, num_clients=8)
+    cfg = dp_config(seed=3, dp_clip=1.0, dp_noise_multiplier=0.0, participation=0.5, num_clients=8)
     gs = {"w": torch.tensor([1.0, 1.0])}
     trainer, dp, agg, _ = _trainer(cfg, {0: torch.tensor([4.0, 5.0]), 1: torch.tensor([1.0, 1.5])}, {0: 8, 1: 2}, gs)
     dp.begin_round()
@@ -273,3 +273,10 @@ def test_start_up_refuses_what_the_client_count_rules_out_and_an_unreachable_tar
     with pytest.raises(UserError, match="config key 'dp_target_epsilon'.*not reachable in 10 rounds") as e:
         plan_run(dp_config(dp_target_epsilon=0.001, rounds=10, participation=0.5), 20)
     assert "\n" not in str(e.value)
+
+
+def test_delta_written_as_1e_minus_5_is_a_number():
+    """PyYAML reads 1e-5 (no dot) as a string; a key that takes a number reads it as 1e-05."""
+    cfg = load_config(None, ["dp=central", "dp_delta=1e-5", "dp_clip=2e-1"], validate=False)
+    assert cfg.dp_delta == 1e-5 and cfg.dp_clip == 0.2
+    assert load_config(None, ["dp=central", "dp_clip=adaptive"], validate=False).dp_clip == "adaptive"

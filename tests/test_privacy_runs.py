@@ -87,8 +87,7 @@ def test_one_and_two_ranks_give_the_same_bits_on_the_default_path(digits20_16px,
 
     jobs = {"adaptive": job(*ADAPTIVE),
             "topk": job("method=fedavg", "participation=0.5", "compress=topk", "compress_ratio=0.2",
-                        "compress_error_feedback=true", "dp_clip=1.0",
-                        "dp_noise_multiplier=0.1")}
+                        "compress_error_feedback=true", "dp_clip=1.0", "dp_noise_multiplier=0.1")}
     runs_on_one_and_two_ranks(tmp_path, jobs)
     for name in jobs:
         one, two = digest_run(tmp_path / "one" / name), digest_run(tmp_path / "two" / name)
