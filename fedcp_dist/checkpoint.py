@@ -3,8 +3,9 @@
 Layout of ``out_dir/checkpoints/round_{R:07d}/`` (R = rounds trained):
 
 * ``global.pt``        rank 0: the global state, R, and the run's metadata as JSON (the metric
-                       records so far and the config); the random streams need nothing more,
-                       since every draw derives from (seed, round, client)
+                       records so far, the config and, with ``dp: central``, the clip norm adaptive
+                       clipping reached); the random streams need nothing more, since every draw
+                       (DP's noise included) derives from (seed, round, client)
 * ``clients_{r}.pt``   rank r: the persistent state of the clients it owns, keyed by client id
                        (so a checkpoint can be resumed on another world size)
 * ``COMPLETE``         rank 0, after every rank has written its part: the world size and a

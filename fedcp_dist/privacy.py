@@ -2,8 +2,8 @@
 uniform weights and a fixed denominator, adaptive clipping, and the accountant's ε every round.
 
 With ``dp: central`` every participant's upload is one vector: its difference Δ_i from the round's
-global values over every tensor it uploads (what the engine averages; BatchNorm statistics only
-with ``aggregate_bn_stats``). Each round:
+global values over every tensor it uploads (what the engine averages; BatchNorm statistics stay with
+each client: ``aggregate_bn_stats`` is refused). Each round:
 
 1. each client clips: Δ_i ← Δ_i · min(1, C / ‖Δ_i‖) (one L2 norm per client, on the sequential and
    the fused path alike; with compression the clip comes first and again after quantisation, see
@@ -44,7 +44,7 @@ from fedcp_dist.aggregate import Sums
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import Component, Option, described, one_of, within
 from fedcp_dist.placement import STREAM_DP_COUNT, STREAM_DP_NOISE, cohort_size, stream_seed
-from fedcp_dist.privacy_accounting import SAMPLINGS, Accountant, Sampling, calibrate_noise, round_event
+from fedcp_dist.privacy_accounting import Accountant, Sampling, calibrate_noise, round_event
 
 DP_MODES = ("none", "central")
 ADAPTIVE = "adaptive"
@@ -135,6 +135,9 @@ class Privacy(Component):
         if uneven is not None:
             key, why = uneven
             return key, f"{why}; dp=central needs every participant to send the same tensors (one fixed denominator)"
+        if cfg.aggregate_bn_stats:
+            return "aggregate_bn_stats", ("averages BatchNorm running variances, which dp=central's noise can make "
+                                          "negative; keep them with each client (aggregate_bn_stats=false)")
         if cfg.participation_range is not None:
             return "participation_range", ("draws each round's cohort size, which dp=central's accountant cannot "
                                            "account for; use participation (fixed or poisson sampling)")

@@ -34,8 +34,6 @@ from dp_accounting.rdp import RdpAccountant, compute_epsilon
 
 from fedcp_dist.errors import UserError
 
-#: how cohorts are drawn (config key ``participation_sampling``)
-SAMPLINGS = ("fixed", "poisson")
 #: the largest noise multiplier a target ε is calibrated within: a target that needs more is refused
 MAX_NOISE_MULTIPLIER = 1e4
 #: the calibration's tolerance on the noise multiplier

@@ -502,6 +502,13 @@ def result_table(s: dict) -> str:
           if "final_balanced_acc" in s else []),
         ("seconds per round", f"{s['seconds_per_round']:.3f}"),
     ]
+    if "dp_epsilon" in s:  # dp=central: the budget spent, and whether it is this run's guarantee
+        eps = s["dp_epsilon"]
+        rows.append(("DP (ε, δ)", f"({eps:.4g}, {s['dp_delta']:g})" if math.isfinite(eps) else
+                     f"(∞, {s['dp_delta']:g}): no noise"))
+        if "dp_noise_cohort_size" in s:
+            rows.append(("DP guarantee", "none for this run (noise of a cohort of "
+                                         f"{s['dp_noise_cohort_size']:g})"))
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 32)
     return "\n".join([line, *[f"{k:<{width}}  {v}" for k, v in rows], line])

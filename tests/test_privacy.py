@@ -258,6 +258,7 @@ def _refusal(**flat) -> str:
     ({"dp": "central", "method": "fedcp", "participation": 0.5, "client_selection": "feature_difference"},
      "client_selection", "dp=central"),
     ({"dp": "central", "method": "fedcp", "cpn_async_min_rate": 0.5}, "cpn_async_min_rate", "dp=central"),
+    ({"dp": "central", "aggregate_bn_stats": True}, "aggregate_bn_stats", "dp=central"),
     ({"dp": "central", "method": "fedamp"}, "dp", "fedamp"),
     ({"dp": "central", "method": "fedfomo"}, "dp", "fedfomo"),
     ({"participation_sampling": "poisson", "participation_range": [0.2, 0.5]}, "participation_range", "poisson"),
@@ -280,3 +281,14 @@ def test_delta_written_as_1e_minus_5_is_a_number():
     cfg = load_config(None, ["dp=central", "dp_delta=1e-5", "dp_clip=2e-1"], validate=False)
     assert cfg.dp_delta == 1e-5 and cfg.dp_clip == 0.2
     assert load_config(None, ["dp=central", "dp_clip=adaptive"], validate=False).dp_clip == "adaptive"
+
+
+def test_rounds_may_not_change_on_resume_when_the_noise_was_calibrated_for_them():
+    from fedcp_dist.rundir import check_resume_config
+
+    def flat(**kw):
+        return Config(**{"method": "fedavg", "dp": "central", **kw}).to_dict()
+
+    check_resume_config(flat(rounds=10), flat(rounds=20), "runs/x")  # a fixed σ: more rounds, a larger ε
+    with pytest.raises(UserError, match="config key 'rounds'.*dp_target_epsilon calibrates"):
+        check_resume_config(flat(rounds=10, dp_target_epsilon=2.0), flat(rounds=20, dp_target_epsilon=2.0), "runs/x")

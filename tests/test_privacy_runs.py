@@ -3,7 +3,6 @@ clip norm (measured on the real uploads, fused and compressed), resume is bit-id
 clipping's C included), 1 and 2 ranks give the same bits on the default fused path, it runs with a
 disk client store and the probes, and what the client count rules out is refused before any round."""
 import json
-import sys
 
 import pytest
 import torch
