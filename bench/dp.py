@@ -4,7 +4,7 @@ round without it, measured in the same run.
     python bench/dp.py                                        # MNIST, 20 clients, Dir(0.1), FedCP, 1 rank
     torchrun --nproc_per_node=2 bench/dp.py threads=1         # the same on 2 ranks
     python bench/dp.py --shard data/x.h5 --config configs/digits_fedcp.yaml method=fedavg
-    python bench/dp.py --dp dp_clip=adaptive                  # the DP variant's own keys
+    python bench/dp.py participation=0.5 --dp dp_clip=adaptive   # --dp: the DP variant's own keys
 
 It runs the config (the paper's MNIST setting by default, partitioned from ``--mnist-root`` as
 bench/round.py does) as the engine would (``fused: auto`` unless an override says otherwise) without
