@@ -167,16 +167,15 @@ class Privacy(Component):
 
 
     @classmethod
-    def reference_notes(cls) -> str:
-        """The configuration reference's table of what dp=central covers, method by method."""
-        from fedcp_dist.algorithms import ALGORITHMS
-
+    def reference_notes(cls, methods: dict) -> str:
+        """The configuration reference's table of what dp=central covers for each of ``methods``
+        ({name: method class})."""
         rows = ["What `dp: central` covers, method by method: each participant's upload (clipped as one vector, "
                 "the sum noised); what never leaves the client is outside the mechanism, and so is every figure "
                 "the simulation measures on clients' data to report it (accuracies, losses, probes). The Privacy "
                 "page has the details.", "",
                 "| method | uploaded each round: covered | never leaves the client: outside |", "| --- | --- | --- |"]
-        for name, method in ALGORITHMS.items():
+        for name, method in methods.items():
             if not method.averages_uploads:
                 rows.append(f"| {name} | refused: each client's model goes to the other clients (the peer exchange), "
                             f"which no noise on the server's sum covers | |")

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.config import components
 from fedcp_dist.errors import ArgumentParser, cli_main
 from fedcp_dist.fileio import atomic_write_bytes
@@ -75,7 +76,7 @@ def render() -> str:
         lines.append("")
         notes = getattr(comp, "reference_notes", None)  # what a component adds below its keys (generated too)
         if notes is not None:
-            lines += [notes(), ""]
+            lines += [notes(ALGORITHMS), ""]
     return "\n".join(lines)
 
 
