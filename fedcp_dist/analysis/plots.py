@@ -317,15 +317,18 @@ def dlg_dp_curves(rows: list, attack: str):
         rs = sorted(rs, key=lambda r: r["dp_noise"])
         x = [r["dp_noise"] for r in rs]
         label = f"{base}, C={'∞' if math.isinf(clip) else f'{clip:g}'}"
-        a1.errorbar(x, [r["psnr_mean"] for r in rs], yerr=[r["psnr_std"] for r in rs], marker="o", capsize=3,
-                    color=_colour(i), label=label)
-        a2.plot(x, [100 * r["label_acc"] for r in rs], marker="o", color=_colour(i), label=label)
-    a1.set_xlabel("noise multiplier σ")
+        style = dict(marker="os^Dv"[i % 5], linestyle=("-", "--", ":", "-.")[i % 4], color=_colour(i), label=label)
+        a1.errorbar(x, [r["psnr_mean"] for r in rs], yerr=[r["psnr_std"] for r in rs], capsize=3, **style)
+        a2.plot(x, [100 * r["label_acc"] for r in rs], **style)
     a1.set_ylabel("reconstruction PSNR (dB)")
-    a2.set_xlabel("noise multiplier σ")
     a2.set_ylabel("labels recovered (%)")
     a2.set_ylim(-5, 105)
+    small = min((r["dp_noise"] for r in chosen if r["dp_noise"] > 0), default=None)
     for ax in (a1, a2):
+        ax.set_xlabel("noise multiplier σ" + (" (linear below the smallest > 0)" if small else ""))
+        if small:  # 0 and noise multipliers decades apart on one axis
+            ax.set_xscale("symlog", linthresh=small)
+            ax.set_xlim(-0.3 * small, 1.5 * max(r["dp_noise"] for r in chosen))
         ax.grid(alpha=0.3)
     a2.legend(fontsize=7)
     fig.suptitle(f"{attack.upper().replace('IDLG', 'iDLG')} against clipped and noised uploads", fontsize=9)
