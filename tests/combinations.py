@@ -12,7 +12,8 @@ A method's array (:func:`array`) is an allpairspy pairwise covering array over t
 it: the engine's keys, its own options and those of the parts it is made of, compression and
 selection, the training path (``fused``) and the pseudo-key ``ranks`` (1: in this process; 2: two
 ranks under torchrun). Its filter keeps the rows the config accepts, so every pair of values the
-config allows together is run in some row. The pairs the config refuses are rows of their own
+config allows together is run in some row, and every value that runs at all (some need two other keys
+set: ``dp_clip_lr`` needs ``dp=central`` and ``dp_clip=adaptive``) in some row. The pairs the config refuses are rows of their own
 (:func:`refused_pairs`): each must be refused in one line that names both keys. Values that pass the
 config but are refused at start-up (they depend on the shard: :data:`START_REFUSED`) are rows of
 their own too. :func:`run_row` runs a row and classifies it: ``ran`` (the summary's accuracies
@@ -308,7 +309,28 @@ def array(method: str) -> list:
         assert accepted(method, row), (method, pair)
         todo -= {_pair_key({k1: row[k1], k2: row[k2]}) for k1, k2 in itertools.combinations(names, 2)}
         rows_.append(row)
+    # a value that only works with two other keys off their defaults (dp_clip_lr needs dp=central and
+    # dp_clip=adaptive) is in no pair the config accepts: it gets a row of its own where it can run at all
+    for k in names:
+        for v in params[k][1:]:
+            if not any(r[k] == v for r in rows_):
+                row = _enabling_row(method, params, k, v)
+                if row is not None:
+                    rows_.append(row)
     return rows_
+
+
+def _enabling_row(method: str, params: "OrderedDict", key: str, value) -> Optional[dict]:
+    """A row the config accepts that gives ``key`` its ``value``, with one or two other keys off their
+    defaults (the first such in the array's order); None when none does."""
+    base = {k: vals[0] for k, vals in params.items()}
+    options = [(k, v) for k, vals in params.items() if k not in (key, RANKS) for v in vals[1:]]
+    for extra in itertools.chain(([o] for o in options), itertools.combinations(options, 2)):
+        if len({k for k, _ in extra}) == len(extra):
+            row = {**base, key: value, **dict(extra)}
+            if accepted(method, row):
+                return row
+    return None
 
 
 def _pair_key(pair: dict) -> tuple:
