@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from fedcp_dist.config import load_config  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
-from fedcp_dist.simulator import Simulator  # noqa: E402
+from fedcp_dist.engine.simulator import Simulator  # noqa: E402
 
 #: the DP variant's keys unless --dp says otherwise
 DEFAULT_DP = ("dp=central", "dp_clip=0.1", "dp_noise_multiplier=1.0")
@@ -75,8 +75,8 @@ def dp_work_seconds(sim, repeats: int = 20) -> dict:
     (its delta over every uploaded tensor, one norm) and the server's noise on a round's whole sum."""
     import torch
 
-    from fedcp_dist.placement import STREAM_DP_NOISE
-    from fedcp_dist.privacy import add_noise_
+    from fedcp_dist.state.placement import STREAM_DP_NOISE
+    from fedcp_dist.comm.privacy import add_noise_
 
     gs = sim.store.global_state
     keys = list(sim.agg.names)

@@ -209,7 +209,7 @@ def test_bad_probe_lines_are_named(tmp_path, bad, what):
 def _run(shard, out, method, **over):
     from fedcp_dist.config import load_config
     from fedcp_dist.runtime import init_runtime
-    from fedcp_dist.simulator import Simulator
+    from fedcp_dist.engine.simulator import Simulator
 
     args = [f"method={method}", "rounds=2", "eval_every=1", "checkpoint_every=1", f"data.path={shard}",
             f"out_dir={out}", "threads=1", *[f"{k}={v}" for k, v in over.items()]]
@@ -259,7 +259,7 @@ def test_the_attack_reads_the_upload_as_dp_central_releases_it(runs):
     """Clipped to C without noise, the observed gradient is the plain one times min(1, C/‖Δ‖), Δ the
     delta over every uploaded tensor; with σ the difference from that is N(0, (σC/(η·S))²) per value."""
     from fedcp_dist.analysis.runstate import load_run_state
-    from fedcp_dist.privacy import total_norm
+    from fedcp_dist.comm.privacy import total_norm
 
     setup = dlg.AttackSetup(clients=[1], batch_size=2)
     state = load_run_state(runs["fedavg"], changes=dlg.state_changes(setup))

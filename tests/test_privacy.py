@@ -1,4 +1,4 @@
-"""Central user-level DP (fedcp_dist.privacy, fedcp_dist.privacy_accounting) on hand-computed
+"""Central user-level DP (fedcp_dist.comm.privacy, fedcp_dist.comm.privacy_accounting) on hand-computed
 numbers: the clip, uniform weights and the fixed denominator through the trainer and the all-reduce,
 the noise's standard deviation over many draws, adaptive clipping's update and noise split, ε against
 dp-accounting's own accountant built independently here, the calibration to a target ε, Poisson
@@ -13,17 +13,17 @@ import torch
 from dp_accounting.rdp import RdpAccountant
 
 from helpers import FakeRuntime, Recorder
-from fedcp_dist.aggregate import FlatAggregator, TrainSums, reduce_sums, sums_size
+from fedcp_dist.comm.aggregate import FlatAggregator, TrainSums, reduce_sums, sums_size
 from fedcp_dist.algorithms.base import LocalResult
-from fedcp_dist.client_store import ClientStore
-from fedcp_dist.compress import Compressor
+from fedcp_dist.state.client_store import ClientStore
+from fedcp_dist.comm.compress import Compressor
 from fedcp_dist.config import Config, load_config, unflatten
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import STREAM_DP_NOISE, sample_cohort
-from fedcp_dist.privacy import (CentralDP, PrivacySums, add_noise_, clip_factor, plan_run, split_noise, total_norm)
-from fedcp_dist.privacy_accounting import Accountant, Sampling, calibrate_noise, epsilon_after, round_event
-from fedcp_dist.probes import RoundProbes
-from fedcp_dist.training import CohortTrainer
+from fedcp_dist.state.placement import STREAM_DP_NOISE, sample_cohort
+from fedcp_dist.comm.privacy import (CentralDP, PrivacySums, add_noise_, clip_factor, plan_run, split_noise, total_norm)
+from fedcp_dist.comm.privacy_accounting import Accountant, Sampling, calibrate_noise, epsilon_after, round_event
+from fedcp_dist.engine.probes import RoundProbes
+from fedcp_dist.engine.training import CohortTrainer
 
 CPU = torch.device("cpu")
 NR = dp_accounting.NeighboringRelation
@@ -284,7 +284,7 @@ def test_delta_written_as_1e_minus_5_is_a_number():
 
 
 def test_rounds_may_not_change_on_resume_when_the_noise_was_calibrated_for_them():
-    from fedcp_dist.rundir import check_resume_config
+    from fedcp_dist.rundir.directory import check_resume_config
 
     def flat(**kw):
         return Config(**{"method": "fedavg", "dp": "central", **kw}).to_dict()

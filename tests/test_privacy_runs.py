@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import load_run, resume_before_last_checkpoint, run, runs_on_one_and_two_ranks
-from fedcp_dist.aggregate import FlatAggregator
+from fedcp_dist.comm.aggregate import FlatAggregator
 from fedcp_dist.errors import UserError
 
 CONFIG = "configs/digits_fedcp.yaml"

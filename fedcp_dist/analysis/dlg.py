@@ -418,7 +418,7 @@ def client_upload(state, data, cid: int, b: int, setup: AttackSetup) -> Upload:
     copy_ = server_copy(state, cid, setup.knowledge, setup.local_steps)
     lr_steps = cfg.lr * setup.local_steps
     observed = observed_gradient(sent, result.upload, copy_.matched_keys(), lr_steps)
-    from fedcp_dist.client_store import BN_STAT_SUFFIXES
+    from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
 
     uploaded = {k: result.upload[k] for k in state.algo.upload_keys(sent)
                 if k in result.upload and not k.endswith(BN_STAT_SUFFIXES)}
@@ -429,9 +429,9 @@ def dp_upload(up: Upload, clip: float, noise: float, seed: int) -> Upload:
     """The upload as ``dp: central`` releases it, seen by a server that knows every other
     participant's update (the strongest position against the noised sum): its delta from the sent
     values over every uploaded tensor clipped to L2 norm ``clip`` as one vector, plus N(0, (σ·C)²)
-    on every value (:func:`fedcp_dist.privacy.clip_and_noise`), drawn from (seed, client, batch)."""
-    from fedcp_dist.placement import stream_seed
-    from fedcp_dist.privacy import clip_and_noise
+    on every value (:func:`fedcp_dist.comm.privacy.clip_and_noise`), drawn from (seed, client, batch)."""
+    from fedcp_dist.state.placement import stream_seed
+    from fedcp_dist.comm.privacy import clip_and_noise
 
     device = next(iter(up.upload.values())).device
     gen = torch.Generator(device=device).manual_seed(stream_seed(seed, up.client, up.batch, 17))

@@ -9,10 +9,10 @@ from typing import Optional
 
 import torch
 
-from fedcp_dist.aggregate import TrainSums
+from fedcp_dist.comm.aggregate import TrainSums
 from fedcp_dist.algorithms.base import Context
-from fedcp_dist.fused_groups import GroupTrainer
-from fedcp_dist.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
+from fedcp_dist.fused.groups import GroupTrainer
+from fedcp_dist.state.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
 from fedcp_dist.options import Component, Option, one_of
 
 
@@ -28,7 +28,7 @@ class CohortTrainer:
     def __init__(self, cfg, rt, algo, store, data, owner, groups: Optional[GroupTrainer], agg, compressor, dp=None):
         self.cfg, self.rt, self.algo, self.store, self.data, self.owner = cfg, rt, algo, store, data, owner
         self.groups, self.agg, self.compressor = groups, agg, compressor
-        #: ``dp: central``'s mechanism (:class:`fedcp_dist.privacy.CentralDP`; None: off)
+        #: ``dp: central``'s mechanism (:class:`fedcp_dist.comm.privacy.CentralDP`; None: off)
         self.dp = dp
 
     def generator(self, *keys: int) -> torch.Generator:
@@ -38,7 +38,7 @@ class CohortTrainer:
         """Round t's training of the cohort's owned clients, each finite result probed (when
         ``probes.train``), kept and added to the all-reduce. (Sums of the round's training,
         {client: peer payload} for a method that exchanges models.) ``order``: a
-        :class:`~fedcp_dist.aggregate.ClientOrder` with a slot per member of the cohort, in its order."""
+        :class:`~fedcp_dist.comm.aggregate.ClientOrder` with a slot per member of the cohort, in its order."""
         train, bad, payloads = TrainSums(), [], {}
         slot = {int(c): i for i, c in enumerate(cohort)}
         for cid, res in self._results(t, [int(c) for c in cohort if self.owner[int(c)] == self.rt.rank], probes.train):
@@ -87,7 +87,7 @@ class CohortTrainer:
         """(what goes into the all-reduce, its weight, the client's new residual under error feedback
         or None): θ_i weighted by n_i; with compression Δ̂_i weighted by n_i, added to the global state
         after the all-reduce; with ``dp: central`` the clipped Δ_i (compressed when on) weighted by
-        its clip factor, every participant counting once (:mod:`fedcp_dist.privacy`)."""
+        its clip factor, every participant counting once (:mod:`fedcp_dist.comm.privacy`)."""
         if self.dp is not None:
             assert not res.skipped, "dp=central is refused where clients leave parts of their upload out"
             return self.dp.client_upload(res.upload, self.store.global_state, self.agg.sent, self.compressor,

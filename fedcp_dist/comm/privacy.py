@@ -7,7 +7,7 @@ each client: ``aggregate_bn_stats`` is refused). Each round:
 
 1. each client clips: Δ_i ← Δ_i · min(1, C / ‖Δ_i‖) (one L2 norm per client, on the sequential and
    the fused path alike; with compression the clip comes first and again after quantisation, see
-   :meth:`fedcp_dist.compress.Compressor.compress`);
+   :meth:`fedcp_dist.comm.compress.Compressor.compress`);
 2. every participant weighs 1 (not its sample count, whose sensitivity is unbounded): the result
    differs from the non-DP sample-weighted average wherever clients hold different amounts of data;
 3. after the one all-reduce the server adds N(0, (z_Δ·C·m̄/M)²) to every value of the sum, drawn
@@ -25,7 +25,7 @@ M is ``dp_noise_cohort_size`` (default m̄): noise calibrated as if M clients to
 the simulated cohort. The ε then reported is that of such a deployment at the simulated rate q, not
 a guarantee for the simulated run, and every output says so.
 
-The accounting is :mod:`fedcp_dist.privacy_accounting`'s (dp-accounting, RDP). What the guarantee
+The accounting is :mod:`fedcp_dist.comm.privacy_accounting`'s (dp-accounting, RDP). What the guarantee
 covers: the sequence of global states the server releases, with respect to all of one client's
 data. Outside it: what never leaves the client (its personal parts, which it never uploads), and
 everything the simulation measures on clients' data to report it (accuracies, losses, probes).
@@ -40,11 +40,11 @@ from typing import Dict, Optional, Union
 import numpy as np
 import torch
 
-from fedcp_dist.aggregate import Sums
+from fedcp_dist.comm.aggregate import Sums
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import Component, Option, described, one_of, within
-from fedcp_dist.placement import STREAM_DP_COUNT, STREAM_DP_NOISE, cohort_size, stream_seed
-from fedcp_dist.privacy_accounting import Accountant, Sampling, calibrate_noise, round_event
+from fedcp_dist.state.placement import STREAM_DP_COUNT, STREAM_DP_NOISE, cohort_size, stream_seed
+from fedcp_dist.comm.privacy_accounting import Accountant, Sampling, calibrate_noise, round_event
 
 DP_MODES = ("none", "central")
 ADAPTIVE = "adaptive"
@@ -82,7 +82,7 @@ def known_clients(cfg) -> Optional[int]:
 
 
 def sampling_of(cfg, num_clients: int) -> Sampling:
-    """How the run's cohorts are drawn (:func:`fedcp_dist.placement.sample_cohort`)."""
+    """How the run's cohorts are drawn (:func:`fedcp_dist.state.placement.sample_cohort`)."""
     if cfg.participation_sampling == "poisson":
         return Sampling("poisson", num_clients, float(cfg.participation))
     return Sampling("fixed", num_clients, cohort_size(cfg.participation, num_clients))
@@ -366,7 +366,7 @@ class CentralDP:
         return self.plan.update_multiplier * self.clip * self.plan.scale
 
     def privatizer(self, t: int):
-        """For :meth:`fedcp_dist.aggregate.FlatAggregator.reduce`: noises the all-reduced sum of
+        """For :meth:`fedcp_dist.comm.aggregate.FlatAggregator.reduce`: noises the all-reduced sum of
         round t in place and returns the fixed denominator."""
         def apply(values: torch.Tensor) -> float:
             add_noise_(values, self.noise_std(), self.seed, STREAM_DP_NOISE, t)

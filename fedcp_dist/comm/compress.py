@@ -29,7 +29,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-from fedcp_dist.client_store import BN_STAT_SUFFIXES
+from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
 from fedcp_dist.options import Option, one_of, within
 
 COMPRESS_MODES = ("none", "topk")
@@ -148,7 +148,7 @@ class Compressor:
 
     def compress_clipped(self, upload: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor], keys,
                          clip: float, residual: Optional[State] = None) -> Tuple[State, float, Optional[State], float]:
-        """``dp: central``'s compressed upload (:mod:`fedcp_dist.privacy`) over the round's tensors ``keys``:
+        """``dp: central``'s compressed upload (:mod:`fedcp_dist.comm.privacy`) over the round's tensors ``keys``:
 
         1. Δ' = Δ (+ e_i with error feedback) of every tensor, clipped to L2 norm C as one vector: v;
         2. v compressed tensor by tensor (top-k, quantised) into Δ̂;
@@ -160,7 +160,7 @@ class Compressor:
            only through later uploads, each clipped again.
 
         Returns (Δ̂, w, the new residual or None, ‖Δ'‖)."""
-        from fedcp_dist.privacy import clip_factor, total_norm
+        from fedcp_dist.comm.privacy import clip_factor, total_norm
 
         delta = {}
         for k in keys:

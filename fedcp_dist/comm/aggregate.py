@@ -9,7 +9,7 @@ each tensor is then averaged over the clients that sent its group (its own sampl
 A group that no client sends in a round (the method says which: ``skipped_groups(t)``, the same on
 every rank) leaves the round's buffer altogether: its tensors are not packed (the all-reduce is that
 much shorter), its weight and count are 0 and the server keeps its values as they were.
-``extra`` (absent unless asked for) carries the per-client rows of the probes (:mod:`fedcp_dist.probes`).
+``extra`` (absent unless asked for) carries the per-client rows of the probes (:mod:`fedcp_dist.engine.probes`).
 The metric sums of the round (named :class:`Sums`) ride in the same all-reduce as the
 parameters. The buffer is float64 by default: the sums are then exact enough that the order in
 which ranks add them (which changes with the world size) does not show in the float32 result.
@@ -168,7 +168,7 @@ class FlatAggregator:
         With ``base`` ({name: tensor}) the buffer holds weighted deltas and the mean is
         base + Σ n_i·Δ_i / Σ n_i, added in the buffer's precision. With aggregation groups a
         tensor is divided by its group's Σ n_i, and left out of the mean when no client sent it (as
-        are the round's skipped groups). ``privatize`` (``dp: central``, :mod:`fedcp_dist.privacy`):
+        are the round's skipped groups). ``privatize`` (``dp: central``, :mod:`fedcp_dist.comm.privacy`):
         called with the all-reduced sum of the round's tensors, which it noises in place; it returns
         the fixed denominator that every tensor is then divided by, whoever sent it (a round without
         any upload too: the noise is released all the same)."""

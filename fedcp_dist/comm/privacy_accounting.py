@@ -1,9 +1,9 @@
 """Privacy accounting of central user-level DP with Google's ``dp-accounting`` library (RDP).
 
-One round of ``dp: central`` (:mod:`fedcp_dist.privacy`) is one :class:`dp_accounting.DpEvent`:
+One round of ``dp: central`` (:mod:`fedcp_dist.comm.privacy`) is one :class:`dp_accounting.DpEvent`:
 the cohort's sampling wrapped around the Gaussian mechanism (or, with adaptive clipping, the two
 Gaussian mechanisms the round releases: the noised sum of clipped updates and the noised count of
-unclipped ones). The sampling is the engine's own (:func:`fedcp_dist.placement.sample_cohort`):
+unclipped ones). The sampling is the engine's own (:func:`fedcp_dist.state.placement.sample_cohort`):
 
 * ``participation_sampling: fixed``: m = ⌊ρN⌋ of the N clients drawn uniformly without
   replacement each round, :class:`~dp_accounting.SampledWithoutReplacementDpEvent`. The library's
