@@ -156,12 +156,15 @@ START_REFUSED = {
 #: keys held at one value in every row, and why they cannot vary here
 FIXED = {
     "method": "the array's axis: one array per method",
-    "model": "cnn: the tiny shard holds 16x16 images; mlp and fasttext read table and text shards "
-             "(tests/test_models.py, tests/test_fasttext_ref.py), resnet18 is too slow for a row",
+    "model": "cnn: the tiny shard holds 16x16 images; mlp, fasttext and lstm read table and text shards "
+             "(tests/test_models.py, tests/test_fasttext_ref.py, tests/test_lstm.py), resnet18 is too slow for a row",
     "mlp_hidden": "acts on model=mlp only (a table shard)",
     "fasttext_dim": "acts on model=fasttext only (a text shard)",
     "fasttext_mean": "acts on model=fasttext only (a text shard)",
     "fasttext_feature": "acts on model=fasttext only (a text shard)",
+    "lstm_embed": "acts on model=lstm only (a text shard; tests/test_lstm.py, tests/test_leaf.py)",
+    "lstm_hidden": "acts on model=lstm only (a text shard; tests/test_lstm.py, tests/test_leaf.py)",
+    "lstm_layers": "acts on model=lstm only (a text shard; tests/test_lstm.py, tests/test_leaf.py)",
     "keep_freed_memory": "a process-wide allocator setting made once at start-up, not per in-process run "
                          "(tests/test_runtime.py)",
     "client_state_dir": "a directory path; client_state=disk rows use its default, out_dir/client_state",
