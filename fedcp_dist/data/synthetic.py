@@ -29,7 +29,8 @@ y = argmax(W_k x + b_k) holds for the file's own rows.
 
 Memory: one client at a time is generated (its rows in blocks of :data:`ROW_BLOCK`) and handed to
 the shard writer, which appends a block of rows at a time; what is held is the largest client
-plus the writer's buffers, whatever the number of clients.
+plus the writer's buffers, and of all the clients only their sample counts (docs/performance.md
+has the figures for 10^4 to 10^6 clients).
 """
 from __future__ import annotations
 
