@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedcp_dist import fused, fused_memory
+from fedcp_dist.fused import slots as fused
+from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.ditto import Ditto
 from fedcp_dist.algorithms.fedavg import FedAvg
@@ -14,8 +15,8 @@ from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.data.resident import to_device
-from fedcp_dist.fused_forward import grouped_forward, sub_params
-from fedcp_dist.fused_groups import train_group
+from fedcp_dist.fused.forward import grouped_forward, sub_params
+from fedcp_dist.fused.groups import train_group
 from fedcp_dist.models import build_model
 from fedcp_dist.models.lstm import CharLSTM, LSTMFeatures
 from helpers import algo_with_moved_global

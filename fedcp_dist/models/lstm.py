@@ -13,7 +13,7 @@ Two forms of one computation:
 
 * :meth:`LSTMFeatures.forward` (one client, the sequential path): ``nn.LSTM``, i.e. cuDNN on a GPU;
 * :meth:`LSTMFeatures.forward_stacked` (``k`` clients at once, each with its own parameters, the
-  fused path of :mod:`fedcp_dist.fused_forward`): the same recurrence written out step by step with
+  fused path of :mod:`fedcp_dist.fused.forward`): the same recurrence written out step by step with
   batched matrix products over the stacked parameters. ``torch.vmap`` cannot run ``nn.LSTM`` (its
   ``aten::lstm`` has no batching rule), so the module carries its grouped form itself.
 

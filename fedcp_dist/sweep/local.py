@@ -14,7 +14,7 @@ import time
 from typing import Mapping
 
 from fedcp_dist.errors import EXIT_REQUEUE
-from fedcp_dist.rundir import FINISHED, SUMMARY, UNFINISHED, RunDir
+from fedcp_dist.rundir.directory import FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
 from fedcp_dist.sweep.spec import Sweep, drift_warning

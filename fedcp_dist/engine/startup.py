@@ -10,15 +10,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from fedcp_dist import fused
+from fedcp_dist.fused import slots as fused
 from fedcp_dist.algorithms import Algorithm, make_algorithm
-from fedcp_dist.fused_groups import group_size as fused_group_size
-from fedcp_dist.client_store import banks_in_files
+from fedcp_dist.fused.groups import group_size as fused_group_size
+from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import build_model, model_options
-from fedcp_dist.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
+from fedcp_dist.state.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
                                   placement_weights, steps_per_rank)
 
 
@@ -38,7 +38,7 @@ class Setup:
     placement: str = "samples"
     #: every rank's local SGD steps in a round in which all the run's clients train
     rank_steps: Optional[np.ndarray] = None
-    #: the run's fused groups (client ids of the run, each sorted; see :func:`fedcp_dist.placement.form_groups`),
+    #: the run's fused groups (client ids of the run, each sorted; see :func:`fedcp_dist.state.placement.form_groups`),
     #: placed whole; None: the clients train one by one
     groups: Optional[List[np.ndarray]] = None
 

@@ -28,7 +28,7 @@ import torch
 
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
-from fedcp_dist.rundir import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
+from fedcp_dist.rundir.directory import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
 
 
 def _sha256(path: Path) -> str:
