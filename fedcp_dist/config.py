@@ -38,6 +38,8 @@ from fedcp_dist.runtime import Execution
 from fedcp_dist.training import NonFinite
 
 METHODS = tuple(ALGORITHMS)
+#: the largest run seed: torch's generators take 64 bits, numpy's seeds no negative number
+SEED_MAX = 2**63 - 1
 
 
 def _known(kind: str, names) -> Check:
@@ -51,7 +53,9 @@ class Experiment(Component):
         Option("method", "fedcp", "the federated method: FedCP or one of the paper's eleven baselines (the Methods "
                "page)", _known("method", METHODS)),
         Option("rounds", 100, "communication rounds", above(0)),
-        Option("seed", 1, "run seed: model init, cohorts and every client's batch order and noise derive from it"),
+        Option("seed", 1, "run seed: model init, cohorts and every client's batch order and noise derive from it",
+               described("an integer in [0, 2^63 - 1]", lambda v: None if 0 <= v <= SEED_MAX else
+                         f"must be an integer in [0, {SEED_MAX}] (a seed torch and numpy both take), got {v}")),
     )
 
 
@@ -216,6 +220,52 @@ def type_ok(value: Any, tp) -> bool:
     return False
 
 
+def _number(text: str, integer: bool):
+    """``text`` as the number Python's ``int()`` (``integer``) or ``float()`` reads, else None. An
+    integer also accepts a float's text whose value is a whole number exactly (``1e3``)."""
+    try:
+        return int(text) if integer else float(text)
+    except ValueError:
+        pass
+    if integer:
+        try:
+            x = float(text)
+        except ValueError:
+            return None
+        if math.isfinite(x) and x == int(x) and abs(x) < 2**53:
+            return int(x)
+    return None
+
+
+def as_number(value: Any, tp) -> Any:
+    """``value`` for a key of type ``tp``, with numbers written as text read as numbers.
+
+    YAML 1.1 (PyYAML) reads ``1e-3`` and ``1E5`` as text (its floats need a dot and a signed
+    exponent), so a numeric key also takes any text Python's ``float()`` reads (``int()`` for an
+    integer key, or a float's text of a whole value), and an integer key takes a float of a whole
+    value (``1000.0``); a list's items that read as numbers become numbers (every list a key takes
+    holds numbers). Anything else is returned as it was, for :func:`type_ok` to judge.
+    """
+    args = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
+    if isinstance(value, str):
+        for want in (int, float):
+            number = _number(value.strip(), want is int) if want in args else None
+            if number is not None:
+                return float(number) if want is float else number
+    if isinstance(value, float) and int in args and float not in args:
+        number = _number(repr(value), True)
+        return value if number is None else number
+    if isinstance(value, list) and list in args:
+        out = []
+        for item in value:
+            number = _number(item.strip(), True) if isinstance(item, str) else None
+            if isinstance(item, str) and number is None:
+                number = _number(item.strip(), False)
+            out.append(item if number is None else number)
+        return out
+    return value
+
+
 def _type_name(tp) -> str:
     if typing.get_origin(tp) is typing.Union:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
@@ -243,6 +293,7 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, prefix=f"{full}.")
             continue
+        value = as_number(value, tp)
         if not type_ok(value, tp):
             raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}")
         if tp is float:

@@ -37,12 +37,17 @@ def described(text: str, check: Check) -> Check:
 
 
 def accepts(opt: "Option") -> str:
-    """What ``opt`` accepts, in words: its check's description, else its type."""
+    """What ``opt`` accepts, in words: its check's description (a bound or range of a numeric key
+    with the kind of number it takes: ``an integer > 0``, ``a number in (0, 1]``), else its type."""
+    args = typing.get_args(opt.type) if typing.get_origin(opt.type) is typing.Union else (opt.type,)
     text = getattr(opt.check, "accepts", None)
     if text:
-        return text
+        noun = "an integer" if int in args else "a number" if float in args else ""
+        if not noun:
+            return text
+        return " | ".join(f"{noun} in {part}" if part[:1] in "[(" else f"{noun} {part}" if part[:1] in "<>" else part
+                          for part in text.split(" | "))
     names = {bool: "true | false", int: "an integer", float: "a number", str: "text", list: "a list"}
-    args = typing.get_args(opt.type) if typing.get_origin(opt.type) is typing.Union else (opt.type,)
     return " or ".join("null" if a is type(None) else names.get(a, getattr(a, "__name__", str(a))) for a in args)
 
 

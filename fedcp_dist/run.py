@@ -53,7 +53,8 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: 
         from fedcp_dist.runtime import init_runtime
         from fedcp_dist.simulator import Simulator
 
-        rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory)
+        rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory,
+                          rendezvous_timeout=cfg.rendezvous_timeout)
         stop.rank = rt.rank
         try:
             return Simulator(cfg, rt, stop=stop).run()

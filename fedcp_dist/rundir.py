@@ -78,6 +78,7 @@ NOT_DEFINING: dict = {
     "device": "which hardware computes",
     "threads": "how many CPU threads compute",
     "collective_timeout": "how long a rank waits for a silent peer",
+    "rendezvous_timeout": "how long the ranks may take to meet at start-up",
     "fused": "whether a rank trains its clients one by one or in fused groups",
     "fused_group": "how many clients a fused group holds",
     "fused_workers": "how many fused groups a CPU rank trains side by side",

@@ -171,6 +171,7 @@ FIXED = {
     "preempt_signal": "acts on a signal only (tests/test_failures.py, tests/test_resume.py)",
     "device": "cpu: the machine the array runs on has no GPU",
     "collective_timeout": "acts when a peer stops answering only (tests/test_failures.py)",
+    "rendezvous_timeout": "acts when the ranks of a job do not meet at start-up only (tests/test_faults_env.py)",
     "threads": "1: two threads per rank on the array's shared 2-core machine only slow each row; fused_workers=2 "
                "still trains groups side by side (tests/test_fused.py covers several threads)",
     "data.path": "the tiny shard",

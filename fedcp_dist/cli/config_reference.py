@@ -37,6 +37,13 @@ command line with `key=value` (`data.path=...` for the data set's):
 A value a key does not accept, or a combination of keys that cannot work together, stops the run
 before it starts with one line naming the key. Every key is listed once below, under the component
 of the engine or the method that owns it, with the file it is declared in.
+
+What a key accepts, in the table's third column: *a number* is any finite value Python's `float()`
+reads, however it is written (`0.001`, `1e-3`, `1E-3`, `5.0e-3`, `1_000.5`; the YAML 1.1 that
+config files and `key=value` overrides are read with takes `1e-3` for text, and a numeric key takes
+that text as the number it spells); *an integer* is any value `int()` reads (`1000`, `1_000`) or a
+number with a whole value (`1e3`, `1000.0`); a list's items are read the same way. `inf` and `nan`
+are refused for every key.
 """
 
 
