@@ -55,9 +55,12 @@ class RunParts:
     round_seconds: List[float] = field(default_factory=list)
 
 
-def run_data_record(cfg: Config, setup: startup.Setup) -> dict:
-    """The shard a run trains on, as its checkpoints record it (and resume checks it)."""
-    return data_record(cfg.data.path, setup.info.fingerprint, layout_digest(setup.info))
+def run_data_record(cfg: Config, setup: startup.Setup) -> Optional[dict]:
+    """The shard a run trains on, as its checkpoints record it and resume checks it (None on the
+    ranks that did not hash it: the first rank checks the data for every rank)."""
+    if setup.digest is None:
+        return None
+    return data_record(cfg.data.path, setup.info.fingerprint, layout_digest(setup.info), setup.digest)
 
 
 def close_parts(parts, failed: bool) -> None:

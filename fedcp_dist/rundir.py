@@ -8,7 +8,8 @@ One run writes one directory; rank 0 alone writes it::
     tensorboard/     with logger: tensorboard, the same numbers as TensorBoard events (:mod:`fedcp_dist.loggers`)
     checkpoints/     round-R checkpoints (:mod:`fedcp_dist.checkpoint` owns what is inside)
     final_global.pt  the global state after the last round (a plain tensor dict)
-    summary.json     written last: its presence marks a finished run
+    summary.json     written last: its presence marks a finished run (``"status": "diverged"`` in it:
+                     one that learned nothing, see :data:`DIVERGED`)
     .lock            held with ``flock`` by the run that uses the directory
 
 Every other module names these files through this one: the engine (lock, overwrite and resume
@@ -53,6 +54,12 @@ LOCK = ".lock"
 RUN_FILES = (METRICS, ANALYSIS, SUMMARY, FINAL_GLOBAL, CONFIG)
 
 FINISHED, UNFINISHED, PENDING = "finished", "unfinished", "pending"
+#: a run that ran every round but learned nothing: every client's update was non-finite in every
+#: round (``on_nonfinite: skip`` left them all out), so its model is the untrained one. Its
+#: summary.json says ``"status": "diverged"``; it is not a result, and is not run again either
+DIVERGED = "diverged"
+#: the statuses of a run whose summary.json is written: it will not run again in its directory
+DONE = (FINISHED, DIVERGED)
 
 
 # ----------------------------------------------------------------------------- which keys define a run
@@ -147,16 +154,17 @@ def defining_changes(before: dict, after: dict) -> list:
     return [k for k in config_changes(before, after) if k not in NOT_DEFINING]
 
 
-def check_resume_config(checkpointed: dict, current: dict, out_dir) -> None:
+def check_resume_config(checkpointed: dict, current: dict, out_dir, same_data: bool = False) -> None:
     """Refuse to resume the checkpointed run in ``out_dir`` under ``current``: a UserError naming the key.
 
     Any change of a key outside RESUMABLE_CHANGES is refused, and so is a change of ``rounds`` for
-    a method whose training depends on it (:func:`rounds_scheduled`).
+    a method whose training depends on it (:func:`rounds_scheduled`). ``same_data``: the shard at
+    ``data.path`` was verified to hold the checkpointed run's data, so ``data.path`` may differ.
     """
     old, new = _flat_with_defaults(checkpointed), _flat_with_defaults(current)
     for key in config_changes(old, new):
         why = rounds_scheduled(new) if key == "rounds" else ""
-        if not why and key in RESUMABLE_CHANGES:
+        if not why and (key in RESUMABLE_CHANGES or (key == "data.path" and same_data)):
             continue
         raise UserError(
             f"config key '{key}' is {new.get(key)!r} but the checkpointed run in {out_dir} used "
@@ -217,9 +225,11 @@ class RunDir:
         return any((d / CHECKPOINT_MARKER).exists() for _, d in self.checkpoint_dirs())
 
     def status(self) -> str:
-        """finished (summary.json) | unfinished (a run was started there) | pending."""
+        """finished (summary.json) | diverged (summary.json, which says so) | unfinished (a run was
+        started there) | pending."""
         if self.summary.exists():
-            return FINISHED
+            summary = self.read_summary()
+            return DIVERGED if summary is not None and summary.get("status") == DIVERGED else FINISHED
         if any(p.exists() for p in (self.metrics, self.config, self.checkpoints)):
             return UNFINISHED
         return PENDING
@@ -309,9 +319,8 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
                 (out / name).unlink(missing_ok=True)
             return lock
         if run.summary.exists():
-            raise UserError(
-                f"out_dir {out} holds a finished run ({SUMMARY}); choose another out_dir or pass overwrite=true"
-            )
+            what = "a run that diverged (it learned nothing; " if run.status() == DIVERGED else "a finished run ("
+            raise UserError(f"out_dir {out} holds {what}{SUMMARY}); choose another out_dir or pass overwrite=true")
         if resume == "never" and (run.has_checkpoint() or run.metrics.exists()):
             raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")
     except BaseException:
@@ -488,6 +497,8 @@ def result_table(s: dict) -> str:
         ("data", f"{s['source']}, {s['num_clients']} clients"),
         ("ranks", f"{s['world_size']} ({s['launcher']}, {s['device']})"),
         ("rounds", s["rounds"]),
+        *([("status", "DIVERGED: no round aggregated a finite update; the untrained model's accuracies")]
+          if s.get("status") == DIVERGED else []),
         ("best accuracy", f"{100 * s['best_acc']:.2f} %  (after {s['best_after_rounds']} rounds)"),
         ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
         ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),

@@ -24,8 +24,8 @@ from fedcp_dist.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.placement import STREAM_EVAL
 from fedcp_dist.preemption import StopSignals
 from fedcp_dist.probes import RoundProbes
-from fedcp_dist.round_record import evaluation_record, round_record, summary_json
-from fedcp_dist.rundir import progress_line, result_table
+from fedcp_dist.round_record import evaluation_record, learned_nothing, round_record, summary_json
+from fedcp_dist.rundir import DIVERGED, SUMMARY, progress_line, result_table
 from fedcp_dist.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.selection import draw_cohort, gather_client_vectors
@@ -183,7 +183,12 @@ class Simulator:
         return record, train.stop_requests > 0
 
     def _finish(self) -> dict:
-        """The evaluation after the last round, final_global.pt, summary.json and the result table."""
+        """The evaluation after the last round, final_global.pt, summary.json and the result table.
+
+        A run in which no round aggregated a finite client result (every update non-finite and left
+        out: ``on_nonfinite: skip``) learned nothing: its summary says ``"status": "diverged"`` and it
+        ends with a one-line :class:`RunFailure`, so that neither its exit status nor a sweep or
+        report takes the untrained model's accuracy for a result."""
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
         probes = RoundProbes(self.probe_every, self.num_clients, cfg.rounds, evaluated=True, final=True)
@@ -201,7 +206,15 @@ class Simulator:
         self.echo(progress_line(cfg.rounds, e, None))
         summary = summary_json(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,
                               self.select_by_features)
+        diverged = learned_nothing(self.records)
+        if diverged:
+            summary["status"] = DIVERGED
         self.writer.save_final_global(self.global_state)
         self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))
+        if diverged:
+            raise RunFailure(f"the run learned nothing: every client's update was non-finite in each of its {cfg.rounds} "
+                             f"rounds and on_nonfinite=skip left them all out, so its model is the untrained one "
+                             f"(accuracy {summary['final_acc']:.4f}); {cfg.out_dir}/{SUMMARY} marks it diverged (a "
+                             f"lower lr?)")
         return summary

@@ -16,6 +16,7 @@ from fedcp_dist.fused_groups import group_size as fused_group_size
 from fedcp_dist.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
+from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
 from fedcp_dist.errors import UserError
 from fedcp_dist.models import build_model, model_options
 from fedcp_dist.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
@@ -41,6 +42,9 @@ class Setup:
     #: the run's fused groups (client ids of the run, each sorted; see :func:`fedcp_dist.placement.form_groups`),
     #: placed whole; None: the clients train one by one
     groups: Optional[List[np.ndarray]] = None
+    #: what the shard holds, hashed and checked against what was written with it (the first rank's;
+    #: None on the others): what checkpoints record and resume compares
+    digest: Optional[ShardDigest] = None
 
     @property
     def imbalance(self) -> float:
@@ -165,9 +169,12 @@ def place(cfg, train_counts, world_size: int, group_size: int = 0) -> Tuple[np.n
 
 
 def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) -> Setup:
-    """Read the shard's metadata, place the clients, load this rank's clients onto its device.
+    """Read the shard's metadata, place the clients, load this rank's clients onto its device; the
+    first rank hashes the whole shard and checks it (:func:`~fedcp_dist.data.shards.verify.verify_shard`:
+    what was written with it, every label, a table's values), the others check the clients they load.
     ``group_size(info, clients)``: the size of the run's fused groups (0: not fused)."""
     info = read_info(cfg.data.path)
+    digest = verify_shard(info) if rt.is_main else None
     clients = run_clients(cfg, info)
     counts = info.train_counts[clients]
     size = group_size(info, len(clients)) if group_size is not None else 0
@@ -181,7 +188,7 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
     arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
     data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
-    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps, groups)
+    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps, groups, digest)
 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
@@ -226,8 +233,12 @@ def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = ""
     """The run's first line: method, clients, ranks, loading, placement, the training path, where
     client states live and the method's own note (e.g. FedCP's CPN cost)."""
     of = f" of the shard's {setup.info.num_clients}" if cfg.data.clients is not None else ""
+    d = setup.digest
+    verified = (f" (content verified in {d.seconds:.2f} s{', kept in ' + d.cache if d.cache else ''})"
+                if d is not None and not d.cached and d.seconds >= 0.5 else "")
     return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
-            f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s; {setup.placement_line()}; "
+            f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s{verified}; "
+            f"{setup.placement_line()}; "
             f"training: {path}; {store_line}" + (f"; {note}" if note else "") + ranks_hint(rt))
 
 

@@ -202,7 +202,8 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
     _, env = run_mod.local_ranks_command(3, None, [], env={"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
     assert env == {"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}  # the user's values win
     with pytest.raises(UserError, match="leave it out"):
-        run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x"})
+        run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
+                                                      "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
     assert run_mod.parse_ranks("3") == 3 and run_mod.parse_ranks("auto") is None
     assert run_mod.auto_ranks("cpu") == _cpu_count()
     for bad in ("0", "-1", "two", "1.5"):

@@ -14,7 +14,7 @@ import time
 from typing import Mapping
 
 from fedcp_dist.errors import EXIT_REQUEUE
-from fedcp_dist.rundir import FINISHED, SUMMARY, UNFINISHED, RunDir
+from fedcp_dist.rundir import DIVERGED, DONE, FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
 from fedcp_dist.sweep.spec import Sweep, drift_warning
@@ -57,8 +57,9 @@ def _terminate(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
 
 
 def run_local(sweep: Sweep) -> int:
-    """Run the unfinished points one after another; the number of failed points."""
-    todo = [p for p in sweep.points if p.status() != FINISHED]
+    """Run the unfinished points one after another; the number of failed and diverged points (a
+    diverged point, which learned nothing, is not run again: its directory must be removed first)."""
+    todo = [p for p in sweep.points if p.status() not in DONE]
     print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} finished, "
           f"{len(todo)} to run one after another (local, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"
           + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),
@@ -67,11 +68,15 @@ def run_local(sweep: Sweep) -> int:
     make_partitions(sweep, todo)
     write_manifest(sweep, {"time": now(), "executor": "local", "points": [p.name for p in todo]} if todo else None)
     logs = sweep.dir / "logs"
-    failed = []
+    failed, diverged = [], []
     for k, p in enumerate(sweep.points, 1):
         status = p.status()
         if status == FINISHED:
             print(sweep.point_line(k, p, "finished") + "  (skipped)", flush=True)
+            continue
+        if status == DIVERGED:
+            print(sweep.point_line(k, p, "diverged") + "  (skipped: it learned nothing)", flush=True)
+            diverged.append(p)
             continue
         print(sweep.point_line(k, p, "running") + (" (resuming)" if status == UNFINISHED else ""), flush=True)
         logs.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,11 @@ def run_local(sweep: Sweep) -> int:
                 raise
         seconds = time.perf_counter() - t0
         summary = RunDir(p.run_dir).read_summary()
+        if summary is not None and summary.get("status") == DIVERGED:
+            print(sweep.point_line(k, p, "DIVERGED") + f"  {seconds:.1f} s, learned nothing: {stderr_tail(tail, 1)}",
+                  flush=True)
+            diverged.append(p)
+            continue
         if rc == 0 and summary is not None:
             print(sweep.point_line(k, p, "finished") + f"  {seconds:.1f} s, best_acc {summary.get('best_acc', float('nan')):.4f}",
                   flush=True)
@@ -106,7 +116,11 @@ def run_local(sweep: Sweep) -> int:
         print(sweep.point_line(k, p, "FAILED") + f"  {seconds:.1f} s, {why}; log {display_path(log_path)}", flush=True)
         failed.append((p, why, log_path))
     done = sum(p.status() == FINISHED for p in sweep.points)
-    print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, {len(failed)} failed", flush=True)
+    print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, "
+          + (f"{len(diverged)} diverged, " if diverged else "") + f"{len(failed)} failed", flush=True)
     for p, why, log_path in failed:
         print(f"  failed: {p.name}: {why} (log {display_path(log_path)})", flush=True)
-    return len(failed)
+    for p in diverged:
+        print(f"  diverged: {p.name}: learned nothing, not a result (remove {display_path(p.run_dir)} to run it "
+              f"again)", flush=True)
+    return len(failed) + len(diverged)
