@@ -105,7 +105,7 @@ def check_launcher_env(launcher: str, env: Mapping[str, str], forced: bool = Fal
                             f"{_seen(env, TORCHRUN_VARS)}); start the run with torchrun, or unset "
                             f"{'FEDCP_LAUNCHER' if forced else 'TORCHELASTIC_RUN_ID'} to run one process")
         why = (f" (read as torchrun's, since {', '.join(TORCHRUN_VARS)} are set; left over from an earlier job or "
-               f"an `srun --pty` shell? unset them to run one process)")
+               f"an srun --pty shell? unset them to run one process)")
         world = env_int(env, "WORLD_SIZE", 1, why=why)
         env_int(env, "RANK", 0, world - 1, why=f" (WORLD_SIZE is {world}){why}")
         local_world = env_int(env, "LOCAL_WORLD_SIZE", 1, default=world, why=why)

@@ -20,7 +20,7 @@ from fedcp_dist.data.shards import verify
 from fedcp_dist.data.shards.verify import cached_digest, content_digest, verify_shard
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir import check_resume_config
-from helpers import run
+from helpers import documented, run
 
 CONFIG = str(REPO / "configs" / "digits_fedavg.yaml")
 
@@ -122,6 +122,11 @@ def flipped_pixel(path):
     return ["its test_x (test samples) differ"]
 
 
+def missing_file(path):
+    Path(path).unlink()
+    return ["config key 'data.path': no such file"]
+
+
 def truncated(path):
     data = Path(path).read_bytes()
     Path(path).write_bytes(data[: len(data) // 3])
@@ -159,6 +164,7 @@ def counts_disagree(path):
 
 IMAGE_FAULTS = [
     # structural damage (refused before array digests and value checks existed)
+    pytest.param(missing_file, id="missing-file"),
     pytest.param(truncated, id="truncated-file"),
     pytest.param(garbage, id="not-hdf5"),
     pytest.param(wrong_version, id="unknown-format-version"),
@@ -186,6 +192,36 @@ def test_a_bad_shard_is_refused_before_training_in_one_line(mutate, digits6_16px
     fragments = mutate(shard)
     err = _refused(capsys, _args(shard, tmp_path / "run"), fragments)
     assert "shard.h5" in err
+
+
+#: the failure table's examples (docs/cluster.md) and the faults that must print them
+TABLE_EXAMPLES = [
+    (label_out_of_range("test", "first", 10), "`error: shard file …: client …'s test_y holds label 10 (its row …), "
+                                              "outside [0, 10) of the shard's num_classes; …`"),
+    (images_as_float(nan=True), "`error: shard file …: dataset 'train_x' holds float32 values (0.0 to 255.0 in its "
+                                "first rows, nan among them), but an image shard stores uint8 pixel values 0-255: …`"),
+    (permuted_labels(drop_digests=False), "`error: shard file … does not hold what it was written with: its train_y "
+                                          "(training labels) differ from the digests written with it (edited in place "
+                                          "or damaged?); …`"),
+    (truncated, "| a missing, truncated or corrupted HDF5 shard, a wrong format version | `error: …` naming the file, "
+                "before any training, exit 2 |"),
+]
+
+
+def test_the_failure_table_quotes_what_a_bad_shard_gets(digits6_16px, tmp_path, capsys):
+    for k, (mutate, example) in enumerate(TABLE_EXAMPLES):
+        shard = tmp_path / f"shard{k}.h5"
+        shutil.copy(digits6_16px, shard)
+        mutate(shard)
+        err = _refused(capsys, _args(shard, tmp_path / f"run{k}"), [str(shard)])
+        documented("cluster.md", example, None if example.startswith("|") else err)
+    data = "`error: config key 'data.source' is 'mnist' but … holds 'digits'`"
+    err = _refused(capsys, _args(digits6_16px, tmp_path / "src", "data.source=mnist"), [])
+    documented("cluster.md", data, err)
+    err = _refused(capsys, _args(digits6_16px, tmp_path / "shape", "data.input_shape=[3, 32, 32]"), [])
+    assert "config key 'data.input_shape' is [3, 32, 32] but" in err and "holds inputs of shape [1, 16, 16]" in err
+    err = _refused(capsys, _args(digits6_16px, tmp_path / "n", "data.num_clients=20"), [])
+    assert "config key 'data.num_clients' is 20 but" in err and "holds 6 clients" in err
 
 
 def test_the_unchanged_shard_passes_every_check(digits6_16px, tmp_path):
@@ -404,8 +440,11 @@ def test_a_shard_rewritten_with_permuted_labels_is_refused_by_what_differs(digit
     _rewrite_with_labels(digits6_16px, shard, shuffle_client=0)
     assert layout_digest(read_info(shard)) == layout_digest(read_info(digits6_16px))  # counts alone cannot tell
     with pytest.raises(UserError, match=r"d\.h5 holds other data than the checkpointed run in .*: its train_y "
-                                        r"\(training labels\) differ from the checkpoint's"):
+                                        r"\(training labels\) differ from the checkpoint's") as refused:
         run(CONFIG, [f"data.path={shard}", f"out_dir={out}", "rounds=2", "checkpoint_every=1", "threads=1"])
+    documented("cluster.md", "`error: data.path … holds other data than the checkpointed run in … was made on: its "
+               "train_y (training labels) differ from the checkpoint's (partitioned again, or edited in place?); …`",
+               f"error: {refused.value}")
     assert Checkpointer(str(out), 0, 1, 2).latest().name == "round_0000001"
 
 

@@ -20,7 +20,7 @@ from fedcp_dist.config import SEED_MAX, Config, components, load_config
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.options import accepts
 from fedcp_dist.runtime import detect_launcher, init_runtime
-from helpers import run
+from helpers import documented, run
 
 CONFIG = str(REPO / "configs" / "digits_fedavg.yaml")
 
@@ -104,6 +104,20 @@ def test_a_value_no_key_can_take_is_one_line(override, fragments, digits6_16px, 
         assert fragment in err, err
 
 
+def test_the_failure_table_quotes_what_a_bad_value_gets(digits6_16px, capsys):
+    from fedcp_dist.run import main
+
+    for override, example in (("lam=-1", "`error: config key 'lam': must be >= 0, got -1.0`"),
+                              ("seed=-1", "`error: config key 'seed': must be an integer in [0, 9223372036854775807] "
+                                          "(a seed torch and numpy both take), got -1`")):
+        with pytest.raises(SystemExit):
+            main(["--config", CONFIG, f"data.path={digits6_16px}", override, "--print-config"])
+        documented("cluster.md", example, capsys.readouterr().err)
+    documented("cluster.md", "`lr=1e-3` (which YAML 1.1 takes for text) is 0.001, `rounds=1e2` is 100",
+               f"lr=1e-3 (which YAML 1.1 takes for text) is {load_config(None, ['lr=1e-3'], validate=False).lr}, "
+               f"rounds=1e2 is {load_config(None, ['rounds=1e2'], validate=False).rounds}")
+
+
 def test_the_largest_seed_runs(digits6_16px, tmp_path):
     """torch and numpy both take SEED_MAX: the model's draw, a subset of clients (numpy) and a
     cohort of half of them, over a round."""
@@ -139,7 +153,7 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_
 @pytest.mark.parametrize("env, fragments", [
     ({"RANK": "abc"}, ["environment variable RANK='abc' is not an integer >= 0"]),
     ({**TORCHRUN, "RANK": "abc"}, ["RANK='abc' is not an integer in [0, 1] (WORLD_SIZE is 2)",
-                                    "left over from an earlier job or an `srun --pty` shell? unset them"]),
+                                    "left over from an earlier job or an srun --pty shell? unset them"]),
     ({**TORCHRUN, "RANK": "2"}, ["RANK='2' is not an integer in [0, 1]"]),
     ({**TORCHRUN, "WORLD_SIZE": "0"}, ["WORLD_SIZE='0' is not an integer >= 1"]),
     ({**TORCHRUN, "WORLD_SIZE": "two"}, ["WORLD_SIZE='two'"]),
@@ -168,6 +182,18 @@ def test_inconsistent_launcher_variables_are_refused_before_any_wait(env, fragme
     assert "\n" not in msg
     for fragment in fragments:
         assert fragment in msg, msg
+
+
+def test_the_failure_table_quotes_what_launcher_variables_get():
+    for env, example in (({**TORCHRUN, "RANK": "abc"}, "`error: environment variable RANK='abc' is not an integer in "
+                          "[0, 1] (WORLD_SIZE is 2) (read as torchrun's, since RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                          "are set; left over from an earlier job or an srun --pty shell? unset them to run one "
+                          "process)`"),
+                         ({"FEDCP_LAUNCHER": "torchrun"}, "`error: FEDCP_LAUNCHER=torchrun but RANK, WORLD_SIZE, "
+                          "MASTER_ADDR, MASTER_PORT are not set …`")):
+        with pytest.raises(UserError) as exc:
+            detect_launcher(env)
+        documented("cluster.md", example, f"error: {exc.value}")
 
 
 @pytest.mark.parametrize("env, launcher", [
@@ -210,6 +236,10 @@ def test_rank_0_of_a_job_nobody_joins_stops_within_the_rendezvous_timeout(monkey
     err = capsys.readouterr().err
     assert "note: RANK='0' WORLD_SIZE='2'" in err and "are set, but by no torchrun" in err
     assert f"waits up to rendezvous_timeout=1 s for the others at 127.0.0.1:{port}" in err
+    documented("cluster.md", "`note: RANK='0' WORLD_SIZE='2' MASTER_ADDR='…' MASTER_PORT='…' are set, but by no "
+               "torchrun …`", err)
+    documented("cluster.md", "`error: rank 0: the 2 ranks of the job did not meet at …:… within rendezvous_timeout=… s "
+               "(…); launcher torchrun read from RANK='0' WORLD_SIZE='2' …`", f"error: {msg}")
 
 
 def test_a_rank_whose_master_never_comes_is_one_line_from_the_command(digits6_16px, tmp_path):

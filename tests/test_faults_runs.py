@@ -14,7 +14,7 @@ from fedcp_dist.cli import sweep as sweep_cli
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.round_record import learned_nothing
 from fedcp_dist.rundir import DIVERGED, FINISHED, RunDir, prepare_out_dir
-from helpers import nonfinite_at, run
+from helpers import documented, nonfinite_at, run
 
 CONFIG = str(REPO / "configs" / "digits_fedavg.yaml")
 #: a step this long sends every client's weights to inf within its first batches
@@ -45,6 +45,9 @@ def test_a_run_whose_every_update_diverged_is_marked_and_exits_1(digits6_16px, t
     assert captured.err.startswith("error: the run learned nothing: every client's update was non-finite in each of "
                                    "its 2 rounds and on_nonfinite=skip left them all out")
     assert f"{out}/summary.json marks it diverged" in captured.err
+    documented("cluster.md", "error: the run learned nothing: every client's update was non-finite in each of its … "
+               "rounds and on_nonfinite=skip left them all out, so its model is the untrained one (accuracy …); "
+               "…/summary.json marks it diverged (a lower lr?)", captured.err)
     assert "DIVERGED: no round aggregated a finite update" in captured.out  # the result table says so too
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -54,8 +57,10 @@ def test_a_run_whose_every_update_diverged_is_marked_and_exits_1(digits6_16px, t
     assert summary["final_acc"] == records[0]["acc"]  # the untrained model's accuracy, as before round 1
     # not run again in its directory (it would learn nothing again), and said why
     with pytest.raises(UserError, match=r"holds a run that diverged \(it learned nothing; summary.json\); choose "
-                                        r"another out_dir or pass overwrite=true"):
+                                        r"another out_dir or pass overwrite=true") as refused:
         prepare_out_dir(out, overwrite=False, resume="auto")
+    documented("cluster.md", "error: out_dir … holds a run that diverged (it learned nothing; summary.json); …",
+               f"error: {refused.value}")
 
 
 def test_a_run_that_left_out_some_updates_is_a_result(digits6_16px, tmp_path):
@@ -64,6 +69,8 @@ def test_a_run_that_left_out_some_updates_is_a_result(digits6_16px, tmp_path):
             wrap=nonfinite_at("1:2"))
     assert "status" not in s and RunDir(out).status() == FINISHED
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["nonfinite_skipped"] == 1
+    documented("cluster.md", "`on_nonfinite: skip`: that client is left out of the round (its state unchanged), a "
+               "line is printed and `nonfinite_skipped` counted in metrics.jsonl")
 
 
 def test_a_diverged_run_is_a_run_failure_in_process(digits6_16px, tmp_path):
@@ -84,6 +91,7 @@ def test_a_sweep_and_its_report_keep_a_diverged_point_apart(digits6_16px, tmp_pa
     assert first.returncode == 1, first.stdout + first.stderr
     assert "DIVERGED" in first.stdout and "learned nothing: error: the run learned nothing" in first.stdout
     assert "lr: 1/2 finished, 1 diverged, 0 failed" in first.stdout
+    documented("cluster.md", "`… finished, 1 diverged, 0 failed`", first.stdout)
     assert "diverged: lr=1e+30,seed=1: learned nothing, not a result" in first.stdout
     # run again: the diverged point is not run again (it would diverge again), and still not a result
     with pytest.raises(SystemExit) as exc:
@@ -102,6 +110,7 @@ def test_a_sweep_and_its_report_keep_a_diverged_point_apart(digits6_16px, tmp_pa
     header = next(line for line in text.splitlines() if line.startswith("| method |"))
     cells = dict(zip(header.split("|")[2:-1], row.split("|")[2:-1]))
     assert cells[" lr=1e+30 "].strip() == "diverged (1/1)" and "±" in cells[" lr=0.05 "]
+    documented("cluster.md", "its cell reads `diverged (1/1)`", f"its cell reads {cells[' lr=1e+30 '].strip()}")
     assert "diverged: 1 run(s) that ran every round but learned nothing" in text
     assert "1/2 runs finished, 1 diverged" in text
     rows = (sweep_dir / "report.csv").read_text().splitlines()
