@@ -15,7 +15,8 @@ One process per rank. The launcher is read from the environment:
 ``FEDCP_LAUNCHER`` forces one of these names. A rank of a job (any launcher but ``single``) stops
 within a second of its launcher's death (:func:`watch_launcher`).
 
-The launcher's variables are checked before anything waits on them (:func:`check_launcher_env`): a
+The launcher's variables are checked before anything waits on them
+(:func:`~fedcp_dist.launch_env.check_launcher_env`): a
 value that is not a number, a rank outside the world, a forced launcher without its variables, or
 a partial torchrun set that names a rank of a larger world is one :class:`UserError` naming the
 variable. The rendezvous (every rank of the job meeting at ``MASTER_ADDR:MASTER_PORT``) waits at most
@@ -41,18 +42,13 @@ import torch
 import torch.distributed as dist
 
 from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.launch_env import SLURM_VARS, TORCHRUN_VARS, check_launcher_env, rendezvous
 from fedcp_dist.options import Component, Option, above, at_least, boolean_or_auto, described, finite, one_of
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
-#: the variables torchrun gives each worker that make an env:// rendezvous
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: the variables a SLURM job step gives each task that the slurm launcher needs
-SLURM_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
-
-
 def detect_launcher(env: Mapping[str, str] = os.environ) -> str:
     """The launcher this process was started by (see the module's docstring), its variables checked
-    (:func:`check_launcher_env`)."""
+    (:func:`~fedcp_dist.launch_env.check_launcher_env`)."""
     forced = env.get("FEDCP_LAUNCHER")
     if forced:
         if forced not in LAUNCHERS:
@@ -68,74 +64,6 @@ def detect_launcher(env: Mapping[str, str] = os.environ) -> str:
         launcher = "single"
     check_launcher_env(launcher, env, forced=bool(forced))
     return launcher
-
-
-def _seen(env: Mapping[str, str], names) -> str:
-    """``RANK='0' WORLD_SIZE='4'``: the variables among ``names`` that ``env`` sets."""
-    return " ".join(f"{k}={env[k]!r}" for k in names if k in env) or "none of them"
-
-
-def env_int(env: Mapping[str, str], name: str, lo: int = 0, hi: Optional[int] = None, default: Optional[int] = None,
-            why: str = "") -> int:
-    """The variable ``name`` of ``env`` as an integer in [lo, hi] (``default`` where it is unset or
-    empty); anything else is a one-line UserError naming it (``why``: where the variable comes from)."""
-    raw = env.get(name, "")
-    if raw.strip() == "" and default is not None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < lo or (hi is not None and value > hi):
-        bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-        raise UserError(f"environment variable {name}={raw!r} is not {bound}{why}")
-    return value
-
-
-def check_launcher_env(launcher: str, env: Mapping[str, str], forced: bool = False) -> None:
-    """Refuse, in one line naming the variable, launcher variables that cannot describe this process:
-    not numbers, a rank outside its world, a forced launcher without its variables, or (no launcher
-    found) a partial torchrun set that makes this process a rank of a larger job."""
-    if launcher == "torchrun":
-        missing = [k for k in TORCHRUN_VARS if not env.get(k)]
-        if missing:
-            how = "FEDCP_LAUNCHER=torchrun" if forced else "TORCHELASTIC_RUN_ID is set"
-            raise UserError(f"{how} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set "
-                            f"(torchrun sets {', '.join(TORCHRUN_VARS)} for each worker; seen: "
-                            f"{_seen(env, TORCHRUN_VARS)}); start the run with torchrun, or unset "
-                            f"{'FEDCP_LAUNCHER' if forced else 'TORCHELASTIC_RUN_ID'} to run one process")
-        why = (f" (read as torchrun's, since {', '.join(TORCHRUN_VARS)} are set; left over from an earlier job or "
-               f"an srun --pty shell? unset them to run one process)")
-        world = env_int(env, "WORLD_SIZE", 1, why=why)
-        env_int(env, "RANK", 0, world - 1, why=f" (WORLD_SIZE is {world}){why}")
-        local_world = env_int(env, "LOCAL_WORLD_SIZE", 1, default=world, why=why)
-        env_int(env, "LOCAL_RANK", 0, local_world - 1, default=0, why=f" (LOCAL_WORLD_SIZE is {local_world}){why}")
-        env_int(env, "MASTER_PORT", 1, 65535, why=why)
-    elif launcher == "slurm":
-        missing = [k for k in SLURM_VARS if not env.get(k)]
-        if missing:
-            raise UserError(f"FEDCP_LAUNCHER=slurm but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
-                            f"set (srun sets them for each task of a job step); start the run with srun, or unset "
-                            f"FEDCP_LAUNCHER to run one process")
-        why = " (read as a task of a SLURM job step: srun sets it)"
-        tasks = env_int(env, "SLURM_STEP_NUM_TASKS", 1, why=why)
-        env_int(env, "SLURM_PROCID", 0, tasks - 1, why=f" (SLURM_STEP_NUM_TASKS is {tasks}){why}")
-        for name in ("SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID"):
-            env_int(env, name, 0, default=0, why=why)
-        env_int(env, "MASTER_PORT", 1, 65535, default=1, why=" (the rendezvous port of the job step)")
-    elif launcher == "mpi":
-        env_int(env, "MASTER_PORT", 1, 65535, default=1, why=" (the rendezvous port rank 0 opens)")
-    elif launcher == "single":
-        present = [k for k in TORCHRUN_VARS if k in env]
-        if present and ("RANK" in env or "WORLD_SIZE" in env):
-            rank = env_int(env, "RANK", 0, default=0, why=" (a torchrun variable)")
-            world = env_int(env, "WORLD_SIZE", 1, default=1, why=" (a torchrun variable)")
-            if rank > 0 or world > 1:
-                missing = [k for k in TORCHRUN_VARS if k not in env]
-                raise UserError(f"environment variables {_seen(env, TORCHRUN_VARS)} make this process a rank of a job, "
-                                f"but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: not a "
-                                f"torchrun job (torchrun sets all of {', '.join(TORCHRUN_VARS)}); unset them to run "
-                                f"one process, or start the run with torchrun")
 
 
 def expand_nodelist(nodelist: str) -> list:
@@ -422,7 +350,7 @@ def keep_freed_memory(setting, device: torch.device, mallopt=None) -> str:
 def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ,
                  keep_freed: object = "auto", rendezvous_timeout: float = 120.0) -> Runtime:
     """Detect the launcher, pin this rank's device and open the process group (the ranks meeting
-    within ``rendezvous_timeout`` seconds, :func:`rendezvous`); on a CPU device the allocator keeps
+    within ``rendezvous_timeout`` seconds, :func:`~fedcp_dist.launch_env.rendezvous`); on a CPU device the allocator keeps
     freed memory (``keep_freed``: the config's ``keep_freed_memory``)."""
     launcher = detect_launcher(env)
     ep = resolve_endpoint(launcher, env)
@@ -459,62 +387,6 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         dist.init_process_group(**kwargs)
         rt.backend = backend
     return rt
-
-
-def _wait_for_listener(host: str, port: int, deadline: float) -> None:
-    """Return once something accepts a connection at ``host:port``; an OSError naming the last
-    reason after ``deadline`` (``time.monotonic()``)."""
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
-            return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise OSError(f"nothing answered at {host}:{port}: {exc.strerror or exc}") from None
-        time.sleep(0.25)
-
-
-#: the variables each launcher's rendezvous is read from, named when it fails
-_RENDEZVOUS_VARS = {"torchrun": (*TORCHRUN_VARS, "TORCHELASTIC_RUN_ID"),
-                    "slurm": (*SLURM_VARS, "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"),
-                    "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-
-
-def rendezvous(launcher: str, ep: Endpoint, timeout_s: float, env: Mapping[str, str] = os.environ):
-    """Meet the job's other ranks at the endpoint's address: the store the process group is made on.
-
-    Waits at most ``timeout_s`` (the config's ``rendezvous_timeout``), then fails in one line naming
-    the address, how many ranks were expected and the variables it was read from. A torchrun world
-    whose variables no torchrun set (no ``TORCHELASTIC_RUN_ID``: an old export, say) is announced on
-    stderr before the wait.
-    """
-    names = _RENDEZVOUS_VARS.get(launcher, ())
-    if ep.init_method == "env://":
-        host, port = env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT") or 0)
-    else:
-        host, _, port = (ep.init_method or "").removeprefix("tcp://").rpartition(":")
-        port = int(port)
-    where = f"{host}:{port}"
-    if launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in env:
-        print(f"note: {_seen(env, TORCHRUN_VARS)} are set, but by no torchrun (no TORCHELASTIC_RUN_ID): rank "
-              f"{ep.rank} of {ep.world_size} waits up to rendezvous_timeout={timeout_s:g} s for the others at {where} "
-              f"(unset them to run one process)", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + timeout_s
-    try:
-        # a rank that connects to a store someone else serves waits here, in Python: torch's own retries
-        # print a C++ stack trace at each one
-        if ep.rank != 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            _wait_for_listener(host, port, deadline)
-        left = max(1.0, deadline - time.monotonic())
-        store, _, _ = next(dist.rendezvous(ep.init_method, rank=ep.rank, world_size=ep.world_size,
-                                           timeout=datetime.timedelta(seconds=left)))
-    except (RuntimeError, ValueError, OSError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise RunFailure(f"rank {ep.rank}: the {ep.world_size} ranks of the job did not meet at {where} within "
-                         f"rendezvous_timeout={timeout_s:g} s ({first}); launcher {launcher} read from "
-                         f"{_seen(env, names)}: a rank that did not start, a wrong address or port, or variables left "
-                         f"over from an earlier job (unset them to run one process)") from None
-    return store
 
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -370,6 +370,31 @@ def test_the_digest_is_kept_beside_the_shard_and_read_back_until_the_file_change
     assert cached_digest(read_info(other)).cache == "" and not Path(str(other) + ".digest.json").exists()
 
 
+def test_a_slow_digest_is_said_on_the_start_line_and_kept_for_the_next_run(digits6_16px, tmp_path, monkeypatch):
+    """Start-up itself: a pass of a second or more (a large shard; made slow here) is named on the
+    run's start line and cached, and the next run on the same file reads it back."""
+    shard = tmp_path / "d.h5"
+    shutil.copy(digits6_16px, shard)
+    real = verify.content_digest
+
+    def slow(info):
+        d = real(info)
+        d.seconds = 2.0
+        return d
+
+    monkeypatch.setattr(verify, "content_digest", slow)
+    said = []
+    run(CONFIG, [f"data.path={shard}", f"out_dir={tmp_path / 'a'}", "rounds=1", "threads=1"], echo=said.append)
+    start = next(line for line in said if line.startswith("fedcp_dist:"))
+    assert f"(content verified in 2.00 s, kept in {shard}.digest.json)" in start
+    monkeypatch.setattr(verify, "content_digest", lambda info: pytest.fail("computed again"))
+    said = []
+    run(CONFIG, [f"data.path={shard}", f"out_dir={tmp_path / 'b'}", "rounds=1", "threads=1"], echo=said.append)
+    assert "content verified" not in next(line for line in said if line.startswith("fedcp_dist:"))
+    documented("data.md", "The run's start line says `content verified in S s` when the pass took half a second or "
+               "more")
+
+
 def test_a_folder_that_cannot_be_written_keeps_no_cache(digits6_16px, tmp_path, monkeypatch):
     shard = tmp_path / "d.h5"
     shutil.copy(digits6_16px, shard)

@@ -100,6 +100,17 @@ def _values(sample: Optional[np.ndarray]) -> str:
     return f" ({span} in its first rows{', ' + ' and '.join(odd) + ' among them' if odd else ''})"
 
 
+def dtype_ok(kind: str, name: str, dtype) -> bool:
+    """Whether a shard of ``kind`` stores its array ``name`` as ``dtype``."""
+    return SAMPLE_DTYPES[kind][0](np.dtype(dtype)) if name.endswith("_x") else np.issubdtype(dtype, np.integer)
+
+
+def check_ds_dtype(path, kind: str, name: str, ds: h5py.Dataset) -> None:
+    """:func:`check_dtype` of a dataset, some of its values read only when it is refused."""
+    if not dtype_ok(kind, name, ds.dtype):
+        check_dtype(path, kind, name, ds.dtype, sample=ds[:WRITE_SAMPLES])
+
+
 def check_dtype(path, kind: str, name: str, dtype, client: Optional[int] = None,
                 sample: Optional[np.ndarray] = None) -> None:
     """Refuse an array of a dtype the shard's kind does not store (images as float, labels as
@@ -128,9 +139,7 @@ def _split_counts(f: h5py.File, path, num_clients: int, num_classes: int, kind: 
         counts = np.diff(_offsets(f, path, split, num_clients, names))
         for name in names:
             if name.startswith(split):
-                ds = f[name]
-                if not SAMPLE_DTYPES[kind][0](ds.dtype) if name.endswith("_x") else not np.issubdtype(ds.dtype, np.integer):
-                    check_dtype(path, kind, name, ds.dtype, sample=ds[:WRITE_SAMPLES])
+                check_ds_dtype(path, kind, name, f[name])
         key = f"{split}_label_counts"
         if key not in f or not isinstance(f[key], h5py.Dataset):
             raise UserError(f"shard file {path} lacks the dataset '{key}'")
@@ -277,7 +286,8 @@ def _check_text_arrays(path, cid: int, arrays: dict, max_len: int, vocab_size: i
 def _check_client_values(path, kind: str, cid: int, arrays: dict, num_classes: Optional[int]) -> None:
     """A loaded client's arrays: dtypes, labels in [0, num_classes), a table's values finite."""
     for name, a in arrays.items():
-        check_dtype(path, kind, name, a.dtype, cid, sample=a[:WRITE_SAMPLES])
+        if not dtype_ok(kind, name, a.dtype):
+            check_dtype(path, kind, name, a.dtype, cid, sample=a[:WRITE_SAMPLES])
     for split in ("train", "test"):
         if num_classes is not None:
             labels_in_range(path, split, arrays[f"{split}_y"], [0, len(arrays[f"{split}_y"])], num_classes, cid)
@@ -310,8 +320,10 @@ def _gather_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int) -> dict:
-    """Version 3: each client's rows of every dataset in ``names`` (views of one array each)."""
+def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int, kind: str,
+                     num_classes: Optional[int]) -> dict:
+    """Version 3: each client's rows of every dataset in ``names`` (views of one array each), each
+    array's dtype, labels and a table's values checked once for all of them."""
     order = np.unique(np.asarray(ids, dtype=np.int64))
     out: dict[int, dict[str, np.ndarray]] = {int(c): {} for c in order}
     for split in ("train", "test"):
@@ -321,7 +333,13 @@ def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int
         bounds = np.concatenate(([0], np.cumsum(lengths)))
         for name in names:
             if name.startswith(split):
+                check_ds_dtype(path, kind, name, f[name])
                 data = _gather_rows(f[name], rows)
+                if name.endswith("_y") and num_classes is not None:
+                    labels_in_range(path, split, data, bounds, num_classes, clients=order)
+                if kind == TABLE_KIND and name.endswith("_x") and not np.isfinite(data).all():
+                    k = int(np.searchsorted(bounds, np.argwhere(~np.isfinite(data))[0][0], side="right") - 1)
+                    finite_rows(path, name, int(order[k]), 0, data[bounds[k]:bounds[k + 1]])
                 for k, cid in enumerate(order):
                     out[int(cid)][name] = data[bounds[k]:bounds[k + 1]]
     return out
@@ -359,6 +377,7 @@ def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
             kind = _as_str(f.attrs.get("kind", KIND))
             _check_kind(path, kind, version)
             names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+            num_classes = int(f.attrs["num_classes"]) if "num_classes" in f.attrs else None
             if kind == TEXT_KIND:
                 for key in ("vocab_size", "input_shape"):
                     if key not in f.attrs:
@@ -373,16 +392,16 @@ def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
                     if not 0 <= cid < num_clients:
                         raise UserError(f"shard file {path} has no client {cid} "
                                         f"(it holds {num_clients} clients)")
-                out = _load_split_rows(f, path, ids, names, num_clients)
+                out = _load_split_rows(f, path, ids, names, num_clients, kind, num_classes)
             else:
                 out = _load_groups(f, path, ids, names, num_clients)
-            num_classes = int(f.attrs["num_classes"]) if "num_classes" in f.attrs else None
+                for cid, arrays in out.items():
+                    _check_client_values(path, kind, cid, arrays, num_classes)
             for cid, arrays in out.items():
                 if len(arrays["train_x"]) != len(arrays["train_y"]) or \
                         len(arrays["test_x"]) != len(arrays["test_y"]):
                     raise UserError(f"shard file {path}: client {cid} has samples and labels "
                                     f"of different lengths")
-                _check_client_values(path, kind, cid, arrays, num_classes)
                 if kind == TEXT_KIND:
                     _check_text_arrays(path, cid, arrays, max_len, vocab_size)
     except (OSError, RuntimeError, KeyError) as exc:

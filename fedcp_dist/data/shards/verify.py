@@ -139,14 +139,16 @@ class _Cursor:
             yield piece
 
 
-def labels_in_range(path, split: str, y: np.ndarray, offsets, num_classes: int, first_client: int = 0) -> None:
-    """Refuse a label of ``y`` (the rows ``offsets`` divide among clients ``first_client``, …)
-    outside [0, num_classes), naming the first one's client, row and value."""
+def labels_in_range(path, split: str, y: np.ndarray, offsets, num_classes: int, first_client: int = 0,
+                    clients=None) -> None:
+    """Refuse a label of ``y`` (the rows ``offsets`` divide among clients ``first_client``, … or
+    among ``clients``) outside [0, num_classes), naming the first one's client, row and value."""
     bad = np.flatnonzero((y < 0) | (y >= num_classes)) if len(y) else ()
     if len(bad):
         row = int(bad[0])
         k = int(np.searchsorted(offsets, row, side="right") - 1)
-        raise UserError(f"shard file {path}: client {first_client + k}'s {split}_y holds label {int(y[row])} (its row "
+        client = int(clients[k]) if clients is not None else first_client + k
+        raise UserError(f"shard file {path}: client {client}'s {split}_y holds label {int(y[row])} (its row "
                         f"{row - int(offsets[k])}), outside [0, {num_classes}) of the shard's num_classes; "
                         f"{len(bad)} such label(s) there (edited or damaged?)")
 
