@@ -21,8 +21,9 @@ from fedcp_dist.compress import uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
+from fedcp_dist.faults import fault_point
 from fedcp_dist.placement import STREAM_EVAL
-from fedcp_dist.preemption import StopSignals
+from fedcp_dist.preemption import StopSignals, interrupt_after
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.round_record import evaluation_record, round_record, summary_json
 from fedcp_dist.rundir import progress_line, result_table
@@ -69,6 +70,7 @@ class Simulator:
     def evaluate(self, round_idx: int, probes: dict = None, order: ClientOrder = None) -> EvalSums:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
         evaluation probes; into ``order``, each client's own values)."""
+        fault_point("eval", round_idx + 1)  # the fault tests' hook
         self.store.prefetch(self.owned)
         return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
                                 lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
@@ -155,6 +157,7 @@ class Simulator:
         self.agg.begin_round(self.algo.skipped_groups(t), train_order.values.numel()
                              + (ev_order.values.numel() if ev_order is not None else 0))
         cpu_start = time.process_time()
+        fault_point("train", t + 1)  # the fault tests' hook
         train, payloads = self.trainer.train(t, cohort, probes, train_order)
         times = {"train_seconds": time.perf_counter() - t_start - t_eval,
                  "train_cpu_seconds": time.process_time() - cpu_start, "eval_seconds": t_eval}
@@ -201,7 +204,9 @@ class Simulator:
         self.echo(progress_line(cfg.rounds, e, None))
         summary = summary_json(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,
                               self.select_by_features)
-        self.writer.save_final_global(self.global_state)
-        self.writer.write_summary(summary)  # last: its presence marks a finished run
+        with interrupt_after(deliver=False):  # a Ctrl-C now: both files written whole, the run finished
+            self.writer.save_final_global(self.global_state)
+            fault_point("final")  # the fault tests' hook
+            self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))
         return summary

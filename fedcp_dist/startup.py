@@ -17,6 +17,7 @@ from fedcp_dist.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
+from fedcp_dist.faults import fault_point
 from fedcp_dist.models import build_model, model_options
 from fedcp_dist.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
                                   placement_weights, steps_per_rank)
@@ -178,6 +179,7 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
         groups = form_groups(steps, size)
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
     t0 = time.perf_counter()
+    fault_point("shard")  # the fault tests' hook
     arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
     data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
