@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from fedcp_dist import fused
+from fedcp_dist import fused, preflight
 from fedcp_dist.algorithms import Algorithm, make_algorithm
 from fedcp_dist.fused_groups import group_size as fused_group_size
 from fedcp_dist.client_store import banks_in_files
@@ -67,6 +67,11 @@ class Setup:
     @property
     def num_clients(self) -> int:
         return len(self.clients)
+
+    def batch_rows(self, cfg) -> int:
+        """Rows of a training batch at most: ``batch_size``, or the run's largest client's training
+        samples when fewer (the same on every rank; see :func:`fedcp_dist.fused.batch_rows`)."""
+        return fused.batch_rows(cfg.batch_size, self.info.train_counts[self.clients])
 
     def clients_per_rank(self, world_size: int) -> np.ndarray:
         return np.bincount(self.owner, minlength=world_size)
@@ -180,6 +185,8 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
     t0 = time.perf_counter()
     fault_point("shard")  # the fault tests' hook
+    preflight.check_data(info, [int(info.train_counts[clients[c]] + info.test_counts[clients[c]]) for c in owned],
+                         rt.rank, rt.device)
     arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
     data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
