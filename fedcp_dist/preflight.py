@@ -11,6 +11,7 @@ data resident, the client store and the all-reduce buffer made) and before resum
 * **client states**: every owned client's persistent state (with its BatchNorm statistics and its
   compression residual) that ``client_state: device`` or ``host`` keeps, less what the store holds
   already; ``client_state: disk`` only those in flight (read ahead, recently used, a fused group's).
+  On a GPU a store off the device (``host``, ``disk``) moves those in flight to it.
 * **training**: fused, the groups trained side by side, each ``slots × per_slot + 2 × clients ×
   per_result`` (:class:`~fedcp_dist.fused_memory.MemoryPlan`, whose activations count the rows a
   step really has: :func:`~fedcp_dist.fused.batch_rows`); one client at a time, a batch's
@@ -119,27 +120,30 @@ def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
     """{pool: {item: bytes}} of what the rounds add to what is in use now: pool ``device`` (a CPU's
     is the host) and, on a GPU, ``host``; the margin is an item of its own."""
     gpu = f.device != "cpu"
-    states = (min(f.owned, f.in_flight + f.group()) if f.store == "disk" else f.owned) * f.per_client
-    states = max(0, states - f.held)
+    in_flight = min(f.owned, f.in_flight + max(1, f.group())) * f.per_client  # read ahead, recent, a group's
+    kept = max(0, f.owned * f.per_client - f.held)  # every client's, as the store keeps them
     train, _ = training_bytes(f)
     rows_e = max(1, min(f.eval_batch_size, f.max_test))
     evaluation = 4 * rows_e * f.act_eval + f.global_bytes
     round_ = 2 * 8 * f.upload_elements + f.global_bytes
-    checkpoint = 0
-    if f.store == "disk":
-        checkpoint = f.owned * f.per_client  # the state files mapped to be written into it
-    elif gpu and f.store == "device":
-        checkpoint = f.owned * f.per_client + f.global_bytes  # copied to the host
-    device = {"client states": states if f.store == "device" or not gpu else 0,
-              "training": max(train, evaluation, round_)}
-    if not gpu:
-        device["checkpoint"] = checkpoint
-    pools = {"device": device}
-    if gpu:
-        pools["host"] = {"client states": states if f.store != "device" else 0, "checkpoint": checkpoint}
+    # copied to the host to be written (a disk store's files are mapped instead: see mapped_bytes)
+    checkpoint = f.owned * f.per_client + f.global_bytes if gpu and f.store == "device" else 0
+    if not gpu:  # one pool, the host's
+        pools = {"device": {"client states": in_flight if f.store == "disk" else kept,
+                            "training": max(train, evaluation, round_), "checkpoint": checkpoint}}
+    else:  # a store off the device moves the states in use to it
+        pools = {"device": {"client states": kept if f.store == "device" else in_flight,
+                            "training": max(train, evaluation, round_)},
+                 "host": {"client states": {"device": 0, "host": kept}.get(f.store, in_flight), "checkpoint": checkpoint}}
     for items in pools.values():
         items["margin"] = int(MARGIN * sum(items.values())) + MARGIN_BYTES
     return pools
+
+
+def mapped_bytes(f: Figures) -> int:
+    """Bytes of files mapped into memory at a checkpoint (a disk store's state files): page cache,
+    which the kernel may drop, yet address space."""
+    return f.owned * f.per_client if f.store == "disk" else 0
 
 
 def mib(n: float) -> str:
@@ -155,29 +159,37 @@ class Free:
     limits: List[Tuple[str, int]]
 
     @staticmethod
-    def counted(name: str, need: int, threads: int) -> int:
+    def counted(name: str, need: int, threads: int = 0, mapped: int = 0) -> int:
         """``need`` as the limit ``name`` counts it: the address-space limits add the threads still
-        to start and the address space mapped beyond what is touched."""
-        return need + threads * THREAD_ADDRESS_SPACE + ADDRESS_SLACK if name in ADDRESS_LIMITS else need
+        to start, the files to be mapped and the address space mapped beyond what is touched."""
+        if name not in ADDRESS_LIMITS:
+            return need
+        return need + threads * THREAD_ADDRESS_SPACE + mapped + ADDRESS_SLACK
 
-    def tightest(self, need: int, threads: int) -> Optional[Tuple[str, int, int]]:
+    def tightest(self, need: int, threads: int = 0, mapped: int = 0) -> Optional[Tuple[str, int, int]]:
         """(limit, what it counts, bytes left) of the first limit ``need`` does not fit, else None."""
         for name, left in self.limits:
-            counted = self.counted(name, need, threads)
+            counted = self.counted(name, need, threads, mapped)
             if counted > left:
                 return name, counted, left
         return None
 
 
-def _threads(f: Figures, pool: str) -> int:
-    """Threads to start, counted against the host's address space (a CPU's pool ``device`` is the host)."""
-    return f.threads_to_start() if pool == "host" or f.device == "cpu" else 0
+def _host(f: Figures, pool: str) -> bool:
+    """Whether ``pool`` is the host's (a CPU's pool ``device`` is)."""
+    return pool == "host" or f.device == "cpu"
+
+
+def _address(f: Figures, pool: str) -> dict:
+    """What the address-space limits count besides the pool's bytes: the threads to start and the
+    files to be mapped (the host's)."""
+    return {"threads": f.threads_to_start(), "mapped": mapped_bytes(f)} if _host(f, pool) else {}
 
 
 def fits(f: Figures, free: Dict[str, Free]) -> Optional[Tuple[str, str, int, int]]:
     """None when every pool's need fits its limits, else (pool, limit, need, left) of the first that does not."""
     for pool, items in estimate(f).items():
-        bad = free[pool].tightest(sum(items.values()), _threads(f, pool))
+        bad = free[pool].tightest(sum(items.values()), **_address(f, pool))
         if bad is not None:
             return (pool, *bad)
     return None
@@ -194,6 +206,8 @@ def _halvings(n: int) -> List[int]:
 def alternatives(f: Figures) -> List[Tuple[str, Figures]]:
     """(key=value, the figures with it) for the settings that take less memory, least disruptive first."""
     out = []
+    if f.device != "cpu" and f.store == "device" and f.owned * f.per_client > 0:
+        out.append(("client_state=host", dataclasses.replace(f, store="host")))
     if f.store != "disk" and f.owned * f.per_client > 0:
         out.append(("client_state=disk", dataclasses.replace(f, store="disk")))
     if f.fused:
@@ -219,8 +233,7 @@ def check(f: Figures, free: Dict[str, Free], rank: int) -> str:
         parts = []
         for pool, items in pools.items():
             now, need = (f.now if pool == "device" else f.now_host), sum(items.values())
-            threads = _threads(f, pool)
-            left = ", ".join(f"{name}: {Free.counted(name, need, threads) / MiB:.0f} of {room / MiB:.0f} MiB left"
+            left = ", ".join(f"{name}: {Free.counted(name, need, **_address(f, pool)) / MiB:.0f} of {room / MiB:.0f} MiB left"
                              if name in ADDRESS_LIMITS else f"{mib(room)} {name}" for name, room in free[pool].limits)
             parts.append(f"{'GPU' if gpu and pool == 'device' else 'host'} about {mib(now + need)} at the peak "
                          f"({mib(now)} now + {_items(items)}); free: {left}")
@@ -229,7 +242,7 @@ def check(f: Figures, free: Dict[str, Free], rank: int) -> str:
     where = "GPU memory" if gpu and pool == "device" else "host memory"
     what = "address space" if limit in ADDRESS_LIMITS else where
     head = (f"rank {rank} needs about {mib(need)} more {what} for its rounds ({_items(pools[pool], training_bytes(f)[1])}"
-            f"{', thread stacks and address-space slack' if limit in ADDRESS_LIMITS else ''}) but {mib(max(0, left))} "
+            f"{'; with threads, mapped files and slack' if limit in ADDRESS_LIMITS else ''}) but {mib(max(0, left))} "
             f"are left ({limit})")
     for setting, g in alternatives(f):
         if fits(g, free) is None:

@@ -111,7 +111,8 @@ class SweepStop:
     on to the running point (``proc``) as SIGTERM, or, with none running, stops the sweep at once
     (:class:`~fedcp_dist.errors.Preempted`); the second ends the running point at once (SIGKILL)."""
 
-    def __init__(self):
+    def __init__(self, sweep: str = ""):
+        self.sweep = sweep
         self.signum: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
         self.point = ""
@@ -126,8 +127,8 @@ class SweepStop:
         self.signum = self.signum or signum
         running = self.proc is not None and self.proc.poll() is None
         if not running:
-            raise Preempted(f"stopped by {signal.Signals(signum).name}; no point was running; run the sweep again "
-                            f"to go on")
+            raise Preempted(f"sweep {self.sweep} stopped by {signal.Signals(signum).name}; run it again to resume "
+                            f"its points")
         if first:
             print(f"got {signal.Signals(signum).name}: asking {self.point} to checkpoint after its round and stop "
                   f"(a second signal stops it at once)", file=sys.stderr, flush=True)
@@ -195,7 +196,7 @@ def run_local(sweep: Sweep) -> int:
           f"{len(todo)} to run one after another (local, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"
           + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),
           flush=True)
-    with SweepStop() as stop:
+    with SweepStop(sweep.name) as stop:
         drift_warning(sweep)
         make_partitions(sweep, todo)
         write_manifest(sweep, {"time": now(), "executor": "local", "points": [p.name for p in todo]} if todo else None)
