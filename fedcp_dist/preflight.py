@@ -8,9 +8,9 @@ data resident, the client store and the all-reduce buffer made) and before resum
 
 * **now**: what the process holds already: its resident memory on a CPU; on a GPU the bytes
   torch's allocator has handed out on the device (the host's resident memory for the host side).
-* **client states**: every owned client's persistent state (with its BatchNorm statistics and its
-  compression residual) that ``client_state: device`` or ``host`` keeps, less what the store holds
-  already; ``client_state: disk`` only those in flight (read ahead, recently used, a fused group's).
+* **client states**: twice every owned client's persistent state (with its BatchNorm statistics and
+  its compression residual) that ``client_state: device`` or ``host`` keeps (a round makes the new
+  states while the old ones are freed), less what the store holds already; ``client_state: disk`` only those in flight (read ahead, recently used, a fused group's).
   On a GPU a store off the device (``host``, ``disk``) moves those in flight to it.
 * **training**: fused, the groups trained side by side, each ``slots × per_slot + 2 × clients ×
   per_result`` (:class:`~fedcp_dist.fused_memory.MemoryPlan`, whose activations count the rows a
@@ -46,7 +46,7 @@ from fedcp_dist.errors import UserError
 MiB = 2**20
 #: fraction of what is still to come added for the allocator's overhead, and a fixed part for what
 #: the first round sets up besides (kernel caches, autograd's state, Python objects)
-MARGIN, MARGIN_BYTES = 0.10, 32 * MiB
+MARGIN, MARGIN_BYTES = 0.15, 32 * MiB
 #: against RLIMIT_AS and RLIMIT_DATA, which count address space rather than resident memory: what a
 #: thread started later takes (its 8 MiB stack and the 64 MiB malloc arena glibc reserves for it,
 #: rounded up), and the address space mapped beyond what is touched
@@ -121,7 +121,10 @@ def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
     is the host) and, on a GPU, ``host``; the margin is an item of its own."""
     gpu = f.device != "cpu"
     in_flight = min(f.owned, f.in_flight + max(1, f.group())) * f.per_client  # read ahead, recent, a group's
-    kept = max(0, f.owned * f.per_client - f.held)  # every client's, as the store keeps them
+    # every client's, as the store keeps them, twice: a round allocates the new states while the old
+    # ones are being freed, and the allocator keeps what it frees in between (measured: Ditto's
+    # resident memory grows by about its states' size over its first rounds, then stays)
+    kept = max(0, 2 * f.owned * f.per_client - f.held)
     train, _ = training_bytes(f)
     rows_e = max(1, min(f.eval_batch_size, f.max_test))
     evaluation = 4 * rows_e * f.act_eval + f.global_bytes
