@@ -28,6 +28,8 @@ import torch
 
 from fedcp_dist.data.shards.verify import ShardDigest, describe_differences
 from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.faults import fault_point
+from fedcp_dist.preemption import interrupt_after
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
 from fedcp_dist.rundir import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
 
@@ -125,8 +127,13 @@ class Checkpointer:
 
         ``all_ok(ok)`` is a collective: True when every rank passes True. A write that fails on
         any rank (a full disk, say) leaves the previous checkpoint as the newest complete one and
-        raises :class:`RunFailure` on every rank.
+        raises :class:`RunFailure` on every rank. A Ctrl-C (SIGINT) meanwhile takes effect once the
+        checkpoint is complete (:class:`~fedcp_dist.preemption.interrupt_after`).
         """
+        with interrupt_after():
+            return self._save(rounds_done, global_state, client_states, meta, all_ok)
+
+    def _save(self, rounds_done: int, global_state: dict, client_states: dict, meta: dict, all_ok) -> Path:
         d = self.root / f"round_{rounds_done:07d}"
         problem = None
         target = d
@@ -135,6 +142,7 @@ class Checkpointer:
             part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
             target = d / f"clients_{self.rank}.pt"
             atomic_torch_save(part, target)
+            fault_point("checkpoint", rounds_done)  # the fault tests' hook: this part written, not the rest
             if self.rank == 0:
                 target = d / "global.pt"
                 atomic_torch_save(

@@ -222,6 +222,12 @@ def stack_once(params: Dict[str, Tensor]) -> Dict[str, Tensor]:
     return out
 
 
+def batch_rows(batch_size: int, train_counts) -> int:
+    """Rows of a fused step's padded batch: ``batch_size``, or the largest of ``train_counts`` when
+    that is smaller (no batch is longer than its client's samples), at least 1."""
+    return max(1, min(int(batch_size), max((int(n) for n in train_counts), default=1)))
+
+
 def train_fused(
     clients: Sequence[ClientRun],
     phase: Phase,
@@ -241,7 +247,8 @@ def train_fused(
     come from ``batch_indices(n, batch_size, phase.epochs, drop_last, its generator)``. Returns one
     outcome per client, in order, with every stacked name's final value (and, with ``tally`` or
     the phase's ``tallied``, the sums of what the loss tallied over its real samples, as the
-    sequential path has them).
+    sequential path has them). A step's batches are padded to :func:`batch_rows` rows, so its
+    memory follows the clients' samples, not a ``batch_size`` beyond them.
     """
     if not clients:
         return []
@@ -256,6 +263,8 @@ def train_fused(
     if not queue:
         return outcomes  # type: ignore[return-value]
     slots = max(1, min(int(slots), len(queue)))
+    # rows of a step: no batch is longer than the largest client's samples (batch_size may be far larger)
+    rows = batch_rows(batch_size, [c.n for c in clients])
     first = clients[queue[0]].start
     stacked = {n: _stacked_like(first[n], slots) for n in names}
     loss_acc = torch.zeros(slots, dtype=torch.float32, device=first[names[0]].device)
@@ -290,8 +299,8 @@ def train_fused(
         for a in active:
             idx = next(a.batches)  # the epoch's permutation is drawn here, as in the sequential loop
             b = int(idx.shape[0])
-            if b < batch_size:
-                idx = torch.cat([idx, idx[:1].expand(batch_size - b)])
+            if b < rows:
+                idx = torch.cat([idx, idx[:1].expand(rows - b)])
             c = clients[a.index]
             x, y = c.data.train_batch(idx if c.index is None else c.index[idx])
             xs.append(x)
@@ -299,10 +308,10 @@ def train_fused(
             sizes.append(b)
         x, y = torch.stack(xs), torch.stack(ys)
         count = torch.tensor(sizes, dtype=torch.float32, device=x.device)
-        if min(sizes) == batch_size:
-            mask = torch.ones(k, batch_size, dtype=torch.float32, device=x.device)
+        if min(sizes) == rows:
+            mask = torch.ones(k, rows, dtype=torch.float32, device=x.device)
         else:
-            mask = (torch.arange(batch_size, device=x.device)[None, :] < count[:, None]).to(torch.float32)
+            mask = (torch.arange(rows, device=x.device)[None, :] < count[:, None]).to(torch.float32)
         gens = [clients[a.index].generator for a in active]
         batch = Batch(x, y, mask, count, sizes, gens, k)
 

@@ -69,17 +69,21 @@ def _activations(algo, phase, cp, datas: list) -> int:
     return counted[phase.name]
 
 
-def memory_plan(algo, plans: list, datas: list) -> fused_memory.MemoryPlan:
+def memory_plan(algo, plans: list, datas: list, rows: Optional[int] = None) -> fused_memory.MemoryPlan:
     """Per-client memory of fused training (the largest over the phases), from one client's
     phases ``plans`` = [(phase, ClientPhase)]: 4 bytes per stacked value, twice for trained
-    ones (their gradient), plus activations counted on a one-sample forward of the loss."""
+    ones (their gradient), plus activations counted on a one-sample forward of the loss, times
+    ``rows``, a step's rows (None: :func:`fused.batch_rows` of ``datas``; the engine passes the
+    run's, the same on every rank)."""
     per_slot = per_result = 0
     x = fused.probe_input(datas)
+    if rows is None:
+        rows = fused.batch_rows(algo.cfg.batch_size, [d.n_train for d in datas])
     for phase, cp in plans:
         trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
         total = sum(t.numel() for t in cp.start.values())
         act = _activations(algo, phase, cp, datas) if x is not None else 0
-        per_slot = max(per_slot, 4 * (trained + total) + fused_memory.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act)
+        per_slot = max(per_slot, 4 * (trained + total) + fused_memory.ACTIVATION_COPIES * 4 * rows * act)
         per_result = max(per_result, 4 * total)
     return fused_memory.MemoryPlan(per_slot=per_slot, per_result=per_result)
 
@@ -148,10 +152,14 @@ class GroupTrainer:
 
     ``groups``: this rank's groups (lists of client ids, the run's order), the same lists whichever
     rank owns them. ``fused_workers`` groups train side by side, one intra-op thread each
-    (:func:`one_thread_each`); the slots are the same for every group of the run (:func:`group_slots`)."""
+    (:func:`one_thread_each`); the slots are the same for every group of the run (:func:`group_slots`),
+    sized for ``rows`` rows a step (:func:`fused.batch_rows` of the run's clients; None: of this
+    rank's)."""
 
-    def __init__(self, cfg, algo, store, data: dict, groups: List[List[int]], device: torch.device):
+    def __init__(self, cfg, algo, store, data: dict, groups: List[List[int]], device: torch.device,
+                 rows: Optional[int] = None):
         self.cfg, self.algo, self.store, self.data, self.device = cfg, algo, store, data, device
+        self.rows = rows
         self.groups = [list(g) for g in groups]
         self.slots: Optional[int] = None
         self.plan: Optional[fused_memory.MemoryPlan] = None
@@ -176,7 +184,7 @@ class GroupTrainer:
             plan, slots = self.plan, self.slots
             if slots is None:  # from the first wave that holds a training sample: the same on every rank
                 datas = [d for group in items for _, d, _ in group]
-                plan = memory_plan(self.algo, plans[0][0], datas)
+                plan = memory_plan(self.algo, plans[0][0], datas, self.rows)
                 slots = group_slots(plan, self.device)
                 if fused.probe_input(datas) is not None:
                     self.plan, self.slots = plan, slots

@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from fedcp_dist.errors import ArgumentParser, Preempted, UserError, cli_main
+from fedcp_dist.faults import fault_point
 from fedcp_dist.preemption import StopSignals, write_status
 
 
@@ -115,6 +116,7 @@ def main(argv=None):
     # listening at once: reading the config, starting the runtime, loading the shard and verifying a
     # checkpoint can take minutes, and a preemption then must end in the requeue status too
     with StopSignals() as stop:
+        fault_point("startup")  # the fault tests' hook
         _main(build_parser().parse_args(argv), stop)
 
 

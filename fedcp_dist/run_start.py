@@ -6,7 +6,9 @@ works with, built in order, each step agreed on by every rank.
    the clients and loads its own (:func:`fedcp_dist.startup.load`);
 2. the peer exchange's memory is checked, the global state made, the client store opened (a disk
    store locks its folder) and the training path chosen (fused or one client at a time);
-3. the aggregator's buffer, the compressor, the cohort trainer and the run directory's writer;
+3. the aggregator's buffer, the compressor and the cohort trainer; the memory the rounds will
+   take is estimated and checked against what is free (:mod:`fedcp_dist.preflight`); the run
+   directory's writer;
 4. resume from the newest verified checkpoint (``resume: auto``), and analysis.jsonl kept up to the
    rounds done.
 
@@ -28,6 +30,7 @@ from fedcp_dist.config import Config
 from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.evaluation import EvalSums
 from fedcp_dist.fused_groups import GroupTrainer, group_size as fused_group_size
+from fedcp_dist.preflight import preflight
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.rundir import RunWriter, prepare_out_dir
 from fedcp_dist.runtime import Runtime
@@ -50,6 +53,8 @@ class RunParts:
     trainer: CohortTrainer
     writer: RunWriter
     lock: object
+    #: the memory the run's rounds will take at their peak, estimated before the first (a line)
+    memory: str = ""
     start_round: int = 0
     records: List[dict] = field(default_factory=list)
     round_seconds: List[float] = field(default_factory=list)
@@ -118,11 +123,14 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
                          groups=algo.aggregation_groups(upload),
                          rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
     compressor = Compressor.from_config(cfg, agg.shapes)
-    groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device)
+    groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device, rows=s.batch_rows(cfg))
               if fused and s.groups is not None else None)
     trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor)
+    # the memory the rounds will take, against what is free: a run that cannot fit stops here, in one line
+    memory = startup.agree_on(rt, lambda: preflight(cfg, rt, s, algo, store, agg, compressor, groups))
     made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
-    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"])
+    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"],
+                     memory=memory or "")
 
     def maybe_resume() -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory

@@ -21,8 +21,9 @@ from fedcp_dist.compress import uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.evaluation import EvalSums, evaluate_clients
+from fedcp_dist.faults import fault_point
 from fedcp_dist.placement import STREAM_EVAL
-from fedcp_dist.preemption import StopSignals
+from fedcp_dist.preemption import StopSignals, interrupt_after
 from fedcp_dist.probes import RoundProbes
 from fedcp_dist.round_record import evaluation_record, learned_nothing, round_record, summary_json
 from fedcp_dist.rundir import DIVERGED, SUMMARY, progress_line, result_table
@@ -49,6 +50,7 @@ class Simulator:
             p.setup.num_clients, p.setup.owner, p.setup.owned, p.setup.data)
         self.fused, self.path, self.agg, self.compressor, self.trainer = p.fused, p.path, p.agg, p.compressor, p.trainer
         self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
+        self.memory = p.memory
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
         self.select_by_features = cfg.client_selection == "feature_difference"
@@ -69,6 +71,7 @@ class Simulator:
     def evaluate(self, round_idx: int, probes: dict = None, order: ClientOrder = None) -> EvalSums:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
         evaluation probes; into ``order``, each client's own values)."""
+        fault_point("eval", round_idx + 1)  # the fault tests' hook
         self.store.prefetch(self.owned)
         return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
                                 lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
@@ -122,6 +125,7 @@ class Simulator:
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
         self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line, self.algo.describe()))
+        self.echo(self.memory)
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)
             self.writer.log(record)
@@ -155,6 +159,7 @@ class Simulator:
         self.agg.begin_round(self.algo.skipped_groups(t), train_order.values.numel()
                              + (ev_order.values.numel() if ev_order is not None else 0))
         cpu_start = time.process_time()
+        fault_point("train", t + 1)  # the fault tests' hook
         train, payloads = self.trainer.train(t, cohort, probes, train_order)
         times = {"train_seconds": time.perf_counter() - t_start - t_eval,
                  "train_cpu_seconds": time.process_time() - cpu_start, "eval_seconds": t_eval}
@@ -209,8 +214,10 @@ class Simulator:
         diverged = learned_nothing(self.records)
         if diverged:
             summary["status"] = DIVERGED
-        self.writer.save_final_global(self.global_state)
-        self.writer.write_summary(summary)  # last: its presence marks a finished run
+        with interrupt_after(deliver=False):  # a Ctrl-C now: both files written whole, the run finished
+            self.writer.save_final_global(self.global_state)
+            fault_point("final")  # the fault tests' hook
+            self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))
         if diverged:
             raise RunFailure(f"the run learned nothing: every client's update was non-finite in each of its {cfg.rounds} "

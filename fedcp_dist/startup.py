@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from fedcp_dist import fused
+from fedcp_dist import fused, preflight
 from fedcp_dist.algorithms import Algorithm, make_algorithm
 from fedcp_dist.fused_groups import group_size as fused_group_size
 from fedcp_dist.client_store import banks_in_files
@@ -18,6 +18,7 @@ from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
 from fedcp_dist.errors import UserError
+from fedcp_dist.faults import fault_point
 from fedcp_dist.models import build_model, model_options
 from fedcp_dist.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
                                   placement_weights, steps_per_rank)
@@ -70,6 +71,11 @@ class Setup:
     @property
     def num_clients(self) -> int:
         return len(self.clients)
+
+    def batch_rows(self, cfg) -> int:
+        """Rows of a training batch at most: ``batch_size``, or the run's largest client's training
+        samples when fewer (the same on every rank; see :func:`fedcp_dist.fused.batch_rows`)."""
+        return fused.batch_rows(cfg.batch_size, self.info.train_counts[self.clients])
 
     def clients_per_rank(self, world_size: int) -> np.ndarray:
         return np.bincount(self.owner, minlength=world_size)
@@ -185,6 +191,9 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
         groups = form_groups(steps, size)
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
     t0 = time.perf_counter()
+    fault_point("shard")  # the fault tests' hook
+    preflight.check_data(info, [int(info.train_counts[clients[c]] + info.test_counts[clients[c]]) for c in owned],
+                         rt.rank, rt.device)
     arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
     data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
