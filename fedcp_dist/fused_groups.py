@@ -34,13 +34,22 @@ def slot_cap(device: torch.device) -> int:
     return fused_memory.CUDA_SLOTS if torch.device(device).type == "cuda" else fused_memory.CPU_SLOTS
 
 
+#: the automatic group size on a GPU makes at least this many groups (where there are that many
+#: clients): a node's GPUs, so that ``torchrun --nproc_per_node=8`` gives every GPU a group
+GPU_SPREAD = 8
+
+
 def group_size(cfg, device, num_clients: int) -> int:
     """Clients per fused group: ``fused_group``, or (0, auto) a size from the configuration and the
     run's client count alone, the same on every rank and world size. Auto: about a slot cap of
     participants a round (the cap of the device kind over the mean participation rate), in a
     number of groups G rounded up to a power of two, each of ⌈N / G⌉ clients (the last may hold
     fewer), so that 1, 2, 4, 8 … ranks can get equal shares of whole groups (20 clients, ρ = 1 on a
-    CPU: 4 groups of 5, where groups of 8, cut 8, 8, 4, left 2 ranks at 1.26× their mean steps)."""
+    CPU: 4 groups of 5, where groups of 8, cut 8, 8, 4, left 2 ranks at 1.26× their mean steps).
+    On a GPU G is at least :data:`GPU_SPREAD` (a node's GPUs; the device kind is part of the
+    configuration, the world size is not): the paper's 20 clients make 7 groups of at most 3, one
+    for each of 7 GPUs, and a rank holding several trains them together
+    (:func:`trains_jointly`)."""
     if cfg.fused_group:
         return int(cfg.fused_group)
     rng = cfg.participation_range
@@ -48,7 +57,20 @@ def group_size(cfg, device, num_clients: int) -> int:
     per_group = int(slot_cap(device) * max(1, math.ceil(1.0 / max(rho, 1e-6) - 1e-9)))
     n = max(1, int(num_clients))
     groups = 1 << max(0, math.ceil(n / per_group) - 1).bit_length()  # the next power of two
+    if torch.device(device).type == "cuda":
+        groups = max(groups, GPU_SPREAD)
     return math.ceil(n / groups)
+
+
+def trains_jointly(cfg, device) -> bool:
+    """Whether a rank trains the round's participants of all its groups as one fused set of slots
+    (``fused_join``; auto: on a GPU). A GPU's stacked kernels give each slot the same bits whatever
+    the number of slots beside it (checked on the GPU by bench/gpu.sh), so the groups then fix only
+    the placement and a rank's GPU stays full however many groups it holds; on a CPU the kernels
+    block their sums by the number of slots, so each group trains alone there."""
+    if cfg.fused_join == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(cfg.fused_join)
 
 
 def activation_counts(algo) -> Dict[str, int]:
@@ -172,6 +194,8 @@ class GroupTrainer:
     def results(self, groups: List[List[int]], context: Callable[[int], object]) -> Iterator[tuple]:
         """(client, LocalResult) for every client of ``groups`` (each trained as one fused group),
         group by group; ``context(c)``: the client's :class:`~fedcp_dist.algorithms.base.Context`."""
+        if trains_jointly(self.cfg, self.device) and len(groups) > 1:
+            groups = [[c for g in groups for c in g]]  # one set of slots for all of them
         threads = torch.get_num_threads()
         workers = fused.workers_for(self.cfg.fused_workers, self.device, threads, len(groups))
         one_thread = one_thread_each(self.cfg, self.device, threads)

@@ -185,6 +185,8 @@ class Runtime:
         self.local_world_size = endpoint.local_world_size
         self.device = device
         self.backend = backend
+        #: why the backend is not the device's usual one ("" when it is)
+        self.backend_note = ""
         self.threads = threads
         self.timeout_s = 600.0
         #: what :func:`keep_freed_memory` did ("on", "off", "unavailable (...)")
@@ -261,7 +263,7 @@ class Runtime:
     def describe(self) -> str:
         return (
             f"launcher={self.launcher} world_size={self.world_size} device={self.device} "
-            f"backend={self.backend or 'none'} threads={self.threads}"
+            f"backend={self.backend or 'none'}{f' ({self.backend_note})' if self.backend_note else ''} threads={self.threads}"
             + (f" keep_freed_memory={self.keep_freed}" if self.device.type == "cpu" else "")
         )
 
@@ -347,6 +349,15 @@ def keep_freed_memory(setting, device: torch.device, mallopt=None) -> str:
     return "on"
 
 
+def cuda_backend(local_ranks: int, gpus: int) -> tuple:
+    """(backend, why) for CUDA ranks: NCCL, one GPU per rank; gloo (over the same CUDA tensors) where
+    more ranks of a node than it has visible GPUs share one, which NCCL refuses ("Duplicate GPU
+    detected"): a one-GPU machine then still runs the multi-rank path, e.g. to check it."""
+    if local_ranks > gpus:
+        return "gloo", f"{local_ranks} ranks share {gpus} GPU{'s' if gpus > 1 else ''}: NCCL needs one GPU per rank"
+    return "nccl", ""
+
+
 def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ,
                  keep_freed: object = "auto", rendezvous_timeout: float = 120.0) -> Runtime:
     """Detect the launcher, pin this rank's device and open the process group (the ranks meeting
@@ -360,14 +371,17 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
             raise UserError("device=cuda but no CUDA device is visible to this process")
         dev = torch.device("cuda", ep.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-        backend = "nccl"
+        # cuDNN's heuristics may pick algorithms that add with atomics (another order every run)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        backend, note = cuda_backend(ep.local_world_size, torch.cuda.device_count())
     else:
         dev = torch.device("cpu")
-        backend = "gloo"
+        backend, note = "gloo", ""
     n_threads = threads or max(1, _cpu_count() // max(1, ep.local_world_size))
     torch.set_num_threads(n_threads)
     rt = Runtime(launcher, ep, dev, None, n_threads)
     rt.timeout_s = timeout_s
+    rt.backend_note = note if ep.world_size > 1 else ""
     rt.keep_freed = keep_freed_memory(keep_freed, dev)
     if launcher != "single":  # a rank of a job: its parent is the launcher (torchrun, mpirun, slurmstepd)
         watch_launcher(rt)

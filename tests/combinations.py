@@ -133,6 +133,7 @@ VALUES = {
     "fused": [False, True],
     "fused_group": [1, 2],
     "fused_workers": [1, 2],
+    "fused_join": [True],
     "placement": ["samples", "steps"],
     "client_state": ["host", "disk", "auto"],
     "client_state_budget_mb": [0.01],  # client_state=auto: too little for any state, so disk

@@ -336,11 +336,54 @@ def test_group_size_is_a_function_of_the_config():
     assert fused_memory.CPU_SLOTS == 8
     # ρ = 1 on a CPU: ⌈N / 8⌉ groups rounded up to a power of two
     assert [size(Config(), CPU, n) for n in (1, 6, 8, 9, 16, 17, 20, 1000)] == [1, 6, 8, 5, 8, 5, 5, 8]
-    assert size(Config(), cuda, 20) == math.ceil(20 / (1 << (math.ceil(20 / fused_memory.CUDA_SLOTS) - 1).bit_length()))
+    # on a GPU at least GPU_SPREAD = 8 groups: the paper's 20 clients in groups of 3
+    assert fused_groups.GPU_SPREAD == 8
+    assert [size(Config(), cuda, n) for n in (1, 6, 20, 64, 2048, 2049)] == [1, 1, 3, 8, 256, 129]
     assert size(Config(participation=0.5), CPU, 20) == 10  # 16 a group: 2 groups
     assert size(Config(participation=0.3), CPU, 100) == 25  # ⌈1/0.3⌉ = 4: 32 a group, ⌈100/32⌉ = 4 groups
     assert size(Config(participation_range=[0.2, 0.6]), CPU, 100) == 13  # mean 0.4: 24 a group, 5 → 8 groups
     assert size(Config(fused_group=5, participation=0.1), cuda, 1000) == 5
+
+
+def test_auto_groups_on_a_gpu_keep_a_node_of_8_busy():
+    """fused_group=auto under the GPU rule: the paper's 20 clients (MNIST Dir(0.1) step counts) form
+    7 groups, which whole-group placement spreads over 7 of 8 ranks; on 1 rank all 7 are its own.
+    The groups are the same for every world size (a function of the config and the shard)."""
+    from fedcp_dist.placement import form_groups, place_groups
+
+    steps = [68, 500, 120, 90, 310, 75, 410, 150, 200, 95, 88, 260, 130, 70, 99, 180, 77, 240, 110, 86]
+    groups = form_groups(steps, fused_groups.group_size(Config(), torch.device("cuda"), len(steps)))
+    assert len(groups) == 7 and max(len(g) for g in groups) == 3
+    assert sorted(int(c) for g in groups for c in g) == list(range(20))
+    busy = {int(r) for r in place_groups(steps, groups, 8)}
+    assert len(busy) >= 7
+    assert set(place_groups(steps, groups, 1).tolist()) == {0}
+    assert fused_groups.trains_jointly(Config(), torch.device("cuda"))
+    assert not fused_groups.trains_jointly(Config(), CPU)
+    assert fused_groups.trains_jointly(Config(fused_join=True), CPU)
+
+
+def test_joint_training_of_a_ranks_groups(float64, monkeypatch):
+    """fused_join=true: a rank's groups of a round train as one set of slots (one fused call for
+    both groups, where each group alone takes one), each client's result the one its group alone
+    gives (float64: to 1e-12; on a GPU bit for bit, which bench/gpu.sh checks) and the sequential
+    result."""
+    algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=False, local_epochs=2, lam=0.5, cpn_train_gumbel=True)
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
+    groups = [[0, 2], [1, 3]]
+    calls = []
+    real = fused.train_fused
+    monkeypatch.setattr(fused, "train_fused", lambda clients, phase, **kw: calls.append(len(clients)) or real(clients, phase, **kw))
+    apart = _group_results(algo, gs, datas, groups)
+    assert calls == [2, 2]
+    calls.clear()
+    algo.cfg.fused_join = True
+    joint = _group_results(algo, gs, datas, groups)
+    assert calls == [4]
+    seq = dict(zip(range(len(SIZES)), _sequential(algo, _items(algo, datas))))
+    order = sorted(joint)
+    _assert_same_results([apart[c] for c in order], [joint[c] for c in order], atol=1e-12)
+    _assert_same_results([seq[c] for c in order], [joint[c] for c in order], gs, atol=1e-12)
 
 
 @pytest.mark.parametrize("cls", [FedAvg, FedCP, FedProx])
