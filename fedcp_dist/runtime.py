@@ -194,6 +194,8 @@ class Runtime:
         #: what the run is doing, for failure messages ("round 12", "checkpoint after round 50")
         self.phase = "start-up"
         self.failed = False
+        #: the launcher this rank watches (:func:`watch_launcher`; None: not watched)
+        self.launcher_pid: Optional[int] = None
 
     @property
     def is_main(self) -> bool:
@@ -232,6 +234,10 @@ class Runtime:
 
     def _fail(self, exc: Exception) -> None:
         self.failed = True
+        if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+            # the launcher died and took the job's store with it: that is why the peer is gone
+            raise RunFailure(f"rank {self.rank}, {self.phase}: its launcher (pid {self.launcher_pid}) is gone; stopping "
+                             f"(the last complete checkpoint is kept)") from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         missing = self._silent_ranks()
         who = (
@@ -289,6 +295,7 @@ def watch_launcher(rt: "Runtime", parent: Optional[int] = None, interval: float 
     parent = os.getppid() if parent is None else parent
     if parent <= 1:
         return False
+    rt.launcher_pid = parent
 
     def watch() -> None:
         while True:
