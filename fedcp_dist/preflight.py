@@ -12,13 +12,16 @@ data resident, the client store and the all-reduce buffer made) and before resum
   its compression residual) that ``client_state: device`` or ``host`` keeps (a round makes the new
   states while the old ones are freed), less what the store holds already; ``client_state: disk`` only those in flight (read ahead, recently used, a fused group's).
   On a GPU a store off the device (``host``, ``disk``) moves those in flight to it.
-* **training**: fused, the groups trained side by side, each ``slots × per_slot + 2 × clients ×
-  per_result`` (:class:`~fedcp_dist.fused_memory.MemoryPlan`, whose activations count the rows a
-  step really has: :func:`~fedcp_dist.fused.batch_rows`); one client at a time, a batch's
+* **training**: fused, the groups trained side by side, each ``slots × per_slot`` (as
+  :class:`~fedcp_dist.fused_memory.MemoryPlan` counts them, with the rows a step really has:
+  :func:`~fedcp_dist.fused.batch_rows`) and, per client of the group, every phase's starting
+  values and outcome, held until the group returns; one client at a time, a batch's
   activations (``ACTIVATION_COPIES × 4`` bytes per element) and three copies of the global state
-  and two of a client's.
+  and two of a client's (a method with a loop of its own: a pass without gradient over a chunk of
+  ``eval_batch_size`` training samples besides, as FedRep computes its features).
 * **evaluation**: a test batch's activations (4 bytes per element, no gradient) and a global state.
-* **round**: the all-reduce's float64 mean and the server's new global state.
+* **round**: the all-reduce's float64 mean and the server's new global state; a peer method's
+  (FedAMP's, FedFomo's) models of the other clients and its all-gather's buffer besides.
 * **checkpoint**: on a GPU the client states copied to the host; with ``client_state: disk`` the
   state files mapped to write them.
 * **margin**: :data:`MARGIN` of what is to come and :data:`MARGIN_BYTES`, for the allocator's own
@@ -76,9 +79,16 @@ class Figures:
     max_test: int  # the rank's largest client's test samples
     act_train: int  # activation elements per training sample (the largest phase)
     act_eval: int  # activation elements per test sample
+    #: the method trains in a loop of its own (FedRep, pFedMe, Per-FedAvg): it may also run the model
+    #: without gradient over a client's training samples, in chunks of eval_batch_size
+    own_loop: bool = False
+    #: a peer method's models of the other clients and the round's all-gather (FedAMP, FedFomo)
+    peer_bytes: int = 0
     fused: bool = False
     slot_params: int = 0  # a fused slot's bytes besides its activations
     per_result: int = 0
+    #: bytes a fused group holds per client until it returns: every phase's starting values and outcome
+    group_per_client: int = 0
     slot_cap: int = 1  # the device kind's cap on slots
     slot_budget: int = 0  # bytes the slots may take (a fraction of the device's total memory)
     group_clients: int = 0  # the rank's largest fused group
@@ -108,12 +118,13 @@ def training_bytes(f: Figures) -> Tuple[int, str]:
     act = ACTIVATION_COPIES * 4 * f.rows() * f.act_train
     if f.fused and f.group_clients:
         slots, clients = f.slots(), f.group()
-        one = slots * (f.slot_params + act) + 2 * clients * f.per_result
+        one = slots * (f.slot_params + act) + clients * (f.group_per_client or 2 * f.per_result)
         at_once = max(1, min(f.workers, f.groups, f.side_budget // max(1, one)))
         return at_once * one, f"{at_once} fused group(s) of {clients} at once, {slots} slots of {mib(f.slot_params + act)}"
     if f.owned == 0:
         return 0, "no client on this rank"
-    return act + 3 * f.global_bytes + 2 * f.per_client, f"one client at a time, batches of {f.rows()} rows"
+    chunks = 4 * max(1, min(f.eval_batch_size, f.max_train)) * f.act_eval if f.own_loop else 0
+    return act + chunks + 3 * f.global_bytes + 2 * f.per_client, f"one client at a time, batches of {f.rows()} rows"
 
 
 def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
@@ -133,10 +144,11 @@ def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
     checkpoint = f.owned * f.per_client + f.global_bytes if gpu and f.store == "device" else 0
     if not gpu:  # one pool, the host's
         pools = {"device": {"client states": in_flight if f.store == "disk" else kept,
-                            "training": max(train, evaluation, round_), "checkpoint": checkpoint}}
+                            "training": max(train, evaluation, round_), "peer exchange": f.peer_bytes,
+                            "checkpoint": checkpoint}}
     else:  # a store off the device moves the states in use to it
         pools = {"device": {"client states": kept if f.store == "device" else in_flight,
-                            "training": max(train, evaluation, round_)},
+                            "training": max(train, evaluation, round_), "peer exchange": f.peer_bytes},
                  "host": {"client states": {"device": 0, "host": kept}.get(f.store, in_flight), "checkpoint": checkpoint}}
     for items in pools.values():
         items["margin"] = int(MARGIN * sum(items.values())) + MARGIN_BYTES
@@ -378,10 +390,11 @@ def model_activations(cfg, info) -> int:
         return activation_elements(lambda: model(x), [model]) // 2
 
 
-def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int]]:
-    """(a fused slot's bytes besides activations, a result's bytes, activation elements per sample)
-    of a method that declares its phases, from a client with training data (None: no such method
-    or client). Counted as the fused memory plan counts them, on the method's own loss."""
+def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int, int]]:
+    """(a fused slot's bytes besides activations, a result's bytes, activation elements per sample,
+    the bytes a group holds per client) of a method that declares its phases, from a client with
+    training data (None: no such method or client). Counted as the fused memory plan counts them,
+    on the method's own loss; a group holds every phase's starting values and outcome."""
     import torch
 
     from fedcp_dist import fused_groups
@@ -394,13 +407,27 @@ def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int]]:
         return None
     ctx = Context(0, client, torch.Generator(device=algo.device).manual_seed(0))
     plans = algo.phases(algo.init_client_state(client), data[client], ctx)
-    params = result = act = 0
+    params = result = act = held = 0
     for phase, cp in plans:
         trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
         total = sum(t.numel() for t in cp.start.values())
-        params, result = max(params, 4 * (trained + total)), max(result, 4 * total)
+        # a loss that reads trained values itself (a proximal term) keeps their differences and
+        # squares in its graph and gets plain gradients for them: three more copies of them
+        penalty = 3 * 4 * trained if phase.penalised else 0
+        params, result, held = max(params, 4 * (trained + total) + penalty), max(result, 4 * total), held + 2 * 4 * total
         act = max(act, fused_groups._activations(algo, phase, cp, [data[client]]))
-    return params, result, act
+    return params, result, act, held
+
+
+def _peer_bytes(cfg, algo, setup, world_size: int) -> int:
+    """A peer method's models of the other clients (unless a disk store maps them from files) and
+    its all-gather's buffer, as :func:`fedcp_dist.startup.check_peer_memory` counts them."""
+    from fedcp_dist.client_store import banks_in_files
+
+    if not algo.peer_dim:
+        return 0
+    bank = 0 if banks_in_files(cfg.client_state, algo.device) else algo.peer_memory_bytes(setup.num_clients)
+    return bank + world_size * int(setup.clients_per_rank(world_size).max()) * (algo.peer_dim + 1) * 4
 
 
 def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
@@ -432,12 +459,14 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
         in_flight=PREFETCH_DEPTH + DiskClientStore.RECENT, global_bytes=state_bytes(gs), upload_elements=upload,
         batch_size=cfg.batch_size, max_train=int(setup.info.train_counts[setup.clients].max()),
         eval_batch_size=cfg.eval_batch_size, max_test=max((d.n_test for d in data.values()), default=0),
-        act_train=phase[2] if phase else 2 * act_eval, act_eval=act_eval)
+        act_train=phase[2] if phase else 2 * act_eval, act_eval=act_eval, own_loop=algo.own_loop is not None,
+        peer_bytes=_peer_bytes(cfg, algo, setup, rt.world_size))
     if groups is not None and groups.groups and phase is not None:
         threads = torch.get_num_threads()
         workers = fused.workers_for(cfg.fused_workers, device, threads, len(groups.groups))
         f = dataclasses.replace(
-            f, fused=True, slot_params=phase[0], per_result=phase[1], slot_cap=fused_groups.slot_cap(device),
+            f, fused=True, slot_params=phase[0], per_result=phase[1], group_per_client=phase[3],
+            slot_cap=fused_groups.slot_cap(device),
             slot_budget=int(fused_memory.MEMORY_FRACTION * fused_memory.total_memory(device)),
             group_clients=max(len(g) for g in groups.groups), groups=len(groups.groups), workers=workers,
             side_budget=int(fused_memory.MEMORY_FRACTION * fused_memory.available_memory(device)))

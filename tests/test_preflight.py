@@ -51,8 +51,12 @@ def test_the_estimate_one_client_at_a_time_by_hand():
     evaluation = 4 * 20 * 500 + 2 * MiB  # 20 test rows (the largest client's), a global state
     round_ = 2 * 8 * 2**18 + 2 * MiB  # the float64 mean twice, a global state
     assert train > max(evaluation, round_)
-    assert items == {"client states": states, "training": train, "checkpoint": 0,
+    assert items == {"client states": states, "training": train, "peer exchange": 0, "checkpoint": 0,
                      "margin": int(0.15 * (states + train)) + MARGIN_BYTES}
+    # a loop of its own (FedRep's features): a pass without gradient over 50 training rows besides;
+    # a peer method's other models and all-gather
+    other = estimate(cpu_figures(own_loop=True, peer_bytes=5 * MiB))["device"]
+    assert other["training"] == train + 4 * 50 * 500 and other["peer exchange"] == 5 * MiB
     # a disk store keeps the clients in flight only (read ahead, recent: all 4 here), and maps them to checkpoint
     disk = cpu_figures(store="disk", held=0)
     assert estimate(disk)["device"]["client states"] == 4 * MiB and preflight.mapped_bytes(disk) == 4 * MiB
@@ -66,6 +70,9 @@ def test_the_estimate_of_fused_groups_by_hand():
     one = 5 * per_slot + 2 * 5 * MiB  # the slots, the group's results and their starting values
     assert preflight.training_bytes(f)[0] == 2 * one  # two groups side by side
     assert preflight.training_bytes(dataclasses.replace(f, side_budget=one + 1))[0] == one  # room for one
+    # two phases (Ditto's): a group holds both phases' starting values and outcomes, 7 MiB a client
+    assert preflight.training_bytes(dataclasses.replace(f, group_per_client=7 * MiB))[0] == \
+        2 * (5 * per_slot + 5 * 7 * MiB)
     assert dataclasses.replace(f, slot_budget=2 * (per_slot + MiB)).slots() == 2  # as group_slots sizes them
     assert dataclasses.replace(f, fused_group=2).slots() == 2
     assert f.threads_to_start() == 2 and dataclasses.replace(f, store="disk").threads_to_start() == 3
