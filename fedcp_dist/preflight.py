@@ -4,14 +4,15 @@ what cannot fit, naming a config key and a value that would.
 The estimate is per rank, made after start-up (the model and method built, the rank's clients'
 data resident, the client store and the all-reduce buffer made) and before resuming::
 
-    peak = now + client states + max(training, evaluation, round) + checkpoint + margin
+    peak = now + client states + max(training, evaluation, round) + peer exchange + checkpoint + margin
 
 * **now**: what the process holds already: its resident memory on a CPU; on a GPU the bytes
   torch's allocator has handed out on the device (the host's resident memory for the host side).
 * **client states**: twice every owned client's persistent state (with its BatchNorm statistics and
   its compression residual) that ``client_state: device`` or ``host`` keeps (a round makes the new
-  states while the old ones are freed), less what the store holds already; ``client_state: disk`` only those in flight (read ahead, recently used, a fused group's).
-  On a GPU a store off the device (``host``, ``disk``) moves those in flight to it.
+  states while the old ones are freed), less what the store holds already; ``client_state: disk``
+  only those in flight (read ahead, recently used, a fused group's). On a GPU a store off the
+  device (``host``, ``disk``) moves those in flight to it.
 * **training**: fused, the groups trained side by side, each ``slots × per_slot`` (as
   :class:`~fedcp_dist.fused_memory.MemoryPlan` counts them, with the rows a step really has:
   :func:`~fedcp_dist.fused.batch_rows`) and, per client of the group, every phase's starting
@@ -20,8 +21,9 @@ data resident, the client store and the all-reduce buffer made) and before resum
   and two of a client's (a method with a loop of its own: a pass without gradient over a chunk of
   ``eval_batch_size`` training samples besides, as FedRep computes its features).
 * **evaluation**: a test batch's activations (4 bytes per element, no gradient) and a global state.
-* **round**: the all-reduce's float64 mean and the server's new global state; a peer method's
-  (FedAMP's, FedFomo's) models of the other clients and its all-gather's buffer besides.
+* **round**: the all-reduce's float64 mean and the server's new global state.
+* **peer exchange**: a peer method's (FedAMP's, FedFomo's) models of the other clients and its
+  all-gather's buffer.
 * **checkpoint**: on a GPU the client states copied to the host; with ``client_state: disk`` the
   state files mapped to write them.
 * **margin**: :data:`MARGIN` of what is to come and :data:`MARGIN_BYTES`, for the allocator's own
@@ -290,7 +292,10 @@ def _read_int(path: str) -> Optional[int]:
             text = f.read().strip()
     except OSError:
         return None
-    return None if text == "max" else int(text)
+    try:
+        return int(text)
+    except ValueError:  # "max": no limit
+        return None
 
 
 def _inactive_file(path: str, key: str) -> int:

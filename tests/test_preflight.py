@@ -122,8 +122,9 @@ def test_gpu_figures_put_the_states_on_the_device_and_the_checkpoint_on_the_host
     assert estimate(host)["device"]["client states"] == 7 * 10 * MiB  # 6 in flight and the one training
     assert estimate(host)["host"]["client states"] == 2 * 1000 * 10 * MiB
     free = {"device": Free([("the GPU's free memory", 12 * GiB)]), "host": Free([("available memory", 64 * GiB)])}
-    with pytest.raises(UserError, match=r"^config key 'client_state': rank 0 needs about 22\.5 GiB more GPU memory for its rounds \(client states 19\.5 GiB, .*"
-                                        r"are left \(the GPU's free memory\); client_state=host fits$"):
+    with pytest.raises(UserError, match=r"^config key 'client_state': rank 0 needs about 22\.5 GiB more GPU memory "
+                                        r"for its rounds \(client states 19\.5 GiB, .*are left \(the GPU's free "
+                                        r"memory\); client_state=host fits$"):
         preflight.check(f, free, rank=0)
     # the host too small for the states as well: on disk
     free["host"] = Free([("available memory", 4 * GiB)])

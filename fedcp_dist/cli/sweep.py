@@ -11,6 +11,10 @@ and skipped; any other is launched (again) and continues from its own checkpoint
 ``partition`` block makes the shards the grid needs once, under ``<root>/<name>/data/``.
 ``<root>/<name>/sweep.json`` records the points for ``fedcp-report``. The work is done by
 :mod:`fedcp_dist.sweep`; this module reads the command line and prints the dry run.
+
+Exit status of a local sweep: 0 when every point is finished, 1 when a point failed, 75 when a stop
+signal (SIGINT, SIGTERM, SIGUSR2) stopped it, its running point checkpointed (run it again to
+resume), 2 for a bad sweep file or argument.
 """
 from __future__ import annotations
 
@@ -60,7 +64,10 @@ def dry_run(sweep: Sweep) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="fedcp-sweep",
-                description="Run a grid of fedcp_dist experiments: locally one after another, or as one SLURM array job.")
+                description="Run a grid of fedcp_dist experiments: locally one after another, or as one SLURM array job.",
+                epilog="A local sweep exits 0 when every point is finished, 1 when a point failed, 75 when a stop signal "
+                       "(Ctrl-C, SIGTERM, SIGUSR2) stopped it after its running point checkpointed: run it again to "
+                       "resume.")
     p.add_argument("sweep", help="sweep YAML file (see configs/sweeps/)")
     p.add_argument("--dry-run", action="store_true", help="print the points, their status and commands; run nothing")
     p.add_argument("--executor", choices=EXECUTORS, help="override executor.kind of the sweep file")

@@ -241,7 +241,7 @@ def _run_points(sweep: Sweep, stop: SweepStop) -> tuple:
         elif rc == 2 and any(IN_USE in ln for ln in lines):  # another process took it first
             return False
         elif rc == EXIT_REQUEUE or stop.signum is not None:
-            how = f"checkpointed (exit {EXIT_REQUEUE})" if rc == EXIT_REQUEUE else f"ended at once (exit status {rc})"
+            how = f"checkpointed (exit {EXIT_REQUEUE})" if rc == EXIT_REQUEUE else f"exit status {rc} once asked to stop"
             print(sweep.point_line(k, p, "stopped") + f"  {seconds:.1f} s, {how}; the sweep run again resumes it",
                   flush=True)
             stopped.append(p)
