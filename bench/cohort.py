@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from fedcp_dist.client_store import anon_rss_bytes  # noqa: E402
+from fedcp_dist.state.client_store import anon_rss_bytes  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
-from fedcp_dist.simulator import Simulator  # noqa: E402
+from fedcp_dist.engine.simulator import Simulator  # noqa: E402
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@
 
 A fused FedCP step (``fused: auto``) of ``--slots`` clients with ``--batch`` samples each runs, for
 every convolution and Linear layer of the model's feature extractor and for the CPN, the kernels
-the fused path calls (``fedcp_dist/fused.py``), in the layouts it calls them with:
+the fused path calls (``fedcp_dist/fused/slots.py``), in the layouts it calls them with:
 
 * the personal layer's forward: a grouped channels-last convolution over the slots, or a batched
   product (``baddbmm``) with each slot's weight;
@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.round import cpu_model, matmul_peak_gflops  # noqa: E402
 from fedcp_dist.models import build_model  # noqa: E402
-from fedcp_dist.fused_groups import train_group  # noqa: E402
+from fedcp_dist.fused.groups import train_group  # noqa: E402
 from fedcp_dist.runtime import keep_freed_memory  # noqa: E402
 
 #: a tiny step size: the in-place updates run many times on the same weights

@@ -71,12 +71,13 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedcp_dist import fused, fused_memory  # noqa: E402
+from fedcp_dist.fused import slots as fused  # noqa: E402
+from fedcp_dist.fused import memory as fused_memory  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
-from fedcp_dist.placement import STREAM_EVAL, STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
+from fedcp_dist.state.placement import STREAM_EVAL, STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
-from fedcp_dist.simulator import Simulator  # noqa: E402
+from fedcp_dist.engine.simulator import Simulator  # noqa: E402
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:

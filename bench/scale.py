@@ -18,7 +18,7 @@ partition and client count N prints one row:
 * ``digest s``: :func:`~fedcp_dist.data.shards.verify.content_digest`, the first rank's pass over
   the whole shard that a run's start verifies it with (one pass, no cache);
 * for each world size P: ``load s`` and ``RSS MB`` of loading rank 0's clients (placed as a run
-  places them, :func:`~fedcp_dist.placement.place_clients`) with
+  places them, :func:`~fedcp_dist.state.placement.place_clients`) with
   :func:`~fedcp_dist.data.shards.load_clients`, each in a fresh process, so that the peak RSS is
   that load's; ``+MB`` is its peak minus the same process's peak just before loading.
 
@@ -83,7 +83,7 @@ def load_rank(path: str, world_size: int) -> dict:
     import numpy as np
 
     from fedcp_dist.data.shards import load_clients, read_info
-    from fedcp_dist.placement import place_clients
+    from fedcp_dist.state.placement import place_clients
 
     info = read_info(path)
     owned = np.flatnonzero(place_clients(info.train_counts, world_size) == 0)

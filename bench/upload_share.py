@@ -5,7 +5,7 @@ some rounds' uploads can save.
     python bench/upload_share.py --rounds 30 --json upload_share.json
 
 No training: each setting's model is built (CPU, untrained) and its upload counted as the engine
-averages it (``fedcp_dist.compress.upload_parts``: BatchNorm statistics stay with the clients). A
+averages it (``fedcp_dist.comm.compress.upload_parts``: BatchNorm statistics stay with the clients). A
 switch that sends the CPN only in the rounds t (0 … T − 1) with t mod U = 0 (``cpn_upload_every=U``,
 ``policy_refresh_every=U``), s = ⌈T/U⌉ of T, saves share · (1 − s/T) of the uplink; a warm-up of W
 rounds saves share · W/T; the asynchronous CPN's saving depends on the cohort draws and is not
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fedcp_dist.algorithms import make_algorithm  # noqa: E402
-from fedcp_dist.compress import skipped_part_saving, upload_parts  # noqa: E402
+from fedcp_dist.comm.compress import skipped_part_saving, upload_parts  # noqa: E402
 from fedcp_dist.config import Config  # noqa: E402
 from fedcp_dist.models import build_model  # noqa: E402
 

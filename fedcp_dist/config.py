@@ -24,18 +24,18 @@ from typing import Any, Optional, Union
 import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, option_classes
-from fedcp_dist.client_store import ClientStates
+from fedcp_dist.state.client_store import ClientStates
 from fedcp_dist.errors import UserError
-from fedcp_dist.evaluation import Evaluation
-from fedcp_dist.fused import Fusing
+from fedcp_dist.engine.evaluation import Evaluation
+from fedcp_dist.fused.slots import Fusing
 from fedcp_dist.local_train import LocalSGD
-from fedcp_dist.loggers import Logging
+from fedcp_dist.rundir.loggers import Logging
 from fedcp_dist.models import ModelChoice
 from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of
-from fedcp_dist.placement import Participation
-from fedcp_dist.probes import Probing
+from fedcp_dist.state.placement import Participation
+from fedcp_dist.engine.probes import Probing
 from fedcp_dist.runtime import Execution
-from fedcp_dist.training import NonFinite
+from fedcp_dist.engine.training import NonFinite
 
 METHODS = tuple(ALGORITHMS)
 #: the largest run seed: torch's generators take 64 bits, numpy's seeds no negative number

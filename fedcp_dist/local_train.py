@@ -4,7 +4,7 @@ A method whose local training is SGD on a loss declares it once as :class:`Phase
 written with the operations of a :class:`Step` (run a client's module, apply a shared one, read
 a per-client constant, cross-entropy, MMD², Gumbel noise, a proximal term). The sequential path
 (:func:`train_sequential`) computes it for one client's batch on the working modules; the fused
-path (:mod:`fedcp_dist.fused`) computes the same code for a group of clients on stacked values.
+path (:mod:`fedcp_dist.fused.slots`) computes the same code for a group of clients on stacked values.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def resolve(modules: Mapping[str, nn.Module], name: str) -> tuple[nn.Module, str
 class Step:
     """One client's batch on the sequential path: the operations a :class:`Phase` loss uses.
 
-    Tensors are (B, ...) here; the fused path's step (:class:`fedcp_dist.fused.FusedStep`) offers
+    Tensors are (B, ...) here; the fused path's step (:class:`fedcp_dist.fused.slots.FusedStep`) offers
     the same operations on (k, B, ...) tensors, so a loss written with them (and with dimensions
     counted from the end) runs on both.
     """
@@ -271,7 +271,7 @@ def load_module(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: st
 
 
 def unsupported_reason(*modules: nn.Module) -> Optional[str]:
-    """Why these modules cannot be trained fused (:mod:`fedcp_dist.fused`; None: they can).
+    """Why these modules cannot be trained fused (:mod:`fedcp_dist.fused.slots`; None: they can).
 
     Refused: floating-point buffers (BatchNorm's running statistics would have to be stacked and
     updated per client), batch statistics and dropout (a padded or merged batch would change them).

@@ -14,8 +14,8 @@ import sys
 from typing import Optional, Sequence
 
 from fedcp_dist.errors import ArgumentParser, Preempted, UserError, cli_main
-from fedcp_dist.faults import fault_point
-from fedcp_dist.preemption import StopSignals, write_status
+from fedcp_dist.rundir.faults import fault_point
+from fedcp_dist.rundir.preemption import StopSignals, write_status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: 
         stop.listen((cfg.preempt_signal, "SIGTERM"))
         # imported here so that --help and config errors stay fast
         from fedcp_dist.runtime import init_runtime
-        from fedcp_dist.simulator import Simulator
+        from fedcp_dist.engine.simulator import Simulator
 
         rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory,
                           rendezvous_timeout=cfg.rendezvous_timeout)

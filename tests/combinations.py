@@ -39,10 +39,10 @@ from typing import Optional
 import numpy as np
 
 from fedcp_dist.algorithms import ALGORITHMS
-from fedcp_dist.compress import CompressionOptions
+from fedcp_dist.comm.compress import CompressionOptions
 from fedcp_dist.config import Config, DataConfig, load_config, unflatten
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.selection import SelectionOptions
+from fedcp_dist.comm.selection import SelectionOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -435,7 +435,7 @@ def _run_here(flat: dict, t0: float) -> Outcome:
     import torch
 
     from fedcp_dist.runtime import init_runtime
-    from fedcp_dist.simulator import Simulator
+    from fedcp_dist.engine.simulator import Simulator
 
     threads = torch.get_num_threads()
     try:

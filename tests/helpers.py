@@ -25,7 +25,7 @@ from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.models import build_model
 from fedcp_dist.errors import cli_main
 from fedcp_dist.runtime import init_runtime
-from fedcp_dist.simulator import Simulator
+from fedcp_dist.engine.simulator import Simulator
 
 
 class NonFiniteAt:
@@ -99,7 +99,7 @@ import json, sys
 from fedcp_dist.config import load_config
 from fedcp_dist.run import build_parser
 from fedcp_dist.runtime import init_runtime
-from fedcp_dist.simulator import Simulator
+from fedcp_dist.engine.simulator import Simulator
 
 cfgs = [load_config(a.config, a.overrides) for a in map(build_parser().parse_args, json.load(open(sys.argv[1])))]
 rt = init_runtime(cfgs[0].device, cfgs[0].threads, cfgs[0].collective_timeout)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from helpers import FakeRuntime
-from fedcp_dist.aggregate import FlatAggregator, TrainSums, reduce_sums, sums_size
-from fedcp_dist.evaluation import EvalSums
+from fedcp_dist.comm.aggregate import FlatAggregator, TrainSums, reduce_sums, sums_size
+from fedcp_dist.engine.evaluation import EvalSums
 
 
 CPU = torch.device("cpu")
@@ -68,9 +68,9 @@ def test_sums_refuse_a_wrong_length():
 
 
 def test_round_record_by_hand():
-    from fedcp_dist.aggregate import TrainSums
-    from fedcp_dist.evaluation import EvalSums
-    from fedcp_dist.round_record import evaluation_record, round_record
+    from fedcp_dist.comm.aggregate import TrainSums
+    from fedcp_dist.engine.evaluation import EvalSums
+    from fedcp_dist.engine.round_record import evaluation_record, round_record
 
     class Agg:
         last_seconds, nbytes = 0.5, 800
@@ -97,7 +97,7 @@ def test_client_order_sums_are_the_one_rank_sum_on_any_split():
     """Per-client fractions summed over ranks: rank by rank, 1 + (1e-16 + 1e-16) rounds up where
     client by client (1 + 1e-16) + 1e-16 stays 1; through ClientOrder's rows every split of the
     clients over ranks gives the one-rank sum, bit for bit."""
-    from fedcp_dist.aggregate import ClientOrder, TrainSums
+    from fedcp_dist.comm.aggregate import ClientOrder, TrainSums
 
     losses = [1.0, 1e-16, 1e-16]
     one_rank = 0.0

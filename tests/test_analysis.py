@@ -209,7 +209,7 @@ def test_bad_probe_lines_are_named(tmp_path, bad, what):
 def _run(shard, out, method, **over):
     from fedcp_dist.config import load_config
     from fedcp_dist.runtime import init_runtime
-    from fedcp_dist.simulator import Simulator
+    from fedcp_dist.engine.simulator import Simulator
 
     args = [f"method={method}", "rounds=2", "eval_every=1", "checkpoint_every=1", f"data.path={shard}",
             f"out_dir={out}", "threads=1", *[f"{k}={v}" for k, v in over.items()]]

@@ -10,8 +10,8 @@ import torch
 
 from conftest import run_cmd
 from helpers import run
-from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.client_store import ClientStore, DiskClientStore, resolve_mode
+from fedcp_dist.rundir.checkpoint import Checkpointer
+from fedcp_dist.state.client_store import ClientStore, DiskClientStore, resolve_mode
 from fedcp_dist.errors import Preempted
 
 MiB = 2**20
@@ -192,7 +192,7 @@ def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys)
 def test_micro_auc_is_scikit_learns_value_to_the_last_bit():
     import numpy as np
     from sklearn.metrics import roc_auc_score
-    from fedcp_dist.evaluation import micro_auc
+    from fedcp_dist.engine.evaluation import micro_auc
 
     # by hand: positives score 0.8 and 0.6, negatives 0.2 and 0.4 -> every pair ordered: 1.0
     assert micro_auc(np.array([0, 1]), np.array([[0.8, 0.2], [0.4, 0.6]], dtype=np.float32)) == 1.0
@@ -214,7 +214,7 @@ def test_micro_auc_is_scikit_learns_value_to_the_last_bit():
 
 
 def test_record_memory_adds_rank_0s_memory_to_every_round(digits6, tmp_path):
-    from fedcp_dist.client_store import ClientStore, memory_record, rss_bytes
+    from fedcp_dist.state.client_store import ClientStore, memory_record, rss_bytes
 
     out = tmp_path / "mem"
     run("configs/digits_ditto.yaml", _ditto(digits6, out, "record_memory=true", "rounds=1"))
@@ -281,7 +281,7 @@ def _fedcp_bn_ef(shard, out, *extra):
 
 
 def test_bn_statistics_and_residuals_live_in_the_disk_stores_files_and_resume_exactly(digits6, tmp_path):
-    from fedcp_dist.client_store import BN_PREFIX, EF_PREFIX
+    from fedcp_dist.state.client_store import BN_PREFIX, EF_PREFIX
 
     dev = tmp_path / "device"
     run("configs/digits_fedcp.yaml", _fedcp_bn_ef(digits6, dev))
@@ -358,7 +358,7 @@ def test_peer_banks_live_in_mapped_files_and_resume_exactly(method, digits6, tmp
 def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
     from types import SimpleNamespace
     from fedcp_dist.errors import UserError
-    from fedcp_dist.startup import check_peer_memory
+    from fedcp_dist.engine.startup import check_peer_memory
 
     algo = SimpleNamespace(peer_dim=2**18 - 1, peer_memory_bytes=lambda n: n * 2**20, device=torch.device("cpu"))  # 1 MiB a client
     cfg = SimpleNamespace(client_state="device", device="cpu", peer_memory_mb=100.0, method="fedamp")
@@ -408,7 +408,7 @@ def test_runs_sharing_a_client_state_dir_keep_apart_and_a_requeue_finds_its_own(
     """Two runs given one client_state_dir (array tasks on one node's scratch disk) each get a folder
     of their own, named after their out_dir; the other run's states are neither removed nor read, and
     a requeue (the same out_dir, however spelt) resumes from its own folder exactly."""
-    from fedcp_dist.client_store import run_state_dir
+    from fedcp_dist.state.client_store import run_state_dir
 
     scratch, a, b = tmp_path / "scratch", tmp_path / "a", tmp_path / "b"
     args_a = _ditto(digits6, a, "client_state=disk", f"client_state_dir={scratch}", "checkpoint_every=0")
@@ -454,7 +454,7 @@ def test_a_second_store_on_a_held_folder_is_refused_naming_the_holder(tmp_path):
 
 
 def test_a_run_on_a_held_client_state_folder_is_one_line_exit_2(digits6, tmp_path, capsys):
-    from fedcp_dist.client_store import run_state_dir
+    from fedcp_dist.state.client_store import run_state_dir
     from fedcp_dist.run import main
 
     scratch, out = tmp_path / "scratch", tmp_path / "run"

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from helpers import FakeRuntime
-from fedcp_dist.aggregate import FlatAggregator
-from fedcp_dist.client_store import ClientStore
-from fedcp_dist.compress import (Compressor, byte_totals, compress_tensor, index_bytes, index_width, kept_count,
+from fedcp_dist.comm.aggregate import FlatAggregator
+from fedcp_dist.state.client_store import ClientStore
+from fedcp_dist.comm.compress import (Compressor, byte_totals, compress_tensor, index_bytes, index_width, kept_count,
                                  quantise, tensor_bytes)
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
@@ -67,7 +67,7 @@ def test_error_feedback_sends_what_was_left_out_later():
 
 
 def test_every_averaging_run_counts_its_uplink_and_a_partly_sent_group_only_by_its_senders():
-    from fedcp_dist.compress import uplink_record
+    from fedcp_dist.comm.compress import uplink_record
 
     shapes = {"a": torch.Size([10]), "p": torch.Size([2, 3])}
     agg = FlatAggregator(shapes, 1, torch.device("cpu"), groups={"p": "policy"})
@@ -133,7 +133,7 @@ def test_round_and_run_byte_accounting():
 def test_a_round_that_skips_a_group_sends_and_counts_only_the_rest():
     # "p" (the policy group) is out of the round: not compressed, its residual kept for later,
     # its bytes neither sent nor in the dense figure but saved
-    from fedcp_dist.compress import uplink_record
+    from fedcp_dist.comm.compress import uplink_record
 
     shapes = {"a": torch.Size([10]), "p": torch.Size([2, 3])}
     c = Compressor("topk", 0.5, 8, True, shapes)

@@ -232,7 +232,7 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
 
 
 def test_start_line_points_a_one_process_run_on_several_cores_to_ranks():
-    from fedcp_dist.startup import ranks_hint
+    from fedcp_dist.engine.startup import ranks_hint
     from helpers import FakeRuntime
 
     def rt(launcher, device, threads):

@@ -247,7 +247,7 @@ def test_fused_equals_sequential_in_float64_on_cuda(float64):
     """The fused step's algorithm on the GPU: in float64 every client's upload and state equal its
     sequential ones to 1e-10 (the same batches, Gumbel draws, masks and updates; what float32
     runs add on top is rounding of other kernels)."""
-    from fedcp_dist.fused_groups import train_group
+    from fedcp_dist.fused.groups import train_group
 
     algo, gs, items = _gpu_group(torch.float64)
     fus = train_group(algo, _fresh(items))
@@ -263,8 +263,8 @@ def test_a_slot_gets_the_same_bits_whatever_the_slots_beside_it():
     """What fused_join=auto rests on: on this GPU, in float32, a client trained in a fused step of 8,
     3 or 1 slots (so beside other clients, or alone, refilled and compacted differently) ends with
     the same bits, so a rank may train all its groups as one set of slots."""
-    from fedcp_dist import fused_memory
-    from fedcp_dist.fused_groups import train_group
+    from fedcp_dist.fused import memory as fused_memory
+    from fedcp_dist.fused.groups import train_group
 
     algo, gs, items = _gpu_group(torch.float32)
     runs = {}

@@ -19,7 +19,7 @@ from fedcp_dist.data.resident import to_device
 from fedcp_dist.data.shards import load_clients, read_info
 from fedcp_dist.data.sources import load_source
 from fedcp_dist.errors import UserError
-from fedcp_dist.evaluation import evaluate_clients
+from fedcp_dist.engine.evaluation import evaluate_clients
 from fedcp_dist.models.batchnorm import one_value_batches
 from helpers import expect_user_error, run
 

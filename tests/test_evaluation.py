@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from helpers import Recorder
-from fedcp_dist.aggregate import ClientOrder, TrainSums, sums_size
-from fedcp_dist.client_store import ClientStore
+from fedcp_dist.comm.aggregate import ClientOrder, TrainSums, sums_size
+from fedcp_dist.state.client_store import ClientStore
 from fedcp_dist.data.resident import to_device
-from fedcp_dist.evaluation import EvalSums, evaluate_clients, micro_auc
+from fedcp_dist.engine.evaluation import EvalSums, evaluate_clients, micro_auc
 
 
 CPU = torch.device("cpu")
@@ -61,8 +61,8 @@ def test_the_final_evaluation_goes_through_the_rounds_reduction(digits6, tmp_pat
     import json
 
     from conftest import REPO
-    from fedcp_dist import simulator
-    from fedcp_dist.round_record import evaluation_record
+    from fedcp_dist.engine import simulator
+    from fedcp_dist.engine.round_record import evaluation_record
     from helpers import run
 
     calls, real = [], simulator.reduce_sums

@@ -20,12 +20,12 @@ from helpers import descendants, nonfinite_at, run
 from helpers import kill_job as _kill_job
 from helpers import start as _start
 
-from fedcp_dist import checkpoint as ckpt_mod
-from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.rundir import checkpoint as ckpt_mod
+from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import RunFailure
 from fedcp_dist.runtime import init_runtime
-from fedcp_dist.simulator import Simulator
+from fedcp_dist.engine.simulator import Simulator
 
 
 def _args(shard, out, *extra):

@@ -210,7 +210,7 @@ def test_a_fasttext_run_from_before_the_key_is_read_as_it_ran():
     tokens: resuming it under today's default is refused naming the key, and with
     ``fasttext_mean=tokens`` allowed; other models are not affected."""
     from fedcp_dist.config import Config
-    from fedcp_dist.rundir import check_resume_config
+    from fedcp_dist.rundir.directory import check_resume_config
 
     old = Config(model="fasttext", method="fedcp").to_dict()
     del old["fasttext_mean"]

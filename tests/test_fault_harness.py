@@ -3,7 +3,7 @@ local sweep, then a restart, which must end bit for bit where an uninterrupted r
 global state and metric records) or with a one-line refusal.
 
 The phases are hit deterministically through the engine's test hook ``FEDCP_FAULT_AT``
-(``fedcp_dist/faults.py``): the process signals itself there, or waits there while the test signals
+(``fedcp_dist/rundir/faults.py``): the process signals itself there, or waits there while the test signals
 a sweep. One uninterrupted run is the reference for every case; the runs are 3 rounds of FedCP on 3
 of the 6 digits clients at 16 x 16 pixels, checkpointing every round. SIGINT, SIGTERM and SIGUSR2
 cases run ``fedcp-run``'s main in this process (a real signal, sent to this process, handled by the
@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from conftest import BIN, REPO
-from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.cli import sweep as sweep_cli
 from fedcp_dist.run import main as fedcp_run
 

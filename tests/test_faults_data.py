@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from conftest import REPO
-from fedcp_dist.checkpoint import Checkpointer, check_same_data
+from fedcp_dist.rundir.checkpoint import Checkpointer, check_same_data
 from fedcp_dist.data.shards import (FORMAT_VERSION, IMAGE_FORMAT_VERSION, layout_digest, load_clients, read_info,
                                     write_shard)
 from fedcp_dist.data.shards import verify
 from fedcp_dist.data.shards.verify import cached_digest, content_digest, verify_shard
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir import check_resume_config
+from fedcp_dist.rundir.directory import check_resume_config
 from helpers import documented, run
 
 CONFIG = str(REPO / "configs" / "digits_fedavg.yaml")

@@ -9,7 +9,7 @@ from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import UserError
-from fedcp_dist.fused_groups import train_group
+from fedcp_dist.fused.groups import train_group
 
 CPU = torch.device("cpu")
 
@@ -118,7 +118,7 @@ def test_all_switches_one_vs_two_ranks_and_exact_resume(switch_runs, digits6_16p
 @pytest.mark.parametrize("switch, refused", [
     ({}, False), ({"tau_final": 0.1}, True), ({"cpn_lr_schedule": "cosine"}, True), ({"cpn_warmup_rounds": 2}, False)])
 def test_resume_refuses_a_new_round_count_under_a_round_schedule(tmp_path, switch, refused):
-    from fedcp_dist.rundir import check_resume_config
+    from fedcp_dist.rundir.directory import check_resume_config
 
     old = {**Config().to_dict(), "rounds": 10, **switch}
     new = {**old, "rounds": 20}

@@ -38,8 +38,8 @@ def test_warmup_freezes_the_cpn_and_its_upload(vector):
 def test_warmup_round_keeps_the_cpn_out_of_the_all_reduce():
     """A warm-up round's all-reduce holds no CPN: the global CPN after it is the one before, bit for
     bit, and its bytes count as saved; the first round after the warm-up sends and averages it."""
-    from fedcp_dist.aggregate import FlatAggregator
-    from fedcp_dist.compress import Compressor, uplink_record
+    from fedcp_dist.comm.aggregate import FlatAggregator
+    from fedcp_dist.comm.compress import Compressor, uplink_record
 
     algo, gs = tiny_fedcp(cpn_warmup_rounds=1)
     upload = algo.upload_keys(gs)
@@ -151,7 +151,7 @@ def test_upload_every_trains_the_cpn_every_round_and_sends_it_every_third():
 
 
 def test_group_weights_in_the_one_buffer_by_hand():
-    from fedcp_dist.aggregate import FlatAggregator
+    from fedcp_dist.comm.aggregate import FlatAggregator
 
     spec = {"w": torch.Size([2]), "p": torch.Size([1])}
     plain = FlatAggregator(spec, 1, CPU)

@@ -9,14 +9,14 @@ import torch
 
 from conftest import REPO, run_cmd
 from helpers import FakeRuntime
-from fedcp_dist import startup
+from fedcp_dist.engine import startup
 from fedcp_dist.config import load_config
 from fedcp_dist.data.shards import read_info
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import STREAM_SUBSET, client_subset, sample_cohort, stream_seed
+from fedcp_dist.state.placement import STREAM_SUBSET, client_subset, sample_cohort, stream_seed
 from fedcp_dist.run import main
 from fedcp_dist.runtime import init_runtime
-from fedcp_dist.simulator import Simulator
+from fedcp_dist.engine.simulator import Simulator
 
 CONFIG = str(REPO / "configs" / "digits_fedcp.yaml")
 
@@ -296,7 +296,7 @@ def test_a_sweep_partition_with_the_val_images_gets_its_own_file():
 def test_feature_difference_selection_draws_the_same_sizes_and_weighs_the_subset(digits20, tmp_path):
     """Weighted cohorts take their size from the same draw as uniform ones (count draws too), and a
     subset run weighs its own clients' sample counts (K of them, not the shard's 20)."""
-    from fedcp_dist.selection import sample_cohort_weighted
+    from fedcp_dist.comm.selection import sample_cohort_weighted
 
     probs = np.full(50, 1 / 50)
     for t in range(30):

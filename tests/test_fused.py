@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedcp_dist import fused, fused_memory
+from fedcp_dist.fused import slots as fused
+from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.ditto import Ditto
@@ -28,13 +29,13 @@ from fedcp_dist.algorithms.fedphp import FedPHP
 from fedcp_dist.algorithms.fedprox import FedProx
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.config import Config, load_config
-from fedcp_dist import fused_groups
-from fedcp_dist.fused_groups import train_group
+from fedcp_dist.fused import groups as fused_groups
+from fedcp_dist.fused.groups import train_group
 from fedcp_dist.local_train import batch_indices, num_batches
 from fedcp_dist.losses import grouped_mmd2, mmd2
 from fedcp_dist.models import build_model
 from fedcp_dist.runtime import init_runtime
-from fedcp_dist.simulator import Simulator
+from fedcp_dist.engine.simulator import Simulator
 from helpers import algo_with_moved_global as _algo
 from helpers import random_client as _client
 
@@ -349,7 +350,7 @@ def test_auto_groups_on_a_gpu_keep_a_node_of_8_busy():
     """fused_group=auto under the GPU rule: the paper's 20 clients (MNIST Dir(0.1) step counts) form
     7 groups, which whole-group placement spreads over 7 of 8 ranks; on 1 rank all 7 are its own.
     The groups are the same for every world size (a function of the config and the shard)."""
-    from fedcp_dist.placement import form_groups, place_groups
+    from fedcp_dist.state.placement import form_groups, place_groups
 
     steps = [68, 500, 120, 90, 310, 75, 410, 150, 200, 95, 88, 260, 130, 70, 99, 180, 77, 240, 110, 86]
     groups = form_groups(steps, fused_groups.group_size(Config(), torch.device("cuda"), len(steps)))
@@ -503,7 +504,7 @@ def one_thread():
 def test_fused_auto_is_the_default_and_falls_back_where_it_cannot(one_thread):
     from fedcp_dist.algorithms import ALGORITHMS, make_algorithm
     from fedcp_dist.errors import UserError
-    from fedcp_dist.startup import training_path
+    from fedcp_dist.engine.startup import training_path
 
     assert Config().fused == "auto"
     fusing = set()
@@ -584,7 +585,7 @@ def test_workers_for_counts_groups():
 def _group_results(algo, gs, datas, groups):
     """{client: LocalResult} of the engine's GroupTrainer over ``groups`` (one round, all taking
     part) with the global state ``gs``."""
-    from fedcp_dist.client_store import ClientStore
+    from fedcp_dist.state.client_store import ClientStore
 
     store = ClientStore(algo, gs)
     items = {d.cid: it for d, it in zip(datas, _items(algo, datas))}
@@ -646,8 +647,8 @@ def test_disk_store_holds_the_states_of_a_group_not_of_the_cohort(monkeypatch, r
     written back before the next group's are read, so the states held for training at once (read,
     not yet written back: count and MiB) are bounded by the group size, whatever the cohort: groups
     of 2 hold 2 of the 6 and of the 20 clients; auto (4 groups of 5 for 20 clients) holds 5 of 20."""
-    from fedcp_dist.client_store import DiskClientStore, state_bytes
-    from fedcp_dist.training import CohortTrainer
+    from fedcp_dist.state.client_store import DiskClientStore, state_bytes
+    from fedcp_dist.engine.training import CohortTrainer
 
     held, peak, training = {}, {"states": 0, "bytes": 0}, []
     get, put, train = DiskClientStore.get, DiskClientStore.put, CohortTrainer.train

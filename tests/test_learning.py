@@ -5,7 +5,7 @@ import pytest
 
 from fedcp_dist.config import load_config
 from fedcp_dist.runtime import init_runtime
-from fedcp_dist.simulator import Simulator
+from fedcp_dist.engine.simulator import Simulator
 
 pytestmark = pytest.mark.slow
 

@@ -475,7 +475,7 @@ def _shard_cfg(shard, **kw):
 def test_model_for_shard_names_the_model_and_the_inputs(digits6, monkeypatch):
     import dataclasses
 
-    from fedcp_dist import startup
+    from fedcp_dist.engine import startup
     from fedcp_dist.data.shards import read_info
     from fedcp_dist.errors import UserError
 
@@ -507,7 +507,7 @@ def test_model_for_shard_names_the_model_and_the_inputs(digits6, monkeypatch):
 
 
 def test_model_for_shard_leaves_the_model_and_the_rng_alone(digits6):
-    from fedcp_dist import startup
+    from fedcp_dist.engine import startup
     from fedcp_dist.data.shards import read_info
 
     info = read_info(str(digits6))

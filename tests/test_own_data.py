@@ -17,7 +17,7 @@ from fedcp_dist.data.owndata import train_statistics
 from fedcp_dist.data.resident import to_device
 from fedcp_dist.data.shards import load_clients, read_info
 from fedcp_dist.errors import UserError
-from fedcp_dist.evaluation import EvalSums, binary_metrics
+from fedcp_dist.engine.evaluation import EvalSums, binary_metrics
 from helpers import expect_user_error, run
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_cmd
-from fedcp_dist.aggregate import pack_peers, unpack_peers
+from fedcp_dist.comm.aggregate import pack_peers, unpack_peers
 from fedcp_dist.algorithms.base import Context, load_module
 from fedcp_dist.algorithms.fedamp import FedAMP
 from fedcp_dist.algorithms.fedfomo import FedFomo

@@ -14,9 +14,9 @@ import torch
 from conftest import REPO, run_cmd
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import (client_steps, cohort_size, form_groups, imbalance, place_clients, place_groups,
+from fedcp_dist.state.placement import (client_steps, cohort_size, form_groups, imbalance, place_clients, place_groups,
                                   placement_rule, placement_weights, sample_cohort, steps_per_rank, stream_seed)
-from fedcp_dist.startup import place
+from fedcp_dist.engine.startup import place
 
 
 def test_placement_greedy_largest_first():
@@ -156,7 +156,7 @@ def test_two_rank_fused_run_places_alike_and_keeps_its_accuracy(digits20, tmp_pa
 
     from fedcp_dist.data.shards import read_info
 
-    from fedcp_dist.fused_groups import group_size
+    from fedcp_dist.fused.groups import group_size
 
     cfg = load_config(str(REPO / "configs" / "digits_fedcp.yaml"), overrides)
     counts = read_info(str(digits20)).train_counts
@@ -186,7 +186,7 @@ def test_two_rank_fused_run_places_alike_and_keeps_its_accuracy(digits20, tmp_pa
 def test_the_start_line_names_ranks_without_a_fused_group():
     """Groups are fixed by the configuration: with more ranks than groups some ranks train nothing,
     and the placement line says how many and which fused_group gives every rank a group."""
-    from fedcp_dist.startup import Setup
+    from fedcp_dist.engine.startup import Setup
 
     steps = client_steps([30] * 20, 10, 1, False)
     for world, size, idle in ((2, 5, 0), (8, 5, 4), (8, 2, 0)):

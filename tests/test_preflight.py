@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from fedcp_dist import fused, preflight
+from fedcp_dist.fused import slots as fused
+from fedcp_dist.engine import preflight
 from fedcp_dist.errors import UserError
-from fedcp_dist.preflight import MARGIN_BYTES, Figures, Free, MiB, estimate
+from fedcp_dist.engine.preflight import MARGIN_BYTES, Figures, Free, MiB, estimate
 
 GiB = 2**30
 
@@ -136,7 +137,7 @@ def test_gpu_figures_put_the_states_on_the_device_and_the_checkpoint_on_the_host
 
 
 def test_free_memory_of_a_gpu_reads_the_device(monkeypatch):
-    from fedcp_dist import fused_memory
+    from fedcp_dist.fused import memory as fused_memory
 
     monkeypatch.setattr(fused_memory, "available_memory", lambda device: 5 * GiB)
     free = preflight.free_memory("cuda:0")

@@ -14,8 +14,8 @@ from fedcp_dist.algorithms.fedcp import FedCP
 from fedcp_dist.analysis.records import read_probes
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.fused_groups import train_group
-from fedcp_dist.probes import S_BINS, EvalTally, ProbeTable, RoundProbes, keep_before, s_histogram
+from fedcp_dist.fused.groups import train_group
+from fedcp_dist.engine.probes import S_BINS, EvalTally, ProbeTable, RoundProbes, keep_before, s_histogram
 from helpers import CPU, Tiny, nonfinite_at, quarters_shard, run, tiny_data
 
 # ----------------------------------------------------------------------------- hand-made policies

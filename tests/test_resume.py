@@ -13,7 +13,7 @@ from conftest import run_cmd
 from helpers import kill_job as _kill_job
 from helpers import start as _start
 from helpers import wait_for as _wait_for
-from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.rundir.checkpoint import Checkpointer
 
 ROUNDS = 6  # a SIGKILL in round 5, a preemption after round 3
 
@@ -186,9 +186,9 @@ def test_keeps_the_last_k_and_skips_damaged(tmp_path):
 # PATCH names the function that sends it, to this process, when called.
 _SIGNAL_DURING = """
 import os, signal, sys
-import fedcp_dist.checkpoint, fedcp_dist.config, fedcp_dist.startup
+import fedcp_dist.rundir.checkpoint, fedcp_dist.config, fedcp_dist.engine.startup
 module, name, sig = sys.argv[1].split(":")
-module = {"config": fedcp_dist.config, "startup": fedcp_dist.startup, "checkpoint": fedcp_dist.checkpoint}[module]
+module = {"config": fedcp_dist.config, "startup": fedcp_dist.engine.startup, "checkpoint": fedcp_dist.rundir.checkpoint}[module]
 owner = module.Checkpointer if name == "verify" else module
 real = getattr(owner, name)
 def signalled(*args, **kwargs):

@@ -8,12 +8,12 @@ import torch
 import yaml
 
 from conftest import REPO
-from fedcp_dist import rundir
-from fedcp_dist.checkpoint import Checkpointer
+from fedcp_dist.rundir import directory as rundir
+from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.cli import report
 from fedcp_dist.config import Config, flatten, unflatten
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir import (
+from fedcp_dist.rundir.directory import (
     NOT_DEFINING, RESUMABLE_CHANGES, RunDir, RunWriter, check_resume_config, format_value, prepare_out_dir,
 )
 from fedcp_dist.run import run_config
@@ -326,7 +326,7 @@ def test_the_run_directory_modules_import_one_way():
     """config, loggers, rundir and checkpoint: none of them reaches itself through its imports, so
     each can be read (and changed) knowing only the ones below it."""
     graph = _package_imports()
-    for start in ("fedcp_dist.config", "fedcp_dist.loggers", "fedcp_dist.rundir", "fedcp_dist.checkpoint"):
+    for start in ("fedcp_dist.config", "fedcp_dist.rundir.loggers", "fedcp_dist.rundir.directory", "fedcp_dist.rundir.checkpoint"):
         seen, todo = set(), list(graph[start])
         while todo:
             m = todo.pop()

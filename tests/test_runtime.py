@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedcp_dist.errors import UserError
-from fedcp_dist.preemption import StopSignals
+from fedcp_dist.rundir.preemption import StopSignals
 from fedcp_dist.runtime import Endpoint, detect_launcher, expand_nodelist, resolve_endpoint, tasks_per_node
 
 

@@ -8,8 +8,8 @@ import pytest
 from helpers import FakeRuntime
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import sample_cohort
-from fedcp_dist.selection import sample_cohort_weighted, selection_probabilities, selection_weights
+from fedcp_dist.state.placement import sample_cohort
+from fedcp_dist.comm.selection import sample_cohort_weighted, selection_probabilities, selection_weights
 
 
 def test_weights_are_size_times_one_minus_cosine_to_the_mean():
@@ -92,7 +92,7 @@ def test_feature_means_as_the_selection_vector_and_their_probabilities():
 
     from fedcp_dist.algorithms.base import Context
     from fedcp_dist.algorithms.fedcp import FedCP
-    from fedcp_dist.selection import gather_client_vectors
+    from fedcp_dist.comm.selection import gather_client_vectors
     from helpers import Tiny, algo_with_moved_global, tiny_data
 
     # one batch of all 8 samples, one epoch: every h comes from the received (global) extractor

@@ -19,7 +19,7 @@ from fedcp_dist.data.shards import (DESCRIBE_ROWS, FORMAT_VERSION, IMAGE_FORMAT_
                                     TEXT_FORMAT_VERSION, WRITE_SAMPLES, describe_lines,
                                     load_clients, read_info, read_vocab, write_shard)
 from fedcp_dist.errors import UserError
-from fedcp_dist.placement import place_clients
+from fedcp_dist.state.placement import place_clients
 
 REPO = Path(__file__).resolve().parents[1]
 #: real MNIST: beside the main checkout (../shared) or, from a worktree in ../wt/, two levels up

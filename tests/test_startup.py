@@ -8,7 +8,7 @@ import torch
 
 from conftest import REPO
 from helpers import FakeRuntime
-from fedcp_dist import startup
+from fedcp_dist.engine import startup
 from fedcp_dist.errors import UserError
 
 

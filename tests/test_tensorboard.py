@@ -12,8 +12,8 @@ from conftest import REPO
 from fedcp_dist.analysis.records import loss_by_round, pir_by_round, read_probes
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.loggers import analysis_scalars
-from fedcp_dist.rundir import RunWriter, prepare_out_dir
+from fedcp_dist.rundir.loggers import analysis_scalars
+from fedcp_dist.rundir.directory import RunWriter, prepare_out_dir
 from helpers import nonfinite_at, quarters_shard, run
 
 CONFIG = str(REPO / "configs" / "digits_fedcp.yaml")

@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from helpers import FakeRuntime, Recorder
-from fedcp_dist.aggregate import FlatAggregator
+from fedcp_dist.comm.aggregate import FlatAggregator
 from fedcp_dist.algorithms.base import LocalResult
-from fedcp_dist.client_store import BN_PREFIX, ClientStore
+from fedcp_dist.state.client_store import BN_PREFIX, ClientStore
 
 
 CPU = torch.device("cpu")
@@ -17,10 +17,10 @@ CPU = torch.device("cpu")
 def test_cohort_trainer_trains_owned_clients_and_leaves_a_nonfinite_one_out(capsys):
     """Rank 0 of two trains the cohort's clients it owns, each from its own stream; client 3's NaN
     result is neither kept nor aggregated; the rest go into the buffer weighted by their samples."""
-    from fedcp_dist.compress import Compressor
+    from fedcp_dist.comm.compress import Compressor
     from fedcp_dist.config import Config
-    from fedcp_dist.probes import RoundProbes
-    from fedcp_dist.training import CohortTrainer
+    from fedcp_dist.engine.probes import RoundProbes
+    from fedcp_dist.engine.training import CohortTrainer
 
     class Algo(Recorder):
         peer_dim, seen = 0, []

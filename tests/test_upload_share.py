@@ -1,4 +1,4 @@
-"""The CPN's share of FedCP's upload (fedcp_dist.compress.upload_parts, bench/upload_share.py): the
+"""The CPN's share of FedCP's upload (fedcp_dist.comm.compress.upload_parts, bench/upload_share.py): the
 parameter counts against a hand derivation and against what a run's byte counts record."""
 import importlib.util
 import json
@@ -8,7 +8,7 @@ import torch
 
 from conftest import REPO
 from fedcp_dist.algorithms import make_algorithm
-from fedcp_dist.compress import skipped_part_saving, upload_parts
+from fedcp_dist.comm.compress import skipped_part_saving, upload_parts
 from fedcp_dist.config import Config
 from fedcp_dist.data.shards import read_info
 from fedcp_dist.models import build_model

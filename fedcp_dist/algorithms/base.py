@@ -123,7 +123,7 @@ class Algorithm:
 
     def fused_reason(self) -> Optional[str]:
         """Why this method's clients cannot train fused here (None: they can, through the engine's
-        :mod:`fedcp_dist.fused_groups`, from :meth:`SGDAlgorithm.phases` and ``finish``)."""
+        :mod:`fedcp_dist.fused.groups`, from :meth:`SGDAlgorithm.phases` and ``finish``)."""
         return self.own_loop or f"{self.name} has its own local training loop"
 
     # -- the peer exchange (methods that need other clients' models: FedAMP, FedFomo) ------------
@@ -211,7 +211,7 @@ class SGDAlgorithm(Algorithm):
     Subclasses set ``self.training_phases`` (the :class:`~fedcp_dist.local_train.Phase` s they
     train, in order) and implement :meth:`phases` (each client's starting values per phase) and
     :meth:`finish` (upload and new client state from the phases' outcomes). The sequential path
-    (:meth:`local_train`) and the engine's fused path (:mod:`fedcp_dist.fused_groups`) then run
+    (:meth:`local_train`) and the engine's fused path (:mod:`fedcp_dist.fused.groups`) then run
     the very same loss code, under ``amp`` alike.
     """
 

@@ -46,7 +46,7 @@ from fedcp_dist.algorithms.peers import PeerBankMethod
 from fedcp_dist.local_train import ClientPhase
 from fedcp_dist.models import mode_dependent
 from fedcp_dist.options import Option, above, at_least, within
-from fedcp_dist.placement import STREAM_INIT, stream_seed
+from fedcp_dist.state.placement import STREAM_INIT, stream_seed
 
 SPLIT_TAG = 17  # keeps the validation-split stream apart from other STREAM_INIT draws
 OLD = "fomo_old"  # reference_compat: the client's flat model before its last training

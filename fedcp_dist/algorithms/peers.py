@@ -13,7 +13,7 @@ state, so it is checkpointed with it and identical on every rank:
 * ``seen``  (N,): 1 for the clients whose model has ever arrived.
 
 Memory per rank: N·P·4 bytes for the bank (with ``client_state: disk`` a file mapped into memory,
-see :class:`~fedcp_dist.client_store.DiskClientStore`) (the engine adds its exchange buffer and refuses a run
+see :class:`~fedcp_dist.state.client_store.DiskClientStore`) (the engine adds its exchange buffer and refuses a run
 above ``peer_memory_mb``); for the 4-layer CNN on MNIST (P ≈ 582 k) that is 2.2 MiB per client.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcp_dist.algorithms.base import SGDAlgorithm, State, freeze, load_module, module_state
-from fedcp_dist.client_store import banks_in_files
+from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.local_train import Phase
 from fedcp_dist.options import Option, above
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir import ANALYSIS, METRICS, read_jsonl
+from fedcp_dist.rundir.directory import ANALYSIS, METRICS, read_jsonl
 
 S_BINS = 50
 

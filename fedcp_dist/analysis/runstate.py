@@ -1,7 +1,7 @@
 """A finished (or checkpointed) run, rebuilt in memory: its config, shard, method and states.
 
 Grad-CAM and the DLG attack both need the models a run actually had, so they rebuild the run's
-method exactly as the engine does (:func:`fedcp_dist.startup.build_method`) and load the newest
+method exactly as the engine does (:func:`fedcp_dist.engine.startup.build_method`) and load the newest
 complete checkpoint into it.
 
 Which states: the global state *and* the clients' states of the newest checkpoint, a pair that
@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fedcp_dist.client_store import ClientStore
+from fedcp_dist.state.client_store import ClientStore
 from fedcp_dist.errors import UserError
 
 @dataclass
@@ -98,9 +98,9 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     noise, a batch size of the attacked client's, ...). A run without a checkpoint is a one-line
     error that says how to get one.
     """
-    from fedcp_dist.checkpoint import Checkpointer
+    from fedcp_dist.rundir.checkpoint import Checkpointer
     from fedcp_dist.data.shards import read_info
-    from fedcp_dist.startup import build_method, run_clients
+    from fedcp_dist.engine.startup import build_method, run_clients
 
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, data_path, changes)

@@ -7,7 +7,7 @@
     fedcp-dlg runs/fedcp runs/fedavg runs/fedper --clients 0,1 --batches 2  # the DLG part alone
 
 Curves come from ``metrics.jsonl`` (any run) and the probes of ``analysis.jsonl`` (PIR, s, loss
-before/after: FedCP runs with ``analysis=true``, see :mod:`fedcp_dist.probes`). Grad-CAM and DLG rebuild the run's method from its
+before/after: FedCP runs with ``analysis=true``, see :mod:`fedcp_dist.engine.probes`). Grad-CAM and DLG rebuild the run's method from its
 newest checkpoint (see :mod:`fedcp_dist.analysis.runstate`). Everything is written to the analysis
 folder — ``RUN/analysis/`` for one run, ``PARENT/analysis/`` (the runs' common parent) for several,
 or ``--out`` — with ``report.md`` and ``report.json``.

@@ -14,7 +14,7 @@ from fedcp_dist.analysis.plots import pyplot as _pyplot
 from fedcp_dist.analysis.plots import save as _save
 from fedcp_dist.analysis.plots import series_styles
 from fedcp_dist.cli.report_table import Run, Table, _is_percent, _label, _numeric, _sort_key
-from fedcp_dist.rundir import RunDir, format_value
+from fedcp_dist.rundir.directory import RunDir, format_value
 
 
 # ----------------------------------------------------------------------------- plots
@@ -178,14 +178,14 @@ def client_rounds(run: Run) -> Optional[list]:
     if rho_range is None and float(rho) >= 1:
         return None
     n = len(run.summary["shard_clients"]) if "shard_clients" in run.summary else int(run.summary.get("num_clients") or cfg["data.num_clients"])
-    from fedcp_dist.selection import selection_counts
+    from fedcp_dist.comm.selection import selection_counts
 
     records = [r for r in RunDir(run.path).read_metrics() if r.get("kind") == "round"]
     if records and all("cohort" in r for r in records):
         return selection_counts((r["cohort"] for r in records), n)
     if cfg.get("client_selection", "uniform") != "uniform":
         return None
-    from fedcp_dist.placement import sample_cohort
+    from fedcp_dist.state.placement import sample_cohort
 
     draw = cfg.get("participation_draw", "rho")
     return selection_counts((sample_cohort(int(cfg["seed"]), t, n, float(rho), rho_range, draw)

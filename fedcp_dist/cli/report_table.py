@@ -20,11 +20,11 @@ from typing import Any, Optional
 from fedcp_dist.analysis.records import read_probes, weighted_mean
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes
-from fedcp_dist.rundir import ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir, format_value
+from fedcp_dist.rundir.directory import ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir, format_value
 from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
 #: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not
-#: define an experiment, fedcp_dist.rundir.NOT_DEFINING, never are either)
+#: define an experiment, fedcp_dist.rundir.directory.NOT_DEFINING, never are either)
 ROW_KEYS = ("method", "seed")
 #: metrics computed from a summary's keys: name -> (function of the summary, or None where it lacks them)
 DERIVED = {
@@ -80,7 +80,7 @@ def record_metric(curve: list, path: Path, name: str):
     return math.sqrt(sum((p.pir - mean) ** 2 for p in at_last) / len(at_last))
 
 
-#: summary keys only some runs have (fedcp_dist.compress.byte_totals: none for peer methods and runs saved
+#: summary keys only some runs have (fedcp_dist.comm.compress.byte_totals: none for peer methods and runs saved
 #: before every run counted its bytes; the saved bytes only with skipped uploads):
 #: a report of runs that have none of them says n/a rather than stopping
 OPTIONAL = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense", "uplink_bytes_sent",
@@ -117,7 +117,7 @@ class Run:
 
     @property
     def diverged(self) -> bool:
-        """Whether the run ran to its end but learned nothing (see :data:`fedcp_dist.rundir.DIVERGED`)."""
+        """Whether the run ran to its end but learned nothing (see :data:`fedcp_dist.rundir.directory.DIVERGED`)."""
         return self.summary is not None and self.summary.get("status") == DIVERGED
 
     def value(self, key: str):
@@ -379,7 +379,7 @@ class Table:
     excluded: dict = field(default_factory=dict)
     #: [(row, label, reason, points)] for the report's list
     excluded_notes: list = field(default_factory=list)
-    #: runs that ran to their end but learned nothing (:data:`fedcp_dist.rundir.DIVERGED`)
+    #: runs that ran to their end but learned nothing (:data:`fedcp_dist.rundir.directory.DIVERGED`)
     diverged: list = field(default_factory=list)
 
     def cell_text(self, method: str, setting: tuple) -> str:

@@ -20,7 +20,7 @@ import json
 import sys
 
 from fedcp_dist.errors import ArgumentParser, cli_main
-from fedcp_dist.rundir import DIVERGED, DONE, FINISHED, UNFINISHED
+from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
 

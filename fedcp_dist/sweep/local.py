@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from fedcp_dist.errors import EXIT_REQUEUE, Preempted
-from fedcp_dist.faults import fault_point
-from fedcp_dist.rundir import DIVERGED, DONE, FINISHED, SUMMARY, UNFINISHED, RunDir
+from fedcp_dist.rundir.faults import fault_point
+from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
 from fedcp_dist.sweep.spec import Sweep, drift_warning
@@ -67,7 +67,7 @@ def pump(proc: subprocess.Popen, sink, tail: collections.deque) -> None:
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR2")
 #: seconds between two looks at the lock of a point that another process runs
 LOCK_POLL_S = 1.0
-#: what fedcp-run says when another run holds its out_dir (:func:`fedcp_dist.rundir.prepare_out_dir`)
+#: what fedcp-run says when another run holds its out_dir (:func:`fedcp_dist.rundir.directory.prepare_out_dir`)
 IN_USE = "is in use by another run"
 
 

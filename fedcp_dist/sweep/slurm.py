@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedcp_dist.errors import EXIT_REQUEUE, Preempted, UserError
-from fedcp_dist.rundir import DIVERGED, DONE, FINISHED, SUMMARY, RunDir
+from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, RunDir
 from fedcp_dist.sweep.local import pump, stderr_tail
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now

@@ -35,7 +35,7 @@ from typing import Optional
 from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping, type_ok
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir import FINISHED, RunDir, defining_changes
+from fedcp_dist.rundir.directory import FINISHED, RunDir, defining_changes
 from fedcp_dist.sweep.names import did_you_mean, display_path, partition_file_name, point_name, yaml_value
 
 DEFAULT_ROOT = "runs/sweeps"
@@ -500,7 +500,7 @@ def _validate_point(sweep: Sweep, point: Point) -> None:
 def config_drift(sweep: Sweep, point: Point) -> list:
     """Keys that define the experiment whose value in a run's config.yaml differs from the point's.
 
-    Keys that do not define it (:data:`fedcp_dist.rundir.NOT_DEFINING`) never count; ``[]`` when the
+    Keys that do not define it (:data:`fedcp_dist.rundir.directory.NOT_DEFINING`) never count; ``[]`` when the
     run wrote no readable config.
     """
     have = RunDir(point.run_dir).read_config()

@@ -37,7 +37,7 @@ ROUNDS = 2
 UNSTABLE = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds", "allreduce_seconds",
             "allreduce_bytes", "peer_exchange_seconds", "seconds_per_round", "load_seconds",
             "launcher", "world_size", "device")
-#: the byte counts every averaging run records (fedcp_dist.compress.uplink_record): added after the
+#: the byte counts every averaging run records (fedcp_dist.comm.compress.uplink_record): added after the
 #: digests were recorded, a function of the config and the cohort (tests/test_compress.py), left out
 ACCOUNTING = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense")
 METHODS = ("fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep",
@@ -118,7 +118,7 @@ def digest_run(out: Path) -> dict:
 
 def run_case(rt, shard: str, name: str, work: Path) -> dict:
     from fedcp_dist.config import load_config
-    from fedcp_dist.simulator import Simulator
+    from fedcp_dist.engine.simulator import Simulator
 
     method, extra = CASES[name]
     out = work / name

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcp_dist.options import Component, Option, at_least, one_of
-from fedcp_dist.placement import STREAM_INIT, stream_seed
+from fedcp_dist.state.placement import STREAM_INIT, stream_seed
 
 CLIENT_VECTORS = ("head", "head+stats", "head+embed")
 CPN_INPUTS = ("both", "sample", "client", "none")

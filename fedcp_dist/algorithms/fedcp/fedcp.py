@@ -34,7 +34,7 @@ from fedcp_dist.algorithms.fedcp.schedules import Schedules
 from fedcp_dist.algorithms.fedcp.sync import POLICY_PREFIXES, PolicySync
 from fedcp_dist.local_train import ClientPhase, Phase
 from fedcp_dist.options import Option
-from fedcp_dist.placement import STREAM_INIT, stream_seed
+from fedcp_dist.state.placement import STREAM_INIT, stream_seed
 
 
 class Heads(NamedTuple):

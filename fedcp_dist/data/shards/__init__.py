@@ -50,7 +50,7 @@ client order (each array's name, dtype, shape and bytes) and the attributes that
 training (kind, num_classes, input_shape, mean, std, the vocabulary, the feature names). Two
 shards with the same fingerprint train alike; a shard partitioned again at the same path gets
 another. A run records it in its checkpoints and refuses to resume onto other data
-(:mod:`fedcp_dist.checkpoint`).  :func:`layout_digest` is the cheap stand-in for a shard without
+(:mod:`fedcp_dist.rundir.checkpoint`).  :func:`layout_digest` is the cheap stand-in for a shard without
 one: the attributes and per-client counts, which a re-partition almost always changes.
 
 Files are written atomically (temporary file in the same directory, then ``os.replace``), so

@@ -1,6 +1,6 @@
 """Where a run's numbers go besides ``metrics.jsonl``: the ``logger`` key (``none`` | ``tensorboard``).
 
-Rank 0's :class:`~fedcp_dist.rundir.RunWriter` hands every record it appends to ``metrics.jsonl``
+Rank 0's :class:`~fedcp_dist.rundir.directory.RunWriter` hands every record it appends to ``metrics.jsonl``
 and every batch of ``analysis.jsonl`` lines to the run's logger, so the logger sees the very values
 those files hold. ``tensorboard`` writes them as TensorBoard scalars under ``RUN_DIR/tensorboard/``
 (``tensorboard --logdir RUN_DIR``); ``none`` writes nothing.
@@ -145,7 +145,7 @@ class TensorBoardLogger(NoLogger):
 
 def make_logger(name: str, folder) -> NoLogger:
     """The logger the ``logger`` key names, writing its files into ``folder`` (the run directory
-    names it: :data:`fedcp_dist.rundir.TENSORBOARD`)."""
+    names it: :data:`fedcp_dist.rundir.directory.TENSORBOARD`)."""
     return TensorBoardLogger(folder) if name == "tensorboard" else NoLogger()
 
 

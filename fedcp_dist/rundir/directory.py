@@ -5,8 +5,8 @@ One run writes one directory; rank 0 alone writes it::
     config.yaml      the resolved config, written when the round loop starts
     metrics.jsonl    one JSON object per round (and a ``final_eval`` one), appended and flushed
     analysis.jsonl   with analysis on: per-client probes (PIR, s histograms, loss before/after)
-    tensorboard/     with logger: tensorboard, the same numbers as TensorBoard events (:mod:`fedcp_dist.loggers`)
-    checkpoints/     round-R checkpoints (:mod:`fedcp_dist.checkpoint` owns what is inside)
+    tensorboard/     with logger: tensorboard, the same numbers as TensorBoard events (:mod:`fedcp_dist.rundir.loggers`)
+    checkpoints/     round-R checkpoints (:mod:`fedcp_dist.rundir.checkpoint` owns what is inside)
     final_global.pt  the global state after the last round (a plain tensor dict)
     summary.json     written last: its presence marks a finished run (``"status": "diverged"`` in it:
                      one that learned nothing, see :data:`DIVERGED`)
@@ -34,7 +34,7 @@ from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.config import Config, flatten, legacy_defaults
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes
-from fedcp_dist.loggers import make_logger
+from fedcp_dist.rundir.loggers import make_logger
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -43,7 +43,7 @@ ANALYSIS = "analysis.jsonl"
 SUMMARY = "summary.json"
 FINAL_GLOBAL = "final_global.pt"
 CHECKPOINTS = "checkpoints"
-#: ``checkpoints/round_{R:07d}/``: the checkpoint after R rounds (:mod:`fedcp_dist.checkpoint` writes it)
+#: ``checkpoints/round_{R:07d}/``: the checkpoint after R rounds (:mod:`fedcp_dist.rundir.checkpoint` writes it)
 CHECKPOINT_DIR = re.compile(r"^round_(\d{7})$")
 #: the file whose presence makes a checkpoint directory complete (its parts' checksums)
 CHECKPOINT_MARKER = "COMPLETE"
@@ -221,7 +221,7 @@ class RunDir:
 
     def has_checkpoint(self) -> bool:
         """Whether a checkpoint directory is marked complete (whether its parts are intact is
-        :meth:`fedcp_dist.checkpoint.Checkpointer.verify`'s question)."""
+        :meth:`fedcp_dist.rundir.checkpoint.Checkpointer.verify`'s question)."""
         return any((d / CHECKPOINT_MARKER).exists() for _, d in self.checkpoint_dirs())
 
     def status(self) -> str:
@@ -357,7 +357,7 @@ class RunWriter:
     Whole-file writes go to a temporary name and are renamed when complete; metrics.jsonl is
     appended to one whole record at a time (:class:`~fedcp_dist.fileio.AppendFile`). An I/O error
     (a full disk) is a one-line RunFailure naming the file. ``logger`` (the config key: none |
-    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.loggers`).
+    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.rundir.loggers`).
     """
 
     def __init__(self, out_dir, enabled: bool, logger: str = "none"):
@@ -423,7 +423,7 @@ class RunWriter:
         """Begin analysis.jsonl: keep the lines of the first ``rounds_done`` rounds of one already
         there (a resumed run: the rest is computed again), start it empty when ``create`` (analysis
         on), and leave it absent otherwise."""
-        from fedcp_dist.probes import keep_before
+        from fedcp_dist.engine.probes import keep_before
 
         if not self.enabled:
             return

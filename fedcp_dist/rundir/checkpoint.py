@@ -28,10 +28,10 @@ import torch
 
 from fedcp_dist.data.shards.verify import ShardDigest, describe_differences
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.faults import fault_point
-from fedcp_dist.preemption import interrupt_after
+from fedcp_dist.rundir.faults import fault_point
+from fedcp_dist.rundir.preemption import interrupt_after
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
-from fedcp_dist.rundir import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
+from fedcp_dist.rundir.directory import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
 
 
 def _sha256(path: Path) -> str:
@@ -128,7 +128,7 @@ class Checkpointer:
         ``all_ok(ok)`` is a collective: True when every rank passes True. A write that fails on
         any rank (a full disk, say) leaves the previous checkpoint as the newest complete one and
         raises :class:`RunFailure` on every rank. A Ctrl-C (SIGINT) meanwhile takes effect once the
-        checkpoint is complete (:class:`~fedcp_dist.preemption.interrupt_after`).
+        checkpoint is complete (:class:`~fedcp_dist.rundir.preemption.interrupt_after`).
         """
         with interrupt_after():
             return self._save(rounds_done, global_state, client_states, meta, all_ok)

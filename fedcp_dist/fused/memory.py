@@ -1,8 +1,8 @@
 """How much memory fused training takes, and how many clients one fused step trains at once.
 
-:mod:`fedcp_dist.fused` trains several clients' steps as one; this module holds the caps on how
+:mod:`fedcp_dist.fused.slots` trains several clients' steps as one; this module holds the caps on how
 many (per device kind), the device's free and total memory, and :class:`MemoryPlan`, a client's
-bytes while it trains and after it finished. :mod:`fedcp_dist.fused_groups` sizes the groups with
+bytes while it trains and after it finished. :mod:`fedcp_dist.fused.groups` sizes the groups with
 them.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ A client's fused result depends, in float rounding, on the clients it shares its
 stacked kernels block their sums by the number of active slots, so a group of 8 and a group of 20
 give the same client different last bits (measured on a CPU: up to 2e-6 of a weight after one
 round). For the same trajectory on any world size the groups are therefore a function of the
-configuration and the shard alone (:func:`fedcp_dist.placement.form_groups`): the run's clients,
+configuration and the shard alone (:func:`fedcp_dist.state.placement.form_groups`): the run's clients,
 largest first, dealt to groups of at most :func:`group_size` so that the groups weigh alike;
 placement puts whole groups on ranks, and each round a group's participants train together with
 the same number of slots on whichever rank owns it.
@@ -22,7 +22,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from fedcp_dist import fused, fused_memory
+from fedcp_dist.fused import slots as fused
+from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.local_train import Step, amp_autocast, module_keys
 
 #: {algorithm: {phase name: activation elements per sample}}, counted once per phase
@@ -30,7 +31,7 @@ _ACTIVATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def slot_cap(device: torch.device) -> int:
-    """Most clients one fused step trains at once on ``device``'s kind (see :mod:`fedcp_dist.fused_memory`)."""
+    """Most clients one fused step trains at once on ``device``'s kind (see :mod:`fedcp_dist.fused.memory`)."""
     return fused_memory.CUDA_SLOTS if torch.device(device).type == "cuda" else fused_memory.CPU_SLOTS
 
 
@@ -140,7 +141,7 @@ def train_group(algo, items: list, slots: Optional[int] = None, plans: Optional[
 
 def group_slots(plan: fused_memory.MemoryPlan, device: torch.device) -> int:
     """Clients a group trains at once: the device kind's cap, fewer where that many would not fit
-    in :data:`fedcp_dist.fused_memory.MEMORY_FRACTION` of the device's total memory (not its free memory, which
+    in :data:`fedcp_dist.fused.memory.MEMORY_FRACTION` of the device's total memory (not its free memory, which
     differs between ranks and moments: the slots change a client's rounding)."""
     return plan.slots(device, slot_cap(device), int(fused_memory.MEMORY_FRACTION * fused_memory.total_memory(device)))
 

@@ -29,7 +29,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-from fedcp_dist.client_store import BN_STAT_SUFFIXES
+from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
 from fedcp_dist.options import Option, one_of, within
 
 COMPRESS_MODES = ("none", "topk")

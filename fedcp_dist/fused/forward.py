@@ -1,10 +1,10 @@
 """Grouped forward passes: ``k`` clients' batches through one module, each with its own parameters.
 
-The layers of :mod:`fedcp_dist.fused`'s steps: parameters stacked along a leading slot dimension,
+The layers of :mod:`fedcp_dist.fused.slots`'s steps: parameters stacked along a leading slot dimension,
 ``Conv2d`` as one grouped channels-last convolution, ``Linear`` as ``baddbmm`` (taking its SGD step
 inside the backward pass where it may, :class:`InBackwardSGD`), ``LayerNorm`` as a normalisation
 and each slot's affine, parameter-free layers unchanged, anything else through ``torch.vmap``. The
-module docstring of :mod:`fedcp_dist.fused` says why each layer runs as it does.
+module docstring of :mod:`fedcp_dist.fused.slots` says why each layer runs as it does.
 """
 from __future__ import annotations
 

@@ -190,7 +190,7 @@ def banks_in_files(client_state: str, device) -> bool:
 def available_memory_bytes(device) -> int:
     """What the budget of ``client_state: auto`` defaults to half of: the device's free memory
     (the same measure fused training sizes its groups by)."""
-    from fedcp_dist.fused_memory import available_memory
+    from fedcp_dist.fused.memory import available_memory
 
     return available_memory(torch.device(device))
 

@@ -13,23 +13,23 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from fedcp_dist import startup
-from fedcp_dist.aggregate import ClientOrder, TrainSums, exchange_peers, reduce_sums
-from fedcp_dist.checkpoint import Checkpointer
-from fedcp_dist.client_store import memory_record
-from fedcp_dist.compress import uplink_record
+from fedcp_dist.engine import startup
+from fedcp_dist.comm.aggregate import ClientOrder, TrainSums, exchange_peers, reduce_sums
+from fedcp_dist.rundir.checkpoint import Checkpointer
+from fedcp_dist.state.client_store import memory_record
+from fedcp_dist.comm.compress import uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
-from fedcp_dist.evaluation import EvalSums, evaluate_clients
-from fedcp_dist.faults import fault_point
-from fedcp_dist.placement import STREAM_EVAL
-from fedcp_dist.preemption import StopSignals, interrupt_after
-from fedcp_dist.probes import RoundProbes
-from fedcp_dist.round_record import evaluation_record, learned_nothing, round_record, summary_json
-from fedcp_dist.rundir import DIVERGED, SUMMARY, progress_line, result_table
-from fedcp_dist.run_start import close_parts, run_data_record, start_run
+from fedcp_dist.engine.evaluation import EvalSums, evaluate_clients
+from fedcp_dist.rundir.faults import fault_point
+from fedcp_dist.state.placement import STREAM_EVAL
+from fedcp_dist.rundir.preemption import StopSignals, interrupt_after
+from fedcp_dist.engine.probes import RoundProbes
+from fedcp_dist.engine.round_record import evaluation_record, learned_nothing, round_record, summary_json
+from fedcp_dist.rundir.directory import DIVERGED, SUMMARY, progress_line, result_table
+from fedcp_dist.engine.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
-from fedcp_dist.selection import draw_cohort, gather_client_vectors
+from fedcp_dist.comm.selection import draw_cohort, gather_client_vectors
 
 
 class Simulator:

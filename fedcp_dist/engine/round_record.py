@@ -1,16 +1,16 @@
 """What the round loop reports: a round's record (one line of metrics.jsonl), the final
 evaluation's, and the run's summary (summary.json), assembled from the round's reduced sums, its
-times and the aggregator's byte counts. Rank 0's :class:`~fedcp_dist.rundir.RunWriter` writes them."""
+times and the aggregator's byte counts. Rank 0's :class:`~fedcp_dist.rundir.directory.RunWriter` writes them."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import numpy as np
 
-from fedcp_dist.aggregate import TrainSums
-from fedcp_dist.compress import byte_totals
-from fedcp_dist.evaluation import EvalSums
-from fedcp_dist.selection import selection_counts
+from fedcp_dist.comm.aggregate import TrainSums
+from fedcp_dist.comm.compress import byte_totals
+from fedcp_dist.engine.evaluation import EvalSums
+from fedcp_dist.comm.selection import selection_counts
 
 #: the times of a round's record, in its order (peer_exchange_seconds only where the method exchanges models)
 TIMES = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds")

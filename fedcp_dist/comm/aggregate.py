@@ -9,7 +9,7 @@ each tensor is then averaged over the clients that sent its group (its own sampl
 A group that no client sends in a round (the method says which: ``skipped_groups(t)``, the same on
 every rank) leaves the round's buffer altogether: its tensors are not packed (the all-reduce is that
 much shorter), its weight and count are 0 and the server keeps its values as they were.
-``extra`` (absent unless asked for) carries the per-client rows of the probes (:mod:`fedcp_dist.probes`).
+``extra`` (absent unless asked for) carries the per-client rows of the probes (:mod:`fedcp_dist.engine.probes`).
 The metric sums of the round (named :class:`Sums`) ride in the same all-reduce as the
 parameters. The buffer is float64 by default: the sums are then exact enough that the order in
 which ranks add them (which changes with the world size) does not show in the float32 result.

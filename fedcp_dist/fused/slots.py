@@ -34,7 +34,7 @@ Unequal clients
 The SGD step
     ``w ← w − lr·∇w`` per client, as in :func:`~fedcp_dist.local_train.sgd`. The grouped Linear
     layers take their step inside the backward pass
-    (:class:`~fedcp_dist.fused_forward._LinearSGD`): at B = 10 their large per-client matrices are
+    (:class:`~fedcp_dist.fused.forward._LinearSGD`): at B = 10 their large per-client matrices are
     bound by memory traffic, not arithmetic, and adding the gradient straight into the weight
     saves writing and re-reading a gradient tensor. All other
     parameters get their gradient from the backward pass and step after it. A loss that reads
@@ -53,9 +53,9 @@ Not fused
     refused (:func:`~fedcp_dist.local_train.unsupported_reason`); the algorithms then fall back to
     the sequential loop.
 
-The layers' grouped forms: :mod:`fedcp_dist.fused_forward`; memory and the caps on slots:
-:mod:`fedcp_dist.fused_memory`; which clients form a group, and how a rank's groups are trained
-side by side: :mod:`fedcp_dist.fused_groups`.
+The layers' grouped forms: :mod:`fedcp_dist.fused.forward`; memory and the caps on slots:
+:mod:`fedcp_dist.fused.memory`; which clients form a group, and how a rank's groups are trained
+side by side: :mod:`fedcp_dist.fused.groups`.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from fedcp_dist.fused_forward import InBackwardSGD, grouped_forward, sub_params
+from fedcp_dist.fused.forward import InBackwardSGD, grouped_forward, sub_params
 from fedcp_dist.local_train import (Phase, PhaseOutcome, batch_indices, finished_tallies, full_precision, lr_of, num_batches,
                                      resolve)
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean

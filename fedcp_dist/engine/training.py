@@ -9,10 +9,10 @@ from typing import Optional
 
 import torch
 
-from fedcp_dist.aggregate import TrainSums
+from fedcp_dist.comm.aggregate import TrainSums
 from fedcp_dist.algorithms.base import Context
-from fedcp_dist.fused_groups import GroupTrainer
-from fedcp_dist.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
+from fedcp_dist.fused.groups import GroupTrainer
+from fedcp_dist.state.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
 from fedcp_dist.options import Component, Option, one_of
 
 
@@ -36,7 +36,7 @@ class CohortTrainer:
         """Round t's training of the cohort's owned clients, each finite result probed (when
         ``probes.train``), kept and added to the all-reduce. (Sums of the round's training,
         {client: peer payload} for a method that exchanges models.) ``order``: a
-        :class:`~fedcp_dist.aggregate.ClientOrder` with a slot per member of the cohort, in its order."""
+        :class:`~fedcp_dist.comm.aggregate.ClientOrder` with a slot per member of the cohort, in its order."""
         train, bad, payloads = TrainSums(), [], {}
         slot = {int(c): i for i, c in enumerate(cohort)}
         for cid, res in self._results(t, [int(c) for c in cohort if self.owner[int(c)] == self.rt.rank], probes.train):

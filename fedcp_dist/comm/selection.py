@@ -1,7 +1,7 @@
 """Feature-difference client selection: prefer the clients whose features differ most.
 
 With participation ρ < 1 and ``client_selection=feature_difference`` the round's cohort (as many
-clients as uniform sampling takes, see :func:`fedcp_dist.placement.cohort_size`) is drawn without
+clients as uniform sampling takes, see :func:`fedcp_dist.state.placement.cohort_size`) is drawn without
 replacement with first-draw probabilities
 
     w_i = |D_i| · (1 − cos(v_i, v̄)),      v̄ = (1/N) Σ_j v_j,
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fedcp_dist.options import Option, one_of, within
-from fedcp_dist.placement import STREAM_COHORT, round_cohort_size, sample_cohort, stream_seed
+from fedcp_dist.state.placement import STREAM_COHORT, round_cohort_size, sample_cohort, stream_seed
 
 SELECTION_MODES = ("uniform", "feature_difference")
 SELECTION_VECTORS = ("client", "features")

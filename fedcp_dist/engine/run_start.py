@@ -1,18 +1,18 @@
-"""A run's start-up on this rank: everything :class:`~fedcp_dist.simulator.Simulator`'s round loop
+"""A run's start-up on this rank: everything :class:`~fedcp_dist.engine.simulator.Simulator`'s round loop
 works with, built in order, each step agreed on by every rank.
 
 1. rank 0 locks ``out_dir`` (the overwrite and resume rules); every rank loads the shard, builds
    the model and the method (before the clients are placed: fused groups are placed whole), places
-   the clients and loads its own (:func:`fedcp_dist.startup.load`);
+   the clients and loads its own (:func:`fedcp_dist.engine.startup.load`);
 2. the peer exchange's memory is checked, the global state made, the client store opened (a disk
    store locks its folder) and the training path chosen (fused or one client at a time);
 3. the aggregator's buffer, the compressor and the cohort trainer; the memory the rounds will
-   take is estimated and checked against what is free (:mod:`fedcp_dist.preflight`); the run
+   take is estimated and checked against what is free (:mod:`fedcp_dist.engine.preflight`); the run
    directory's writer;
 4. resume from the newest verified checkpoint (``resume: auto``), and analysis.jsonl kept up to the
    rounds done.
 
-A refusal on any rank stops every rank (:func:`fedcp_dist.startup.agree_on`); what start-up made
+A refusal on any rank stops every rank (:func:`fedcp_dist.engine.startup.agree_on`); what start-up made
 that holds a lock or a file (the out_dir lock, the store, the writer) is closed again before the
 error goes on, so a later run in the same process may take them.
 """
@@ -21,20 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
-from fedcp_dist import startup
-from fedcp_dist.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
-from fedcp_dist.checkpoint import Checkpointer, data_record
-from fedcp_dist.client_store import DiskClientStore, make_store
-from fedcp_dist.compress import Compressor
+from fedcp_dist.engine import startup
+from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
+from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
+from fedcp_dist.state.client_store import DiskClientStore, make_store
+from fedcp_dist.comm.compress import Compressor
 from fedcp_dist.config import Config
 from fedcp_dist.data.shards import layout_digest
-from fedcp_dist.evaluation import EvalSums
-from fedcp_dist.fused_groups import GroupTrainer, group_size as fused_group_size
-from fedcp_dist.preflight import preflight
-from fedcp_dist.probes import RoundProbes
-from fedcp_dist.rundir import RunWriter, prepare_out_dir
+from fedcp_dist.engine.evaluation import EvalSums
+from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
+from fedcp_dist.engine.preflight import preflight
+from fedcp_dist.engine.probes import RoundProbes
+from fedcp_dist.rundir.directory import RunWriter, prepare_out_dir
 from fedcp_dist.runtime import Runtime
-from fedcp_dist.training import CohortTrainer
+from fedcp_dist.engine.training import CohortTrainer
 
 
 @dataclass

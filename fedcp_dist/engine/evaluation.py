@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedcp_dist.aggregate import Sums
+from fedcp_dist.comm.aggregate import Sums
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.options import Component, Option, above
 
 if TYPE_CHECKING:  # the evaluation imports it where it fills probes
-    from fedcp_dist.probes import EvalTally
+    from fedcp_dist.engine.probes import EvalTally
 
 
 @dataclass
@@ -100,11 +100,11 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
 
     ``store`` hands each client's state (and swaps its own BatchNorm statistics in);
     ``generator(round, client)`` is the client's evaluation stream (stochastic policies).
-    ``probes`` (analysis on): filled with each client's :class:`~fedcp_dist.probes.EvalTally` of
+    ``probes`` (analysis on): filled with each client's :class:`~fedcp_dist.engine.probes.EvalTally` of
     the policy's s, from the very forward passes whose logits are scored. ``order``
-    (a :class:`~fedcp_dist.aggregate.ClientOrder` with a slot per client): each client's own values.
+    (a :class:`~fedcp_dist.comm.aggregate.ClientOrder` with a slot per client): each client's own values.
     """
-    from fedcp_dist.probes import EvalTally
+    from fedcp_dist.engine.probes import EvalTally
 
     sums = EvalSums()
     for cid in clients:

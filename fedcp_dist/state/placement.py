@@ -66,7 +66,7 @@ def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
 
 
 def form_groups(steps: Sequence[int], size: int) -> list:
-    """The run's fused groups (:mod:`fedcp_dist.fused_groups`): ⌈N / size⌉ groups of at most ``size``
+    """The run's fused groups (:mod:`fedcp_dist.fused.groups`): ⌈N / size⌉ groups of at most ``size``
     clients, dealt so that they weigh alike: the clients in order of their local steps, largest
     first (ties: the lower id first), each to the group of fewest steps so far that has room (ties:
     the lower group). Each group sorted by id. A function of the step counts and ``size`` alone,

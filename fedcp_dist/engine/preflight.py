@@ -13,8 +13,8 @@ data resident, the client store and the all-reduce buffer made) and before resum
   states while the old ones are freed), less what the store holds already; ``client_state: disk`` only those in flight (read ahead, recently used, a fused group's).
   On a GPU a store off the device (``host``, ``disk``) moves those in flight to it.
 * **training**: fused, the groups trained side by side, each ``slots × per_slot`` (as
-  :class:`~fedcp_dist.fused_memory.MemoryPlan` counts them, with the rows a step really has:
-  :func:`~fedcp_dist.fused.batch_rows`) and, per client of the group, every phase's starting
+  :class:`~fedcp_dist.fused.memory.MemoryPlan` counts them, with the rows a step really has:
+  :func:`~fedcp_dist.fused.slots.batch_rows`) and, per client of the group, every phase's starting
   values and outcome, held until the group returns; one client at a time, a batch's
   activations (``ACTIVATION_COPIES × 4`` bytes per element) and three copies of the global state
   and two of a client's (a method with a loop of its own: a pass without gradient over a chunk of
@@ -104,7 +104,7 @@ class Figures:
         return min(self.group_clients, self.fused_group) if self.fused_group else self.group_clients
 
     def slots(self) -> int:
-        """As :func:`fedcp_dist.fused_groups.group_slots` sizes them."""
+        """As :func:`fedcp_dist.fused.groups.group_slots` sizes them."""
         per_slot = self.slot_params + ACTIVATION_COPIES * 4 * self.rows() * self.act_train
         return max(1, min(self.slot_cap, max(1, self.group()), self.slot_budget // max(1, per_slot + self.per_result)))
 
@@ -335,7 +335,7 @@ def cgroup_left(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
 
 def host_free() -> Free:
     """The host's limits: available memory, cgroup, RLIMIT_AS, RLIMIT_DATA (those that apply)."""
-    from fedcp_dist.fused_memory import _host_memory
+    from fedcp_dist.fused.memory import _host_memory
 
     limits = [("available memory", _host_memory("available", "MemAvailable"))]
     left = cgroup_left()
@@ -380,7 +380,7 @@ def model_activations(cfg, info) -> int:
     back afterwards, so the run's own model and draws are untouched."""
     import torch
 
-    from fedcp_dist.fused_memory import activation_elements
+    from fedcp_dist.fused.memory import activation_elements
     from fedcp_dist.models import build_model, model_options
 
     with torch.random.fork_rng(devices=[]):
@@ -397,7 +397,7 @@ def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int, int]]
     on the method's own loss; a group holds every phase's starting values and outcome."""
     import torch
 
-    from fedcp_dist import fused_groups
+    from fedcp_dist.fused import groups as fused_groups
     from fedcp_dist.algorithms.base import Context
 
     if not hasattr(algo, "phases") or algo.fused_reason() is not None:
@@ -421,8 +421,8 @@ def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int, int]]
 
 def _peer_bytes(cfg, algo, setup, world_size: int) -> int:
     """A peer method's models of the other clients (unless a disk store maps them from files) and
-    its all-gather's buffer, as :func:`fedcp_dist.startup.check_peer_memory` counts them."""
-    from fedcp_dist.client_store import banks_in_files
+    its all-gather's buffer, as :func:`fedcp_dist.engine.startup.check_peer_memory` counts them."""
+    from fedcp_dist.state.client_store import banks_in_files
 
     if not algo.peer_dim:
         return 0
@@ -435,8 +435,10 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
     its clients train one by one)."""
     import torch
 
-    from fedcp_dist import fused, fused_groups, fused_memory
-    from fedcp_dist.client_store import (PREFETCH_DEPTH, DiskClientStore, HostClientStore, rss_bytes,
+    from fedcp_dist.fused import slots as fused
+    from fedcp_dist.fused import groups as fused_groups
+    from fedcp_dist.fused import memory as fused_memory
+    from fedcp_dist.state.client_store import (PREFETCH_DEPTH, DiskClientStore, HostClientStore, rss_bytes,
                                          state_bytes)
 
     device = rt.device
@@ -477,7 +479,7 @@ def free_memory(device) -> Dict[str, Free]:
     """{pool: its limits}: the host's, and on a GPU the device's as well."""
     import torch
 
-    from fedcp_dist.fused_memory import available_memory
+    from fedcp_dist.fused.memory import available_memory
 
     host = host_free()
     if torch.device(device).type != "cuda":

@@ -10,17 +10,18 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from fedcp_dist import fused, preflight
+from fedcp_dist.fused import slots as fused
+from fedcp_dist.engine import preflight
 from fedcp_dist.algorithms import Algorithm, make_algorithm
-from fedcp_dist.fused_groups import group_size as fused_group_size
-from fedcp_dist.client_store import banks_in_files
+from fedcp_dist.fused.groups import group_size as fused_group_size
+from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
 from fedcp_dist.errors import UserError
-from fedcp_dist.faults import fault_point
+from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.models import build_model, model_options
-from fedcp_dist.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
+from fedcp_dist.state.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
                                   placement_weights, steps_per_rank)
 
 
@@ -40,7 +41,7 @@ class Setup:
     placement: str = "samples"
     #: every rank's local SGD steps in a round in which all the run's clients train
     rank_steps: Optional[np.ndarray] = None
-    #: the run's fused groups (client ids of the run, each sorted; see :func:`fedcp_dist.placement.form_groups`),
+    #: the run's fused groups (client ids of the run, each sorted; see :func:`fedcp_dist.state.placement.form_groups`),
     #: placed whole; None: the clients train one by one
     groups: Optional[List[np.ndarray]] = None
     #: what the shard holds, hashed and checked against what was written with it (the first rank's;
@@ -74,7 +75,7 @@ class Setup:
 
     def batch_rows(self, cfg) -> int:
         """Rows of a training batch at most: ``batch_size``, or the run's largest client's training
-        samples when fewer (the same on every rank; see :func:`fedcp_dist.fused.batch_rows`)."""
+        samples when fewer (the same on every rank; see :func:`fedcp_dist.fused.slots.batch_rows`)."""
         return fused.batch_rows(cfg.batch_size, self.info.train_counts[self.clients])
 
     def clients_per_rank(self, world_size: int) -> np.ndarray:
