@@ -27,7 +27,7 @@ from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, option_classes
 from fedcp_dist.state.client_store import ClientStates
 from fedcp_dist.errors import UserError
 from fedcp_dist.engine.evaluation import Evaluation
-from fedcp_dist.fused.slots import Fusing
+from fedcp_dist.fused.keys import Fusing
 from fedcp_dist.local_train import LocalSGD
 from fedcp_dist.rundir.loggers import Logging
 from fedcp_dist.models import ModelChoice

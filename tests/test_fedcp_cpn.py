@@ -204,7 +204,7 @@ def test_cpn_learning_rate_scales_only_the_cpn_step():
 def test_cosine_rate_reaches_the_sequential_sgd_per_round():
     algo, gs = tiny_fedcp(cpn_lr=0.2, cpn_lr_schedule="cosine", cpn_lr_min=0.05, rounds=3)
     # the policy's networks: the CPN, (with an extended client vector) its projection and (cpn_groups) the group CPN
-    assert algo._sgd_kwargs(Context(0, 0, None))["param_lr"] == {"cpn.": 0.2, "vproj.": 0.2, "cpng.": 0.2}
-    assert algo._sgd_kwargs(Context(1, 0, None))["param_lr"]["cpn."] == pytest.approx(0.125)
-    assert algo._sgd_kwargs(Context(2, 0, None))["param_lr"]["cpn."] == pytest.approx(0.05)
-    assert "param_lr" not in tiny_fedcp()[0]._sgd_kwargs(Context(0, 0, None))
+    assert algo.sgd_settings(Context(0, 0, None))["param_lr"] == {"cpn.": 0.2, "vproj.": 0.2, "cpng.": 0.2}
+    assert algo.sgd_settings(Context(1, 0, None))["param_lr"]["cpn."] == pytest.approx(0.125)
+    assert algo.sgd_settings(Context(2, 0, None))["param_lr"]["cpn."] == pytest.approx(0.05)
+    assert "param_lr" not in tiny_fedcp()[0].sgd_settings(Context(0, 0, None))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fedcp_dist.fused import slots as fused
+from fedcp_dist.fused import step as fused_step
 from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedavg import FedAvg
@@ -284,7 +285,7 @@ def test_vmapped_modules_and_unsplit_models_match_sequential():
     datas = [_client(i, n, classes=6) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     got = train_group(algo, items)
-    assert fused._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
+    assert fused_step._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
     _assert_same_results(_sequential(algo, items), got, gs)
     algo.cfg.fused_workers = 2  # two threads sharing the module that functional_call reparametrises
     _assert_same_results(_sequential(algo, items), train_group(algo, _items(algo, datas)), gs)
@@ -306,7 +307,7 @@ def test_memory_plan_and_slots_follow_the_device_not_its_free_memory(monkeypatch
     datas = [_client(i, n) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     plan = fused_groups.memory_plan(algo, algo.phases(*items[0]), datas)
-    params = fused.param_count(algo.fe, algo.cpn, algo.head_p)
+    params = fused_step.param_count(algo.fe, algo.cpn, algo.head_p)
     act = fused_groups.activation_counts(algo)["train"]
     # stacked parameters and their gradients, the client vector, and the activations of B samples
     assert plan.per_slot == 4 * (2 * params + algo.K) + fused_memory.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act
@@ -531,12 +532,12 @@ def test_fused_default_resumes_bit_for_bit(digits6, tmp_path):
 
 
 def test_workers_for_counts_groups():
-    assert fused.workers_for("auto", CPU, 2, 20) == 2
-    assert fused.workers_for("auto", CPU, 4, 3) == 3  # never more workers than groups
-    assert fused.workers_for("auto", CPU, 2, 1) == 1
-    assert fused.workers_for(1, CPU, 2, 20) == 1
-    assert fused.workers_for(3, CPU, 1, 20) == 3
-    assert fused.workers_for("auto", torch.device("cuda"), 8, 20) == 1
+    assert fused_groups.workers_for("auto", CPU, 2, 20) == 2
+    assert fused_groups.workers_for("auto", CPU, 4, 3) == 3  # never more workers than groups
+    assert fused_groups.workers_for("auto", CPU, 2, 1) == 1
+    assert fused_groups.workers_for(1, CPU, 2, 20) == 1
+    assert fused_groups.workers_for(3, CPU, 1, 20) == 3
+    assert fused_groups.workers_for("auto", torch.device("cuda"), 8, 20) == 1
 
 
 def _group_results(algo, gs, datas, groups):
@@ -563,8 +564,8 @@ def test_fused_workers_train_whole_groups_side_by_side(float64, monkeypatch, cls
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     groups = [[0, 2], [1, 3]]
     seen = []
-    real = fused.run_in_workers
-    monkeypatch.setattr(fused, "run_in_workers", lambda jobs, *a: seen.append(len(jobs)) or real(jobs, *a))
+    real = fused_groups.run_in_workers
+    monkeypatch.setattr(fused_groups, "run_in_workers", lambda jobs, *a: seen.append(len(jobs)) or real(jobs, *a))
     threads = torch.get_num_threads()
     algo.cfg.fused_workers = 1
     one = _group_results(algo, gs, datas, groups)

@@ -223,7 +223,7 @@ class SGDAlgorithm(Algorithm):
     def finish(self, client_state: Optional[State], outcomes: List[PhaseOutcome], ctx: Context) -> LocalResult:
         raise NotImplementedError
 
-    def _sgd_kwargs(self, ctx: Optional[Context] = None) -> dict:
+    def sgd_settings(self, ctx: Optional[Context] = None) -> dict:
         """The SGD settings of a round's local training (``ctx``: the round; a subclass may add
         ``param_lr``, per-parameter rates)."""
         cfg = self.cfg
@@ -231,7 +231,7 @@ class SGDAlgorithm(Algorithm):
 
     def local_train(self, client_state, data, ctx):
         outcomes = [train_sequential(phase, cp, data, ctx.generator, amp=self.cfg.amp, tally=ctx.probe,
-                                     **self._sgd_kwargs(ctx))
+                                     **self.sgd_settings(ctx))
                     for phase, cp in self.phases(client_state, data, ctx)]
         return self.finish(client_state, outcomes, ctx)
 

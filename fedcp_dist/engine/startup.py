@@ -10,9 +10,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from fedcp_dist.fused import slots as fused
 from fedcp_dist.algorithms import Algorithm, make_algorithm
-from fedcp_dist.fused.groups import group_size as fused_group_size
+from fedcp_dist.fused.groups import group_size as fused_group_size, workers_for
 from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
@@ -213,7 +212,7 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     size = fused_group_size(cfg, algo.device, algo.num_clients)
     groups = f"groups of {size}" + ("" if cfg.fused_group else " (fused_group=auto)")
     threads = torch.get_num_threads()
-    workers = fused.workers_for(cfg.fused_workers, algo.device, threads, 2)
+    workers = workers_for(cfg.fused_workers, algo.device, threads, 2)
     if workers > 1:  # e.g. "groups of 8 (fused_group=auto), 2 at once with 1 thread each (fused_workers=auto)"
         groups += f", {workers} at once with 1 thread each (fused_workers={cfg.fused_workers})"
     elif algo.device.type == "cpu" and threads > 1:  # fused_workers=1: the rounding follows the thread count

@@ -247,8 +247,8 @@ class FedCP(PolicyProbes, SGDAlgorithm):
                 loss = loss + value
         return loss
 
-    def _sgd_kwargs(self, ctx=None):
-        kw = super()._sgd_kwargs(ctx)
+    def sgd_settings(self, ctx=None):
+        kw = super().sgd_settings(ctx)
         rates = None if ctx is None else self.schedules.param_lr(ctx.round, POLICY_PREFIXES)
         if rates is not None:
             kw["param_lr"] = rates
