@@ -18,7 +18,7 @@ from pathlib import Path
 #: bottom first; a module belongs to the first layer with a prefix its name starts with
 LAYERS = (
     ("basics", ("fedcp_dist.options", "fedcp_dist.errors", "fedcp_dist.fileio", "fedcp_dist.losses",
-                "fedcp_dist.runtime", "fedcp_dist.engine.keys", "fedcp_dist.fused.keys", "fedcp_dist.state.keys",
+                "fedcp_dist.runtime", "fedcp_dist.capabilities", "fedcp_dist.engine.keys", "fedcp_dist.fused.keys", "fedcp_dist.state.keys",
                 "fedcp_dist.comm.keys", "fedcp_dist.rundir.keys")),
     ("models and data", ("fedcp_dist.models", "fedcp_dist.data")),
     ("local training", ("fedcp_dist.local_train", "fedcp_dist.fused")),
@@ -55,7 +55,7 @@ def modules(root: Path) -> dict:
 
 
 def imports(name: str, path: Path, known: dict) -> list:
-    """[(imported module, at module level?, line)] of ``name``'s imports of modules in ``known``."""
+    """[(imported module, at module level?, line)] of ``name``'s imports of modules in ``known``, each once per statement."""
     tree = ast.parse(path.read_text())
     top = {id(n) for n in tree.body} | {id(n) for stmt in tree.body if isinstance(stmt, (ast.If, ast.Try))
                                         for n in ast.walk(stmt)}
@@ -70,7 +70,7 @@ def imports(name: str, path: Path, known: dict) -> list:
         for t in targets:
             while t not in known and "." in t:
                 t = t.rsplit(".", 1)[0]
-            if t in known and t != name and not name.startswith(t + "."):
+            if t in known and t != name and not name.startswith(t + ".") and (t, id(node) in top, node.lineno) not in out:
                 out.append((t, id(node) in top, node.lineno))
     return out
 
@@ -128,10 +128,11 @@ def functions(name: str, path: Path) -> list:
 
 def measure(root: Path) -> dict:
     mods = modules(root)
-    up, local, graph = [], [], {}
+    up, local, graph, every = [], [], {}, {}
     for name, path in mods.items():
-        graph[name] = set()
+        graph[name], every[name] = set(), set()
         for t, at_top, line in imports(name, path, mods):
+            every[name].add(t)
             if at_top:
                 graph[name].add(t)
             if layer(current(t)) > layer(current(name)):
@@ -139,10 +140,11 @@ def measure(root: Path) -> dict:
             if not at_top and current(name).startswith(ENGINE) and name != "fedcp_dist.run":
                 local.append(f"{name}:{line} -> {t}")
     d, chain = depth(graph)
+    d_all, _ = depth(every)
     funcs = sorted((f for name, path in mods.items() if current(name).startswith(ENGINE)
                     for f in functions(name, path)), reverse=True)
     return {"modules": len(mods), "top_level_modules": sum(1 for p in root.glob("*.py")), "depth": d,
-            "chain": chain, "up": up, "local_imports": local, "longest": funcs[:5]}
+            "depth_all": d_all, "chain": chain, "up": up, "local_imports": local, "longest": funcs[:5]}
 
 
 def main(argv=None) -> int:
@@ -152,6 +154,7 @@ def main(argv=None) -> int:
     r = measure(Path(args.package).resolve())
     print(f"modules: {r['modules']} ({r['top_level_modules']} at the top level)")
     print(f"import graph depth (module-level imports): {r['depth']}: {' -> '.join(r['chain'])}")
+    print(f"import graph depth (every import, function-local ones too): {r['depth_all']}")
     print(f"imports pointing up a layer: {len(r['up'])}")
     for line in r["up"]:
         print(f"  {line}")

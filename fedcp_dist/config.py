@@ -19,23 +19,18 @@ import math
 import os
 import typing
 from dataclasses import field
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, option_classes
-from fedcp_dist.state.client_store import ClientStates
+from fedcp_dist.engine.keys import Evaluation, Execution, LocalSGD, NonFinite, Probing
 from fedcp_dist.errors import UserError
-from fedcp_dist.engine.evaluation import Evaluation
 from fedcp_dist.fused.keys import Fusing
-from fedcp_dist.local_train import LocalSGD
-from fedcp_dist.rundir.loggers import Logging
 from fedcp_dist.models import ModelChoice
-from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of
-from fedcp_dist.state.placement import Participation
-from fedcp_dist.engine.probes import Probing
-from fedcp_dist.runtime import Execution
-from fedcp_dist.engine.training import NonFinite
+from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of, type_ok
+from fedcp_dist.rundir.keys import Logging
+from fedcp_dist.state.keys import ClientStates, Participation
 
 METHODS = tuple(ALGORITHMS)
 
@@ -195,25 +190,6 @@ execution) and the data set under ``data.``. Defaults are the paper's for the 4-
 
 # ----------------------------------------------------------------------
 # loading and overriding
-
-
-def type_ok(value: Any, tp) -> bool:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[...]
-        return any(type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if tp is list:
-        return isinstance(value, list)
-    return False
 
 
 def _type_name(tp) -> str:

@@ -21,7 +21,6 @@ from torch import nn
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, mmd2
 from fedcp_dist.models import forward_batch_stats
 from fedcp_dist.models.batchnorm import one_value_batches
-from fedcp_dist.options import Component, Option, above, finite, one_of, described
 
 
 def num_batches(n: int, batch_size: int, epochs: int, drop_last: bool) -> int:
@@ -406,20 +405,3 @@ def finished_tallies(sums: Mapping[str, torch.Tensor], probed: bool, phase: Phas
     phase's ``tallied`` (a loss may tally probe quantities whenever tallying is on); a float for a
     scalar tally, the tensor for a vector one."""
     return {k: float(v) if v.dim() == 0 else v.clone() for k, v in sums.items() if probed or k in phase.tallied}
-
-
-AMP_MODES = ("none", "bf16")
-
-
-class LocalSGD(Component):
-    """Local training: plain SGD (no momentum) over each client's resident samples."""
-
-    options = (
-        Option("lr", 0.005, "local learning rate η (plain SGD, no momentum)",
-               described("> 0", lambda v: finite(v) or (None if v > 0 else f"must be > 0, got {v}"))),
-        Option("batch_size", 10, "local batch size B", above(0)),
-        Option("local_epochs", 1, "local epochs E", above(0)),
-        Option("drop_last", True, "drop a last incomplete batch each epoch (the reference's data loader does)"),
-        Option("amp", "none", "mixed precision of local training: none | bf16 (autocast; evaluation stays float32)",
-               one_of(*AMP_MODES)),
-    )

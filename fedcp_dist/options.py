@@ -30,6 +30,27 @@ class Option:
         return self.kind if self.kind is not None else type(self.default)
 
 
+def type_ok(value: Any, tp) -> bool:
+    """Whether ``value`` (as YAML reads it) has the type ``tp`` a key takes: bool, int, float (an int
+    too), str, list, None, or a Union of them (``Optional[...]``)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[...]
+        return any(type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is list:
+        return isinstance(value, list)
+    return False
+
+
 def described(text: str, check: Check) -> Check:
     """``check`` with the one-line description of what it accepts that the configuration reference shows."""
     check.accepts = text

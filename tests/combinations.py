@@ -39,10 +39,10 @@ from typing import Optional
 import numpy as np
 
 from fedcp_dist.algorithms import ALGORITHMS
-from fedcp_dist.comm.compress import CompressionOptions
+from fedcp_dist.capabilities import Probes, supports
+from fedcp_dist.comm.keys import CompressionOptions, SelectionOptions
 from fedcp_dist.config import Config, DataConfig, load_config, unflatten
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.comm.selection import SelectionOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -228,7 +228,7 @@ def keys_for(method: str) -> list:
             continue
         if k in all_options and k not in own:
             continue  # another method's option
-        if k in PROBE_KEYS and not ALGORITHMS[method].probes:
+        if k in PROBE_KEYS and not supports(ALGORITHMS[method], Probes):
             continue
         keys.append(k)
     return ["fused"] + [k for k in keys if k != "fused"]

@@ -14,8 +14,7 @@ from fedcp_dist.algorithms.fedrep import FedRep
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.algorithms.perfedavg import PerFedAvg
 from fedcp_dist.algorithms.pfedme import PFedMe
-from fedcp_dist.comm.compress import CompressionOptions
-from fedcp_dist.comm.selection import SelectionOptions
+from fedcp_dist.comm.keys import CompressionOptions, SelectionOptions
 
 ALGORITHMS = {
     cls.name: cls

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
+from fedcp_dist.capabilities import Probes, supports
 from fedcp_dist.engine import startup
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
@@ -111,7 +112,8 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
     upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
     agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
-                         extra=RoundProbes.size(cfg.probe_every, s.num_clients),
+                         extra=RoundProbes.size(cfg.probe_every, s.num_clients,
+                                                algo.probe_layout if supports(algo, Probes) else None),
                          groups=algo.aggregation_groups(upload),
                          rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
     compressor = Compressor.from_config(cfg, agg.shapes)

@@ -11,12 +11,13 @@ import numpy as np
 import torch
 
 from fedcp_dist.algorithms import Algorithm, make_algorithm
+from fedcp_dist.capabilities import PeerExchange, supports
 from fedcp_dist.fused.groups import group_size as fused_group_size, workers_for
 from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.errors import UserError
-from fedcp_dist.models import build_model, model_options
+from fedcp_dist.models import MODEL_KINDS, build_model, model_options
 from fedcp_dist.state.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
                                   placement_weights, steps_per_rank)
 
@@ -78,8 +79,6 @@ def check_shard(cfg, info: ShardInfo) -> None:
         raise UserError(f"config key 'data.num_clients' is {d.num_clients} but {d.path} holds {info.num_clients} clients")
     if d.source and d.source != info.source:
         raise UserError(f"config key 'data.source' is {d.source!r} but {d.path} holds {info.source!r}")
-    from fedcp_dist.models import MODEL_KINDS
-
     wants = MODEL_KINDS.get(cfg.model)
     if wants and wants != info.kind:
         raise UserError(f"config key 'model': {cfg.model!r} reads {wants} shards but {d.path} holds "
@@ -185,9 +184,9 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
     """Bytes per rank of the method's other-client models plus the exchange buffer; refuse over budget."""
-    dim = algo.peer_dim
-    if not dim:
+    if not supports(algo, PeerExchange):
         return 0
+    dim = algo.peer_dim
     mapped = banks_in_files(cfg.client_state, algo.device)  # then page cache, not the process's own memory
     need = (0 if mapped else algo.peer_memory_bytes(num_clients)) + world_size * max_owned * (dim + 1) * 4
     if need > cfg.peer_memory_mb * 2**20:

@@ -31,6 +31,7 @@ import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.config import Config, flatten, legacy_defaults
+from fedcp_dist.engine.probes import keep_before
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes
 from fedcp_dist.rundir.loggers import make_logger
@@ -413,8 +414,6 @@ class RunWriter:
         """Begin analysis.jsonl: keep the lines of the first ``rounds_done`` rounds of one already
         there (a resumed run: the rest is computed again), start it empty when ``create`` (analysis
         on), and leave it absent otherwise."""
-        from fedcp_dist.engine.probes import keep_before
-
         if not self.enabled:
             return
         path = self.dir / ANALYSIS

@@ -26,30 +26,16 @@ events (``logger`` turned on when resuming) gets the kept records' scalars in fu
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Tuple
-from fedcp_dist.options import Component, Option, described
+from typing import Iterable, Iterator, Tuple
 
-#: the values of the ``logger`` config key
-LOGGERS = ("none", "tensorboard")
 #: the numbers of an evaluation (EvalSums.summary) in a metrics record
 EVAL_KEYS = ("acc", "acc_client_mean", "auc", "test_loss")
 #: keys of a metrics record that place it rather than measure it
 _PLACE_KEYS = ("kind", "round", "evaluated_after")
 
 Scalar = Tuple[str, int, float]  # (tag, step, value)
-
-
-def logger_problem(name: str) -> Optional[str]:
-    """Why ``logger: name`` cannot run here (for the config check), or None."""
-    if name not in LOGGERS:
-        return f"must be one of {', '.join(LOGGERS)}, got {name!r}"
-    if name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        return ("'tensorboard' needs the tensorboard package, which is not installed: "
-                "pip install tensorboard (or pip install -e '.[tensorboard]')")
-    return None
 
 
 def _number(v) -> bool:
@@ -147,13 +133,3 @@ def make_logger(name: str, folder) -> NoLogger:
     """The logger the ``logger`` key names, writing its files into ``folder`` (the run directory
     names it: :data:`fedcp_dist.rundir.directory.TENSORBOARD`)."""
     return TensorBoardLogger(folder) if name == "tensorboard" else NoLogger()
-
-
-class Logging(Component):
-    """Where rank 0 also writes the metrics."""
-
-    options = (
-        Option("logger", "none", "none | tensorboard: rank 0 also writes every round's metrics and the analysis means "
-               "as TensorBoard events into out_dir/tensorboard/ (needs the tensorboard package)",
-               described(" | ".join(LOGGERS), logger_problem)),
-    )

@@ -206,8 +206,7 @@ class FedCP(PolicyProbes, SGDAlgorithm):
             return f"cpn_client_vector={self.vector.kind} trains one client at a time"
         return super().fused_reason()
 
-    has_client_vector = True
-
+    # -- the client vector (fedcp_dist.capabilities.ClientVectors: feature-difference selection)
     @property
     def client_vector_dim(self) -> int:
         return self.K
