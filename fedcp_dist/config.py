@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import yaml
 
-from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, option_classes
+from fedcp_dist.algorithms import ALGORITHMS, acting_option_classes, algorithm_class, methods_using, option_classes
 from fedcp_dist.engine.keys import Evaluation, Execution, LocalSGD, NonFinite, Probing
 from fedcp_dist.errors import UserError
 from fedcp_dist.fused.keys import Fusing
@@ -143,13 +143,14 @@ class _ConfigMethods:
 
         One walk over the components: every option's own check (in the config's order, the data set's
         last, so a mistyped value is named even where the shard is not made yet), then each
-        component's checks across keys."""
+        component's checks across keys: the engine's, and those of the configured method's own
+        classes and parts (another method's keys act on nothing here, whatever they say)."""
 
         def bad(key: str, why: str):
             raise UserError(f"config key '{key}': {why}")
 
-        comps = components()
-        for comp in comps:
+        idle = self._other_methods_classes()
+        for comp in components():
             prefix = getattr(comp, "prefix", "")
             holder = self.data if prefix else self
             for opt in comp.options:
@@ -161,7 +162,7 @@ class _ConfigMethods:
                 why = opt.check(value) if opt.check is not None else None
                 if why:
                     bad(prefix + opt.name, why)
-            if comp is not Data:
+            if comp is not Data and comp not in idle:
                 problem = comp.check_config(self)
                 if problem:
                     bad(*problem)
@@ -170,6 +171,28 @@ class _ConfigMethods:
         if data_file and not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
         return self
+
+    def _other_methods_classes(self) -> list:
+        """The option classes of methods other than the configured one (and its bases and parts)."""
+        if self.method not in ALGORITHMS:
+            return []
+        acting = set(acting_option_classes(self.method))
+        return [c for c in option_classes() if c not in acting]
+
+    def keys_without_effect(self) -> list:
+        """[(key, why)] of the keys set to another value than their default that act on nothing in a
+        run of this config: another method's options, a model's keys with another model (and what
+        each component's ``inert_keys`` names). A run starts with them all the same, and its start
+        line names them, so that none is dropped without a word."""
+        out = []
+        for comp in self._other_methods_classes():
+            why = f"an option of {', '.join(methods_using(comp))}, not {self.method}"
+            out += [(o.name, why) for o in comp.__dict__["options"] if getattr(self, o.name) != o.default]
+        for comp in components():
+            inert = comp.inert_keys(self) if hasattr(comp, "inert_keys") and comp is not Data else {}
+            out += [(o.name, inert[o.name]) for o in comp.options
+                    if o.name in inert and getattr(self, o.name) != o.default]
+        return out
 
 
 def _assemble_config():

@@ -118,3 +118,9 @@ class Component:
     def check_config(cls, cfg) -> Optional[tuple]:
         """(key, why) when this component's keys contradict each other (or other keys) in ``cfg``, else None."""
         return None
+
+    @classmethod
+    def inert_keys(cls, cfg) -> dict:
+        """{key: why} of this component's keys that have no effect in a run of ``cfg`` whatever their
+        value (the run's start line names those set to another value than their default)."""
+        return {}

@@ -23,7 +23,7 @@ from fedcp_dist.capabilities import Probes, supports
 from fedcp_dist.engine import startup
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
-from fedcp_dist.state.client_store import DiskClientStore, make_store
+from fedcp_dist.state.client_store import BN_STAT_SUFFIXES, DiskClientStore, make_store
 from fedcp_dist.comm.compress import Compressor
 from fedcp_dist.config import Config
 from fedcp_dist.data.shards import layout_digest
@@ -51,6 +51,8 @@ class RunParts:
     trainer: CohortTrainer
     writer: RunWriter
     lock: object
+    #: [(key, why)] of the config's keys that have no effect in this run (the start line names them)
+    idle_keys: List[tuple] = field(default_factory=list)
     start_round: int = 0
     records: List[dict] = field(default_factory=list)
     round_seconds: List[float] = field(default_factory=list)
@@ -111,6 +113,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     # per-client BatchNorm statistics (known once the store is) keep the clients sequential
     fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
     upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
+    idle = cfg.keys_without_effect()
+    if cfg.aggregate_bn_stats and not any(k.endswith(BN_STAT_SUFFIXES) for k in algo.upload_keys(global_state)):
+        idle.append(("aggregate_bn_stats", "the uploads hold no BatchNorm statistics"))
     agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
                          extra=RoundProbes.size(cfg.probe_every, s.num_clients,
                                                 algo.probe_layout if supports(algo, Probes) else None),
@@ -121,7 +126,7 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
               if fused and s.groups is not None else None)
     trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor)
     made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
-    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"])
+    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], idle)
 
     def maybe_resume() -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory

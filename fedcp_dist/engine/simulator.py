@@ -50,6 +50,7 @@ class Simulator:
             p.setup.num_clients, p.setup.owner, p.setup.owned, p.setup.data)
         self.fused, self.path, self.agg, self.compressor, self.trainer = p.fused, p.path, p.agg, p.compressor, p.trainer
         self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
+        self.idle_keys = p.idle_keys
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
         self.probe_layout = self.algo.probe_layout if supports(self.algo, Probes) else None
@@ -125,7 +126,8 @@ class Simulator:
             raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}")
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
-        self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line, self.algo.describe()))
+        self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line, self.algo.describe(),
+                                     self.idle_keys))
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)
             self.writer.log(record)

@@ -220,13 +220,16 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     return True, f"fused ({setting}, {groups})"
 
 
-def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "") -> str:
+def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "", idle=()) -> str:
     """The run's first line: method, clients, ranks, loading, placement, the training path, where
-    client states live and the method's own note (e.g. FedCP's CPN cost)."""
+    client states live, the method's own note (e.g. FedCP's CPN cost) and the keys set in the config
+    that have no effect in this run (``idle``: [(key, why)])."""
     of = f" of the shard's {setup.info.num_clients}" if cfg.data.clients is not None else ""
+    unused = ", ".join(f"{key}={getattr(cfg, key)} ({why})" for key, why in idle)
     return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
             f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s; {setup.placement_line()}; "
-            f"training: {path}; {store_line}" + (f"; {note}" if note else "") + ranks_hint(rt))
+            f"training: {path}; {store_line}" + (f"; {note}" if note else "")
+            + (f"; keys with no effect in this run: {unused}" if unused else "") + ranks_hint(rt))
 
 
 def ranks_hint(rt) -> str:

@@ -76,7 +76,7 @@ class FedCP(PolicyProbes, SGDAlgorithm):
             for key in needs_cpn:
                 if getattr(cfg, key) != options[key].default:
                     return key, "acts on the CPN, but fedcp_cpn=false has none"
-            if cfg.method == "fedcp" and cfg.probe_every:
+            if cfg.probe_every:
                 return ("analysis" if cfg.analysis else "analysis_every",
                         "the probes measure the CPN's policy (PIR, s), and fedcp_cpn=false has none")
         return None
