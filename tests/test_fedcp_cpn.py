@@ -132,7 +132,7 @@ def test_group_policy_keeps_s_plus_r_one_and_trains(hard):
     with torch.no_grad():
         h = algo.fe_g(x)
         c = torch.nn.functional.normalize(state["v"], dim=-1) * h
-        want = combine_group_logits(algo.cpn_g.net(c), algo.cpng_g(group_pool(c, 2)), 4)
+        want = combine_group_logits(algo.cpn_g.net(c), algo.received["cpng"](group_pool(c, 2)), 4)
     assert torch.allclose(out.policy_logits, want, atol=1e-6)
     res = algo.local_train(state, d, _ctx(0))
     for k in gs:

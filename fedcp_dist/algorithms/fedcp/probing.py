@@ -109,10 +109,15 @@ class PolicyProbes:
         if self.sync.every == 1 or self._eval_policy_round == t:
             return
         values = self.sync.values_at(self.gs, t)
-        for prefix in ("cpn.", "vproj.", "cpng."):
+        for prefix in self.sync.prefixes:
             if prefix in self.eval_modules:
                 load_module(self.eval_modules[prefix], values, prefix)
         self._eval_policy_round = t
+
+    def _load_own(self, client_state) -> None:
+        """The client's own policy modules (head+embed's embedding), from its state."""
+        for m in self._on(shared=False):
+            load_module(self.own[m.name], client_state, m.prefix)
 
     def _eval_values(self, client_state, cid: int) -> dict:
         values = {"v": client_state["v"]}
@@ -126,8 +131,7 @@ class PolicyProbes:
         self._load_eval_policy(ctx.round)  # evaluation before round t: the policy round t starts from
         load_module(self.head_p, client_state, "head.")
         self.head_p.eval()
-        if self.emb_p is not None:
-            load_module(self.emb_p, client_state, "emb.")
+        self._load_own(client_state)
         step = Step(x, None, self.eval_modules, self._eval_values(client_state, ctx.client), ctx.generator)
         return self.heads(step, self.cfg.cpn_eval_gumbel)
 
@@ -163,8 +167,7 @@ class PolicyProbes:
         head and v). After: the client's trained extractor, CPN and head with its new v, the frozen
         received global head as in training; both without Gumbel noise unless ``cpn_eval_gumbel``."""
         load_module(self.head_p, before, "head.")
-        if self.emb_p is not None:
-            load_module(self.emb_p, before, "emb.")
+        self._load_own(before)
         self._load_eval_policy(ctx.round)
         modes = {m: m.training for m in self.train_phase.modules.values()}
         try:
