@@ -44,7 +44,7 @@ class Experiment(Component):
 
     options = (
         Option("method", "fedcp", "the federated method: FedCP or one of the paper's eleven baselines (the Methods "
-               "page)", _known("method", METHODS)),
+               "page)", _known("method", ALGORITHMS)),
         Option("rounds", 100, "communication rounds", above(0)),
         Option("seed", 1, "run seed: model init, cohorts and every client's batch order and noise derive from it"),
     )

@@ -68,7 +68,9 @@ def accepts(opt: "Option") -> str:
 
 
 def at_least(lo: float) -> Check:
-    return described(f">= {lo}", lambda v: None if v >= lo else f"must be >= {lo}, got {v}")
+    check = described(f">= {lo}", lambda v: None if v >= lo else f"must be >= {lo}, got {v}")
+    check.lowest = lo  # the boundary a test of combinations tries
+    return check
 
 
 def above(lo: float) -> Check:
@@ -83,12 +85,15 @@ def within(lo: float, hi: float, *, low_open: bool = False, high_open: bool = Fa
         ok = (v > lo if low_open else v >= lo) and (v < hi if high_open else v <= hi)
         return None if ok else f"must lie in {left}{lo}, {hi}{right}, got {v}"
 
+    check.ends = tuple(end for end, open_ in ((lo, low_open), (hi, high_open)) if not open_)  # the accepted ends
     return described(f"{left}{lo}, {hi}{right}", check)
 
 
 def one_of(*values) -> Check:
-    return described(" | ".join(map(str, values)),
-                     lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}")
+    check = described(" | ".join(map(str, values)),
+                      lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}")
+    check.choices = values
+    return check
 
 
 def auto_or(check: Check) -> Check:

@@ -103,6 +103,9 @@ class Algorithm:
     own_loop: Optional[str] = None
     #: the config keys this class adds (:class:`fedcp_dist.options.Option`), gathered by the config loader
     options: tuple = ()
+    #: {key: (value, why)} where the method's preset on the embedded digits set
+    #: (``configs/digits_<name>.yaml``, generated from the declarations) departs from a declared default
+    digits_preset: dict = {}
 
     @classmethod
     def check_config(cls, cfg) -> Optional[Tuple[str, str]]:

@@ -62,6 +62,8 @@ PARTS = (*REGULARISERS, Policy, ClientVector, Schedules, PolicySync)
 class FedCP(PolicyProbes, SGDAlgorithm):
     name = "fedcp"
     parts = PARTS
+    digits_preset = {"lam": (0.1, "picked for this tiny set from the paper's grid: with λ = 5 its small features "
+                                  "barely grow")}
     options = (
         Option("fedcp_global_head", True, "FedCP ablation (paper, Table 1): false drops the frozen global head "
                "(needs fedcp_cpn=false; only the extractor is shared)"),
