@@ -14,7 +14,7 @@ a method without it. Nothing here imports the engine, so the option declarations
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 if TYPE_CHECKING:  # for the annotations only: this module imports no torch
     import torch
@@ -90,6 +90,11 @@ class ProbeLayout(Protocol):
         """The lines of the reduced rows (train: (clients, train_width), evals: (clients,
         eval_width)): the evaluation after ``evaluated_after`` rounds, then round ``round_idx``'s
         training (0-based; None: none)."""
+        ...
+
+    def scalars(self, lines: Iterable[dict]) -> Iterator[Tuple[str, int, float]]:
+        """(tag, step, value) of the lines for a logger (``logger: tensorboard``), steps counting
+        the rounds trained as the lines' ``round`` and ``evaluated_after`` do."""
         ...
 
 

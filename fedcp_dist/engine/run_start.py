@@ -113,19 +113,19 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     # per-client BatchNorm statistics (known once the store is) keep the clients sequential
     fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
     upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
+    layout = algo.probe_layout if supports(algo, Probes) else None
     idle = cfg.keys_without_effect()
     if cfg.aggregate_bn_stats and not any(k.endswith(BN_STAT_SUFFIXES) for k in algo.upload_keys(global_state)):
         idle.append(("aggregate_bn_stats", "the uploads hold no BatchNorm statistics"))
     agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
-                         extra=RoundProbes.size(cfg.probe_every, s.num_clients,
-                                                algo.probe_layout if supports(algo, Probes) else None),
+                         extra=RoundProbes.size(cfg.probe_every, s.num_clients, layout),
                          groups=algo.aggregation_groups(upload),
                          rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
     compressor = Compressor.from_config(cfg, agg.shapes)
     groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device)
               if fused and s.groups is not None else None)
     trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor)
-    made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
+    made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger, layout.scalars if layout else None)
     parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], idle)
 
     def maybe_resume() -> None:

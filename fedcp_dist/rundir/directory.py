@@ -348,16 +348,17 @@ class RunWriter:
     Whole-file writes go to a temporary name and are renamed when complete; metrics.jsonl is
     appended to one whole record at a time (:class:`~fedcp_dist.fileio.AppendFile`). An I/O error
     (a full disk) is a one-line RunFailure naming the file. ``logger`` (the config key: none |
-    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.rundir.loggers`).
+    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.rundir.loggers`),
+    the analysis lines as ``analysis_scalars`` (the method's probe layout's) makes them scalars.
     """
 
-    def __init__(self, out_dir, enabled: bool, logger: str = "none"):
+    def __init__(self, out_dir, enabled: bool, logger: str = "none", analysis_scalars=None):
         self.enabled = enabled
         self.dir = Path(out_dir)
         self._metrics: Optional[AppendFile] = None
         self._analysis: Optional[AppendFile] = None
         self._analysis_kept: list = []  # the lines start_analysis kept, for the logger's start
-        self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD)
+        self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD, analysis_scalars)
         if enabled:
             with _writing(self.dir, "create"):
                 self.dir.mkdir(parents=True, exist_ok=True)

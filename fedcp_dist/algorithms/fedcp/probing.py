@@ -18,7 +18,7 @@ into the lines of ``analysis.jsonl``, the format :mod:`fedcp_dist.analysis.recor
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,29 @@ class PolicyProbeLayout:
                     out.append({"kind": "train", "round": int(round_idx) + 1, "client": c, "samples": int(n),
                                 "pir": _share(s_sum / n), "loss_bef": bef / n_loss, "loss_aft": aft / n_loss})
         return out
+
+
+    def scalars(self, lines: Iterable[dict]) -> Iterator[Tuple[str, int, float]]:
+        """Per round, the sample-weighted means over the clients probed: ``analysis/pir_train``,
+        ``analysis/loss_bef``, ``analysis/loss_aft`` at step ``round``, ``analysis/pir_test`` at step
+        ``evaluated_after`` (as ``fedcp-analyze`` draws them)."""
+        train: dict = {}
+        evals: dict = {}
+        for obj in lines:
+            if obj.get("kind") == "train" and obj.get("samples", 0) > 0:
+                train.setdefault(obj["round"], []).append(obj)
+            elif obj.get("kind") == "eval" and obj.get("samples", 0) > 0:
+                evals.setdefault(obj["evaluated_after"], []).append(obj)
+        for r, objs in sorted(train.items()):
+            for key, tag in (("pir", "pir_train"), ("loss_bef", "loss_bef"), ("loss_aft", "loss_aft")):
+                yield f"analysis/{tag}", r, _weighted([(o["samples"], o[key]) for o in objs])
+        for e, objs in sorted(evals.items()):
+            yield "analysis/pir_test", e, _weighted([(o["samples"], o["pir"]) for o in objs])
+
+
+def _weighted(pairs) -> float:
+    total = sum(n for n, _ in pairs)
+    return sum(n * v for n, v in pairs) / total
 
 
 class PolicyProbes:
