@@ -18,7 +18,7 @@ from pathlib import Path
 #: bottom first; a module belongs to the first layer with a prefix its name starts with
 LAYERS = (
     ("basics", ("fedcp_dist.options", "fedcp_dist.errors", "fedcp_dist.fileio", "fedcp_dist.losses",
-                "fedcp_dist.runtime", "fedcp_dist.capabilities", "fedcp_dist.engine.keys", "fedcp_dist.fused.keys", "fedcp_dist.state.keys",
+                "fedcp_dist.runtime", "fedcp_dist.launch_env", "fedcp_dist.capabilities", "fedcp_dist.engine.keys", "fedcp_dist.fused.keys", "fedcp_dist.state.keys",
                 "fedcp_dist.comm.keys", "fedcp_dist.rundir.keys")),
     ("models and data", ("fedcp_dist.models", "fedcp_dist.data")),
     ("local training", ("fedcp_dist.local_train", "fedcp_dist.fused")),
@@ -40,7 +40,8 @@ FLAT_NAMES = {
     "fused_groups": "fused.groups", "fused_memory": "fused.memory", "client_store": "state.client_store",
     "placement": "state.placement", "aggregate": "comm.aggregate", "compress": "comm.compress",
     "selection": "comm.selection", "rundir": "rundir.directory", "checkpoint": "rundir.checkpoint",
-    "preemption": "rundir.preemption", "loggers": "rundir.loggers",
+    "preemption": "rundir.preemption", "loggers": "rundir.loggers", "faults": "rundir.faults",
+    "preflight": "engine.preflight", "privacy": "comm.privacy", "privacy_accounting": "comm.privacy_accounting",
 }
 
 
