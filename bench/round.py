@@ -71,7 +71,7 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedcp_dist.fused import slots as fused  # noqa: E402
+from fedcp_dist.fused import groups as fused_groups  # noqa: E402
 from fedcp_dist.fused import memory as fused_memory  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
@@ -370,7 +370,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
         "training": sim.path,
         "fused_slots": (fused_memory.CUDA_SLOTS if rt.device.type == "cuda" else fused_memory.CPU_SLOTS) if sim.fused else None,
         # fused groups side by side on this rank's threads (config key fused_workers)
-        "fused_workers": (fused.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.setup.owned_groups(rt.rank)))
+        "fused_workers": (fused_groups.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.setup.owned_groups(rt.rank)))
                           if sim.fused else None),
         "world_size": rt.world_size,
         "launcher": rt.launcher,

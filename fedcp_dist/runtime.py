@@ -36,16 +36,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.launch_env import SLURM_VARS, TORCHRUN_VARS, check_launcher_env, rendezvous
-from fedcp_dist.options import Component, Option, above, at_least, boolean_or_auto, described, finite, one_of
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
+
+
 def detect_launcher(env: Mapping[str, str] = os.environ) -> str:
     """The launcher this process was started by (see the module's docstring), its variables checked
     (:func:`~fedcp_dist.launch_env.check_launcher_env`)."""
@@ -408,28 +409,3 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         dist.init_process_group(**kwargs)
         rt.backend = backend
     return rt
-
-
-DEVICES = ("auto", "cpu", "cuda")
-# SIGUSR1 is left alone: NCCL may use it
-PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
-
-
-class Execution(Component):
-    """The process a rank is: its device, threads, allocator, collectives and signals."""
-
-    options = (
-        Option("device", "auto", "the device a rank computes on: auto (its GPU where there is one, else the CPU) | cpu | "
-               "cuda", one_of(*DEVICES)),
-        Option("threads", 0, "CPU threads per rank; 0 = cores / ranks on this node", at_least(0)),
-        Option("keep_freed_memory", "auto", "CPU ranks: glibc's allocator keeps freed memory for reuse instead of "
-               "returning large blocks to the system (whose pages then fault in again on every use): auto (on a CPU "
-               "device under glibc) | true | false", boolean_or_auto, kind=Union[bool, str]),
-        Option("collective_timeout", 600.0, "seconds a collective may wait for a peer before the run fails",
-               described("> 0", lambda v: finite(v) or above(0)(v))),
-        Option("rendezvous_timeout", 120.0, "seconds the ranks of a job may take to meet at start-up (MASTER_ADDR:"
-               "MASTER_PORT) before the run fails, naming the address and the launcher's variables",
-               described("> 0", lambda v: finite(v) or above(0)(v))),
-        Option("preempt_signal", "SIGUSR2", "signal that asks the run to finish its round, checkpoint and exit with "
-               "status 75 (SIGTERM too)", one_of(*PREEMPT_SIGNALS)),
-    )

@@ -169,6 +169,7 @@ def test_compression_and_selection_ask_the_method_class(monkeypatch, digits6):
     """Upload compression needs a method whose uploads are averaged, feature-difference selection one
     with a client vector: each asks the configured method's class, whatever its name."""
     from fedcp_dist.algorithms.fedavg import FedAvg
+    from fedcp_dist.capabilities import ClientVectors, supports
 
     base = [f"data.path={digits6}", "participation=0.5"]
     with pytest.raises(UserError, match=r"^config key 'compress': fedamp averages no uploads .*use compress=none$"):
@@ -179,8 +180,9 @@ def test_compression_and_selection_ask_the_method_class(monkeypatch, digits6):
         load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"])
     for extra in ([], ["cpn_layers=2"]):  # a CPN design is an option of FedCP, not another class
         cfg = load_config(None, [*base, "method=fedcp", "client_selection=feature_difference", *extra])
-        assert cfg.method_class.has_client_vector and cfg.method_class.__name__ == "FedCP"
-    monkeypatch.setattr(FedAvg, "has_client_vector", True)
+        assert supports(cfg.method_class, ClientVectors) and cfg.method_class.__name__ == "FedCP"
+    monkeypatch.setattr(FedAvg, "client_vector_dim", 3, raising=False)  # FedAvg given a client vector
+    monkeypatch.setattr(FedAvg, "client_vector", lambda self, state: None, raising=False)
     assert load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"]).method == "fedavg"
 
 

@@ -46,7 +46,16 @@ import resource
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
+from fedcp_dist.algorithms.base import Context
+from fedcp_dist.capabilities import PeerExchange, supports
 from fedcp_dist.errors import UserError
+from fedcp_dist.fused import groups as fused_groups
+from fedcp_dist.fused import memory as fused_memory
+from fedcp_dist.models import build_model, model_options
+from fedcp_dist.state.client_store import (PREFETCH_DEPTH, DiskClientStore, HostClientStore, banks_in_files, rss_bytes,
+                                           state_bytes)
 
 MiB = 2**20
 #: fraction of what is still to come added for the allocator's overhead, and a fixed part for what
@@ -340,9 +349,7 @@ def cgroup_left(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
 
 def host_free() -> Free:
     """The host's limits: available memory, cgroup, RLIMIT_AS, RLIMIT_DATA (those that apply)."""
-    from fedcp_dist.fused.memory import _host_memory
-
-    limits = [("available memory", _host_memory("available", "MemAvailable"))]
+    limits = [("available memory", fused_memory._host_memory("available", "MemAvailable"))]
     left = cgroup_left()
     if left is not None:
         limits.append(("cgroup memory limit", left))
@@ -383,16 +390,11 @@ def model_activations(cfg, info) -> int:
     """Output elements per sample of the model's layers on the shard's inputs: a copy of the model
     built and run (two zero samples, evaluation mode, no gradient) with torch's random state put
     back afterwards, so the run's own model and draws are untouched."""
-    import torch
-
-    from fedcp_dist.fused.memory import activation_elements
-    from fedcp_dist.models import build_model, model_options
-
     with torch.random.fork_rng(devices=[]):
         model = build_model(cfg.model, info.input_shape, info.num_classes, vocab_size=info.vocab_size,
                             **model_options(cfg)).eval()
         x = torch.zeros(2, *[int(s) for s in info.input_shape], dtype=torch.long if info.vocab_size else torch.float32)
-        return activation_elements(lambda: model(x), [model]) // 2
+        return fused_memory.activation_elements(lambda: model(x), [model]) // 2
 
 
 def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int, int]]:
@@ -400,11 +402,6 @@ def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int, int]]
     the bytes a group holds per client) of a method that declares its phases, from a client with
     training data (None: no such method or client). Counted as the fused memory plan counts them,
     on the method's own loss; a group holds every phase's starting values and outcome."""
-    import torch
-
-    from fedcp_dist.fused import groups as fused_groups
-    from fedcp_dist.algorithms.base import Context
-
     if not hasattr(algo, "phases") or algo.fused_reason() is not None:
         return None
     client = next((c for c, d in data.items() if d.n_train > 0), None)
@@ -427,9 +424,7 @@ def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int, int]]
 def _peer_bytes(cfg, algo, setup, world_size: int) -> int:
     """A peer method's models of the other clients (unless a disk store maps them from files) and
     its all-gather's buffer, as :func:`fedcp_dist.engine.startup.check_peer_memory` counts them."""
-    from fedcp_dist.state.client_store import banks_in_files
-
-    if not algo.peer_dim:
+    if not supports(algo, PeerExchange):
         return 0
     bank = 0 if banks_in_files(cfg.client_state, algo.device) else algo.peer_memory_bytes(setup.num_clients)
     return bank + world_size * int(setup.clients_per_rank(world_size).max()) * (algo.peer_dim + 1) * 4
@@ -438,14 +433,6 @@ def _peer_bytes(cfg, algo, setup, world_size: int) -> int:
 def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
     """This rank's :class:`Figures` after start-up (``groups``: its fused groups' trainer, None when
     its clients train one by one)."""
-    import torch
-
-    from fedcp_dist.fused import slots as fused
-    from fedcp_dist.fused import groups as fused_groups
-    from fedcp_dist.fused import memory as fused_memory
-    from fedcp_dist.state.client_store import (PREFETCH_DEPTH, DiskClientStore, HostClientStore, rss_bytes,
-                                         state_bytes)
-
     device = rt.device
     gpu = device.type == "cuda"
     owned = list(setup.owned)
@@ -470,7 +457,7 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
         peer_bytes=_peer_bytes(cfg, algo, setup, rt.world_size))
     if groups is not None and groups.groups and phase is not None:
         threads = torch.get_num_threads()
-        workers = fused.workers_for(cfg.fused_workers, device, threads, len(groups.groups))
+        workers = fused_groups.workers_for(cfg.fused_workers, device, threads, len(groups.groups))
         f = dataclasses.replace(
             f, fused=True, slot_params=phase[0], per_result=phase[1], group_per_client=phase[3],
             slot_cap=fused_groups.slot_cap(device),
@@ -482,14 +469,11 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
 
 def free_memory(device) -> Dict[str, Free]:
     """{pool: its limits}: the host's, and on a GPU the device's as well."""
-    import torch
-
-    from fedcp_dist.fused.memory import available_memory
-
     host = host_free()
     if torch.device(device).type != "cuda":
         return {"device": host}
-    return {"device": Free([("the GPU's free memory", available_memory(torch.device(device)))]), "host": host}
+    return {"device": Free([("the GPU's free memory", fused_memory.available_memory(torch.device(device)))]),
+            "host": host}
 
 
 def preflight(cfg, rt, setup, algo, store, agg, compressor, groups) -> str:

@@ -21,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
+from fedcp_dist.capabilities import Probes, supports
 from fedcp_dist.engine import startup
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
-from fedcp_dist.state.client_store import DiskClientStore, make_store
+from fedcp_dist.state.client_store import BN_STAT_SUFFIXES, DiskClientStore, make_store
 from fedcp_dist.comm.compress import Compressor
 from fedcp_dist.config import Config
 from fedcp_dist.data.shards import layout_digest
@@ -53,6 +54,8 @@ class RunParts:
     trainer: CohortTrainer
     writer: RunWriter
     lock: object
+    #: [(key, why)] of the config's keys that have no effect in this run (the start line names them)
+    idle_keys: List[tuple] = field(default_factory=list)
     #: the memory the run's rounds will take at their peak, estimated before the first (a line)
     memory: str = ""
     start_round: int = 0
@@ -118,8 +121,12 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     # per-client BatchNorm statistics (known once the store is) keep the clients sequential
     fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
     upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
+    layout = algo.probe_layout if supports(algo, Probes) else None
+    idle = cfg.keys_without_effect()
+    if cfg.aggregate_bn_stats and not any(k.endswith(BN_STAT_SUFFIXES) for k in algo.upload_keys(global_state)):
+        idle.append(("aggregate_bn_stats", "the uploads hold no BatchNorm statistics"))
     agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
-                         extra=RoundProbes.size(cfg.probe_every, s.num_clients),
+                         extra=RoundProbes.size(cfg.probe_every, s.num_clients, layout),
                          groups=algo.aggregation_groups(upload),
                          rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
     compressor = Compressor.from_config(cfg, agg.shapes)
@@ -128,8 +135,8 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor)
     # the memory the rounds will take, against what is free: a run that cannot fit stops here, in one line
     memory = startup.agree_on(rt, lambda: preflight(cfg, rt, s, algo, store, agg, compressor, groups))
-    made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
-    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"],
+    made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger, layout.scalars if layout else None)
+    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], idle,
                      memory=memory or "")
 
     def maybe_resume() -> None:

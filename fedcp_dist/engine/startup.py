@@ -13,14 +13,15 @@ import torch
 from fedcp_dist.fused import slots as fused
 from fedcp_dist.engine import preflight
 from fedcp_dist.algorithms import Algorithm, make_algorithm
-from fedcp_dist.fused.groups import group_size as fused_group_size
+from fedcp_dist.capabilities import PeerExchange, supports
+from fedcp_dist.fused.groups import group_size as fused_group_size, workers_for
 from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
 from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir.faults import fault_point
-from fedcp_dist.models import build_model, model_options
+from fedcp_dist.models import MODEL_KINDS, build_model, model_options
 from fedcp_dist.state.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
                                   placement_weights, steps_per_rank)
 
@@ -90,8 +91,6 @@ def check_shard(cfg, info: ShardInfo) -> None:
         raise UserError(f"config key 'data.num_clients' is {d.num_clients} but {d.path} holds {info.num_clients} clients")
     if d.source and d.source != info.source:
         raise UserError(f"config key 'data.source' is {d.source!r} but {d.path} holds {info.source!r}")
-    from fedcp_dist.models import MODEL_KINDS
-
     wants = MODEL_KINDS.get(cfg.model)
     if wants and wants != info.kind:
         raise UserError(f"config key 'model': {cfg.model!r} reads {wants} shards but {d.path} holds "
@@ -203,9 +202,9 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
     """Bytes per rank of the method's other-client models plus the exchange buffer; refuse over budget."""
-    dim = algo.peer_dim
-    if not dim:
+    if not supports(algo, PeerExchange):
         return 0
+    dim = algo.peer_dim
     mapped = banks_in_files(cfg.client_state, algo.device)  # then page cache, not the process's own memory
     need = (0 if mapped else algo.peer_memory_bytes(num_clients)) + world_size * max_owned * (dim + 1) * 4
     if need > cfg.peer_memory_mb * 2**20:
@@ -230,7 +229,7 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     size = fused_group_size(cfg, algo.device, algo.num_clients)
     groups = f"groups of {size}" + ("" if cfg.fused_group else " (fused_group=auto)")
     threads = torch.get_num_threads()
-    workers = fused.workers_for(cfg.fused_workers, algo.device, threads, 2)
+    workers = workers_for(cfg.fused_workers, algo.device, threads, 2)
     if workers > 1:  # e.g. "groups of 8 (fused_group=auto), 2 at once with 1 thread each (fused_workers=auto)"
         groups += f", {workers} at once with 1 thread each (fused_workers={cfg.fused_workers})"
     elif algo.device.type == "cpu" and threads > 1:  # fused_workers=1: the rounding follows the thread count
@@ -239,17 +238,20 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     return True, f"fused ({setting}, {groups})"
 
 
-def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "") -> str:
+def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "", idle=()) -> str:
     """The run's first line: method, clients, ranks, loading, placement, the training path, where
-    client states live and the method's own note (e.g. FedCP's CPN cost)."""
+    client states live, the method's own note (e.g. FedCP's CPN cost) and the keys set in the config
+    that have no effect in this run (``idle``: [(key, why)])."""
     of = f" of the shard's {setup.info.num_clients}" if cfg.data.clients is not None else ""
     d = setup.digest
     verified = (f" (content verified in {d.seconds:.2f} s{', kept in ' + d.cache if d.cache else ''})"
                 if d is not None and not d.cached and d.seconds >= 0.5 else "")
+    unused = ", ".join(f"{key}={getattr(cfg, key)} ({why})" for key, why in idle)
     return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
             f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s{verified}; "
             f"{setup.placement_line()}; "
-            f"training: {path}; {store_line}" + (f"; {note}" if note else "") + ranks_hint(rt))
+            f"training: {path}; {store_line}" + (f"; {note}" if note else "")
+            + (f"; keys with no effect in this run: {unused}" if unused else "") + ranks_hint(rt))
 
 
 def ranks_hint(rt) -> str:

@@ -16,14 +16,16 @@ groups in training, not of its whole cohort. The algorithm only declares its pha
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from fedcp_dist.fused import slots as fused
 from fedcp_dist.fused import memory as fused_memory
+from fedcp_dist.fused import slots as scheduler
 from fedcp_dist.local_train import Step, amp_autocast, module_keys
 
 #: {algorithm: {phase name: activation elements per sample}}, counted once per phase
@@ -96,12 +98,12 @@ def memory_plan(algo, plans: list, datas: list, rows: Optional[int] = None) -> f
     """Per-client memory of fused training (the largest over the phases), from one client's
     phases ``plans`` = [(phase, ClientPhase)]: 4 bytes per stacked value, twice for trained
     ones (their gradient), plus activations counted on a one-sample forward of the loss, times
-    ``rows``, a step's rows (None: :func:`fused.batch_rows` of ``datas``; the engine passes the
-    run's, the same on every rank)."""
+    ``rows``, a step's rows (None: :func:`fedcp_dist.fused.slots.batch_rows` of ``datas``; the
+    engine passes the run's, the same on every rank)."""
     per_slot = per_result = 0
-    x = fused.probe_input(datas)
+    x = probe_input(datas)
     if rows is None:
-        rows = fused.batch_rows(algo.cfg.batch_size, [d.n_train for d in datas])
+        rows = scheduler.batch_rows(algo.cfg.batch_size, [d.n_train for d in datas])
     for phase, cp in plans:
         trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
         total = sum(t.numel() for t in cp.start.values())
@@ -111,15 +113,15 @@ def memory_plan(algo, plans: list, datas: list, rows: Optional[int] = None) -> f
     return fused_memory.MemoryPlan(per_slot=per_slot, per_result=per_result)
 
 
-def _outcomes(algo, items: list, plans: list, slots: int) -> list:
-    """Each item's phase outcomes, its clients trained fused, ``slots`` at a time."""
+def _outcomes(algo, items: list, plans: list, count: int) -> list:
+    """Each item's phase outcomes, its clients trained fused, ``count`` at a time."""
     cfg = algo.cfg
-    outcomes = [[] for _ in items]
+    outcomes: List[list] = [[] for _ in items]
     for j, phase in enumerate(p for p, _ in plans[0]):
-        runs = [fused.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
+        runs = [scheduler.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
                 for (_, d, ctx), plan in zip(items, plans)]
-        done = fused.train_fused(runs, phase, slots=slots, autocast=lambda: amp_autocast(cfg.amp, algo.device),
-                                 tally=items[0][2].probe, **algo._sgd_kwargs(items[0][2]))
+        done = scheduler.train_fused(runs, phase, slots=count, autocast=lambda: amp_autocast(cfg.amp, algo.device),
+                                 tally=items[0][2].probe, **algo.sgd_settings(items[0][2]))
         for out, o, plan in zip(outcomes, done, plans):
             o.info = plan[j][1].info
             out.append(o)
@@ -146,6 +148,60 @@ def group_slots(plan: fused_memory.MemoryPlan, device: torch.device) -> int:
     return plan.slots(device, slot_cap(device), int(fused_memory.MEMORY_FRACTION * fused_memory.total_memory(device)))
 
 
+def probe_input(datas: Sequence) -> Optional[torch.Tensor]:
+    """One training sample (a batch of 1) of the first client that holds any, else None."""
+    for d in datas:
+        if d.n_train > 0:
+            return d.train_batch(torch.zeros(1, dtype=torch.long, device=d.train_y.device))[0]
+    return None
+
+
+def workers_for(setting, device: torch.device, threads: int, groups: int) -> int:
+    """Fused groups trained side by side (``fused_workers``): ``auto`` takes one per thread of a
+    CPU rank, an integer that many (on a CPU), never more than ``groups``; 1 on a GPU.
+
+    Why: at B = 10 most of a fused step's kernels are too small to split well over threads
+    (measured on 2 cores: the main thread still did 0.65–0.7 of a step's single-thread CPU time
+    with 2 threads, a 1.45× speed-up at best), while groups of clients are independent, so one
+    group per thread scales like one rank per core does.
+    """
+    if device.type != "cpu" or groups < 2:
+        return 1
+    n = threads if setting == "auto" else int(setting)
+    return max(1, min(n, groups))
+
+
+def run_in_workers(jobs: Sequence[Callable[[], object]], one_thread: bool = False) -> list:
+    """``[job() for job in jobs]``, each in a thread of its own with one intra-op thread; the
+    caller's thread count is restored afterwards. The jobs must be independent (their own
+    clients, generators and tensors): results are then the same whatever the threads' timing.
+    A single job runs in the caller's thread, on one intra-op thread with ``one_thread`` (the
+    thread count changes a kernel's rounding), else on the caller's threads."""
+    threads = torch.get_num_threads()
+    if len(jobs) == 1:
+        if not one_thread or threads == 1:
+            return [jobs[0]()]
+        torch.set_num_threads(1)
+        try:
+            return [jobs[0]()]
+        finally:
+            torch.set_num_threads(threads)
+
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()  # thread-local in torch: carried over
+
+    def one(job):
+        torch.set_num_threads(1)  # per thread for OpenMP; the process-wide value is 1 meanwhile
+        torch.set_default_dtype(dtype)
+        with torch.set_grad_enabled(grad):
+            return job()
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(one, jobs))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def one_thread_each(cfg, device: torch.device, threads: int) -> bool:
     """Whether each group trains on one intra-op thread: on a CPU rank of several threads unless
     ``fused_workers`` = 1. The thread count changes a kernel's rounding, so under ``auto`` (one
@@ -158,14 +214,14 @@ def one_thread_each(cfg, device: torch.device, threads: int) -> bool:
 def side_by_side(jobs: Sequence[Callable[[], list]], workers: int, group_bytes: int, device: torch.device,
                  one_thread: bool = False) -> list:
     """``[job() for job in jobs]`` (one job: one group), up to ``workers`` at once in threads of
-    their own (:func:`fused.run_in_workers`; ``one_thread``: a job alone too on one intra-op
+    their own (:func:`run_in_workers`; ``one_thread``: a job alone too on one intra-op
     thread), fewer when that many groups of ``group_bytes`` each would not fit in the memory free
     now (which changes how many run at once, not their results)."""
     fit = int(fused_memory.MEMORY_FRACTION * fused_memory.available_memory(device)) // max(1, group_bytes)
     at_once = max(1, min(workers, fit))
     out: list = []
     for i in range(0, len(jobs), at_once):
-        out.extend(fused.run_in_workers(list(jobs[i:i + at_once]), one_thread))
+        out.extend(run_in_workers(list(jobs[i:i + at_once]), one_thread))
     return out
 
 
@@ -176,8 +232,8 @@ class GroupTrainer:
     ``groups``: this rank's groups (lists of client ids, the run's order), the same lists whichever
     rank owns them. ``fused_workers`` groups train side by side, one intra-op thread each
     (:func:`one_thread_each`); the slots are the same for every group of the run (:func:`group_slots`),
-    sized for ``rows`` rows a step (:func:`fused.batch_rows` of the run's clients; None: of this
-    rank's)."""
+    sized for ``rows`` rows a step (:func:`fedcp_dist.fused.slots.batch_rows` of the run's clients;
+    None: of this rank's)."""
 
     def __init__(self, cfg, algo, store, data: dict, groups: List[List[int]], device: torch.device,
                  rows: Optional[int] = None):
@@ -198,7 +254,7 @@ class GroupTrainer:
         if trains_jointly(self.cfg, self.device) and len(groups) > 1:
             groups = [[c for g in groups for c in g]]  # one set of slots for all of them
         threads = torch.get_num_threads()
-        workers = fused.workers_for(self.cfg.fused_workers, self.device, threads, len(groups))
+        workers = workers_for(self.cfg.fused_workers, self.device, threads, len(groups))
         one_thread = one_thread_each(self.cfg, self.device, threads)
         self.store.prefetch([c for g in groups for c in g])
         i = 0
@@ -211,11 +267,12 @@ class GroupTrainer:
                 datas = [d for group in items for _, d, _ in group]
                 plan = memory_plan(self.algo, plans[0][0], datas, self.rows)
                 slots = group_slots(plan, self.device)
-                if fused.probe_input(datas) is not None:
+                if probe_input(datas) is not None:
                     self.plan, self.slots = plan, slots
+            assert plan is not None  # set with the slots
             group_bytes = slots * plan.per_slot + max(len(g) for g in wave) * plan.per_result
-            done = side_by_side([lambda it=it, pl=pl, s=slots: train_group(self.algo, it, s, pl)
-                                 for it, pl in zip(items, plans)], len(wave), group_bytes, self.device, one_thread)
+            jobs = [functools.partial(train_group, self.algo, it, slots, pl) for it, pl in zip(items, plans)]
+            done = side_by_side(jobs, len(wave), group_bytes, self.device, one_thread)
             del items, plans
             for g, res in zip(wave, done):
                 yield from zip(g, res)

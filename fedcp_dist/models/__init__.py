@@ -134,3 +134,9 @@ class ModelChoice(Component):
                "FedCP repository); log_softmax = after a log-softmax on it (PFLlib's fastText of 2021-2024 under its "
                "head split)", one_of(*FASTTEXT_FEATURES)),
     )
+
+    @classmethod
+    def inert_keys(cls, cfg) -> dict:
+        """A key named after a model (``mlp_hidden``, ``fasttext_dim``) acts on that model only."""
+        return {o.name: f"acts on model={m} only" for o in cls.options for m in MODELS
+                if o.name.startswith(m + "_") and cfg.model != m}

@@ -32,6 +32,7 @@ import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.config import Config, flatten, legacy_defaults
+from fedcp_dist.engine.probes import keep_before
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes
 from fedcp_dist.rundir.loggers import make_logger
@@ -357,16 +358,17 @@ class RunWriter:
     Whole-file writes go to a temporary name and are renamed when complete; metrics.jsonl is
     appended to one whole record at a time (:class:`~fedcp_dist.fileio.AppendFile`). An I/O error
     (a full disk) is a one-line RunFailure naming the file. ``logger`` (the config key: none |
-    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.rundir.loggers`).
+    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.rundir.loggers`),
+    the analysis lines as ``analysis_scalars`` (the method's probe layout's) makes them scalars.
     """
 
-    def __init__(self, out_dir, enabled: bool, logger: str = "none"):
+    def __init__(self, out_dir, enabled: bool, logger: str = "none", analysis_scalars=None):
         self.enabled = enabled
         self.dir = Path(out_dir)
         self._metrics: Optional[AppendFile] = None
         self._analysis: Optional[AppendFile] = None
         self._analysis_kept: list = []  # the lines start_analysis kept, for the logger's start
-        self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD)
+        self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD, analysis_scalars)
         if enabled:
             with _writing(self.dir, "create"):
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -423,8 +425,6 @@ class RunWriter:
         """Begin analysis.jsonl: keep the lines of the first ``rounds_done`` rounds of one already
         there (a resumed run: the rest is computed again), start it empty when ``create`` (analysis
         on), and leave it absent otherwise."""
-        from fedcp_dist.engine.probes import keep_before
-
         if not self.enabled:
             return
         path = self.dir / ANALYSIS

@@ -111,7 +111,7 @@ class Distillation(Component):
     def term(self, algo, step, out):
         if not self.kappa:
             return None
-        kl = policy_kl(algo.policy.teacher_logits(step, out.c, algo.cpn_g, algo.cpng_g), out.policy_logits, algo.K,
+        kl = policy_kl(algo.policy.teacher_logits(step, out.c, algo.cpn_g, algo.received), out.policy_logits, algo.K,
                        algo.tau)
         return self.kappa * step.mean(kl)
 
