@@ -3,10 +3,12 @@ array per method, and what each row must end in.
 
 The universe is every config key: the keys of a run and of its execution (``Config``'s own fields,
 ``data.*`` flattened) and every option a method, a part of FedCP, upload compression or client
-selection declares (:func:`fedcp_dist.algorithms.method_options`). Each key is either varied
-(:data:`VALUES`: the values a row may give it besides its default; boundaries where a range has
-them) or held (:data:`FIXED`, with the reason it cannot vary in a tiny in-process run); a key in
-neither fails ``tests/test_combinations.py``, so the array grows with the options.
+selection declares (:func:`fedcp_dist.algorithms.method_options`). Each key is either varied or
+held (:data:`FIXED`, with the reason it cannot vary in a tiny in-process run). A varied key's values
+besides its default come from its declaration where they can (:func:`declared_values`: a boolean's
+other value, ``one_of``'s other choices, ``within``'s ends, ``at_least``'s bound) and from
+:data:`VALUES` where they cannot or others are wanted; a key with neither and not held fails
+``tests/test_combinations.py``, so the array grows with the options.
 
 A method's array (:func:`array`) is an allpairspy pairwise covering array over the keys that act on
 it: the engine's keys, its own options and those of the parts it is made of, compression and
@@ -38,112 +40,71 @@ from typing import Optional
 
 import numpy as np
 
-from fedcp_dist.algorithms import ALGORITHMS
-from fedcp_dist.comm.compress import CompressionOptions
-from fedcp_dist.config import Config, DataConfig, load_config, unflatten
+from fedcp_dist.algorithms import ALGORITHMS, acting_option_classes, method_options
+from fedcp_dist.capabilities import Probes, supports
+from fedcp_dist.config import Config, DataConfig, components, load_config, unflatten
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.comm.selection import SelectionOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
 #: the tiny run every row starts from (a key a row does not vary keeps this value, else its default)
 BASE = {"rounds": 2, "threads": 1, "device": "cpu", "overwrite": True}
 
-#: each varied key's values besides its default (the default of a row is BASE's, else Config's)
+#: the values besides its default of each varied key whose declaration gives none or other ones
+#: (the default of a row is BASE's, else Config's; declared_values gives the rest)
 VALUES = {
     # -- the run
-    "aggregate_bn_stats": [True],
     "rounds": [1],
     "eval_every": [2],
     "participation": [0.5, 0.1],  # 0.1 of 5 clients: ⌊ρN⌋ = 0
     "participation_range": [[0.1, 0.6]],
-    "participation_draw": ["count"],
     "seed": [0],
     "lr": [0.05],
     "batch_size": [1, 64],  # 64: more than any client's training samples (no full batch)
     "local_epochs": [2],
-    "drop_last": [False],
     # -- FedCP's parts
-    "lam": [0.0],
-    "mmd_kernel": ["rbf"],
     "mmd_sigma": [2.0],
     "mmd_bandwidths": [[1.0]],
-    "fedcp_gfm": [False],
     "policy_entropy": [0.1, -0.1],
     "cpn_distill": [0.5],
     "tau": [0.1],
-    "cpn_train_gumbel": [False],
-    "cpn_eval_gumbel": [True],
-    "cpn_hard": [True],
     "cpn_hidden": [1, 16],
     "cpn_groups": [4, 512],  # 512: K itself, one feature per group
     "cpn_layers": [2, 4],
-    "cpn_norm": ["batchnorm", "groupnorm", "none"],
-    "cpn_act": ["tanh", "sigmoid"],
-    "fedcp_cpn": [False],
-    "cpn_input": ["sample", "client", "none"],
-    "cpn_client_vector": ["head+stats", "head+embed"],
-    "cpn_embed_dim": [1],
     "cpn_lr": [0.01],
-    "cpn_lr_schedule": ["cosine"],
     "cpn_lr_min": [0.001],
     "tau_final": [0.1],
-    "tau_anneal": ["linear"],
     "cpn_warmup_rounds": [1],
     "policy_refresh_every": [2],
     "cpn_upload_every": [2],
     "cpn_async_min_rate": [0.5, 1.0],
-    "fedcp_global_head": [False],
     # -- the baselines
     "prox_mu": [0.0, 10.0],
     "perfedavg_alpha": [0.05],
     "perfedavg_beta": [0.05],
-    "perfedavg_reference_compat": [True],
-    "pfedme_lam": [0.0],
     "pfedme_k": [1],
     "pfedme_lr": [0.01],
     "pfedme_beta": [0.5, 2.0],
-    "pfedme_reference_compat": [True],
     "peer_memory_mb": [16.0],
     "fedamp_alpha_k": [0.1],
-    "fedamp_lam": [0.0],
     "fedamp_sigma": [100.0],
     "ditto_lam": [0.0, 1.0],
     "ditto_epochs": [2],
     "fedrep_head_epochs": [1],
-    "fedrod_reference_compat": [True],
     "fedfomo_m": [1, 100],
     "fedfomo_val_ratio": [0.01, 0.9],
-    "fedfomo_eps": [0.0, 1.0],
-    "fedfomo_eps_decay": [0.0],
-    "fedfomo_reference_compat": [True],
-    "fedphp_lam": [0.0, 1.0],
-    "fedphp_mu": [0.0],
-    "fedphp_reference_compat": [True],
     # -- compression and selection (every method)
-    "compress": ["topk"],
     "compress_ratio": [0.01],
-    "compress_bits": [16, 8],
-    "compress_error_feedback": [True],
-    "client_selection": ["feature_difference"],
-    "selection_min_prob": [1.0],
-    "selection_vector": ["features"],
     # -- execution
     "eval_batch_size": [1],
     "fused": [False, True],
     "fused_group": [1, 2],
     "fused_workers": [1, 2],
-    "placement": ["samples", "steps"],
-    "client_state": ["host", "disk", "auto"],
+    "fused_join": [True],
     "client_state_budget_mb": [0.01],  # client_state=auto: too little for any state, so disk
-    "record_memory": [True],
-    "amp": ["bf16"],
     "checkpoint_every": [0, 1],
-    "keep_checkpoints": [1],
-    "analysis": [True],
     "analysis_every": [2],
     "logger": ["tensorboard"],
-    "on_nonfinite": ["skip"],
     "data.clients": [2, [0, 3, 4]],
 }
 
@@ -174,6 +135,7 @@ FIXED = {
     "preempt_signal": "acts on a signal only (tests/test_failures.py, tests/test_resume.py)",
     "device": "cpu: the machine the array runs on has no GPU",
     "collective_timeout": "acts when a peer stops answering only (tests/test_failures.py)",
+    "rendezvous_timeout": "acts when the ranks of a job do not meet at start-up only (tests/test_faults_env.py)",
     "threads": "1: two threads per rank on the array's shared 2-core machine only slow each row; fused_workers=2 "
                "still trains groups side by side (tests/test_fused.py covers several threads)",
     "data.path": "the tiny shard",
@@ -186,6 +148,32 @@ FIXED = {
 PROBE_KEYS = ("analysis", "analysis_every")
 #: the pseudo-key of the number of ranks
 RANKS = "ranks"
+
+
+def declared_values(key: str) -> list:
+    """The values a row gives ``key`` besides its default, derived from the key's declaration: the
+    other truth value of a boolean, the other choices of ``one_of``, the accepted ends of ``within``,
+    the bound of ``at_least``; [] where none derive (a row then needs :data:`VALUES`)."""
+    opt = {o.name: o for comp in components() for o in comp.options}.get(key)
+    if opt is None or key in FIXED:
+        return []
+    d, check = default(key), opt.check
+    if opt.type is bool:
+        return [not d]
+    if hasattr(check, "choices"):
+        return [v for v in check.choices if v != d]
+    as_type = float if opt.type is float else (lambda v: v)  # a float key's bound as a float (0.0, not 0)
+    if hasattr(check, "ends"):
+        return [as_type(v) for v in check.ends if v != d]
+    if hasattr(check, "lowest"):
+        return [as_type(check.lowest)] if check.lowest != d else []
+    return []
+
+
+def values(key: str) -> list:
+    """The values a row gives ``key`` besides its default: :data:`VALUES`' where it lists the key,
+    else those its declaration gives (:func:`declared_values`); none for a key held in :data:`FIXED`."""
+    return [] if key in FIXED else VALUES.get(key) or declared_values(key)
 
 
 def universe() -> list:
@@ -203,19 +191,10 @@ def default(key: str):
     return getattr(Config(), key)
 
 
-def _option_classes(method: str) -> list:
-    """The classes whose options act on ``method``: its own (bases first), its parts', compression's and selection's."""
-    cls = ALGORITHMS[method]
-    out = []
-    for c in (*getattr(cls, "parts", ()), cls, CompressionOptions, SelectionOptions):
-        for k in reversed(c.__mro__):
-            if "options" in k.__dict__ and k.__dict__["options"] and k not in out:
-                out.append(k)
-    return out
-
-
 def method_keys(method: str) -> list:
-    return [o.name for c in _option_classes(method) for o in c.__dict__["options"]]
+    """The keys of the classes whose options act on ``method``: its own (bases first), its parts', and
+    those that apply to every method (compression's and selection's)."""
+    return [o.name for c in acting_option_classes(method) for o in c.__dict__["options"]]
 
 
 def keys_for(method: str) -> list:
@@ -223,15 +202,14 @@ def keys_for(method: str) -> list:
     some of its own values with fused=true), then Config's order, which puts every key that enables
     another before it (compress before compress_ratio, participation_range before participation_draw ...)."""
     own = set(method_keys(method))
-    all_options = {o.name for cls in ALGORITHMS.values() for c in _option_classes(cls.name)
-                   for o in c.__dict__["options"]}
+    all_options = {o.name for o in method_options()}
     keys = []
     for k in universe():
-        if k not in VALUES:
+        if not values(k):
             continue
         if k in all_options and k not in own:
             continue  # another method's option
-        if k in PROBE_KEYS and not ALGORITHMS[method].probes:
+        if k in PROBE_KEYS and not supports(ALGORITHMS[method], Probes):
             continue
         keys.append(k)
     return ["fused"] + [k for k in keys if k != "fused"]
@@ -241,7 +219,7 @@ def parameters(method: str) -> "OrderedDict":
     """{key: [default, other values...]} of the method's array, with the pseudo-key ``ranks`` first."""
     params = OrderedDict([(RANKS, [1, 2])])
     for k in keys_for(method):
-        params[k] = [default(k), *VALUES[k]]
+        params[k] = [default(k), *values(k)]
     return params
 
 

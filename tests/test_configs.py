@@ -32,8 +32,16 @@ def test_config_is_valid_and_means_what_it_says(path, tmp_path):
     assert {k: cfg[k] for k in written} == written
 
 
-def test_a_digits_config_for_every_method():
+def test_a_digits_preset_for_every_method_generated_from_its_declarations():
+    """configs/digits_<method>.yaml is what the option declarations render (a new method gets its
+    own by running python -m fedcp_dist.cli.config_reference), and there is one per method."""
+    from fedcp_dist.cli.config_reference import preset, stale_presets
+
     assert {p.name for p in CONFIGS if p.name.startswith("digits_")} == {f"digits_{m}.yaml" for m in METHODS}
+    assert stale_presets() == []
+    fedcp = preset("fedcp")  # the method's own option at its default, a departure with its reason
+    assert "\nfedcp_global_head: true\n" in fedcp and "\nlam: 0.1  # picked for this tiny set" in fedcp
+    assert "lam:" not in preset("fedavg")  # no key of another method
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)

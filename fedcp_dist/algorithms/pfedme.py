@@ -31,6 +31,7 @@ from fedcp_dist.options import Option, above, at_least
 
 class PFedMe(FedAvgWithPersonalModel):
     name = "pfedme"
+    digits_preset = {"pfedme_lr": (0.05, "the personalized step's rate as lr on this tiny set")}
     own_loop = "pFedMe solves an inner problem of K steps on each batch before its local step"
     options = (
         Option("pfedme_lam", 15.0, "pFedMe: weight λ of (λ/2)·‖θ − w‖² in the personalized problem; also scales the "

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from fedcp_dist.config import type_ok
 from fedcp_dist.data.text import (DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE,
                                   TEXT_PIPELINES)
 from fedcp_dist.errors import UserError
+from fedcp_dist.options import type_ok
 
 SCHEMES = ("dir", "pat", "iid", "folders", "column")
 #: the natural partitions (the data say which client holds each sample) and the source of each

@@ -34,6 +34,14 @@ def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSu
     return record
 
 
+def learned_nothing(records: list) -> bool:
+    """Whether no round of the run (``records``: its metrics.jsonl lines) aggregated a single finite
+    client result: every participant of every round was left out as non-finite (``on_nonfinite:
+    skip``), so the global model and every client's state are still the initial ones."""
+    rounds = [r for r in records if r.get("kind") == "round"]
+    return bool(rounds) and all(int(r.get("participants", 0)) <= int(r.get("nonfinite_skipped", 0)) for r in rounds)
+
+
 def evaluation_record(rounds_done: int, ev: EvalSums) -> dict:
     """An evaluation's numbers from its reduced sums: that of a round (before its training) and the
     one after the last round alike."""

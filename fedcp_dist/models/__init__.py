@@ -161,3 +161,9 @@ class ModelChoice(Component):
         Option("lstm_layers", LSTM_LAYERS, "lstm: stacked LSTM layers (2, as LEAF's and the FedAvg paper's Shakespeare "
                "model)", above(0)),
     )
+
+    @classmethod
+    def inert_keys(cls, cfg) -> dict:
+        """A key named after a model (``mlp_hidden``, ``fasttext_dim``) acts on that model only."""
+        return {o.name: f"acts on model={m} only" for o in cls.options for m in MODELS
+                if o.name.startswith(m + "_") and cfg.model != m}

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from fedcp_dist.options import Component, Option, described, finite, one_of, within
+from fedcp_dist.local_train import num_batches
 
 # stream tags: keep the streams of different purposes apart
 STREAM_COHORT = 1
@@ -20,9 +20,6 @@ STREAM_EVAL = 3
 STREAM_INIT = 4
 STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/after with cpn_eval_gumbel)
 STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
-
-#: how a drop-out round's participants are counted (``participation_draw``)
-PARTICIPATION_DRAWS = ("rho", "count")
 
 
 def stream_seed(seed: int, *keys: int) -> int:
@@ -95,15 +92,9 @@ def place_groups(weights: Sequence[int], groups: Sequence[np.ndarray], world_siz
     return owner
 
 
-#: how clients are weighted when placed on ranks (config key ``placement``)
-PLACEMENTS = ("auto", "samples", "steps")
-
-
 def client_steps(train_counts: Sequence[int], batch_size: int, epochs: int, drop_last: bool) -> np.ndarray:
     """Local SGD steps of every client in a round: its batches per epoch × ``epochs`` (as
     :func:`~fedcp_dist.local_train.num_batches` counts them)."""
-    from fedcp_dist.local_train import num_batches
-
     return np.asarray([num_batches(int(n), int(batch_size), int(epochs), bool(drop_last)) for n in train_counts],
                       dtype=np.int64)
 
@@ -175,33 +166,3 @@ def round_cohort_size(rng: np.random.Generator, num_clients: int, participation:
         low, high = (cohort_size(float(r), num_clients) for r in participation_range)
         return int(rng.integers(low, high + 1))
     return cohort_size(float(rng.uniform(*participation_range)), num_clients)
-
-
-def _rho_range(r) -> "str | None":
-    ok = (r is None or (len(r) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
-                        and 0 < r[0] <= r[1] <= 1))
-    return None if ok else f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}"
-
-
-class Participation(Component):
-    """Which clients train each round, and which rank hosts each client."""
-
-    options = (
-        Option("participation", 1.0, "fraction ρ of clients that train each round, in (0, 1]",
-               described("(0, 1]", lambda v: finite(v) or within(0, 1, low_open=True)(v))),
-        Option("participation_range", None, "if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round "
-               "(drop-out study)", described("null or [ρ_min, ρ_max], 0 < ρ_min <= ρ_max <= 1", _rho_range),
-               kind=Optional[list]),
-        Option("participation_draw", "rho", "with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; "
-               "count draws the number of participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference "
-               "library's rule, which reaches N)", one_of(*PARTICIPATION_DRAWS)),
-        Option("placement", "auto", "what clients are weighted by when placed on ranks (largest first, to the "
-               "least-loaded rank): samples | steps (local SGD steps: batches × local_epochs) | auto (steps unless "
-               "fused=false)", one_of(*PLACEMENTS)),
-    )
-
-    @classmethod
-    def check_config(cls, cfg):
-        if cfg.participation_draw != "rho" and cfg.participation_range is None:
-            return "participation_draw", f"{cfg.participation_draw} draws from participation_range, which is not set"
-        return None

@@ -1,5 +1,6 @@
-"""Writing a shard: every client's arrays checked, appended a block at a time, fingerprinted, and
-the file moved into place only when complete."""
+"""Writing a shard: every client's arrays checked, appended a block at a time, fingerprinted (and
+each array digested, :mod:`fedcp_dist.data.shards.verify`), and the file moved into place only when
+complete."""
 from __future__ import annotations
 
 import hashlib
@@ -11,27 +12,40 @@ from typing import Iterable
 import h5py
 import numpy as np
 
-from fedcp_dist.data.shards.layout import (ATTRIBUTE_BYTES, CHUNK_SAMPLES, FINGERPRINT, FORMAT_VERSION,
-                                           GROUP_VERSIONS, KIND, KINDS, SPLITS, TABLE_KIND, TEXT_KIND,
-                                           TEXT_SPLITS, WRITE_SAMPLES, Rows)
+from fedcp_dist.data.shards.layout import (ARRAY_DIGESTS, ATTRIBUTE_BYTES, CHUNK_SAMPLES, FINGERPRINT,
+                                           FORMAT_VERSION, GROUP_VERSIONS, KIND, KINDS, SPLITS, TABLE_KIND,
+                                           TEXT_KIND, TEXT_SPLITS, WRITE_SAMPLES, Rows, training_attributes)
+from fedcp_dist.data.shards.verify import ATTRIBUTES, ArrayHash, attributes_digest, offsets_digest
 from fedcp_dist.fileio import atomic_path
 
 
 class _Fingerprint:
-    """The running SHA-256 of a shard's content as it is written (see the module's docstring)."""
+    """The running SHA-256 of a shard's content as it is written (see the package's docstring), and
+    each array's digest (:mod:`fedcp_dist.data.shards.verify`)."""
 
-    def __init__(self):
+    def __init__(self, names, x_dtype, input_shape: tuple):
         self.h = hashlib.sha256()
+        self.arrays = {n: ArrayHash(n) for n in names}
+        self.dtypes = {n: (x_dtype if n.endswith("_x") else np.int64 if n.endswith("_y") else np.int32) for n in names}
+        self.row_shapes = {n: (input_shape if n.endswith("_x") else ()) for n in names}
 
     def add(self, name: str, x) -> None:
         """One client's array (an array or :class:`Rows`), read a block of rows at a time."""
         self.h.update(f"{name}|{np.dtype(x.dtype).str}|{tuple(x.shape)}|".encode())
         for start in range(0, len(x), WRITE_SAMPLES):
-            self.h.update(np.ascontiguousarray(x[start:start + WRITE_SAMPLES]).tobytes())
+            block = np.ascontiguousarray(x[start:start + WRITE_SAMPLES])
+            self.h.update(block.tobytes())
+            self.arrays[name].add(block)
 
-    def finish(self, meta: dict) -> str:
+    def finish(self, meta: dict, counts: dict) -> tuple:
+        """(the fingerprint, {array: digest}) once every client is added; ``counts``: the
+        per-client sample counts of each split."""
         self.h.update(json.dumps(meta, sort_keys=True).encode())
-        return f"sha256:{self.h.hexdigest()}"
+        digests = {n: h.hexdigest(self.dtypes[n], self.row_shapes[n]) for n, h in self.arrays.items()}
+        for split in ("train", "test"):
+            digests[f"{split}_offsets"] = offsets_digest(f"{split}_offsets", counts[f"{split}_counts"])
+        digests[ATTRIBUTES] = attributes_digest(meta)
+        return f"sha256:{self.h.hexdigest()}", digests
 
 
 def _write_x(group: h5py.Group, name: str, x) -> None:
@@ -314,7 +328,8 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         else:
             body = _GroupWriter(f, kind, format_version)
         counts = _Counts(num_classes, body.keep_labels)
-        fingerprint = _Fingerprint()
+        x_dtype = {KIND: np.uint8, TEXT_KIND: np.int32, TABLE_KIND: np.float32}[kind]
+        fingerprint = _Fingerprint(body.names, x_dtype, input_shape)
         for i, arrays in enumerate(clients):
             checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
             body.add(i, checked, counts.add(checked[1], checked[3]))
@@ -340,10 +355,8 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         a["partition"] = str(partition)
         a["partition_params"] = json.dumps(partition_params, sort_keys=True)
         a["seed"] = np.int64(seed)
-        a[FINGERPRINT] = fingerprint.finish({
-            "kind": kind, "num_classes": num_classes, "input_shape": list(input_shape),
-            "mean": [float(v) for v in np.asarray(mean, dtype=np.float64).ravel()],
-            "std": [float(v) for v in np.asarray(std, dtype=np.float64).ravel()],
-            "vocab": vocab, "columns": None if columns is None else [str(c) for c in columns]})
+        a[FINGERPRINT], digests = fingerprint.finish(
+            training_attributes(kind, num_classes, input_shape, mean, std, vocab, columns), counts.arrays())
+        a[ARRAY_DIGESTS] = json.dumps(digests, sort_keys=True)
         body.finish(counts)
         f.flush()
