@@ -356,7 +356,7 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         a["partition_params"] = json.dumps(partition_params, sort_keys=True)
         a["seed"] = np.int64(seed)
         a[FINGERPRINT], digests = fingerprint.finish(
-            training_attributes(kind, num_classes, input_shape, mean, std, vocab, columns), counts.arrays())
+            training_attributes(kind, num_classes, input_shape, mean, std, vocab, columns), counts.sizes())
         a[ARRAY_DIGESTS] = json.dumps(digests, sort_keys=True)
         body.finish(counts)
         f.flush()
