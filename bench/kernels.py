@@ -102,7 +102,7 @@ def conv_kernels(i: int, m: nn.Conv2d, xin: tuple, yout: tuple, k: int, b: int, 
     macs = ho * wo * cout * (cin // m.groups) * m.kernel_size[0] * m.kernel_size[1]  # per sample
     geo = (m.stride, m.padding, m.dilation)
     xp = _cl(torch.randn(b, k * cin, h, w))
-    # weights channels-last too, as the fused path stacks them (fused._stacked_like)
+    # weights channels-last too, as the fused path stacks them (fedcp_dist.fused.step.stacked_like)
     wp = _cl(torch.randn(k * cout, cin // m.groups, *m.kernel_size) * 0.05)
     bp = torch.randn(k * cout)
     xs = _cl(torch.randn(k * b, cin, h, w))

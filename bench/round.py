@@ -6,6 +6,7 @@
     python bench/round.py --fused                             # the same with fused=true
     python bench/round.py --sequential                        # the same with fused=false
     python bench/round.py --compare                           # sequential, then fused, in one run
+    python bench/round.py --compare-amp                       # float32, then amp=bf16, in one run
 
 Without ``--fused`` or ``--sequential`` the run trains as the engine would (``fused: auto`` unless
 the config or an override says otherwise), so the default figures are those a user gets.
@@ -22,7 +23,9 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
   float32 matrix-multiply peak measured in the same run (GFLOP/s per rank with its threads);
 * the round's FLOP floor: its useful work (the clients' local training as counted above, plus a
   forward pass of each client's personalized model per evaluated test sample, counted the same
-  way) at the ranks' summed matmul peak, and how many times that the round took;
+  way) at the ranks' summed matmul peak, and how many times that the round took; the same at the
+  bf16 matmul peak measured in the same run, with the units that run bf16 here (a GPU's tensor
+  cores; a CPU's AMX-BF16 or AVX512-BF16, or none: emulated);
 * on a CPU, the same rate and fraction per CPU-second of one thread (this process's CPU time in
   local training over its threads, against the GEMM's rate per CPU-second): on a machine shared
   with other work that is what compares variants fairly (use threads=1 there: with more threads
@@ -68,7 +71,7 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedcp_dist.fused import slots as fused  # noqa: E402
+from fedcp_dist.fused import groups as fused_groups  # noqa: E402
 from fedcp_dist.fused import memory as fused_memory  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
@@ -100,10 +103,10 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     return name
 
 
-def matmul_peak_gflops(device, n=2048, repeats=5, clock=time.perf_counter) -> float:
-    """Best float32 GEMM rate of this rank with its threads (per second of ``clock``)."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+def matmul_peak_gflops(device, n=2048, repeats=5, clock=time.perf_counter, dtype=torch.float32) -> float:
+    """Best ``dtype`` GEMM rate of this rank with its threads (per second of ``clock``)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -115,6 +118,27 @@ def matmul_peak_gflops(device, n=2048, repeats=5, clock=time.perf_counter) -> fl
             torch.cuda.synchronize()
         best = min(best, clock() - t0)
     return 2 * n**3 / best / 1e9
+
+
+def bf16_units(device, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """What runs bf16 products here: a GPU's name and whether it has bf16 tensor cores (compute
+    capability 8.0 and newer), or a CPU's bf16 instructions from its flags (amx_bf16, avx512_bf16;
+    none: oneDNN emulates bf16 with float32 arithmetic, slower than float32 itself)."""
+    if torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)}: " + ("bf16 tensor cores" if major >= 8 else
+                                                             f"no bf16 tensor cores (compute capability {major}.{minor})")
+    flags: set = set()
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.partition(":")[2].split())
+                    break
+    except OSError:
+        pass
+    units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    return ", ".join(units) if units else "none (bf16 is emulated: amp=bf16 runs slower than float32 here)"
 
 
 def count_flops(fn) -> int:
@@ -152,6 +176,8 @@ def main(argv=None):
     p.add_argument("--fused", action="store_true", help="train with fused=true (groups of clients at once)")
     p.add_argument("--sequential", action="store_true", help="train with fused=false (one client at a time)")
     p.add_argument("--compare", action="store_true", help="run the sequential and the fused variant back to back")
+    p.add_argument("--compare-amp", action="store_true",
+                   help="run float32 and then amp=bf16 back to back (the training path as chosen) and print the ratio")
     p.add_argument("--fused-group", type=int, default=0, help="fused_group: clients per group (0: auto, from the slot cap and participation)")
     p.add_argument("--fused-slots", type=int, default=0,
                    help="clients trained at once in a fused group (0: the memory plan, capped per device)")
@@ -174,8 +200,13 @@ def main(argv=None):
     if args.fused and args.sequential:
         p.error("--fused and --sequential exclude each other")
 
-    def config(fused_on: Optional[bool], out_dir: str):
-        cfg = load_config(args.config, bench_overrides(shard, overrides, fused_on, args.fused_group))
+    if args.compare and args.compare_amp:
+        p.error("--compare and --compare-amp exclude each other (one pair of variants a run)")
+
+    def config(variant, out_dir: str):
+        fused_on, amp = variant if isinstance(variant, tuple) else (variant, None)
+        cfg = load_config(args.config, bench_overrides(shard, overrides, fused_on, args.fused_group)
+                          + ([f"amp={amp}"] if amp else []))
         cfg.rounds = cfg.rounds + args.warmup
         cfg.out_dir = out_dir
         return cfg
@@ -183,7 +214,8 @@ def main(argv=None):
     chosen = True if args.fused else False if args.sequential else None
     first = config(chosen, "/nonexistent")
     rt = init_runtime(first.device, first.threads, first.collective_timeout, keep_freed=first.keep_freed_memory)
-    variants = [False, True] if args.compare else [chosen]
+    variants = ([False, True] if args.compare else [(chosen, "none"), (chosen, "bf16")] if args.compare_amp
+                else [chosen])
     results, flops_per_train_sample, flops_per_test_sample = [], None, None
     for fused_on in variants:
         out_dir = tempfile.mkdtemp(prefix="fedcp-bench-") if rt.rank == 0 else "/nonexistent"
@@ -210,6 +242,19 @@ def main(argv=None):
         return
     for res in results:
         print_table(res, args.warmup)
+    if args.compare_amp:
+        f32, b16 = results
+        out = {"float32": f32, "bf16": b16, "comparison": {
+            "round_speedup": f32["seconds_per_round"] / b16["seconds_per_round"],
+            "train_speedup": f32["train_seconds"] / b16["train_seconds"],
+            "bf16_peak_over_float32_peak": [b / f for b, f in zip(b16["matmul_peak_bf16_gflops_per_rank"],
+                                                                    b16["matmul_peak_gflops_per_rank"])]}}
+        c = out["comparison"]
+        print(f"amp=bf16 against float32 ({b16['bf16_units']}): local training {c['train_speedup']:.2f}x the speed, whole round "
+              f"{c['round_speedup']:.2f}x; the matrix units' bf16 peak is "
+              f"{', '.join(f'{v:.2f}x' for v in c['bf16_peak_over_float32_peak'])} their float32 peak")
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        return
     out = results[0] if len(results) == 1 else {"sequential": results[0], "fused": results[1]}
     if len(results) == 2:
         seq, fus = results
@@ -282,6 +327,7 @@ def num_batches_samples(n: int, cfg) -> int:
 def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_test_sample: float) -> dict:
     """Run the simulator and return this variant's figures (all ranks gathered)."""
     peak = matmul_peak_gflops(rt.device)
+    peak_bf16 = matmul_peak_gflops(rt.device, dtype=torch.bfloat16)
     on_cpu = rt.device.type == "cpu"
     # per CPU-second of one thread: CPU time over the threads
     peak_cpu = matmul_peak_gflops(rt.device, clock=lambda: time.process_time() / rt.threads) if on_cpu else None
@@ -308,7 +354,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     test_samples = sum(sim.data[c].n_test for c in sim.owned)
     mine = torch.tensor([float(np.sum(samples)), float(np.sum(train_s)), float(mem), peak, train_cpu,
-                         peak_cpu if on_cpu else float("nan"), float(test_samples)], dtype=torch.float64)
+                         peak_cpu if on_cpu else float("nan"), float(test_samples), peak_bf16], dtype=torch.float64)
     if rt.distributed:
         gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
         dist.all_gather(gathered, mine.to(rt.device) if rt.backend == "nccl" else mine)
@@ -324,7 +370,7 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
         "training": sim.path,
         "fused_slots": (fused_memory.CUDA_SLOTS if rt.device.type == "cuda" else fused_memory.CPU_SLOTS) if sim.fused else None,
         # fused groups side by side on this rank's threads (config key fused_workers)
-        "fused_workers": (fused.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.setup.owned_groups(rt.rank)))
+        "fused_workers": (fused_groups.workers_for(cfg.fused_workers, rt.device, rt.threads, len(sim.setup.owned_groups(rt.rank)))
                           if sim.fused else None),
         "world_size": rt.world_size,
         "launcher": rt.launcher,
@@ -357,6 +403,11 @@ def measure(sim, cfg, rt, warmup: int, flops_per_train_sample: float, flops_per_
     res["round_tflop"] = round_flops / 1e12
     res["flop_floor_seconds"] = round_flops / (per_rank[:, 3].sum().item() * 1e9)
     res["round_over_floor"] = res["seconds_per_round"] / res["flop_floor_seconds"]
+    # the same floor at the bf16 peak: what amp=bf16 could at best reach on these units
+    res["bf16_units"] = bf16_units(rt.device)
+    res["matmul_peak_bf16_gflops_per_rank"] = per_rank[:, 7].tolist()
+    res["flop_floor_bf16_seconds"] = round_flops / (per_rank[:, 7].sum().item() * 1e9)
+    res["round_over_floor_bf16"] = res["seconds_per_round"] / res["flop_floor_bf16_seconds"]
     res["train_fraction_of_peak"] = [g / pk for g, pk in zip(res["train_gflops_per_rank"], res["matmul_peak_gflops_per_rank"])]
     if on_cpu:
         res["train_cpu_seconds_per_thread"] = (per_rank[:, 4] / len(rounds)).tolist()
@@ -415,6 +466,11 @@ def print_table(res: dict, warmup: int) -> None:
                     res["train_fraction_of_peak_cpu_time"]))),
         ]
     rows += [
+        ("bf16 units", res["bf16_units"]),
+        ("bf16 matmul peak per rank", ", ".join(f"{v:.1f} GFLOP/s ({v / f:.2f}x float32)" for v, f in zip(
+            res["matmul_peak_bf16_gflops_per_rank"], res["matmul_peak_gflops_per_rank"]))),
+        ("FLOP floor at the bf16 peak", f"{res['flop_floor_bf16_seconds']:.2f} s; the round took "
+                                        f"{res['round_over_floor_bf16']:.2f}x that"),
         ("peak memory per rank", ", ".join(f"{v:.0f} MiB" for v in res["peak_memory_mib_per_rank"])),
     ]
     w = max(len(k) for k, _ in rows)

@@ -15,6 +15,8 @@ partition and client count N prints one row:
   file's size;
 * ``info ms``: :func:`~fedcp_dist.data.shards.read_info`, what every rank does first (the best of
   three);
+* ``digest s``: :func:`~fedcp_dist.data.shards.verify.content_digest`, the first rank's pass over
+  the whole shard that a run's start verifies it with (one pass, no cache);
 * for each world size P: ``load s`` and ``RSS MB`` of loading rank 0's clients (placed as a run
   places them, :func:`~fedcp_dist.state.placement.place_clients`) with
   :func:`~fedcp_dist.data.shards.load_clients`, each in a fresh process, so that the peak RSS is
@@ -125,6 +127,10 @@ def measure(src, kind: str, num_clients: int, args, work: Path) -> dict:
         info = read_info(path)
         info_s.append(time.perf_counter() - start)
     assert info.num_clients == num_clients
+    from fedcp_dist.data.shards.verify import content_digest
+
+    digest = content_digest(info)
+    assert digest.fingerprint == info.fingerprint
     draws = part.report.draws
     row = {"source": src.name, "partition": kind, "num_clients": num_clients,
            "partition_seconds": partition_s, "draws": draws.draws if draws else None,
@@ -132,7 +138,7 @@ def measure(src, kind: str, num_clients: int, args, work: Path) -> dict:
            "smallest_client": part.report.smallest,
            "min_train": part.report.min_train, "min_test": part.report.min_test,
            "write_seconds": write_s, "file_mb": path.stat().st_size / 1e6,
-           "read_info_seconds": min(info_s),
+           "read_info_seconds": min(info_s), "digest_seconds": digest.seconds,
            "loads": [measure_load(path, p) for p in args.world_sizes]}
     assert int(np.sum(info.train_counts + info.test_counts)) == len(src.y)
     if not args.keep:
@@ -142,7 +148,7 @@ def measure(src, kind: str, num_clients: int, args, work: Path) -> dict:
 
 def table_header(world_sizes) -> str:
     head = (f"{'partition':<9} {'N':>6} {'part s':>7} {'draws':>5} {'moved':>5} {'min':>4} "
-            f"{'write s':>7} {'MB':>6} {'info ms':>7}")
+            f"{'write s':>7} {'MB':>6} {'info ms':>7} {'digest s':>8}")
     for p in world_sizes:
         head += f" | P={p:<3} {'load s':>6} {'RSS MB':>6} {'+MB':>5}"
     return head
@@ -156,7 +162,7 @@ def table_row(r: dict) -> str:
     line = (f"{r['partition']:<9} {r['num_clients']:>6} {r['partition_seconds']:>7.2f} "
             f"{dash(r['draws']):>5} {dash(r['moved_samples']):>5} {r['smallest_client']:>4} "
             f"{r['write_seconds']:>7.2f} {r['file_mb']:>6.1f} "
-            f"{r['read_info_seconds'] * 1000:>7.1f}")
+            f"{r['read_info_seconds'] * 1000:>7.1f} {r['digest_seconds']:>8.2f}")
     for load in r["loads"]:
         line += (f" | {load['clients']:>5} {load['seconds']:>6.2f} {load['peak_rss_mb']:>6.0f} "
                  f"{load['peak_rss_mb'] - load['rss_before_mb']:>5.0f}")

@@ -17,29 +17,24 @@ import difflib
 import functools
 import math
 import os
-import re
 import typing
 from dataclasses import field
 from typing import Any, Optional, Union
 
 import yaml
 
-from fedcp_dist.algorithms import ALGORITHMS, algorithm_class, option_classes
-from fedcp_dist.state.client_store import ClientStates
+from fedcp_dist.algorithms import ALGORITHMS, acting_option_classes, algorithm_class, methods_using, option_classes
+from fedcp_dist.engine.keys import Evaluation, Execution, LocalSGD, NonFinite, Probing
 from fedcp_dist.errors import UserError
-from fedcp_dist.engine.evaluation import Evaluation
-from fedcp_dist.fused.slots import Fusing
-from fedcp_dist.local_train import LocalSGD
-from fedcp_dist.rundir.loggers import Logging
+from fedcp_dist.fused.keys import Fusing
 from fedcp_dist.models import ModelChoice
-from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of
-from fedcp_dist.state.placement import Participation
-from fedcp_dist.comm.privacy import Privacy
-from fedcp_dist.engine.probes import Probing
-from fedcp_dist.runtime import Execution
-from fedcp_dist.engine.training import NonFinite
+from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of, type_ok
+from fedcp_dist.rundir.keys import Logging
+from fedcp_dist.state.keys import ClientStates, Participation
 
 METHODS = tuple(ALGORITHMS)
+#: the largest run seed: torch's generators take 64 bits, numpy's seeds no negative number
+SEED_MAX = 2**63 - 1
 
 
 def _known(kind: str, names) -> Check:
@@ -51,9 +46,11 @@ class Experiment(Component):
 
     options = (
         Option("method", "fedcp", "the federated method: FedCP or one of the paper's eleven baselines (the Methods "
-               "page)", _known("method", METHODS)),
+               "page)", _known("method", ALGORITHMS)),
         Option("rounds", 100, "communication rounds", above(0)),
-        Option("seed", 1, "run seed: model init, cohorts and every client's batch order and noise derive from it"),
+        Option("seed", 1, "run seed: model init, cohorts and every client's batch order and noise derive from it",
+               described("an integer in [0, 2^63 - 1]", lambda v: None if 0 <= v <= SEED_MAX else
+                         f"must be an integer in [0, {SEED_MAX}] (a seed torch and numpy both take), got {v}")),
     )
 
 
@@ -105,7 +102,7 @@ class Data(Component):
 #: the engine's components whose keys come before the methods' in a config (the experiment) and after
 #: them (its execution), in the order a config file lists them
 ENGINE_BEFORE = (Experiment, ModelChoice, LocalSGD, Participation)
-ENGINE_AFTER = (Privacy, Evaluation, Fusing, ClientStates, NonFinite, Probing, Logging, Output, Execution)
+ENGINE_AFTER = (Evaluation, Fusing, ClientStates, NonFinite, Probing, Logging, Output, Execution)
 
 
 def components() -> list:
@@ -150,13 +147,14 @@ class _ConfigMethods:
 
         One walk over the components: every option's own check (in the config's order, the data set's
         last, so a mistyped value is named even where the shard is not made yet), then each
-        component's checks across keys."""
+        component's checks across keys: the engine's, and those of the configured method's own
+        classes and parts (another method's keys act on nothing here, whatever they say)."""
 
         def bad(key: str, why: str):
             raise UserError(f"config key '{key}': {why}")
 
-        comps = components()
-        for comp in comps:
+        idle = self._other_methods_classes()
+        for comp in components():
             prefix = getattr(comp, "prefix", "")
             holder = self.data if prefix else self
             for opt in comp.options:
@@ -168,7 +166,7 @@ class _ConfigMethods:
                 why = opt.check(value) if opt.check is not None else None
                 if why:
                     bad(prefix + opt.name, why)
-            if comp is not Data:
+            if comp is not Data and comp not in idle:
                 problem = comp.check_config(self)
                 if problem:
                     bad(*problem)
@@ -177,6 +175,28 @@ class _ConfigMethods:
         if data_file and not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
         return self
+
+    def _other_methods_classes(self) -> list:
+        """The option classes of methods other than the configured one (and its bases and parts)."""
+        if self.method not in ALGORITHMS:
+            return []
+        acting = set(acting_option_classes(self.method))
+        return [c for c in option_classes() if c not in acting]
+
+    def keys_without_effect(self) -> list:
+        """[(key, why)] of the keys set to another value than their default that act on nothing in a
+        run of this config: another method's options, a model's keys with another model (and what
+        each component's ``inert_keys`` names). A run starts with them all the same, and its start
+        line names them, so that none is dropped without a word."""
+        out = []
+        for comp in self._other_methods_classes():
+            why = f"an option of {', '.join(methods_using(comp))}, not {self.method}"
+            out += [(o.name, why) for o in comp.__dict__["options"] if getattr(self, o.name) != o.default]
+        for comp in components():
+            inert = comp.inert_keys(self) if hasattr(comp, "inert_keys") and comp is not Data else {}
+            out += [(o.name, inert[o.name]) for o in comp.options
+                    if o.name in inert and getattr(self, o.name) != o.default]
+        return out
 
 
 def _assemble_config():
@@ -199,23 +219,50 @@ execution) and the data set under ``data.``. Defaults are the paper's for the 4-
 # loading and overriding
 
 
-def type_ok(value: Any, tp) -> bool:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[...]
-        return any(type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if tp is list:
-        return isinstance(value, list)
-    return False
+def _number(text: str, integer: bool):
+    """``text`` as the number Python's ``int()`` (``integer``) or ``float()`` reads, else None. An
+    integer also accepts a float's text whose value is a whole number exactly (``1e3``)."""
+    try:
+        return int(text) if integer else float(text)
+    except ValueError:
+        pass
+    if integer:
+        try:
+            x = float(text)
+        except ValueError:
+            return None
+        if math.isfinite(x) and x == int(x) and abs(x) < 2**53:
+            return int(x)
+    return None
+
+
+def as_number(value: Any, tp) -> Any:
+    """``value`` for a key of type ``tp``, with numbers written as text read as numbers.
+
+    YAML 1.1 (PyYAML) reads ``1e-3`` and ``1E5`` as text (its floats need a dot and a signed
+    exponent), so a numeric key also takes any text Python's ``float()`` reads (``int()`` for an
+    integer key, or a float's text of a whole value), and an integer key takes a float of a whole
+    value (``1000.0``); a list's items that read as numbers become numbers (every list a key takes
+    holds numbers). Anything else is returned as it was, for :func:`type_ok` to judge.
+    """
+    args = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
+    if isinstance(value, str):
+        for want in (int, float):
+            number = _number(value.strip(), want is int) if want in args else None
+            if number is not None:
+                return float(number) if want is float else number
+    if isinstance(value, float) and int in args and float not in args:
+        number = _number(repr(value), True)
+        return value if number is None else number
+    if isinstance(value, list) and list in args:
+        out = []
+        for item in value:
+            number = _number(item.strip(), True) if isinstance(item, str) else None
+            if isinstance(item, str) and number is None:
+                number = _number(item.strip(), False)
+            out.append(item if number is None else number)
+        return out
+    return value
 
 
 def _type_name(tp) -> str:
@@ -228,18 +275,6 @@ def _type_name(tp) -> str:
 def _type_hints(cls) -> dict:
     # resolved once per class: typing.get_type_hints is slow, and a sweep loads a config per point
     return typing.get_type_hints(cls)
-
-
-#: a number in exponent notation without a dot (1e-5): a float in YAML 1.2, a string to PyYAML's YAML 1.1
-_EXPONENT_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
-
-
-def _exponent_float(value: Any, tp) -> Any:
-    """``value`` as a float where it is a string like ``1e-5`` and the key ``tp`` takes a float."""
-    takes = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
-    if isinstance(value, str) and float in takes and _EXPONENT_NUMBER.fullmatch(value.strip()):
-        return float(value)
-    return value
 
 
 def _apply(obj, values: dict, prefix: str = "") -> None:
@@ -257,7 +292,7 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, prefix=f"{full}.")
             continue
-        value = _exponent_float(value, tp)
+        value = as_number(value, tp)
         if not type_ok(value, tp):
             raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}")
         if tp is float:

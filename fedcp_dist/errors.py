@@ -61,8 +61,26 @@ def cli_main(func):
             except (OSError, ValueError):
                 pass
             sys.exit(EXIT_BROKEN_PIPE)
+        except Exception as exc:
+            # a Ctrl-C inside a library's writer (torch.save's zip writer) comes out as that
+            # library's error about the write it cut short: still an interrupt, said in one line
+            if not _after_interrupt(exc):
+                raise
+            print("interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
 
     return wrapper
+
+
+def _after_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a KeyboardInterrupt was being handled (its context chain)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
 
 
 class ArgumentParser(argparse.ArgumentParser):

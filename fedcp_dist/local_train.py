@@ -1,24 +1,26 @@
 """Local training: the shared SGD loop over resident tensors, and how a method declares its objective.
 
 A method whose local training is SGD on a loss declares it once as :class:`Phase` s: the loss is
-written with the operations of a :class:`Step` (run a client's module, apply a shared one, read
-a per-client constant, cross-entropy, MMD², Gumbel noise, a proximal term). The sequential path
-(:func:`train_sequential`) computes it for one client's batch on the working modules; the fused
-path (:mod:`fedcp_dist.fused.slots`) computes the same code for a group of clients on stacked values.
+written with the operations of :class:`StepOps`, the contract of a step (run a client's module,
+apply a shared one, read a per-client constant, cross-entropy, MMD², Gumbel noise, a proximal term,
+a tally). Two steps implement it: :class:`Step`, one client's (B, ...) batch on the working modules,
+which the sequential path (:func:`train_sequential`) computes; and
+:class:`~fedcp_dist.fused.step.FusedStep`, a group of clients' (k, B, ...) batches on stacked values
+(:mod:`fedcp_dist.fused`). ``tests/test_types.py`` has a type checker hold both to the protocol.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Protocol, Sequence, Union, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, mmd2
+from fedcp_dist.models import forward_batch_stats
 from fedcp_dist.models.batchnorm import one_value_batches
-from fedcp_dist.options import Component, Option, above, finite, one_of, described
 
 
 def num_batches(n: int, batch_size: int, epochs: int, drop_last: bool) -> int:
@@ -94,9 +96,11 @@ def sgd(
     and the update stay outside it (parameters and their updates stay float32). ``lrs``: one
     learning rate per parameter of ``params`` instead of ``lr`` for all.
     """
+    params = list(params)
     if lrs is not None:
         lrs = [r for p, r in zip(params, lrs) if p.requires_grad]
     params = [p for p in params if p.requires_grad]
+    leaves = cast(List[torch.Tensor], params)
     groups = None if lrs is None else {r: [i for i, q in enumerate(lrs) if q == r] for r in lrs}
     autocast = amp_autocast(amp, params[0].device) if params and amp != "none" else contextlib.nullcontext()
     loss_sum = None
@@ -107,10 +111,10 @@ def sgd(
         grads = torch.autograd.grad(loss, params, materialize_grads=True)
         with torch.no_grad():
             if groups is None:
-                torch._foreach_add_(params, grads, alpha=-lr)
+                torch._foreach_add_(leaves, grads, alpha=-lr)
             else:
                 for r, ix in groups.items():
-                    torch._foreach_add_([params[i] for i in ix], [grads[i] for i in ix], alpha=-r)
+                    torch._foreach_add_([leaves[i] for i in ix], [grads[i] for i in ix], alpha=-r)
         b = int(idx.shape[0])
         seen += b
         contrib = loss.detach().float() * b
@@ -122,12 +126,66 @@ def sgd(
 # a method's local objective, written once: phases and the step it is computed on
 
 
+#: the bandwidths of an MMD² kernel: the widths a of Σ_a exp(−d/2a), or "median" (the median heuristic)
+Bandwidths = Union[Sequence[float], str]
+
+
+class StepOps(Protocol):
+    """What a :class:`Phase`'s loss may do with the step it is computed on: the contract both steps
+    implement, :class:`Step` (one client's batch, tensors (B, ...), scalar losses) and
+    :class:`~fedcp_dist.fused.step.FusedStep` (``k`` clients' padded batches, tensors (k, B, ...),
+    (k,) per-client losses). A loss written with these operations only, counting dimensions from
+    the end, runs on both."""
+
+    #: the batch's inputs and labels
+    x: torch.Tensor
+    y: torch.Tensor
+    #: {name: sum} of what the loss tallies (None: tallying is off this step)
+    tallies: Optional[dict]
+
+    def tally(self, name: str, per_sample: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """Add the batch's sum over its samples of a per-sample quantity to the tally ``name``."""
+        ...
+
+    def run(self, name: str, x: torch.Tensor, *, grad: bool = True, batch_stats: bool = False) -> torch.Tensor:
+        """The client's own module ``name`` (registered in the phase's ``modules``) applied to ``x``."""
+        ...
+
+    def shared(self, module: nn.Module, x: torch.Tensor, *, grad: bool = True, batch_stats: bool = False) -> torch.Tensor:
+        """A module with the same parameters for every client applied to ``x``."""
+        ...
+
+    def value(self, name: str) -> torch.Tensor:
+        """A per-client constant, broadcastable over the batch."""
+        ...
+
+    def proximal(self, anchor_prefix: str, prefix: str = "") -> torch.Tensor:
+        """Σ ‖p − a‖² over the parameters of the module under ``prefix`` against their anchors."""
+        ...
+
+    def cross_entropy(self, logits: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The mean cross-entropy over the batch's real samples."""
+        ...
+
+    def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """The mean over the batch's real samples of a per-sample quantity."""
+        ...
+
+    def mmd2(self, a: torch.Tensor, b: torch.Tensor, bandwidths: Bandwidths = MMD_BANDWIDTHS) -> torch.Tensor:
+        """Biased MMD² between the rows of ``a`` and ``b``, in full precision."""
+        ...
+
+    def gumbel_like(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gumbel(0, 1) noise shaped like ``logits``, from each client's own stream."""
+        ...
+
+
 @dataclass(frozen=True)
 class Phase:
     """A stretch of local SGD on one loss, declared once by a method (the same for every client).
 
     * ``loss(step)`` — the mean loss of the step's batch: a scalar on the sequential path, one
-      value per client of a fused group; written with the :class:`Step` operations only, so the
+      value per client of a fused group; written with the :class:`StepOps` operations only, so the
       same code serves both paths;
     * ``modules`` — the working modules whose values are per client, by key prefix: a module
       registered under ``"head."`` holds the values ``head.<parameter name>`` (parameters and
@@ -141,7 +199,7 @@ class Phase:
     """
 
     name: str
-    loss: Callable[["Step"], torch.Tensor]
+    loss: Callable[[StepOps], torch.Tensor]
     modules: Mapping[str, nn.Module]
     trainable: tuple
     epochs: int
@@ -186,15 +244,15 @@ def resolve(modules: Mapping[str, nn.Module], name: str) -> tuple[nn.Module, str
 
 
 class Step:
-    """One client's batch on the sequential path: the operations a :class:`Phase` loss uses.
+    """One client's batch on the sequential path: :class:`StepOps` on (B, ...) tensors.
 
-    Tensors are (B, ...) here; the fused path's step (:class:`fedcp_dist.fused.slots.FusedStep`) offers
-    the same operations on (k, B, ...) tensors, so a loss written with them (and with dimensions
-    counted from the end) runs on both.
+    The fused path's step (:class:`fedcp_dist.fused.step.FusedStep`) offers the same operations on
+    (k, B, ...) tensors, so a loss written with them (and with dimensions counted from the end)
+    runs on both.
     """
 
-    def __init__(self, x, y, modules: Mapping[str, nn.Module], values: Mapping[str, torch.Tensor], generator,
-                 tallies: Optional[dict] = None):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, modules: Mapping[str, nn.Module],
+                 values: Mapping[str, torch.Tensor], generator: torch.Generator, tallies: Optional[dict] = None):
         self.x, self.y = x, y
         self.modules, self.values, self.generator = modules, values, generator
         self.tallies = tallies
@@ -207,12 +265,12 @@ class Step:
             v = per_sample.detach().sum(dim=0, dtype=dtype)
             self.tallies[name] = v if name not in self.tallies else self.tallies[name] + v
 
-    def run(self, name: str, x, *, grad: bool = True, batch_stats: bool = False):
+    def run(self, name: str, x: torch.Tensor, *, grad: bool = True, batch_stats: bool = False) -> torch.Tensor:
         """The client's module ``name`` (e.g. ``"features"``, ``"cpn.net"``, ``""``) applied to ``x``."""
         module, _ = resolve(self.modules, name)
         return self.shared(module, x, grad=grad, batch_stats=batch_stats)
 
-    def shared(self, module: nn.Module, x, *, grad: bool = True, batch_stats: bool = False):
+    def shared(self, module: nn.Module, x: torch.Tensor, *, grad: bool = True, batch_stats: bool = False) -> torch.Tensor:
         """A module with the same parameters for every client applied to ``x``; ``grad=False``:
         no graph; ``batch_stats``: BatchNorm normalises by the batch's own statistics and leaves
         its running statistics as they were."""
@@ -220,8 +278,6 @@ class Step:
             return module(x)
         with torch.no_grad():
             if batch_stats:
-                from fedcp_dist.models import forward_batch_stats
-
                 return forward_batch_stats(module, x)
             return module(x)
 
@@ -233,7 +289,7 @@ class Step:
         """Σ ‖p − a‖² over the parameters p of the module registered under ``prefix``, each against
         the constant ``anchor_prefix + name``."""
         module = self.modules[prefix]
-        return sum(((p - self.values[anchor_prefix + n]) ** 2).sum() for n, p in module.named_parameters())
+        return cast(torch.Tensor, sum(((p - self.values[anchor_prefix + n]) ** 2).sum() for n, p in module.named_parameters()))
 
     def cross_entropy(self, logits: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         return F.cross_entropy(logits, self.y if y is None else y)
@@ -242,7 +298,7 @@ class Step:
         """The mean over the batch of a (B,) tensor."""
         return per_sample.mean()
 
-    def mmd2(self, a: torch.Tensor, b: torch.Tensor, bandwidths=MMD_BANDWIDTHS) -> torch.Tensor:
+    def mmd2(self, a: torch.Tensor, b: torch.Tensor, bandwidths: Bandwidths = MMD_BANDWIDTHS) -> torch.Tensor:
         """Biased MMD² between the rows of ``a`` and ``b``, in full precision (bf16 would cancel
         the distances away)."""
         with full_precision(a.device):
@@ -271,7 +327,7 @@ def load_module(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: st
 
 
 def unsupported_reason(*modules: nn.Module) -> Optional[str]:
-    """Why these modules cannot be trained fused (:mod:`fedcp_dist.fused.slots`; None: they can).
+    """Why these modules cannot be trained fused (:mod:`fedcp_dist.fused`; None: they can).
 
     Refused: floating-point buffers (BatchNorm's running statistics would have to be stacked and
     updated per client), batch statistics and dropout (a padded or merged batch would change them).
@@ -327,7 +383,7 @@ def train_sequential(phase: Phase, client: ClientPhase, data, generator: torch.G
             m.train()
     constants = {k: v for k, v in client.start.items() if k not in names}
     index = client.index
-    tallies = {} if tally or phase.tallied else None
+    tallies: Optional[dict] = {} if tally or phase.tallied else None
 
     def loss_fn(idx):
         x, y = data.train_batch(idx if index is None else index[idx])
@@ -349,20 +405,3 @@ def finished_tallies(sums: Mapping[str, torch.Tensor], probed: bool, phase: Phas
     phase's ``tallied`` (a loss may tally probe quantities whenever tallying is on); a float for a
     scalar tally, the tensor for a vector one."""
     return {k: float(v) if v.dim() == 0 else v.clone() for k, v in sums.items() if probed or k in phase.tallied}
-
-
-AMP_MODES = ("none", "bf16")
-
-
-class LocalSGD(Component):
-    """Local training: plain SGD (no momentum) over each client's resident samples."""
-
-    options = (
-        Option("lr", 0.005, "local learning rate η (plain SGD, no momentum)",
-               described("> 0", lambda v: finite(v) or (None if v > 0 else f"must be > 0, got {v}"))),
-        Option("batch_size", 10, "local batch size B", above(0)),
-        Option("local_epochs", 1, "local epochs E", above(0)),
-        Option("drop_last", True, "drop a last incomplete batch each epoch (the reference's data loader does)"),
-        Option("amp", "none", "mixed precision of local training: none | bf16 (autocast; evaluation stays float32)",
-               one_of(*AMP_MODES)),
-    )

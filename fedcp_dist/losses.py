@@ -6,7 +6,7 @@ per client computed over its real rows only (padded rows get no gradient).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,7 @@ def _widths(bandwidths, x: Tensor, y: Tensor, median):
     return bandwidths
 
 
-def mmd2(x: Tensor, y: Tensor, bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> Tensor:
+def mmd2(x: Tensor, y: Tensor, bandwidths: Union[Sequence[float], str] = MMD_BANDWIDTHS) -> Tensor:
     """Biased MMD² between the rows of ``x`` and ``y`` (all pairs, diagonal included).
 
     Kernel: Σ_a exp(−d / (2a)) over the bandwidths a, d the squared Euclidean distance; a single
@@ -76,7 +76,7 @@ def mmd2(x: Tensor, y: Tensor, bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> 
 
 
 def grouped_mmd2(x: Tensor, y: Tensor, mask: Tensor, count: Tensor,
-                 bandwidths: Sequence[float] = MMD_BANDWIDTHS) -> Tensor:
+                 bandwidths: Union[Sequence[float], str] = MMD_BANDWIDTHS) -> Tensor:
     """:func:`mmd2` for each of k padded batches at once: x, y (k, B, K); mask (k, B) marks the
     real rows and count (k,) their number. Returns (k,) MMD² over the real rows only. A bandwidth
     may be a (k,) tensor (one per batch: the median heuristic, ``bandwidths="median"``)."""

@@ -30,6 +30,27 @@ class Option:
         return self.kind if self.kind is not None else type(self.default)
 
 
+def type_ok(value: Any, tp) -> bool:
+    """Whether ``value`` (as YAML reads it) has the type ``tp`` a key takes: bool, int, float (an int
+    too), str, list, None, or a Union of them (``Optional[...]``)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[...]
+        return any(type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is list:
+        return isinstance(value, list)
+    return False
+
+
 def described(text: str, check: Check) -> Check:
     """``check`` with the one-line description of what it accepts that the configuration reference shows."""
     check.accepts = text
@@ -37,17 +58,24 @@ def described(text: str, check: Check) -> Check:
 
 
 def accepts(opt: "Option") -> str:
-    """What ``opt`` accepts, in words: its check's description, else its type."""
+    """What ``opt`` accepts, in words: its check's description (a bound or range of a numeric key
+    with the kind of number it takes: ``an integer > 0``, ``a number in (0, 1]``), else its type."""
+    args = typing.get_args(opt.type) if typing.get_origin(opt.type) is typing.Union else (opt.type,)
     text = getattr(opt.check, "accepts", None)
     if text:
-        return text
+        noun = "an integer" if int in args else "a number" if float in args else ""
+        if not noun:
+            return text
+        return " | ".join(f"{noun} in {part}" if part[:1] in "[(" else f"{noun} {part}" if part[:1] in "<>" else part
+                          for part in text.split(" | "))
     names = {bool: "true | false", int: "an integer", float: "a number", str: "text", list: "a list"}
-    args = typing.get_args(opt.type) if typing.get_origin(opt.type) is typing.Union else (opt.type,)
     return " or ".join("null" if a is type(None) else names.get(a, getattr(a, "__name__", str(a))) for a in args)
 
 
 def at_least(lo: float) -> Check:
-    return described(f">= {lo}", lambda v: None if v >= lo else f"must be >= {lo}, got {v}")
+    check = described(f">= {lo}", lambda v: None if v >= lo else f"must be >= {lo}, got {v}")
+    check.lowest = lo  # the boundary a test of combinations tries
+    return check
 
 
 def above(lo: float) -> Check:
@@ -62,12 +90,15 @@ def within(lo: float, hi: float, *, low_open: bool = False, high_open: bool = Fa
         ok = (v > lo if low_open else v >= lo) and (v < hi if high_open else v <= hi)
         return None if ok else f"must lie in {left}{lo}, {hi}{right}, got {v}"
 
+    check.ends = tuple(end for end, open_ in ((lo, low_open), (hi, high_open)) if not open_)  # the accepted ends
     return described(f"{left}{lo}, {hi}{right}", check)
 
 
 def one_of(*values) -> Check:
-    return described(" | ".join(map(str, values)),
-                     lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}")
+    check = described(" | ".join(map(str, values)),
+                      lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}")
+    check.choices = values
+    return check
 
 
 def auto_or(check: Check) -> Check:
@@ -97,3 +128,9 @@ class Component:
     def check_config(cls, cfg) -> Optional[tuple]:
         """(key, why) when this component's keys contradict each other (or other keys) in ``cfg``, else None."""
         return None
+
+    @classmethod
+    def inert_keys(cls, cfg) -> dict:
+        """{key: why} of this component's keys that have no effect in a run of ``cfg`` whatever their
+        value (the run's start line names those set to another value than their default)."""
+        return {}

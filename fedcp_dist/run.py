@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from fedcp_dist.errors import ArgumentParser, Preempted, UserError, cli_main
+from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import StopSignals, write_status
 
 
@@ -53,7 +54,8 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: 
         from fedcp_dist.runtime import init_runtime
         from fedcp_dist.engine.simulator import Simulator
 
-        rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory)
+        rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory,
+                          rendezvous_timeout=cfg.rendezvous_timeout)
         stop.rank = rt.rank
         try:
             return Simulator(cfg, rt, stop=stop).run()
@@ -114,6 +116,7 @@ def main(argv=None):
     # listening at once: reading the config, starting the runtime, loading the shard and verifying a
     # checkpoint can take minutes, and a preemption then must end in the requeue status too
     with StopSignals() as stop:
+        fault_point("startup")  # the fault tests' hook
         _main(build_parser().parse_args(argv), stop)
 
 

@@ -14,6 +14,15 @@ One process per rank. The launcher is read from the environment:
 
 ``FEDCP_LAUNCHER`` forces one of these names. A rank of a job (any launcher but ``single``) stops
 within a second of its launcher's death (:func:`watch_launcher`).
+
+The launcher's variables are checked before anything waits on them
+(:func:`~fedcp_dist.launch_env.check_launcher_env`): a
+value that is not a number, a rank outside the world, a forced launcher without its variables, or
+a partial torchrun set that names a rank of a larger world is one :class:`UserError` naming the
+variable. The rendezvous (every rank of the job meeting at ``MASTER_ADDR:MASTER_PORT``) waits at most
+``rendezvous_timeout`` seconds and then fails in one line naming the address and the variables it
+was read from: leftover ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables (an ``srun --pty`` shell, an
+old export) otherwise make a plain run wait for ranks that never come.
 """
 from __future__ import annotations
 
@@ -27,30 +36,35 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.options import Component, Option, above, at_least, boolean_or_auto, described, finite, one_of
+from fedcp_dist.launch_env import SLURM_VARS, TORCHRUN_VARS, check_launcher_env, rendezvous
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
 
 
 def detect_launcher(env: Mapping[str, str] = os.environ) -> str:
+    """The launcher this process was started by (see the module's docstring), its variables checked
+    (:func:`~fedcp_dist.launch_env.check_launcher_env`)."""
     forced = env.get("FEDCP_LAUNCHER")
     if forced:
         if forced not in LAUNCHERS:
             raise UserError(f"FEDCP_LAUNCHER={forced!r} is not one of {', '.join(LAUNCHERS)}")
-        return forced
-    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return "torchrun"
-    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi"
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        return "slurm"
-    return "single"
+        launcher = forced
+    elif "TORCHELASTIC_RUN_ID" in env or all(k in env for k in TORCHRUN_VARS):
+        launcher = "torchrun"
+    elif "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        launcher = "mpi"
+    elif all(k in env for k in SLURM_VARS):
+        launcher = "slurm"
+    else:
+        launcher = "single"
+    check_launcher_env(launcher, env, forced=bool(forced))
+    return launcher
 
 
 def expand_nodelist(nodelist: str) -> list:
@@ -123,22 +137,22 @@ def resolve_endpoint(launcher: str, env: Mapping[str, str] = os.environ) -> Endp
         return Endpoint(
             rank=int(env["RANK"]),
             world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            local_rank=int(env.get("LOCAL_RANK") or 0),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE") or world),
             init_method="env://",
         )
     if launcher == "slurm":
         world = int(env["SLURM_STEP_NUM_TASKS"])
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
         addr = env.get("MASTER_ADDR") or slurm_hosts(nodelist)[0]  # task 0 runs on the step's first node
-        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID") or "0") % 20000)
         # threads and devices are shared among the tasks of this node, not of the job
         counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
-        node = int(env.get("SLURM_NODEID", 0))
+        node = int(env.get("SLURM_NODEID") or 0)
         return Endpoint(
             rank=int(env["SLURM_PROCID"]),
             world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_rank=int(env.get("SLURM_LOCALID") or 0),
             local_world_size=counts[min(node, len(counts) - 1)],
             init_method=f"tcp://{addr}:{port}",
         )
@@ -172,6 +186,8 @@ class Runtime:
         self.local_world_size = endpoint.local_world_size
         self.device = device
         self.backend = backend
+        #: why the backend is not the device's usual one ("" when it is)
+        self.backend_note = ""
         self.threads = threads
         self.timeout_s = 600.0
         #: what :func:`keep_freed_memory` did ("on", "off", "unavailable (...)")
@@ -179,6 +195,8 @@ class Runtime:
         #: what the run is doing, for failure messages ("round 12", "checkpoint after round 50")
         self.phase = "start-up"
         self.failed = False
+        #: the launcher this rank watches (:func:`watch_launcher`; None: not watched)
+        self.launcher_pid: Optional[int] = None
 
     @property
     def is_main(self) -> bool:
@@ -217,6 +235,10 @@ class Runtime:
 
     def _fail(self, exc: Exception) -> None:
         self.failed = True
+        if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+            # the launcher died and took the job's store with it: that is why the peer is gone
+            raise RunFailure(f"rank {self.rank}, {self.phase}: its launcher (pid {self.launcher_pid}) is gone; stopping "
+                             f"(the last complete checkpoint is kept)") from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         missing = self._silent_ranks()
         who = (
@@ -248,7 +270,7 @@ class Runtime:
     def describe(self) -> str:
         return (
             f"launcher={self.launcher} world_size={self.world_size} device={self.device} "
-            f"backend={self.backend or 'none'} threads={self.threads}"
+            f"backend={self.backend or 'none'}{f' ({self.backend_note})' if self.backend_note else ''} threads={self.threads}"
             + (f" keep_freed_memory={self.keep_freed}" if self.device.type == "cpu" else "")
         )
 
@@ -274,6 +296,7 @@ def watch_launcher(rt: "Runtime", parent: Optional[int] = None, interval: float 
     parent = os.getppid() if parent is None else parent
     if parent <= 1:
         return False
+    rt.launcher_pid = parent
 
     def watch() -> None:
         while True:
@@ -334,10 +357,20 @@ def keep_freed_memory(setting, device: torch.device, mallopt=None) -> str:
     return "on"
 
 
+def cuda_backend(local_ranks: int, gpus: int) -> tuple:
+    """(backend, why) for CUDA ranks: NCCL, one GPU per rank; gloo (over the same CUDA tensors) where
+    more ranks of a node than it has visible GPUs share one, which NCCL refuses ("Duplicate GPU
+    detected"): a one-GPU machine then still runs the multi-rank path, e.g. to check it."""
+    if local_ranks > gpus:
+        return "gloo", f"{local_ranks} ranks share {gpus} GPU{'s' if gpus > 1 else ''}: NCCL needs one GPU per rank"
+    return "nccl", ""
+
+
 def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ,
-                 keep_freed: object = "auto") -> Runtime:
-    """Detect the launcher, pin this rank's device and open the process group; on a CPU device
-    the allocator keeps freed memory (``keep_freed``: the config's ``keep_freed_memory``)."""
+                 keep_freed: object = "auto", rendezvous_timeout: float = 120.0) -> Runtime:
+    """Detect the launcher, pin this rank's device and open the process group (the ranks meeting
+    within ``rendezvous_timeout`` seconds, :func:`~fedcp_dist.launch_env.rendezvous`); on a CPU device the allocator keeps
+    freed memory (``keep_freed``: the config's ``keep_freed_memory``)."""
     launcher = detect_launcher(env)
     ep = resolve_endpoint(launcher, env)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -346,21 +379,27 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
             raise UserError("device=cuda but no CUDA device is visible to this process")
         dev = torch.device("cuda", ep.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-        backend = "nccl"
+        # cuDNN's heuristics may pick algorithms that add with atomics (another order every run)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        backend, note = cuda_backend(ep.local_world_size, torch.cuda.device_count())
     else:
         dev = torch.device("cpu")
-        backend = "gloo"
+        backend, note = "gloo", ""
     n_threads = threads or max(1, _cpu_count() // max(1, ep.local_world_size))
     torch.set_num_threads(n_threads)
     rt = Runtime(launcher, ep, dev, None, n_threads)
     rt.timeout_s = timeout_s
+    rt.backend_note = note if ep.world_size > 1 else ""
     rt.keep_freed = keep_freed_memory(keep_freed, dev)
     if launcher != "single":  # a rank of a job: its parent is the launcher (torchrun, mpirun, slurmstepd)
         watch_launcher(rt)
     if ep.world_size > 1:
+        store = rendezvous(launcher, ep, rendezvous_timeout, env)
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
         kwargs = dict(
             backend=backend,
-            init_method=ep.init_method,
+            # the prefix init_process_group gives a store it makes itself
+            store=dist.PrefixStore("default_pg", store),
             rank=ep.rank,
             world_size=ep.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -370,25 +409,3 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         dist.init_process_group(**kwargs)
         rt.backend = backend
     return rt
-
-
-DEVICES = ("auto", "cpu", "cuda")
-# SIGUSR1 is left alone: NCCL may use it
-PREEMPT_SIGNALS = ("SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
-
-
-class Execution(Component):
-    """The process a rank is: its device, threads, allocator, collectives and signals."""
-
-    options = (
-        Option("device", "auto", "the device a rank computes on: auto (its GPU where there is one, else the CPU) | cpu | "
-               "cuda", one_of(*DEVICES)),
-        Option("threads", 0, "CPU threads per rank; 0 = cores / ranks on this node", at_least(0)),
-        Option("keep_freed_memory", "auto", "CPU ranks: glibc's allocator keeps freed memory for reuse instead of "
-               "returning large blocks to the system (whose pages then fault in again on every use): auto (on a CPU "
-               "device under glibc) | true | false", boolean_or_auto, kind=Union[bool, str]),
-        Option("collective_timeout", 600.0, "seconds a collective may wait for a peer before the run fails",
-               described("> 0", lambda v: finite(v) or above(0)(v))),
-        Option("preempt_signal", "SIGUSR2", "signal that asks the run to finish its round, checkpoint and exit with "
-               "status 75 (SIGTERM too)", one_of(*PREEMPT_SIGNALS)),
-    )

@@ -2,18 +2,22 @@
 array per method, and what each row must end in.
 
 The universe is every config key: the keys of a run and of its execution (``Config``'s own fields,
-``data.*`` flattened) and every option a method, a part of FedCP, upload compression or client
-selection declares (:func:`fedcp_dist.algorithms.method_options`). Each key is either varied
-(:data:`VALUES`: the values a row may give it besides its default; boundaries where a range has
-them) or held (:data:`FIXED`, with the reason it cannot vary in a tiny in-process run); a key in
-neither fails ``tests/test_combinations.py``, so the array grows with the options.
+``data.*`` flattened) and every option a method, a part of FedCP, upload compression, client
+selection or differential privacy declares (:func:`fedcp_dist.algorithms.method_options`). Each key is either varied or
+held (:data:`FIXED`, with the reason it cannot vary in a tiny in-process run). A varied key's values
+besides its default come from its declaration where they can (:func:`declared_values`: a boolean's
+other value, ``one_of``'s other choices, ``within``'s ends, ``at_least``'s bound) and from
+:data:`VALUES` where they cannot or others are wanted; a key with neither and not held fails
+``tests/test_combinations.py``, so the array grows with the options.
 
 A method's array (:func:`array`) is an allpairspy pairwise covering array over the keys that act on
-it: the engine's keys, its own options and those of the parts it is made of, compression and
-selection, the training path (``fused``) and the pseudo-key ``ranks`` (1: in this process; 2: two
-ranks under torchrun). Its filter keeps the rows the config accepts, so every pair of values the
-config allows together is run in some row, and every value that runs at all (some need two other keys
-set: ``dp_clip_lr`` needs ``dp=central`` and ``dp_clip=adaptive``) in some row. The pairs the config refuses are rows of their own
+it: the engine's keys, its own options and those of the parts it is made of, compression,
+selection and privacy, the training path (``fused``) and the pseudo-key ``ranks`` (1: in this
+process; 2: two ranks under torchrun). Its filter keeps the rows the config accepts and in which
+every key set acts (a key the run would name as having no effect, such as ``dp_clip`` while ``dp`` is
+none, runs nothing there: :func:`accepted`), so every pair of values the config allows together is
+run in some row, and every value that runs at all (some need two other keys set: ``dp_clip_lr``
+needs ``dp=central`` and ``dp_clip=adaptive``) in some row. The pairs the config refuses are rows of their own
 (:func:`refused_pairs`): each must be refused in one line that names both keys. Values that pass the
 config but are refused at start-up (they depend on the shard: :data:`START_REFUSED`) are rows of
 their own too. :func:`run_row` runs a row and classifies it: ``ran`` (the summary's accuracies
@@ -39,99 +43,62 @@ from typing import Optional
 
 import numpy as np
 
-from fedcp_dist.algorithms import ALGORITHMS
-from fedcp_dist.comm.compress import CompressionOptions
-from fedcp_dist.config import Config, DataConfig, load_config, unflatten
+from fedcp_dist.algorithms import ALGORITHMS, acting_option_classes, method_options
+from fedcp_dist.capabilities import Probes, supports
+from fedcp_dist.config import Config, DataConfig, components, load_config, unflatten
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.comm.selection import SelectionOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
 #: the tiny run every row starts from (a key a row does not vary keeps this value, else its default)
 BASE = {"rounds": 2, "threads": 1, "device": "cpu", "overwrite": True}
 
-#: each varied key's values besides its default (the default of a row is BASE's, else Config's)
+#: the values besides its default of each varied key whose declaration gives none or other ones
+#: (the default of a row is BASE's, else Config's; declared_values gives the rest)
 VALUES = {
     # -- the run
-    "aggregate_bn_stats": [True],
     "rounds": [1],
     "eval_every": [2],
     "participation": [0.5, 0.1],  # 0.1 of 5 clients: ⌊ρN⌋ = 0
     "participation_range": [[0.1, 0.6]],
-    "participation_draw": ["count"],
-    "participation_sampling": ["poisson"],  # with participation 0.1 of 5 clients: empty rounds
     "seed": [0],
     "lr": [0.05],
     "batch_size": [1, 64],  # 64: more than any client's training samples (no full batch)
     "local_epochs": [2],
-    "drop_last": [False],
     # -- FedCP's parts
-    "lam": [0.0],
-    "mmd_kernel": ["rbf"],
     "mmd_sigma": [2.0],
     "mmd_bandwidths": [[1.0]],
-    "fedcp_gfm": [False],
     "policy_entropy": [0.1, -0.1],
     "cpn_distill": [0.5],
     "tau": [0.1],
-    "cpn_train_gumbel": [False],
-    "cpn_eval_gumbel": [True],
-    "cpn_hard": [True],
     "cpn_hidden": [1, 16],
     "cpn_groups": [4, 512],  # 512: K itself, one feature per group
     "cpn_layers": [2, 4],
-    "cpn_norm": ["batchnorm", "groupnorm", "none"],
-    "cpn_act": ["tanh", "sigmoid"],
-    "fedcp_cpn": [False],
-    "cpn_input": ["sample", "client", "none"],
-    "cpn_client_vector": ["head+stats", "head+embed"],
-    "cpn_embed_dim": [1],
     "cpn_lr": [0.01],
-    "cpn_lr_schedule": ["cosine"],
     "cpn_lr_min": [0.001],
     "tau_final": [0.1],
-    "tau_anneal": ["linear"],
     "cpn_warmup_rounds": [1],
     "policy_refresh_every": [2],
     "cpn_upload_every": [2],
     "cpn_async_min_rate": [0.5, 1.0],
-    "fedcp_global_head": [False],
     # -- the baselines
     "prox_mu": [0.0, 10.0],
     "perfedavg_alpha": [0.05],
     "perfedavg_beta": [0.05],
-    "perfedavg_reference_compat": [True],
-    "pfedme_lam": [0.0],
     "pfedme_k": [1],
     "pfedme_lr": [0.01],
     "pfedme_beta": [0.5, 2.0],
-    "pfedme_reference_compat": [True],
     "peer_memory_mb": [16.0],
     "fedamp_alpha_k": [0.1],
-    "fedamp_lam": [0.0],
     "fedamp_sigma": [100.0],
     "ditto_lam": [0.0, 1.0],
     "ditto_epochs": [2],
     "fedrep_head_epochs": [1],
-    "fedrod_reference_compat": [True],
     "fedfomo_m": [1, 100],
     "fedfomo_val_ratio": [0.01, 0.9],
-    "fedfomo_eps": [0.0, 1.0],
-    "fedfomo_eps_decay": [0.0],
-    "fedfomo_reference_compat": [True],
-    "fedphp_lam": [0.0, 1.0],
-    "fedphp_mu": [0.0],
-    "fedphp_reference_compat": [True],
     # -- compression and selection (every method)
-    "compress": ["topk"],
     "compress_ratio": [0.01],
-    "compress_bits": [16, 8],
-    "compress_error_feedback": [True],
-    "client_selection": ["feature_difference"],
-    "selection_min_prob": [1.0],
-    "selection_vector": ["features"],
     # -- user-level differential privacy (every method that averages its uploads)
-    "dp": ["central"],
     "dp_clip": ["adaptive", 0.01],
     "dp_noise_multiplier": [0.0, 0.5],  # larger σ on 1-5 clients is noise that no model survives, not a bug
     "dp_delta": [0.01],
@@ -146,17 +113,11 @@ VALUES = {
     "fused": [False, True],
     "fused_group": [1, 2],
     "fused_workers": [1, 2],
-    "placement": ["samples", "steps"],
-    "client_state": ["host", "disk", "auto"],
+    "fused_join": [True],
     "client_state_budget_mb": [0.01],  # client_state=auto: too little for any state, so disk
-    "record_memory": [True],
-    "amp": ["bf16"],
     "checkpoint_every": [0, 1],
-    "keep_checkpoints": [1],
-    "analysis": [True],
     "analysis_every": [2],
     "logger": ["tensorboard"],
-    "on_nonfinite": ["skip"],
     "data.clients": [2, [0, 3, 4]],
 }
 
@@ -169,12 +130,15 @@ START_REFUSED = {
 #: keys held at one value in every row, and why they cannot vary here
 FIXED = {
     "method": "the array's axis: one array per method",
-    "model": "cnn: the tiny shard holds 16x16 images; mlp and fasttext read table and text shards "
-             "(tests/test_models.py, tests/test_fasttext_ref.py), resnet18 is too slow for a row",
+    "model": "cnn: the tiny shard holds 16x16 images; mlp, fasttext and lstm read table and text shards "
+             "(tests/test_models.py, tests/test_fasttext_ref.py, tests/test_lstm.py), resnet18 is too slow for a row",
     "mlp_hidden": "acts on model=mlp only (a table shard)",
     "fasttext_dim": "acts on model=fasttext only (a text shard)",
     "fasttext_mean": "acts on model=fasttext only (a text shard)",
     "fasttext_feature": "acts on model=fasttext only (a text shard)",
+    "lstm_embed": "acts on model=lstm only (a text shard; tests/test_lstm.py, tests/test_leaf.py)",
+    "lstm_hidden": "acts on model=lstm only (a text shard; tests/test_lstm.py, tests/test_leaf.py)",
+    "lstm_layers": "acts on model=lstm only (a text shard; tests/test_lstm.py, tests/test_leaf.py)",
     "keep_freed_memory": "a process-wide allocator setting made once at start-up, not per in-process run "
                          "(tests/test_runtime.py)",
     "client_state_dir": "a directory path; client_state=disk rows use its default, out_dir/client_state",
@@ -184,6 +148,7 @@ FIXED = {
     "preempt_signal": "acts on a signal only (tests/test_failures.py, tests/test_resume.py)",
     "device": "cpu: the machine the array runs on has no GPU",
     "collective_timeout": "acts when a peer stops answering only (tests/test_failures.py)",
+    "rendezvous_timeout": "acts when the ranks of a job do not meet at start-up only (tests/test_faults_env.py)",
     "threads": "1: two threads per rank on the array's shared 2-core machine only slow each row; fused_workers=2 "
                "still trains groups side by side (tests/test_fused.py covers several threads)",
     "data.path": "the tiny shard",
@@ -196,6 +161,32 @@ FIXED = {
 PROBE_KEYS = ("analysis", "analysis_every")
 #: the pseudo-key of the number of ranks
 RANKS = "ranks"
+
+
+def declared_values(key: str) -> list:
+    """The values a row gives ``key`` besides its default, derived from the key's declaration: the
+    other truth value of a boolean, the other choices of ``one_of``, the accepted ends of ``within``,
+    the bound of ``at_least``; [] where none derive (a row then needs :data:`VALUES`)."""
+    opt = {o.name: o for comp in components() for o in comp.options}.get(key)
+    if opt is None or key in FIXED:
+        return []
+    d, check = default(key), opt.check
+    if opt.type is bool:
+        return [not d]
+    if hasattr(check, "choices"):
+        return [v for v in check.choices if v != d]
+    as_type = float if opt.type is float else (lambda v: v)  # a float key's bound as a float (0.0, not 0)
+    if hasattr(check, "ends"):
+        return [as_type(v) for v in check.ends if v != d]
+    if hasattr(check, "lowest"):
+        return [as_type(check.lowest)] if check.lowest != d else []
+    return []
+
+
+def values(key: str) -> list:
+    """The values a row gives ``key`` besides its default: :data:`VALUES`' where it lists the key,
+    else those its declaration gives (:func:`declared_values`); none for a key held in :data:`FIXED`."""
+    return [] if key in FIXED else VALUES.get(key) or declared_values(key)
 
 
 def universe() -> list:
@@ -213,19 +204,10 @@ def default(key: str):
     return getattr(Config(), key)
 
 
-def _option_classes(method: str) -> list:
-    """The classes whose options act on ``method``: its own (bases first), its parts', compression's and selection's."""
-    cls = ALGORITHMS[method]
-    out = []
-    for c in (*getattr(cls, "parts", ()), cls, CompressionOptions, SelectionOptions):
-        for k in reversed(c.__mro__):
-            if "options" in k.__dict__ and k.__dict__["options"] and k not in out:
-                out.append(k)
-    return out
-
-
 def method_keys(method: str) -> list:
-    return [o.name for c in _option_classes(method) for o in c.__dict__["options"]]
+    """The keys of the classes whose options act on ``method``: its own (bases first), its parts', and
+    those that apply to every method (compression's and selection's)."""
+    return [o.name for c in acting_option_classes(method) for o in c.__dict__["options"]]
 
 
 def keys_for(method: str) -> list:
@@ -233,15 +215,14 @@ def keys_for(method: str) -> list:
     some of its own values with fused=true), then Config's order, which puts every key that enables
     another before it (compress before compress_ratio, participation_range before participation_draw ...)."""
     own = set(method_keys(method))
-    all_options = {o.name for cls in ALGORITHMS.values() for c in _option_classes(cls.name)
-                   for o in c.__dict__["options"]}
+    all_options = {o.name for o in method_options()}
     keys = []
     for k in universe():
-        if k not in VALUES:
+        if not values(k):
             continue
         if k in all_options and k not in own:
             continue  # another method's option
-        if k in PROBE_KEYS and not ALGORITHMS[method].probes:
+        if k in PROBE_KEYS and not supports(ALGORITHMS[method], Probes):
             continue
         keys.append(k)
     return ["fused"] + [k for k in keys if k != "fused"]
@@ -251,7 +232,7 @@ def parameters(method: str) -> "OrderedDict":
     """{key: [default, other values...]} of the method's array, with the pseudo-key ``ranks`` first."""
     params = OrderedDict([(RANKS, [1, 2])])
     for k in keys_for(method):
-        params[k] = [default(k), *VALUES[k]]
+        params[k] = [default(k), *values(k)]
     return params
 
 
@@ -269,7 +250,20 @@ def config_of(method: str, row: dict, shard: str = "", out_dir: str = "runs/comb
 
 
 def accepted(method: str, row: dict) -> bool:
-    return not isinstance(config_of(method, row), UserError)
+    """Whether the config accepts the row and every key it sets acts in it (none is named among the
+    keys with no effect: ``dp_clip`` while ``dp`` is none runs nothing)."""
+    cfg = config_of(method, row)
+    return not isinstance(cfg, UserError) and not cfg.keys_without_effect()
+
+
+def inert_alone_ok(method: str, key: str, value) -> bool:
+    """A value the config accepts alone but names as having no effect, because of another key's
+    value, which the reason names (``dp_clip`` with ``dp`` none: 'applies with dp=central only')."""
+    cfg = config_of(method, {key: value})
+    if isinstance(cfg, UserError):
+        return False
+    why = dict(cfg.keys_without_effect()).get(key)
+    return why is not None and bool(names_keys(why, [k for k in universe() if k != key]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -468,3 +468,20 @@ def expect_user_error(capsys, argv, *fragments):
     for fragment in fragments:
         assert str(fragment) in err, err
     return err
+
+
+def documented(page: str, example: str, actual: str = None) -> None:
+    """The docs page ``page`` (a file under docs/) quotes ``example`` (whitespace aside), and, given
+    what a run printed, ``actual`` matches it: every piece of the example between its ``…``
+    placeholders (markdown's backticks left out) appears in ``actual``, in order. A test of a
+    behaviour that calls this also fails when the docs stop promising it, or promise other words
+    than the run prints."""
+    text = " ".join((REPO / "docs" / page).read_text(encoding="utf-8").split())
+    example = " ".join(example.split())
+    assert example in text, f"docs/{page} no longer says: {example}"
+    if actual is not None:
+        actual, at = " ".join(actual.split()), 0
+        for piece in (p.replace("`", "").strip() for p in example.split("…")):
+            found = actual.find(piece, at)
+            assert found >= 0, f"{piece!r} (docs/{page}) not in {actual!r} after position {at}"
+            at = found + len(piece)

@@ -360,7 +360,8 @@ def test_peer_memory_budget_leaves_out_banks_kept_on_disk():
     from fedcp_dist.errors import UserError
     from fedcp_dist.engine.startup import check_peer_memory
 
-    algo = SimpleNamespace(peer_dim=2**18 - 1, peer_memory_bytes=lambda n: n * 2**20, device=torch.device("cpu"))  # 1 MiB a client
+    algo = SimpleNamespace(peer_dim=2**18 - 1, peer_memory_bytes=lambda n: n * 2**20, device=torch.device("cpu"),  # 1 MiB a client
+                           peer_payload=None, receive_peers=None)  # a PeerExchange
     cfg = SimpleNamespace(client_state="device", device="cpu", peer_memory_mb=100.0, method="fedamp")
     # 2 ranks x 10 owned x 1 MiB exchange rows + 50 MiB bank = 70 MiB: fits; 1000 clients' bank does not
     assert check_peer_memory(cfg, algo, 50, 10, 2) == 70 * 2**20

@@ -21,28 +21,51 @@ def tiny(tmp_path_factory):
     return C.tiny_shard(tmp_path_factory.mktemp("combinations"))
 
 
+def _varied() -> set:
+    return {k for k in C.universe() if C.values(k)}
+
+
 def test_every_config_key_is_varied_or_held_with_a_reason():
-    """A new key fails here until it has values in VALUES or a reason in FIXED."""
+    """A new key fails here until its declaration gives it values (a boolean, one_of, within,
+    at_least), or it has values in VALUES, or a reason in FIXED."""
     keys = set(C.universe())
     assert not set(C.VALUES) & set(C.FIXED)
-    assert keys - set(C.VALUES) - set(C.FIXED) == set(), "add the new keys to VALUES or FIXED"
+    assert keys - _varied() - set(C.FIXED) == set(), "declare the new keys' values, or add them to VALUES or FIXED"
     assert (set(C.VALUES) | set(C.FIXED)) - keys == set(), "keys that no longer exist"
     assert all(reason for reason in C.FIXED.values())
-    assert set(C.START_REFUSED) <= set(C.VALUES)
+    assert set(C.START_REFUSED) <= _varied()
+    # VALUES lists only what the declarations cannot give: a key whose values they give is not there
+    assert [k for k, v in C.VALUES.items() if json.dumps(C.declared_values(k)) == json.dumps(v)] == []
     # every value is one of the key's own: some method accepts it alone, or it is refused alone
-    # only for the key it needs (participation_draw=count needs participation_range)
-    for key, values in C.VALUES.items():
-        for v in values:
+    # only for the key it needs (participation_draw=count needs participation_range), or named as
+    # having no effect alone for the key it needs (dp_clip needs dp=central)
+    for key in sorted(_varied()):
+        for v in C.values(key):
             assert v != C.default(key), (key, v)
             methods = [m for m in METHODS if key in C.keys_for(m)]
             assert methods, f"{key} acts on no method"
             assert any(C.accepted(m, {key: v}) or C.single_refusal_ok(m, key, str(C.config_of(m, {key: v})))
-                       for m in methods), (key, v)
+                       or C.inert_alone_ok(m, key, v) for m in methods), (key, v)
 
 
 def test_a_key_missing_from_the_table_is_noticed(monkeypatch):
+    """tau (> 0) gives no values of its own: without its row in VALUES it is noticed."""
     monkeypatch.setattr(C, "VALUES", {k: v for k, v in C.VALUES.items() if k != "tau"})
-    assert set(C.universe()) - set(C.VALUES) - set(C.FIXED) == {"tau"}
+    assert set(C.universe()) - _varied() - set(C.FIXED) == {"tau"}
+
+
+def test_values_derive_from_the_declarations():
+    """The other truth value, the other choices, the accepted ends of a range, the lowest value;
+    a float key's bound as a float; none for a held key or an unbounded one."""
+    assert C.declared_values("drop_last") == [False] and C.declared_values("analysis") == [True]
+    assert C.declared_values("cpn_norm") == ["batchnorm", "groupnorm", "none"]
+    assert C.declared_values("compress_bits") == [16, 8]
+    assert C.declared_values("selection_min_prob") == [1.0]  # within (0, 1]: its closed end
+    assert C.declared_values("lam") == [0.0] and isinstance(C.declared_values("lam")[0], float)
+    assert C.declared_values("keep_checkpoints") == [1]  # at_least(1), default 2
+    assert C.declared_values("fused_group") == [] and C.values("fused_group") == [1, 2]  # at_least(0) is its default
+    assert C.declared_values("model") == [] and C.values("model") == []  # held (FIXED)
+    assert C.declared_values("tau") == [] and C.values("tau") == [0.1]  # > 0: VALUES gives it
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -169,6 +169,7 @@ def test_compression_and_selection_ask_the_method_class(monkeypatch, digits6):
     """Upload compression needs a method whose uploads are averaged, feature-difference selection one
     with a client vector: each asks the configured method's class, whatever its name."""
     from fedcp_dist.algorithms.fedavg import FedAvg
+    from fedcp_dist.capabilities import ClientVectors, supports
 
     base = [f"data.path={digits6}", "participation=0.5"]
     with pytest.raises(UserError, match=r"^config key 'compress': fedamp averages no uploads .*use compress=none$"):
@@ -179,8 +180,9 @@ def test_compression_and_selection_ask_the_method_class(monkeypatch, digits6):
         load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"])
     for extra in ([], ["cpn_layers=2"]):  # a CPN design is an option of FedCP, not another class
         cfg = load_config(None, [*base, "method=fedcp", "client_selection=feature_difference", *extra])
-        assert cfg.method_class.has_client_vector and cfg.method_class.__name__ == "FedCP"
-    monkeypatch.setattr(FedAvg, "has_client_vector", True)
+        assert supports(cfg.method_class, ClientVectors) and cfg.method_class.__name__ == "FedCP"
+    monkeypatch.setattr(FedAvg, "client_vector_dim", 3, raising=False)  # FedAvg given a client vector
+    monkeypatch.setattr(FedAvg, "client_vector", lambda self, state: None, raising=False)
     assert load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"]).method == "fedavg"
 
 
@@ -202,7 +204,8 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
     _, env = run_mod.local_ranks_command(3, None, [], env={"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
     assert env == {"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}  # the user's values win
     with pytest.raises(UserError, match="leave it out"):
-        run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x"})
+        run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
+                                                      "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
     assert run_mod.parse_ranks("3") == 3 and run_mod.parse_ranks("auto") is None
     assert run_mod.auto_ranks("cpu") == _cpu_count()
     for bad in ("0", "-1", "two", "1.5"):

@@ -15,7 +15,9 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SWEEPS = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))
 #: practitioners' presets on users' own data (tests/test_own_data.py runs them)
 PRESETS = ("medical_resnet18_fedcp.yaml", "fraud_mlp_fedcp.yaml")
-PAPER = [p for p in CONFIGS if not p.name.startswith("digits_") and p.name not in PRESETS]
+#: natural clients: LEAF's data sets and FedProx's synthetic benchmark (not the paper's settings)
+NATURAL = ("femnist_fedcp.yaml", "shakespeare_fedcp.yaml", "synthetic_fedcp.yaml")
+PAPER = [p for p in CONFIGS if not p.name.startswith("digits_") and p.name not in PRESETS + NATURAL]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -30,8 +32,16 @@ def test_config_is_valid_and_means_what_it_says(path, tmp_path):
     assert {k: cfg[k] for k in written} == written
 
 
-def test_a_digits_config_for_every_method():
+def test_a_digits_preset_for_every_method_generated_from_its_declarations():
+    """configs/digits_<method>.yaml is what the option declarations render (a new method gets its
+    own by running python -m fedcp_dist.cli.config_reference), and there is one per method."""
+    from fedcp_dist.cli.config_reference import preset, stale_presets
+
     assert {p.name for p in CONFIGS if p.name.startswith("digits_")} == {f"digits_{m}.yaml" for m in METHODS}
+    assert stale_presets() == []
+    fedcp = preset("fedcp")  # the method's own option at its default, a departure with its reason
+    assert "\nfedcp_global_head: true\n" in fedcp and "\nlam: 0.1  # picked for this tiny set" in fedcp
+    assert "lam:" not in preset("fedavg")  # no key of another method
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
@@ -53,6 +63,32 @@ def test_paper_settings_use_the_paper_hyperparameters(path):
         assert args.unbalanced and args.partition == "pat" and args.classes_per_client == k
     elif "_dir0.1" in path.name:
         assert "--partition dir --beta 0.1" in cmd
+
+
+def _partition_command(path):
+    """The fedcp-partition command in a config's header comment, parsed by fedcp-partition's parser."""
+    lines = [l.lstrip("# ").strip() for l in path.read_text().splitlines() if l.startswith("#")]
+    cmd = next(l for l in lines if l.startswith("fedcp-partition"))
+    return partition_parser().parse_args(cmd.split()[1:])
+
+
+@pytest.mark.parametrize("name, source, model", [("femnist_fedcp.yaml", "femnist", "cnn"),
+                                                 ("shakespeare_fedcp.yaml", "shakespeare", "lstm"),
+                                                 ("synthetic_fedcp.yaml", "synthetic", "mlp")])
+def test_natural_client_configs_say_how_to_make_their_shard(name, source, model):
+    """The header's fedcp-partition command writes the config's data.path from the right source; the
+    LSTM is LEAF's Shakespeare model; Synthetic(1, 1) trains a cohort of 100 of its 1,000 clients."""
+    cfg = load_config(str(REPO / "configs" / name), validate=False)
+    args = _partition_command(REPO / "configs" / name)
+    assert args.out == cfg.data.path and cfg.data.source == source and cfg.model == model
+    assert (cfg.method, cfg.batch_size, cfg.local_epochs) == ("fedcp", 10, 1)
+    if source == "synthetic":
+        assert (args.source, args.synthetic_alpha, args.synthetic_beta) == ("synthetic", 1.0, 1.0)
+        assert args.num_clients == cfg.data.num_clients == 1000 and cfg.participation * 1000 == 100
+    else:
+        assert args.source == "leaf" and "-t sample" in (REPO / "configs" / name).read_text()
+    if model == "lstm":
+        assert (cfg.lstm_embed, cfg.lstm_hidden, cfg.lstm_layers) == (8, 256, 2)
 
 
 def test_fraud_preset_selects_by_mean_features():

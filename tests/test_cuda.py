@@ -1,6 +1,8 @@
-"""The GPU path: NCCL on 2 ranks, bf16 autocast, a dead rank under NCCL and fused groups sized on a
-GPU, each a real run of the launcher on the small digits shard (2 rounds). Skipped where no CUDA
-device is visible; the NCCL tests need 2 GPUs (one rank per GPU). bench/gpu.sh stays the benchmark.
+"""The GPU path: NCCL on 2 ranks, 2 ranks sharing one GPU (gloo), bf16 autocast, a dead rank under
+NCCL, fused groups sized on a GPU and trained jointly, each a real run of the launcher on the small
+digits shard (2 rounds); in-process, the fused step against the sequential one in float64 and a
+client's bits whatever the number of slots beside it. Skipped where no CUDA device is visible; the
+NCCL tests need 2 GPUs (one rank per GPU). bench/gpu.sh runs this file and the GPU benchmarks.
 
 Run on a GPU node: ``python -m pytest tests/test_cuda.py -q``.
 
@@ -184,11 +186,116 @@ def test_bf16_autocast_learns_on_cuda(one_fused, digits6, tmp_path):
 
 def test_fused_groups_sized_on_cuda_match_sequential(one_fused_f32, one_seq_f32, digits6):
     """fused_group=0 on a GPU: the start line says the clients train fused and how the groups are
-    sized; the result equals the sequential path's within 1e-4 (float32 convolutions)."""
+    sized; the result equals the sequential path's within 5e-4 (float32 convolutions: grouped and
+    plain convolutions round differently, and 2 rounds of SGD carry it on; an H200 gave 1.2e-4 on
+    2026-12-04; the float64 test above bounds the algorithmic difference at 1e-10)."""
     path = one_fused_f32.training
     assert re.fullmatch(r"fused \(fused=true, [^)]*\bgroups?\b.*\)", path), one_fused_f32.start_line
-    assert_states_close(one_fused_f32.state, one_seq_f32.state, atol=1e-4, label="fused vs sequential on CUDA:")
+    assert_states_close(one_fused_f32.state, one_seq_f32.state, atol=5e-4, label="fused vs sequential on CUDA:")
     assert_accs_close(one_fused_f32, one_seq_f32, acc_tol(digits6, CLOSE_SAMPLES), "fused vs sequential on CUDA")
+
+
+# -- the fused step on the GPU, in-process ---------------------------------------------------------
+
+#: train sizes with B = 10: ragged last batches, fewer than one batch, exact multiples
+SIZES = (23, 7, 40, 31, 15, 52, 9, 30)
+
+
+def _gpu_group(dtype, n_clients: int = len(SIZES)):
+    """FedCP (Gumbel noise, MMD, 2 epochs) on the CNN on CUDA in ``dtype``, a moved global state and
+    ``n_clients`` random clients of :data:`SIZES` samples: (algo, global state, items)."""
+    import numpy as np
+
+    from fedcp_dist.algorithms.base import Context
+    from fedcp_dist.algorithms.fedcp import FedCP
+    from fedcp_dist.config import Config
+    from fedcp_dist.data.resident import to_device
+    from fedcp_dist.models import build_model
+    from helpers import Data64
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    cfg = Config(lr=0.01, batch_size=10, local_epochs=2, lam=5.0, cpn_train_gumbel=True, device="cuda")
+    algo = FedCP(cfg, build_model("cnn", (1, 16, 16), 10).to(dtype), dev)
+    gs = algo.init_global_state()
+    g = torch.Generator().manual_seed(7)
+    gs = {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype).to(v.device) for k, v in gs.items()}
+    algo.set_global(gs)
+    items = []
+    for cid, n in enumerate(SIZES[:n_clients]):
+        r = np.random.default_rng(100 + cid)
+        arrays = {"train_x": r.integers(0, 256, (n, 1, 16, 16), dtype=np.uint8), "train_y": r.integers(0, 10, n),
+                  "test_x": r.integers(0, 256, (2, 1, 16, 16), dtype=np.uint8), "test_y": r.integers(0, 10, 2)}
+        d = to_device(cid, arrays, (0.5,), (0.5,), dev)
+        if dtype == torch.float64:
+            d = Data64(**{f: getattr(d, f) for f in d.__dataclass_fields__})
+        state = algo.init_client_state(cid)
+        state = {**state, "v": state["v"] + 0.1 * cid}
+        items.append((state, d, Context(3, cid, torch.Generator(device=dev).manual_seed(11 + cid))))
+    return algo, gs, items
+
+
+def _fresh(items):
+    """The same items with each generator re-seeded from its initial seed (a second run's draws)."""
+    from fedcp_dist.algorithms.base import Context
+
+    return [(s, d, Context(c.round, c.client, torch.Generator(device=c.generator.device).manual_seed(c.generator.initial_seed())))
+            for s, d, c in items]
+
+
+def test_fused_equals_sequential_in_float64_on_cuda(float64):
+    """The fused step's algorithm on the GPU: in float64 every client's upload and state equal its
+    sequential ones to 1e-10 (the same batches, Gumbel draws, masks and updates; what float32
+    runs add on top is rounding of other kernels)."""
+    from fedcp_dist.fused.groups import train_group
+
+    algo, gs, items = _gpu_group(torch.float64)
+    fus = train_group(algo, _fresh(items))
+    seq = [algo.local_train(*it) for it in _fresh(items)]
+    for f, q in zip(fus, seq):
+        assert f.samples == q.samples
+        assert_states_close(f.upload, q.upload, atol=1e-10, label="fused vs sequential, float64 on CUDA:")
+        assert_states_close(f.client_state, q.client_state, atol=1e-10, label="client state:")
+    assert max((q.upload[k] - gs[k]).abs().max().item() for q in seq for k in gs) > 1e-3  # training moved it
+
+
+def test_a_slot_gets_the_same_bits_whatever_the_slots_beside_it():
+    """What fused_join=auto rests on: on this GPU, in float32, a client trained in a fused step of 8,
+    3 or 1 slots (so beside other clients, or alone, refilled and compacted differently) ends with
+    the same bits, so a rank may train all its groups as one set of slots."""
+    from fedcp_dist.fused import memory as fused_memory
+    from fedcp_dist.fused.groups import train_group
+
+    algo, gs, items = _gpu_group(torch.float32)
+    runs = {}
+    for slots in (8, 3, 1):
+        runs[slots] = train_group(algo, _fresh(items), slots=slots)
+    for slots in (3, 1):
+        for c, (a, b) in enumerate(zip(runs[8], runs[slots])):
+            for k in a.upload:
+                assert torch.equal(a.upload[k], b.upload[k]), (
+                    f"client {c}, {k}: 8 slots vs {slots} differ by {(a.upload[k] - b.upload[k]).abs().max():.3g}")
+
+
+def test_two_ranks_sharing_one_gpu_match_one_rank(one_fused, digits6, tmp_path):
+    """torchrun × 2 on a machine of one GPU: NCCL refuses two ranks on one device, so the ranks take
+    gloo over the same CUDA tensors and the start line says why; the fused default's groups are
+    fixed by the configuration and trained jointly, so the global state equals 1 rank's bit for bit."""
+    if torch.cuda.device_count() > 1:
+        pytest.skip("every rank has a GPU of its own here (the NCCL tests cover it)")
+    two = cuda_run(digits6, tmp_path, ranks=2)
+    assert "world_size=2 device=cuda:0 backend=gloo (2 ranks share 1 GPU: NCCL needs one GPU per rank)" in two.start_line, two.start_line
+    for k in one_fused.state:
+        assert torch.equal(two.state[k], one_fused.state[k]), f"{k}: 2 ranks on 1 GPU vs 1 rank differ by {(two.state[k] - one_fused.state[k]).abs().max():.3g}"
+    assert two.accs == one_fused.accs
+
+
+def test_a_run_repeats_bit_for_bit(one_fused, digits6, tmp_path):
+    """The same configuration on the same GPU twice: the same global state, bit for bit (cuDNN's
+    deterministic algorithms; no atomics in the order of additions)."""
+    again = cuda_run(digits6, tmp_path)
+    for k in one_fused.state:
+        assert torch.equal(again.state[k], one_fused.state[k]), f"{k} differs by {(again.state[k] - one_fused.state[k]).abs().max():.3g}"
 
 
 # -- a dead rank -------------------------------------------------------------------------------

@@ -171,7 +171,8 @@ def test_config_keys_reach_the_model_and_are_checked():
     cfg = load_config("configs/agnews_dir0.1_fedcp.yaml",
                       ["fasttext_mean=tokens", "fasttext_feature=log_softmax", "fasttext_dim=8"], validate=False)
     assert model_options(cfg) == {"mlp_hidden": 64, "fasttext_dim": 8, "fasttext_mean": "tokens",
-                                  "fasttext_feature": "log_softmax"}
+                                  "fasttext_feature": "log_softmax", "lstm_embed": 8, "lstm_hidden": 256,
+                                  "lstm_layers": 2}
     model = build_model("fasttext", [6], 4, vocab_size=9, **model_options(cfg))
     assert model.features[0].mean == "tokens" and model.feature_dim == 8 and len(model.features) == 3
     default = load_config("configs/agnews_dir0.1_fedcp.yaml", validate=False)

@@ -132,7 +132,7 @@ def test_group_policy_keeps_s_plus_r_one_and_trains(hard):
     with torch.no_grad():
         h = algo.fe_g(x)
         c = torch.nn.functional.normalize(state["v"], dim=-1) * h
-        want = combine_group_logits(algo.cpn_g.net(c), algo.cpng_g(group_pool(c, 2)), 4)
+        want = combine_group_logits(algo.cpn_g.net(c), algo.received["cpng"](group_pool(c, 2)), 4)
     assert torch.allclose(out.policy_logits, want, atol=1e-6)
     res = algo.local_train(state, d, _ctx(0))
     for k in gs:
@@ -204,7 +204,7 @@ def test_cpn_learning_rate_scales_only_the_cpn_step():
 def test_cosine_rate_reaches_the_sequential_sgd_per_round():
     algo, gs = tiny_fedcp(cpn_lr=0.2, cpn_lr_schedule="cosine", cpn_lr_min=0.05, rounds=3)
     # the policy's networks: the CPN, (with an extended client vector) its projection and (cpn_groups) the group CPN
-    assert algo._sgd_kwargs(Context(0, 0, None))["param_lr"] == {"cpn.": 0.2, "vproj.": 0.2, "cpng.": 0.2}
-    assert algo._sgd_kwargs(Context(1, 0, None))["param_lr"]["cpn."] == pytest.approx(0.125)
-    assert algo._sgd_kwargs(Context(2, 0, None))["param_lr"]["cpn."] == pytest.approx(0.05)
-    assert "param_lr" not in tiny_fedcp()[0]._sgd_kwargs(Context(0, 0, None))
+    assert algo.sgd_settings(Context(0, 0, None))["param_lr"] == {"cpn.": 0.2, "vproj.": 0.2, "cpng.": 0.2}
+    assert algo.sgd_settings(Context(1, 0, None))["param_lr"]["cpn."] == pytest.approx(0.125)
+    assert algo.sgd_settings(Context(2, 0, None))["param_lr"]["cpn."] == pytest.approx(0.05)
+    assert "param_lr" not in tiny_fedcp()[0].sgd_settings(Context(0, 0, None))

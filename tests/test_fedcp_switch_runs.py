@@ -186,7 +186,7 @@ def test_caching_groups_and_async_train_fused_as_sequentially(float64, switches)
             moved = {k for k in a.upload if not torch.equal(a.upload[k], gs[k])}
             assert any(k.startswith("features.") for k in moved)
             assert any(k.startswith("cpn.") for k in moved) == algo.sync.uploaded(t)
-            assert any(k.startswith("cpng.") for k in moved) == (algo.sync.uploaded(t) and algo.cpng is not None)
+            assert any(k.startswith("cpng.") for k in moved) == (algo.sync.uploaded(t) and "cpng" in algo.own)
 
 
 

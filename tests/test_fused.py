@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from fedcp_dist.fused import slots as fused
+from fedcp_dist.fused import step as fused_step
 from fedcp_dist.fused import memory as fused_memory
+from fedcp_dist.algorithms import ALGORITHMS
 from fedcp_dist.algorithms.base import Context
 from fedcp_dist.algorithms.fedavg import FedAvg
 from fedcp_dist.algorithms.ditto import Ditto
@@ -284,7 +286,7 @@ def test_vmapped_modules_and_unsplit_models_match_sequential():
     datas = [_client(i, n, classes=6) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     got = train_group(algo, items)
-    assert fused._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
+    assert fused_step._SPLIT_CACHE[algo.model] is False  # the whole model ran through vmap
     _assert_same_results(_sequential(algo, items), got, gs)
     algo.cfg.fused_workers = 2  # two threads sharing the module that functional_call reparametrises
     _assert_same_results(_sequential(algo, items), train_group(algo, _items(algo, datas)), gs)
@@ -306,7 +308,7 @@ def test_memory_plan_and_slots_follow_the_device_not_its_free_memory(monkeypatch
     datas = [_client(i, n) for i, n in enumerate(SIZES)]
     items = _items(algo, datas)
     plan = fused_groups.memory_plan(algo, algo.phases(*items[0]), datas)
-    params = fused.param_count(algo.fe, algo.cpn, algo.head_p)
+    params = fused_step.param_count(algo.fe, algo.cpn, algo.head_p)
     act = fused_groups.activation_counts(algo)["train"]
     # stacked parameters and their gradients, the client vector, and the activations of B samples
     assert plan.per_slot == 4 * (2 * params + algo.K) + fused_memory.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act
@@ -337,11 +339,54 @@ def test_group_size_is_a_function_of_the_config():
     assert fused_memory.CPU_SLOTS == 8
     # ρ = 1 on a CPU: ⌈N / 8⌉ groups rounded up to a power of two
     assert [size(Config(), CPU, n) for n in (1, 6, 8, 9, 16, 17, 20, 1000)] == [1, 6, 8, 5, 8, 5, 5, 8]
-    assert size(Config(), cuda, 20) == math.ceil(20 / (1 << (math.ceil(20 / fused_memory.CUDA_SLOTS) - 1).bit_length()))
+    # on a GPU at least GPU_SPREAD = 8 groups: the paper's 20 clients in groups of 3
+    assert fused_groups.GPU_SPREAD == 8
+    assert [size(Config(), cuda, n) for n in (1, 6, 20, 64, 2048, 2049)] == [1, 1, 3, 8, 256, 129]
     assert size(Config(participation=0.5), CPU, 20) == 10  # 16 a group: 2 groups
     assert size(Config(participation=0.3), CPU, 100) == 25  # ⌈1/0.3⌉ = 4: 32 a group, ⌈100/32⌉ = 4 groups
     assert size(Config(participation_range=[0.2, 0.6]), CPU, 100) == 13  # mean 0.4: 24 a group, 5 → 8 groups
     assert size(Config(fused_group=5, participation=0.1), cuda, 1000) == 5
+
+
+def test_auto_groups_on_a_gpu_keep_a_node_of_8_busy():
+    """fused_group=auto under the GPU rule: the paper's 20 clients (MNIST Dir(0.1) step counts) form
+    7 groups, which whole-group placement spreads over 7 of 8 ranks; on 1 rank all 7 are its own.
+    The groups are the same for every world size (a function of the config and the shard)."""
+    from fedcp_dist.state.placement import form_groups, place_groups
+
+    steps = [68, 500, 120, 90, 310, 75, 410, 150, 200, 95, 88, 260, 130, 70, 99, 180, 77, 240, 110, 86]
+    groups = form_groups(steps, fused_groups.group_size(Config(), torch.device("cuda"), len(steps)))
+    assert len(groups) == 7 and max(len(g) for g in groups) == 3
+    assert sorted(int(c) for g in groups for c in g) == list(range(20))
+    busy = {int(r) for r in place_groups(steps, groups, 8)}
+    assert len(busy) >= 7
+    assert set(place_groups(steps, groups, 1).tolist()) == {0}
+    assert fused_groups.trains_jointly(Config(), torch.device("cuda"))
+    assert not fused_groups.trains_jointly(Config(), CPU)
+    assert fused_groups.trains_jointly(Config(fused_join=True), CPU)
+
+
+def test_joint_training_of_a_ranks_groups(float64, monkeypatch):
+    """fused_join=true: a rank's groups of a round train as one set of slots (one fused call for
+    both groups, where each group alone takes one), each client's result the one its group alone
+    gives (float64: to 1e-12; on a GPU bit for bit, which bench/gpu.sh checks) and the sequential
+    result."""
+    algo, gs = _algo(FedCP, shape=(1, 16, 16), drop_last=False, local_epochs=2, lam=0.5, cpn_train_gumbel=True)
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
+    groups = [[0, 2], [1, 3]]
+    calls = []
+    real = fused.train_fused
+    monkeypatch.setattr(fused, "train_fused", lambda clients, phase, **kw: calls.append(len(clients)) or real(clients, phase, **kw))
+    apart = _group_results(algo, gs, datas, groups)
+    assert calls == [2, 2]
+    calls.clear()
+    algo.cfg.fused_join = True
+    joint = _group_results(algo, gs, datas, groups)
+    assert calls == [4]
+    seq = dict(zip(range(len(SIZES)), _sequential(algo, _items(algo, datas))))
+    order = sorted(joint)
+    _assert_same_results([apart[c] for c in order], [joint[c] for c in order], atol=1e-12)
+    _assert_same_results([seq[c] for c in order], [joint[c] for c in order], gs, atol=1e-12)
 
 
 @pytest.mark.parametrize("cls", [FedAvg, FedCP, FedProx])
@@ -436,17 +481,42 @@ def test_amp_bf16_reaches_the_methods_with_their_own_loop(name):
 
 #: every method that trains fused, and the test above that checks it against the sequential path
 #: (float64, to ~1e-12): a method that starts to fuse must be added to one of them
-FUSED_EQUALITY_TESTS = {
-    "fedavg": "test_fedavg_fused_equals_sequential_in_float64",
-    "fedcp": "test_fedcp_fused_equals_sequential_in_float64",
-    "fedprox": "test_every_sgd_method_trains_fused_as_sequentially",
-    "ditto": "test_every_sgd_method_trains_fused_as_sequentially",
-    "fedper": "test_every_sgd_method_trains_fused_as_sequentially",
-    "fedrod": "test_every_sgd_method_trains_fused_as_sequentially",
-    "fedphp": "test_every_sgd_method_trains_fused_as_sequentially",
-    "fedamp": "test_peer_methods_train_fused_as_sequentially",
-    "fedfomo": "test_peer_methods_train_fused_as_sequentially",
-}
+def _registered_algo(name: str, clients: int):
+    """The registered method ``name`` at its declared defaults (and its digits preset's departures) on
+    a 16 x 16 CNN, with a received global state that differs from its initial one (a peer-exchanging
+    method: every client's model in its bank, moved alike)."""
+    from fedcp_dist.capabilities import PeerExchange, supports
+
+    cls = ALGORITHMS[name]
+    cfg = Config(method=name, lr=0.05, batch_size=10, local_epochs=2,
+                 **{k: v for k, (v, _) in cls.digits_preset.items()})
+    cfg.data.num_clients = clients
+    torch.manual_seed(0)
+    algo = cls(cfg, build_model("cnn", (1, 16, 16), 10), CPU)
+    algo.num_clients = clients
+    g = torch.Generator().manual_seed(7)
+    gs = {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in algo.init_global_state().items()}
+    if supports(algo, PeerExchange):
+        gs = algo.receive_peers(0, gs, {c: 0.01 * torch.randn(algo.peer_dim, generator=g) for c in range(clients)})
+    algo.set_global(gs)
+    return algo, gs
+
+
+@pytest.mark.parametrize("name", [m for m in ALGORITHMS if ALGORITHMS[m].own_loop is None])
+def test_every_registered_method_trains_fused_as_sequentially_at_its_defaults(float64, name, fused_calls):
+    """Every method that fuses (a new one too, with nothing to add here) gives the sequential
+    results on the fused path at its declared defaults: float64, unequal clients, two epochs."""
+    algo, gs = _registered_algo(name, 3)
+    assert algo.fused_reason() is None
+    datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES[:3])]
+    items = _items(algo, datas)
+    got = train_group(algo, items)
+    assert fused_calls and all(n == 3 for n in fused_calls.values())  # every phase trained fused
+    seq = _sequential(algo, items)
+    _assert_same_results(seq, got, gs if seq[0].upload else None, atol=1e-12)
+    for s, f in zip(seq, got):  # what a peer exchange shares
+        for k in set(s.extra) & {"peer"}:
+            assert torch.allclose(s.extra[k], f.extra[k], atol=1e-12, rtol=0)
 
 
 @pytest.fixture
@@ -485,10 +555,9 @@ def test_fused_auto_is_the_default_and_falls_back_where_it_cannot(one_thread):
         assert training_path(cfg, algo, True) == (False, "sequential (fused=auto: per-client BatchNorm statistics)")
         cfg.fused = False
         assert training_path(cfg, algo, False) == (False, "sequential (fused=false)")
-    assert fusing == set(FUSED_EQUALITY_TESTS)
-    assert {"perfedavg", "pfedme", "fedrep"} == set(ALGORITHMS) - fusing
-    for test in set(FUSED_EQUALITY_TESTS.values()):
-        assert callable(globals()[test])
+    # a method that does not fuse says why (its own loop); every one that does is held to the
+    # sequential path by test_every_registered_method_trains_fused_as_sequentially_at_its_defaults
+    assert all(ALGORITHMS[m].own_loop for m in set(ALGORITHMS) - fusing)
     # a BatchNorm model falls back for every method
     algo, _ = _algo(FedAvg, net=Odd(with_bn=True))
     assert training_path(algo.cfg, algo, False) == (False, "sequential (fused=auto: BatchNorm1d layers are not fused)")
@@ -531,12 +600,12 @@ def test_fused_default_resumes_bit_for_bit(digits6, tmp_path):
 
 
 def test_workers_for_counts_groups():
-    assert fused.workers_for("auto", CPU, 2, 20) == 2
-    assert fused.workers_for("auto", CPU, 4, 3) == 3  # never more workers than groups
-    assert fused.workers_for("auto", CPU, 2, 1) == 1
-    assert fused.workers_for(1, CPU, 2, 20) == 1
-    assert fused.workers_for(3, CPU, 1, 20) == 3
-    assert fused.workers_for("auto", torch.device("cuda"), 8, 20) == 1
+    assert fused_groups.workers_for("auto", CPU, 2, 20) == 2
+    assert fused_groups.workers_for("auto", CPU, 4, 3) == 3  # never more workers than groups
+    assert fused_groups.workers_for("auto", CPU, 2, 1) == 1
+    assert fused_groups.workers_for(1, CPU, 2, 20) == 1
+    assert fused_groups.workers_for(3, CPU, 1, 20) == 3
+    assert fused_groups.workers_for("auto", torch.device("cuda"), 8, 20) == 1
 
 
 def _group_results(algo, gs, datas, groups):
@@ -563,8 +632,8 @@ def test_fused_workers_train_whole_groups_side_by_side(float64, monkeypatch, cls
     datas = [_client(i, n, shape=(1, 16, 16), double=True) for i, n in enumerate(SIZES)]
     groups = [[0, 2], [1, 3]]
     seen = []
-    real = fused.run_in_workers
-    monkeypatch.setattr(fused, "run_in_workers", lambda jobs, *a: seen.append(len(jobs)) or real(jobs, *a))
+    real = fused_groups.run_in_workers
+    monkeypatch.setattr(fused_groups, "run_in_workers", lambda jobs, *a: seen.append(len(jobs)) or real(jobs, *a))
     threads = torch.get_num_threads()
     algo.cfg.fused_workers = 1
     one = _group_results(algo, gs, datas, groups)

@@ -104,7 +104,7 @@ def test_build_model_knows_the_config_models():
     from fedcp_dist.models import ModelChoice
 
     model_key = next(o for o in ModelChoice.options if o.name == "model")  # the config key's declaration
-    assert MODELS == ("cnn", "resnet18", "fasttext", "mlp")
+    assert MODELS == ("cnn", "resnet18", "fasttext", "mlp", "lstm")
     assert all(model_key.check(m) is None for m in MODELS) and model_key.check("vgg") is not None
     assert isinstance(build_model("cnn", (1, 28, 28), 10), CNN)
     assert isinstance(build_model("resnet18", [3, 32, 32], 10), ResNet18)
@@ -126,6 +126,9 @@ def test_build_model_knows_the_config_models():
         ("fasttext", (200,), {"vocab_size": -3}, "vocab_size=-3"),
         ("vgg", (3, 32, 32), {}, "unknown model 'vgg'"),
         ("mlp", (3, 32, 32), {}, r"feature rows \[features\]"),
+        ("lstm", (1, 28, 28), {"vocab_size": 80}, r"character ids \[sequence length\]"),
+        ("lstm", (80,), {}, "vocab_size=0"),
+        ("lstm", (80,), {"vocab_size": 80, "lstm_hidden": 0}, "lstm_hidden >= 1"),
         ("cnn", (1, 28, 28), {"num_classes": 0}, "num_classes=0"),
     ],
 )

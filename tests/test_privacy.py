@@ -249,8 +249,6 @@ def _refusal(**flat) -> str:
     ({"dp": "central", "dp_delta": 0.1, "data.num_clients": 20}, "dp_delta", "1/N"),
     ({"dp": "central", "dp_target_epsilon": 0.0}, "dp_target_epsilon", "> 0"),
     ({"dp": "central", "dp_target_epsilon": 2.0, "dp_noise_multiplier": 0.5}, "dp_noise_multiplier", "dp_target_epsilon"),
-    ({"dp_clip": 2.0}, "dp_clip", "dp=central"),
-    ({"dp": "central", "dp_clip_lr": 0.5}, "dp_clip_lr", "dp_clip=adaptive"),
     ({"dp": "central", "dp_clip": "adaptive", "dp_clip_count_stddev": 0.4}, "dp_clip_count_stddev", "dp_noise_multiplier"),
     ({"dp": "central", "dp_noise_cohort_size": 5, "participation": 0.5, "data.num_clients": 20},
      "dp_noise_cohort_size", "expected cohort"),
@@ -266,6 +264,24 @@ def _refusal(**flat) -> str:
 def test_bad_values_are_refused_in_one_line_naming_the_key(flat, key, words):
     msg = _refusal(**flat)
     assert msg.startswith(f"config key '{key}'") and words in msg, msg
+
+
+def test_keys_that_act_on_nothing_are_named_not_refused():
+    """A DP key set while dp is none, or an adaptive-clipping key with a fixed clip norm, is accepted
+    and named among the keys with no effect (the run's start line lists them); dp=central with
+    adaptive clipping names none."""
+    def idle(**flat):
+        cfg = load_config(values=unflatten({"method": "fedavg", **flat}), validate=False).validate(data_file=False)
+        return dict(cfg.keys_without_effect())
+
+    assert idle(dp_clip=2.0, dp_target_epsilon=4.0) == {
+        "dp_clip": "applies with dp=central only (dp is none)",
+        "dp_target_epsilon": "applies with dp=central only (dp is none)"}
+    assert idle(dp="central", dp_clip_lr=0.5, dp_clip_quantile=0.9) == {
+        "dp_clip_quantile": "applies with dp_clip=adaptive only (dp_clip is 0.1)",
+        "dp_clip_lr": "applies with dp_clip=adaptive only (dp_clip is 0.1)"}
+    assert idle(dp="central", dp_clip="adaptive", dp_clip_lr=0.5, dp_clip_quantile=0.9) == {}
+    assert idle() == {}
 
 
 def test_start_up_refuses_what_the_client_count_rules_out_and_an_unreachable_target():

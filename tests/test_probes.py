@@ -15,7 +15,8 @@ from fedcp_dist.analysis.records import read_probes
 from fedcp_dist.config import Config, load_config
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fused.groups import train_group
-from fedcp_dist.engine.probes import S_BINS, EvalTally, ProbeTable, RoundProbes, keep_before, s_histogram
+from fedcp_dist.algorithms.fedcp.probing import S_BINS, PolicyProbeLayout, PolicyTally, s_histogram
+from fedcp_dist.engine.probes import ProbeTable, RoundProbes, keep_before
 from helpers import CPU, Tiny, nonfinite_at, quarters_shard, run, tiny_data
 
 # ----------------------------------------------------------------------------- hand-made policies
@@ -24,7 +25,7 @@ from helpers import CPU, Tiny, nonfinite_at, quarters_shard, run, tiny_data
 def test_pir_and_histogram_of_a_known_policy():
     s = torch.tensor([[0.0, 0.5, 1.0, 0.25],
                       [0.75, 0.5, 0.5, 0.25]])
-    t = EvalTally()
+    t = PolicyTally()
     t.add(s[:1])
     t.add(s[1:])  # two test batches
     # PIR = (1/K) Σ_k s̄^k: s̄ = (0.375, 0.5, 0.75, 0.25) → (0.375 + 0.5 + 0.75 + 0.25) / 4
@@ -36,17 +37,24 @@ def test_pir_and_histogram_of_a_known_policy():
     assert s_histogram(torch.tensor([0.03, 0.0199, 0.98, 0.999])).nonzero().flatten().tolist() == [0, 1, 49]
 
     # rows: only the owner's row is non-zero, so the all-reduce sum is every client's row exactly
-    a, b = ProbeTable(3), ProbeTable(3)
-    a.add_evals({0: t})
-    a.add_train(0, samples=8, s_sum=2.0, loss_bef_sum=16.0, loss_aft_sum=4.0, loss_samples=10)
-    b.add_train(2, samples=4, s_sum=3.0, loss_bef_sum=5.0, loss_aft_sum=2.5, loss_samples=5)
-    summed = ProbeTable.from_flat(a.flat() + b.flat(), 3)
-    assert summed.records(round_idx=4, evaluated_after=4) == [
+    layout = PolicyProbeLayout()
+
+    class Result:
+        def __init__(self, samples, s):
+            self.samples, self.tallies = samples, {"s": s}
+
+    a, b = ProbeTable(3, layout), ProbeTable(3, layout)
+    a.eval[0] = torch.tensor(t.row(), dtype=torch.float64)
+    a.train[0] = torch.tensor(layout.train_row(Result(8, 2.0), (16.0, 4.0), 10), dtype=torch.float64)
+    b.train[2] = torch.tensor(layout.train_row(Result(4, 3.0), (5.0, 2.5), 5), dtype=torch.float64)
+    summed = ProbeTable.from_flat(a.flat() + b.flat(), 3, layout)
+    assert PolicyTally().row() is None  # a client without probed samples has no row
+    assert layout.records(summed.train, summed.eval, round_idx=4, evaluated_after=4) == [
         {"kind": "eval", "evaluated_after": 4, "client": 0, "samples": 2, "pir": 0.46875, "s_hist": want},
         {"kind": "train", "round": 5, "client": 0, "samples": 8, "pir": 0.25, "loss_bef": 1.6, "loss_aft": 0.4},
         {"kind": "train", "round": 5, "client": 2, "samples": 4, "pir": 0.75, "loss_bef": 1.0, "loss_aft": 0.5},
     ]
-    assert summed.records(None, None) == []
+    assert layout.records(summed.train, summed.eval, None, None) == []
     assert keep_before({"kind": "train", "round": 3}, 3) and not keep_before({"kind": "train", "round": 4}, 3)
     assert keep_before({"kind": "eval", "evaluated_after": 2}, 3) and not keep_before({"kind": "eval", "evaluated_after": 3}, 3)
 
@@ -54,13 +62,16 @@ def test_pir_and_histogram_of_a_known_policy():
 def test_round_probes_in_one_call_out_in_one():
     """A round's probes on two ranks: each packs its rows (one call in), the sum turns into the
     round's analysis lines (one call out); off, a round without training probes, and the final one."""
-    off = RoundProbes(0, 3, 0, evaluated=True)
-    assert (off.train, off.evals, off.pack(), off.records(torch.zeros(0))) == (False, None, None, [])
-    assert RoundProbes.size(0, 3) == 0 and RoundProbes.size(2, 3) == 3 * (6 + 3 + S_BINS)
-    a, b = RoundProbes(2, 3, 4, evaluated=True), RoundProbes(2, 3, 4, evaluated=True)
+    layout = PolicyProbeLayout()
+    for off in (RoundProbes(0, 3, 0, evaluated=True, layout=layout), RoundProbes(2, 3, 0, evaluated=True)):
+        assert (off.train, off.evals, off.pack(), off.records(torch.zeros(0))) == (False, None, None, [])
+    assert RoundProbes.size(0, 3, layout) == 0 and RoundProbes.size(2, 3, None) == 0
+    assert RoundProbes.size(2, 3, layout) == 3 * (6 + 3 + S_BINS)
+    a, b = RoundProbes(2, 3, 4, evaluated=True, layout=layout), RoundProbes(2, 3, 4, evaluated=True, layout=layout)
     assert a.train and a.evals == {}  # round 5 of analysis_every: 2 trains with probes
-    a.evals[1] = EvalTally()
+    a.evals[1] = a.tally()
     a.evals[1].add(torch.tensor([[0.5, 1.0]]))
+    a.evals[0] = a.tally()  # evaluated without a probed sample: no row
 
     class Result:
         samples, tallies = 8, {"s": 2.0}
@@ -71,11 +82,11 @@ def test_round_probes_in_one_call_out_in_one():
     assert a.records(a.pack() + b.pack()) == [
         {"kind": "eval", "evaluated_after": 4, "client": 1, "samples": 1, "pir": 0.75, "s_hist": hist},
         {"kind": "train", "round": 5, "client": 2, "samples": 8, "pir": 0.25, "loss_bef": 1.6, "loss_aft": 0.4}]
-    between = RoundProbes(2, 3, 5, evaluated=False)
+    between = RoundProbes(2, 3, 5, evaluated=False, layout=layout)
     assert not between.train and between.evals is None and between.records(between.pack()) == []
-    final = RoundProbes(2, 3, 6, evaluated=True, final=True)
+    final = RoundProbes(2, 3, 6, evaluated=True, layout=layout, final=True)
     final.evals[0] = a.evals[1]
-    assert not final.train and final.pack().numel() == RoundProbes.size(2, 3)
+    assert not final.train and final.pack().numel() == RoundProbes.size(2, 3, layout)
     assert [r["evaluated_after"] for r in final.records(final.pack())] == [6]
 
 

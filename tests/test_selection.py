@@ -72,10 +72,11 @@ def test_fedcp_client_vector_is_the_initial_vector_then_the_heads_column_sums_wh
 
     from fedcp_dist.algorithms.base import Context
     from fedcp_dist.algorithms.fedcp import FedCP
+    from fedcp_dist.capabilities import ClientVectors, supports
     from helpers import Tiny, algo_with_moved_global, tiny_data
 
     algo, _ = algo_with_moved_global(FedCP, Tiny(), shape=(1, 2, 2), lr=0.5, batch_size=4, lam=0.0)
-    assert algo.has_client_vector and algo.client_vector_dim == 3
+    assert supports(algo, ClientVectors) and algo.client_vector_dim == 3
     assert torch.equal(algo.client_vector(None), algo.init_client_state(0)["v"])  # untrained: the initial vector
     state = algo.init_client_state(0)
     res = algo.local_train(state, tiny_data(8), Context(0, 0, torch.Generator().manual_seed(1)))

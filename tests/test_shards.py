@@ -600,7 +600,7 @@ def test_scale_bench_runs(tmp_path):
         assert (one["world_size"], one["clients"], one["samples"]) == (1, 300, 1797)
         owned = place_clients(info.train_counts, 2) == 0
         assert (two["clients"], two["samples"]) == (owned.sum(), sizes[owned].sum())
-        assert r["file_mb"] > 0 and one["peak_rss_mb"] >= one["rss_before_mb"] > 0
+        assert r["file_mb"] > 0 and one["peak_rss_mb"] >= one["rss_before_mb"] > 0 and r["digest_seconds"] > 0
     assert rows[0]["draws"] is None and rows[1]["draws"] >= 1
     assert rows[1]["moved_samples"] == read_info(
         tmp_path / "work" / "digits_dir_n300.h5").partition_params["moved_samples"]

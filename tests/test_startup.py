@@ -61,3 +61,43 @@ def test_the_engine_and_a_rebuilt_run_start_from_one_model(digits6, tmp_path, mo
     load_run_state(tmp_path)
     assert len(built) == 2 and set(built[0]) == set(built[1]) and "head.weight" in built[0]
     assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
+
+
+def _cfg(*overrides):
+    from fedcp_dist.config import load_config
+
+    return load_config(None, list(overrides), validate=False).validate(data_file=False)
+
+
+def test_keys_of_another_method_or_model_are_named_not_dropped():
+    """A key that acts on another method or model is accepted (the run goes on as without it) and
+    named as having no effect; another method's checks across its keys do not run for this one."""
+    assert _cfg("method=fedavg", "lam=10").keys_without_effect() == [("lam", "an option of fedcp, not fedavg")]
+    assert _cfg("method=fedcp", "prox_mu=10").keys_without_effect() == [("prox_mu", "an option of fedprox, not fedcp")]
+    assert _cfg("model=cnn", "mlp_hidden=32", "fasttext_dim=8").keys_without_effect() == [
+        ("mlp_hidden", "acts on model=mlp only"), ("fasttext_dim", "acts on model=fasttext only")]
+    assert _cfg("method=fedavg", "peer_memory_mb=16").keys_without_effect() == [
+        ("peer_memory_mb", "an option of fedamp, fedfomo, not fedavg")]
+    # at their defaults, or acting on the method and model of the run: nothing to say
+    assert _cfg("method=fedcp", "lam=10", "model=mlp", "mlp_hidden=32", "lr=0.1").keys_without_effect() == []
+    assert _cfg("method=fedprox", "prox_mu=10", "lam=5.0").keys_without_effect() == []
+    # FedCP's rule (a CPN key needs a CPN) is FedCP's: it refuses for FedCP only
+    with pytest.raises(UserError, match="config key 'tau': acts on the CPN"):
+        _cfg("method=fedcp", "fedcp_cpn=false", "tau=2")
+    assert [k for k, _ in _cfg("method=fedavg", "fedcp_cpn=false", "tau=2").keys_without_effect()] == ["tau", "fedcp_cpn"]
+
+
+def test_the_start_line_names_the_keys_without_effect(digits6, tmp_path):
+    """A FedAvg run of the CNN given FedCP's λ, the MLP's width and aggregate_bn_stats (the CNN has
+    no BatchNorm): it runs, and its first line names the three keys and why they act on nothing."""
+    from helpers import run
+
+    lines = []
+    run(str(REPO / "configs" / "digits_fedavg.yaml"),
+        [f"data.path={digits6}", "rounds=1", "checkpoint_every=0", f"out_dir={tmp_path}", "threads=1", "lam=10",
+         "mlp_hidden=32", "aggregate_bn_stats=true"], echo=lines.append)
+    first = lines[0]
+    assert first.startswith("fedcp_dist: fedavg on 6 clients")
+    assert first.endswith("; keys with no effect in this run: lam=10.0 (an option of fedcp, not fedavg), mlp_hidden=32 "
+                          "(acts on model=mlp only), aggregate_bn_stats=True (the uploads hold no BatchNorm "
+                          "statistics)")  # threads=1: no hint to add ranks follows

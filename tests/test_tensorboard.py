@@ -12,7 +12,7 @@ from conftest import REPO
 from fedcp_dist.analysis.records import loss_by_round, pir_by_round, read_probes
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.rundir.loggers import analysis_scalars
+from fedcp_dist.algorithms.fedcp.probing import PolicyProbeLayout
 from fedcp_dist.rundir.directory import RunWriter, prepare_out_dir
 from helpers import nonfinite_at, quarters_shard, run
 
@@ -121,7 +121,7 @@ def test_analysis_means_are_weighted_by_samples():
              {"kind": "train", "round": 2, "client": 1, "samples": 30, "pir": 0.6, "loss_bef": 2.0, "loss_aft": 0.1},
              {"kind": "eval", "evaluated_after": 1, "client": 1, "samples": 6, "pir": 0.25, "s_hist": [0] * 50},
              {"kind": "eval", "evaluated_after": 1, "client": 0, "samples": 2, "pir": 0.75, "s_hist": [0] * 50}]
-    got = {tag: (step, round(v, 12)) for tag, step, v in analysis_scalars(lines)}
+    got = {tag: (step, round(v, 12)) for tag, step, v in PolicyProbeLayout().scalars(lines)}
     assert got == {"analysis/pir_train": (2, 0.5), "analysis/loss_bef": (2, 1.75), "analysis/loss_aft": (2, 0.2),
                    "analysis/pir_test": (1, 0.375)}
 

@@ -14,8 +14,7 @@ from fedcp_dist.algorithms.fedrep import FedRep
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.algorithms.perfedavg import PerFedAvg
 from fedcp_dist.algorithms.pfedme import PFedMe
-from fedcp_dist.comm.compress import CompressionOptions
-from fedcp_dist.comm.selection import SelectionOptions
+from fedcp_dist.comm.keys import CompressionOptions, Privacy, SelectionOptions
 
 ALGORITHMS = {
     cls.name: cls
@@ -23,10 +22,13 @@ ALGORITHMS = {
 }
 
 
+#: the classes whose options apply to every method alike: upload compression, client selection and
+#: user-level differential privacy
+SHARED_OPTION_CLASSES = (CompressionOptions, SelectionOptions, Privacy)
 #: every class whose options are config keys: the methods, the parts a method is composed of (FedCP's),
-#: and upload compression and client selection, which apply to the methods alike
+#: and the shared ones
 OPTION_CLASSES = (*(c for cls in ALGORITHMS.values() for c in (*getattr(cls, "parts", ()), cls)),
-                  CompressionOptions, SelectionOptions)
+                  *SHARED_OPTION_CLASSES)
 
 
 def option_classes() -> list:
@@ -37,6 +39,20 @@ def option_classes() -> list:
             if "options" in c.__dict__ and c not in seen:
                 seen.append(c)
     return seen
+
+
+def acting_option_classes(name: str) -> list:
+    """The classes of :func:`option_classes` whose keys act on the method ``name``: its class and
+    its bases, its parts, and the shared ones. The others' keys have no effect on it, and their
+    checks across keys are not run for it."""
+    cls = ALGORITHMS[name]
+    owners = {c for owner in (*getattr(cls, "parts", ()), cls, *SHARED_OPTION_CLASSES) for c in owner.__mro__}
+    return [c for c in option_classes() if c in owners]
+
+
+def methods_using(option_class: type) -> list:
+    """The names of the methods whose keys include ``option_class``'s."""
+    return [name for name in ALGORITHMS if option_class in acting_option_classes(name)]
 
 
 def method_options() -> list:

@@ -1,7 +1,9 @@
 """The algorithm interface: a handful of hooks the engine calls.
 
 An algorithm holds its math and nothing else: no ``torch.distributed``, no file I/O, no rank
-checks. The engine owns placement, aggregation, checkpoints and logging.
+checks. The engine owns placement, aggregation, checkpoints and logging. What only some methods do
+(exchange models with peers, keep a client vector, take probes) are the small protocols of
+:mod:`fedcp_dist.capabilities`, which a method implements by defining their members.
 
 State is kept as flat ``{name: tensor}`` dicts:
 
@@ -101,6 +103,9 @@ class Algorithm:
     own_loop: Optional[str] = None
     #: the config keys this class adds (:class:`fedcp_dist.options.Option`), gathered by the config loader
     options: tuple = ()
+    #: {key: (value, why)} where the method's preset on the embedded digits set
+    #: (``configs/digits_<name>.yaml``, generated from the declarations) departs from a declared default
+    digits_preset: dict = {}
 
     @classmethod
     def check_config(cls, cfg) -> Optional[Tuple[str, str]]:
@@ -144,32 +149,6 @@ class Algorithm:
         :mod:`fedcp_dist.fused.groups`, from :meth:`SGDAlgorithm.phases` and ``finish``)."""
         return self.own_loop or f"{self.name} has its own local training loop"
 
-    # -- the peer exchange (methods that need other clients' models: FedAMP, FedFomo) ------------
-    #: length of the flat float32 vector each participant shares with every rank (0: no exchange)
-    peer_dim = 0
-
-    def peer_payload(self, result: LocalResult) -> torch.Tensor:
-        """The flat float32 vector (``peer_dim`` long) a participant shares after training."""
-        raise NotImplementedError
-
-    def receive_peers(self, round_idx: int, global_state: State, peers: Dict[int, torch.Tensor]) -> State:
-        """New global state from the round's ``{client: payload}`` (the same on every rank)."""
-        raise NotImplementedError
-
-    def peer_memory_bytes(self, num_clients: int) -> int:
-        """Bytes per rank the method keeps for other clients' models (its part of the global state)."""
-        return 0
-
-    # -- the client vector (feature-difference client selection) ---------------------------------
-    #: whether the method keeps a per-client vector v_i that :meth:`client_vector` returns
-    has_client_vector = False
-    client_vector_dim = 0
-
-    def client_vector(self, client_state: Optional[State]) -> torch.Tensor:
-        """The client's latest vector v_i (float32, ``client_vector_dim`` long) from its persistent
-        state; ``None`` (it has not trained yet): its initial vector."""
-        raise NotImplementedError
-
     def upload_keys(self, global_state: State) -> list:
         """The global-state keys that participants upload and the server averages (default: all)."""
         return list(global_state)
@@ -205,23 +184,6 @@ class Algorithm:
         """Logits of the client's personalized model (the global one for FedAvg) on ``x``."""
         raise NotImplementedError
 
-    # -- probes (analysis: true): numbers for analysis.jsonl; the engine moves and writes them ----
-    #: the method has probes (the policy's s, loss before and after local learning); ``analysis``
-    #: is refused for a method without
-    probes = False
-
-    def predict_probe(self, client_state: Optional[State], x: torch.Tensor, ctx: Context):
-        """(logits, s): :meth:`predict`'s very logits and the policy's personal share s (B, K) of each
-        feature (None where the method has no policy)."""
-        return self.predict(client_state, x, ctx), None
-
-    def probe_losses(self, before: Optional[State], result: LocalResult, data, ctx: Context) -> Tuple[float, float]:
-        """(Σ loss before, Σ loss after local learning) over the client's training samples: the
-        personalized model's cross-entropy with the client's state ``before`` and the received
-        global state, and with what ``result`` (trained with ``ctx.probe``) holds after training.
-        Changes nothing the run goes on with."""
-        raise NotImplementedError
-
 
 class SGDAlgorithm(Algorithm):
     """A method whose local training is plain SGD on losses it declares once as phases.
@@ -241,7 +203,7 @@ class SGDAlgorithm(Algorithm):
     def finish(self, client_state: Optional[State], outcomes: List[PhaseOutcome], ctx: Context) -> LocalResult:
         raise NotImplementedError
 
-    def _sgd_kwargs(self, ctx: Optional[Context] = None) -> dict:
+    def sgd_settings(self, ctx: Optional[Context] = None) -> dict:
         """The SGD settings of a round's local training (``ctx``: the round; a subclass may add
         ``param_lr``, per-parameter rates)."""
         cfg = self.cfg
@@ -249,7 +211,7 @@ class SGDAlgorithm(Algorithm):
 
     def local_train(self, client_state, data, ctx):
         outcomes = [train_sequential(phase, cp, data, ctx.generator, amp=self.cfg.amp, tally=ctx.probe,
-                                     **self._sgd_kwargs(ctx))
+                                     **self.sgd_settings(ctx))
                     for phase, cp in self.phases(client_state, data, ctx)]
         return self.finish(client_state, outcomes, ctx)
 

@@ -33,6 +33,7 @@ class PFedMe(FedAvgWithPersonalModel):
     name = "pfedme"
     privacy_uploads = "its local copy w of the global model"
     privacy_keeps = "its personalised model θ_i"
+    digits_preset = {"pfedme_lr": (0.05, "the personalized step's rate as lr on this tiny set")}
     own_loop = "pFedMe solves an inner problem of K steps on each batch before its local step"
     options = (
         Option("pfedme_lam", 15.0, "pFedMe: weight λ of (λ/2)·‖θ − w‖² in the personalized problem; also scales the "

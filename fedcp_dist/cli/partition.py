@@ -10,6 +10,9 @@ Three modes::
         --channels 1 --out data/ct_folders.h5            # CT/<hospital>/<class>/<image>
     fedcp-partition --source csv --root fraud.csv --label-col Class --client-col bank \\
         --partition column --out data/fraud_banks.h5
+    fedcp-partition --source leaf --root leaf/data/femnist/data --out data/femnist.h5   # LEAF's users
+    fedcp-partition --source synthetic --synthetic-alpha 1 --synthetic-beta 1 --num-clients 1000 \\
+        --seed 1 --out data/synthetic_a1_b1_n1000.h5
     fedcp-partition --describe data/digits_dir0.1_n20.h5
     fedcp-partition --from-npz DIR --out FILE [--num-classes C] [--source NAME] [--allow-pickle]
     fedcp-partition --to-npz DIR --shard FILE [--force]     # the reference library's npz layout
@@ -45,7 +48,9 @@ def _build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--source", default=None,
                       help="data source: digits (default, offline), mnist, fmnist, cifar10, "
                            "cifar100, tinyimagenet, agnews (text), imagefolder (ROOT/<class>/<image>), "
-                           "csv (a table); with --from-npz, the name recorded in the file")
+                           "csv (a table), leaf (LEAF's FEMNIST or Shakespeare JSON files, one client per "
+                           "user), synthetic (FedProx's Synthetic(alpha, beta), generated); with --from-npz, "
+                           "the name recorded in the file")
     mode.add_argument("--describe", metavar="FILE", help="summarise an existing shard file")
     p.add_argument("--all", action="store_true",
                    help="--describe: one row per client however many there are (default: a "
@@ -95,6 +100,24 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="csv: the column naming each row's client (with --partition column)")
     own.add_argument("--drop-cols", default=None, metavar="A,B",
                      help="csv: comma-separated columns that are not features")
+    leaf = p.add_argument_group("LEAF (--source leaf: --root holds train/*.json and test/*.json)")
+    leaf.add_argument("--leaf-task", default=None, choices=("femnist", "shakespeare"),
+                      help="what the files hold (default: told from the first user's first sample: 784 "
+                           "pixel values or a string)")
+    syn = p.add_argument_group("Synthetic(alpha, beta) (--source synthetic, with --num-clients and --seed)")
+    syn.add_argument("--synthetic-alpha", type=float, default=None, metavar="A",
+                     help="std of u_k, the mean of client k's model entries W_k, b_k ~ N(u_k, 1) (required "
+                          "unless --synthetic-iid)")
+    syn.add_argument("--synthetic-beta", type=float, default=None, metavar="B",
+                     help="std of B_k, the mean of client k's input mean v_k ~ N(B_k, 1) (required unless "
+                          "--synthetic-iid)")
+    syn.add_argument("--synthetic-iid", action="store_true",
+                     help="Synthetic-IID: one W, b ~ N(0, 1) for every client, inputs N(0, Sigma)")
+    syn.add_argument("--synthetic-min-samples", type=int, default=50, metavar="M",
+                     help="a client holds floor(lognormal(4, 2)) + M samples (default 50, FedProx's)")
+    syn.add_argument("--synthetic-max-samples", type=int, default=None, metavar="M",
+                     help="cap on a client's samples (default: none; the uncapped law averages about "
+                          "450 a client)")
     p.add_argument("--partition", default="dir", choices=("dir", "pat", "iid", "folders", "column"),
                    help="partition scheme (default dir); natural partitions: folders "
                         "(imagefolder, ROOT/<client>/<class>/<image>), column (csv, --client-col)")
@@ -311,6 +334,13 @@ def main(argv=None) -> None:
         raise UserError("--describe and --from-npz cannot be used together")
     if (args.describe or args.from_npz or args.shard) and args.include_val:
         raise UserError("--include-val applies to --source tinyimagenet only")
+    if args.describe or args.from_npz or args.shard:
+        own = [key for key in ("leaf_task", "synthetic_alpha", "synthetic_beta", "synthetic_iid",
+                               "synthetic_min_samples", "synthetic_max_samples")
+               if getattr(args, key) != _build_parser().get_default(key)]
+        if own:
+            raise UserError(f"--{own[0].replace('_', '-')} applies to --source "
+                            f"{'leaf' if own[0] == 'leaf_task' else 'synthetic'} only")
     if args.describe or args.from_npz or args.shard:
         text_options(args.max_len, args.vocab_size, args.min_freq, "image",
                      "--describe" if args.describe else "--from-npz" if args.from_npz else "--shard",

@@ -15,7 +15,8 @@ first round evaluated at 95 % or more; ``acc_after_10``; ``pir_test``, ``pir_tes
 (``dp: central``'s ε after the last round) reads n/a for runs without DP and ∞ for runs without noise.
 A cell is mean ± std over seeds of the metric (100·metric for accuracies and AUCs). Runs that are
 missing or unfinished are listed and their cells marked ``(finished/expected)``; they are never
-averaged in. Points a sweep's ``exclude`` rules kept from running are listed with their reasons, and
+averaged in, and neither are runs whose summary says they diverged (they learned nothing): those are
+listed apart and counted in their cells (``diverged (1/2)``). Points a sweep's ``exclude`` rules kept from running are listed with their reasons, and
 a cell that holds only such points reads ``excluded``.
 """
 from __future__ import annotations
@@ -93,8 +94,9 @@ def main(argv=None) -> None:
         written += plot_against_keys(table, out)
         if args.selection and plot_selection(table, out / "selection_counts.png"):
             written.append(out / "selection_counts.png")
-    n_done = sum(r.finished for r in col.runs)
-    print(f"\n{n_done}/{len(col.runs)} runs finished; wrote {', '.join(str(p) for p in written)}")
+    n_done, n_diverged = sum(r.finished for r in col.runs), sum(r.diverged for r in col.runs)
+    print(f"\n{n_done}/{len(col.runs)} runs finished" + (f", {n_diverged} diverged" if n_diverged else "")
+          + f"; wrote {', '.join(str(p) for p in written)}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from fedcp_dist.analysis.records import read_probes, weighted_mean
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes
-from fedcp_dist.rundir.directory import ANALYSIS, CHECKPOINTS, CONFIG, NOT_DEFINING, SUMMARY, RunDir, format_value
+from fedcp_dist.rundir.directory import ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir, format_value
 from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
 #: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not
@@ -94,6 +94,8 @@ SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
 MISSING_CELL = "–"
 #: a cell whose points a sweep's exclude rules kept from running
 EXCLUDED_CELL = "excluded"
+#: why a run whose summary says it diverged has no result
+DIVERGED_WHY = "diverged: it learned nothing (every client's update non-finite in every round)"
 
 
 @dataclass
@@ -113,7 +115,13 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return self.summary is not None
+        """Whether the run has a result: a summary that does not say it diverged."""
+        return self.summary is not None and not self.diverged
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the run ran to its end but learned nothing (see :data:`fedcp_dist.rundir.directory.DIVERGED`)."""
+        return self.summary is not None and self.summary.get("status") == DIVERGED
 
     def value(self, key: str):
         if key in self.params:
@@ -127,8 +135,8 @@ class Run:
 
     def metric(self, name: str):
         """The summary's value of ``name`` (or of a :data:`DERIVED` or :data:`RECORD_METRICS` metric:
-        then perhaps :data:`NOT_REACHED`); None when it has none."""
-        if self.summary is None:
+        then perhaps :data:`NOT_REACHED`); None when it has none or no result (diverged)."""
+        if not self.finished:
             return None
         if name not in self.summary and is_record_metric(name):
             return record_metric(self.curve(), self.path, name)
@@ -262,6 +270,8 @@ def collect(root) -> Collection:
         why = ""
         if summary is None:
             why = "not started" if not path.exists() else f"no {SUMMARY}: unfinished or failed"
+        elif summary.get("status") == DIVERGED:
+            why = DIVERGED_WHY
         runs.append(Run(path, params, config, summary, "", why, name))
     for path in run_dirs:
         path = path.resolve()
@@ -269,7 +279,9 @@ def collect(root) -> Collection:
             continue
         seen.add(path)
         config, summary = _read(path)
-        runs.append(Run(path, {}, config, summary, "", "" if summary else f"no {SUMMARY}: unfinished or failed"))
+        why = (f"no {SUMMARY}: unfinished or failed" if summary is None
+               else DIVERGED_WHY if summary.get("status") == DIVERGED else "")
+        runs.append(Run(path, {}, config, summary, "", why))
     if not runs:
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
     return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded)
@@ -332,6 +344,8 @@ class Cell:
     not_recorded: int = 0
     #: finished runs whose accuracy never reached a rounds_to_P metric's P
     not_reached: int = 0
+    #: runs that learned nothing (their summaries say diverged): no result, counted apart
+    diverged: int = 0
 
     @property
     def n(self) -> int:
@@ -361,13 +375,15 @@ class Table:
     methods: list
     settings: list  # [(values tuple, label)]
     cells: dict  # (method, values) -> Cell
-    missing: list  # runs without a result
+    missing: list  # runs without a result (those that diverged apart)
     typical_n: int
     warnings: list
     #: (row, setting) -> the reasons of the excluded points there
     excluded: dict = field(default_factory=dict)
     #: [(row, label, reason, points)] for the report's list
     excluded_notes: list = field(default_factory=list)
+    #: runs that ran to their end but learned nothing (:data:`fedcp_dist.rundir.directory.DIVERGED`)
+    diverged: list = field(default_factory=list)
 
     def cell_text(self, method: str, setting: tuple) -> str:
         cell = self.cells.get((method, setting))
@@ -379,6 +395,8 @@ class Table:
         if cell is None:
             return ""
         if not cell.values:
+            if cell.diverged:
+                return f"{DIVERGED} ({cell.diverged}/{cell.expected})"
             if cell.not_reached:
                 return NOT_REACHED + (f" ({cell.not_reached}/{cell.expected})" if cell.not_reached < cell.expected else "")
             if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
@@ -393,7 +411,9 @@ class Table:
         else:
             scale_fmt = "{:.4g}" if "fraction" in self.metric or abs(cell.mean) < 1e4 else "{:.0f}"
         s = f"{scale_fmt.format(cell.mean)} ± {scale_fmt.format(cell.std)}"
-        if cell.not_reached:
+        if cell.diverged:
+            s += f" ({cell.n}/{cell.expected}; {cell.diverged} {DIVERGED})"
+        elif cell.not_reached:
             s += f" ({cell.n}/{cell.expected}; {cell.not_reached} {NOT_REACHED})"
         elif cell.n < cell.expected:
             s += f" ({cell.n}/{cell.expected})"
@@ -406,6 +426,7 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     runs = col.runs
     scale = 100.0 if _is_percent(metric) else 1.0
     finished = [r for r in runs if r.finished]
+    diverged = [r for r in runs if r.diverged]
     if finished and metric not in OPTIONAL and not is_record_metric(metric) and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
         raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
@@ -420,6 +441,9 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         key = (r.method, setting)
         cell = cells.setdefault(key, Cell(r.method, setting, "", []))
         cell.runs.append(r)
+        if r.diverged:
+            cell.diverged += 1
+            continue
         value = r.metric(metric) if r.finished else None
         if value == NOT_REACHED:
             cell.not_reached += 1
@@ -469,7 +493,7 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     counts = collections.Counter(complete)
     typical = max(counts, key=lambda n: (counts[n], n)) if counts else 0
     return Table(metric, keys, present, labels, cells, missing, typical, warnings,
-                 {k: v for k, v in excluded.items() if k[0] is not None}, excluded_notes)
+                 {k: v for k, v in excluded.items() if k[0] is not None}, excluded_notes, diverged)
 
 
 def _unit(metric: str) -> str:
@@ -489,7 +513,9 @@ def markdown(table, title: str, row_name: str = "method") -> str:
              + (f"; (n=k) counts seeds when they differ from the usual {first.typical_n}" if first.typical_n else "")
              + (f"; {NA_CELL}: the runs do not record the metric" if any(
                  c.not_recorded for t in tables for c in t.cells.values()) else "")
-             + (f"; {EXCLUDED_CELL}: not run, for the reason listed below" if first.excluded else "") + ".", ""]
+             + (f"; {EXCLUDED_CELL}: not run, for the reason listed below" if first.excluded else "")
+             + (f"; {DIVERGED}: runs that learned nothing, listed below and never averaged" if first.diverged else "")
+             + ".", ""]
     columns = []  # (table, setting, label)
     for s, label in first.settings:
         for t in tables:
@@ -502,6 +528,13 @@ def markdown(table, title: str, row_name: str = "method") -> str:
         row = [m] + [t.cell_text(m, s) for t, s, _ in columns]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    if first.diverged:
+        lines.append(f"{DIVERGED}: {len(first.diverged)} run(s) that ran every round but learned nothing (every "
+                     f"client's update non-finite in every round; their accuracy is the untrained model's), not "
+                     f"averaged:")
+        for r in sorted(first.diverged, key=lambda r: str(r.path)):
+            lines.append(f"- {r.method} {r.label}: {r.path}")
+        lines.append("")
     missing = {id(r): r for t in tables for r in t.missing}.values()
     if missing:
         lines.append(f"missing: {len(missing)} run(s) without a result, not averaged:")
@@ -528,7 +561,7 @@ def write_csv(table, path: Path, row_name: str = "method") -> None:
     w = csv.writer(buf, lineterminator="\n")
     several = len(tables) > 1
     w.writerow([row_name, "setting", *(["metric"] if several else []), "n_seeds", "mean", "std", "seeds", "n_expected",
-                "excluded"])
+                "excluded", "n_diverged"])
     for m in tables[0].methods:
         for s, _ in tables[0].settings:
             for t in tables:
@@ -536,11 +569,12 @@ def write_csv(table, path: Path, row_name: str = "method") -> None:
                 reasons = "; ".join(sorted(t.excluded.get((m, s), ())))
                 if cell is None:
                     if reasons:
-                        w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), 0, "", "", "", 0, reasons])
+                        w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), 0, "", "", "", 0, reasons,
+                                    0])
                     continue
                 w.writerow([m, dict(t.settings)[s], *([t.metric] if several else []), cell.n, repr(cell.mean) if cell.values else "",
                             repr(cell.std) if cell.values else "", " ".join(str(x) for x in cell.seeds),
-                            cell.expected, reasons])
+                            cell.expected, reasons, cell.diverged])
     atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
 
 

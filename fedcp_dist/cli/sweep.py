@@ -11,6 +11,10 @@ and skipped; any other is launched (again) and continues from its own checkpoint
 ``partition`` block makes the shards the grid needs once, under ``<root>/<name>/data/``.
 ``<root>/<name>/sweep.json`` records the points for ``fedcp-report``. The work is done by
 :mod:`fedcp_dist.sweep`; this module reads the command line and prints the dry run.
+
+Exit status of a local sweep: 0 when every point is finished, 1 when a point failed, 75 when a stop
+signal (SIGINT, SIGTERM, SIGUSR2) stopped it, its running point checkpointed (run it again to
+resume), 2 for a bad sweep file or argument.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import json
 import sys
 
 from fedcp_dist.errors import ArgumentParser, cli_main
-from fedcp_dist.rundir.directory import FINISHED, UNFINISHED
+from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
 
@@ -29,15 +33,17 @@ def dry_run(sweep: Sweep) -> None:
     """Print every point's status and command, the shards and (slurm) the job; make and submit nothing."""
     statuses = [(s := p.status(), config_drift(sweep, p) if s == FINISHED else []) for p in sweep.points]
     counts = collections.Counter(s for s, _ in statuses)
+    done = counts[FINISHED] + counts[DIVERGED]
     print(f"sweep {sweep.name}: {len(sweep.points)} points over {' × '.join(sweep.dimensions)}; "
-          f"{counts[FINISHED]} finished, {len(sweep.points) - counts[FINISHED]} to run "
+          f"{counts[FINISHED]} finished, " + (f"{counts[DIVERGED]} diverged, " if counts[DIVERGED] else "")
+          + f"{len(sweep.points) - done} to run "
           f"(executor {sweep.kind}, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"
           + (f"; {len(sweep.excluded)} excluded" if sweep.excluded else ""))
     print(f"directory {display_path(sweep.dir)}")
     shards = {}
     for p, (status, _) in zip(sweep.points, statuses):
         if p.data_path is not None:
-            shards.setdefault(p.data_path, [0, 0])[status == FINISHED] += 1
+            shards.setdefault(p.data_path, [0, 0])[status in DONE] += 1
     for data_path, (todo, done) in shards.items():
         state = "exists" if data_path.exists() else ("to be made" if todo else "missing (only finished runs use it)")
         print(f"partition {display_path(data_path)}: {state}")
@@ -50,7 +56,7 @@ def dry_run(sweep: Sweep) -> None:
     for e in sweep.excluded:
         print(f"excluded   {e.name}: {e.reason}")
     if sweep.kind == "slurm":
-        n = len(sweep.points) - counts[FINISHED]
+        n = len(sweep.points) - done
         what = f"one array job of {n} tasks" if n > 1 else ("one job" if n else "nothing to submit")
         print(f"slurm: {what}; submitit parameters {json.dumps(slurm_parameters(sweep), sort_keys=True)}")
     print("dry run: nothing was made or submitted")
@@ -58,7 +64,10 @@ def dry_run(sweep: Sweep) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="fedcp-sweep",
-                description="Run a grid of fedcp_dist experiments: locally one after another, or as one SLURM array job.")
+                description="Run a grid of fedcp_dist experiments: locally one after another, or as one SLURM array job.",
+                epilog="A local sweep exits 0 when every point is finished, 1 when a point failed, 75 when a stop signal "
+                       "(Ctrl-C, SIGTERM, SIGUSR2) stopped it after its running point checkpointed: run it again to "
+                       "resume.")
     p.add_argument("sweep", help="sweep YAML file (see configs/sweeps/)")
     p.add_argument("--dry-run", action="store_true", help="print the points, their status and commands; run nothing")
     p.add_argument("--executor", choices=EXECUTORS, help="override executor.kind of the sweep file")

@@ -29,11 +29,9 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from fedcp_dist.comm.privacy import clip_factor, total_norm
 from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
-from fedcp_dist.options import Option, one_of, within
 
-COMPRESS_MODES = ("none", "topk")
-COMPRESS_BITS = (32, 16, 8)
 
 State = Dict[str, torch.Tensor]
 
@@ -160,8 +158,6 @@ class Compressor:
            only through later uploads, each clipped again.
 
         Returns (Δ̂, w, the new residual or None, ‖Δ'‖)."""
-        from fedcp_dist.comm.privacy import clip_factor, total_norm
-
         delta = {}
         for k in keys:
             d = upload[k].detach().to(torch.float32) - global_state[k].to(torch.float32)
@@ -245,29 +241,3 @@ def skipped_part_saving(share: float, sent_rounds: int, rounds: int) -> float:
     if rounds <= 0 or not 0 <= sent_rounds <= rounds:
         raise ValueError(f"sent_rounds must lie in 0..rounds, got {sent_rounds} of {rounds}")
     return share * (1.0 - sent_rounds / rounds)
-
-
-class CompressionOptions:
-    """The config keys of upload compression (any method whose uploads are averaged)."""
-
-    options = (
-        Option("compress", "none", "uploads: none (dense float32) | topk (each tensor's delta to the received "
-               "model, its largest entries only, quantised)", one_of(*COMPRESS_MODES)),
-        Option("compress_ratio", 1.0, "compress=topk: fraction of each tensor's entries sent, in (0, 1]",
-               within(0, 1, low_open=True)),
-        Option("compress_bits", 32, "compress=topk: bits per sent value: 32 | 16 (half) | 8 (per-tensor scale and "
-               "offset)", one_of(*COMPRESS_BITS)),
-        Option("compress_error_feedback", False, "compress=topk: keep what was not sent in the client's state and add "
-               "it to its next delta"),
-    )
-
-    @classmethod
-    def check_config(cls, cfg):
-        if cfg.compress == "none":
-            for key, default in (("compress_ratio", 1.0), ("compress_bits", 32), ("compress_error_feedback", False)):
-                if getattr(cfg, key) != default:
-                    return key, f"applies with compress=topk only (compress is none), got {getattr(cfg, key)!r}"
-        elif not cfg.method_class.averages_uploads:
-            return "compress", (f"{cfg.method} averages no uploads (its models travel in the peer exchange); "
-                                f"use compress=none")
-        return None

@@ -29,11 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from fedcp_dist.options import Option, one_of, within
 from fedcp_dist.state.placement import STREAM_COHORT, round_cohort_size, sample_cohort, stream_seed
-
-SELECTION_MODES = ("uniform", "feature_difference")
-SELECTION_VECTORS = ("client", "features")
 
 
 def selection_weights(sizes: Sequence[float], vectors) -> np.ndarray:
@@ -68,35 +64,6 @@ def sample_cohort_weighted(seed: int, round_idx: int, probs: np.ndarray, partici
     rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
     m = round_cohort_size(rng, len(probs), participation, participation_range, draw)
     return np.sort(rng.choice(len(probs), size=m, replace=False, p=probs))
-
-
-class SelectionOptions:
-    """The config keys of client selection."""
-
-    options = (
-        Option("client_selection", "uniform", "cohorts with participation < 1: uniform | feature_difference (FedCP: "
-               "p_i ∝ |D_i|·(1 − cos(v_i, mean v)))", one_of(*SELECTION_MODES)),
-        Option("selection_min_prob", 0.01, "client_selection=feature_difference: floor of a client's draw "
-               "probability before renormalising, in (0, 1]", within(0, 1, low_open=True)),
-        Option("selection_vector", "client", "client_selection=feature_difference: the v_i compared: client (the "
-               "method's client vector; FedCP: the head's column sums) | features (FedCP: the mean of the client's "
-               "features h over its last local training)", one_of(*SELECTION_VECTORS)),
-    )
-
-    @classmethod
-    def check_config(cls, cfg):
-        if cfg.client_selection == "uniform" and cfg.selection_min_prob != 0.01:
-            return "selection_min_prob", (f"applies with client_selection=feature_difference only (it is uniform), "
-                                          f"got {cfg.selection_min_prob!r}")
-        if cfg.client_selection == "uniform" and cfg.selection_vector != "client":
-            return "selection_vector", (f"applies with client_selection=feature_difference only (it is uniform), "
-                                        f"got {cfg.selection_vector!r}")
-        if cfg.client_selection == "feature_difference" and cfg.participation_sampling == "poisson":
-            return "client_selection", ("feature_difference draws a cohort of ⌊ρN⌋ by the clients' vectors; "
-                                        "participation_sampling=poisson draws every client on its own: use uniform")
-        if cfg.client_selection == "feature_difference" and not cfg.method_class.has_client_vector:
-            return "client_selection", f"feature_difference needs a method that keeps a client vector; {cfg.method} keeps none"
-        return None
 
 
 def gather_client_vectors(rt, algo, store, owned, num_clients: int) -> np.ndarray:

@@ -17,14 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from fedcp_dist.config import type_ok
 from fedcp_dist.data.text import (DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE,
                                   TEXT_PIPELINES)
 from fedcp_dist.errors import UserError
+from fedcp_dist.options import type_ok
 
 SCHEMES = ("dir", "pat", "iid", "folders", "column")
 #: the natural partitions (the data say which client holds each sample) and the source of each
 NATURAL = {"folders": "imagefolder", "column": "csv"}
+#: sources that come with their own clients (LEAF's users, the synthetic benchmark's clients): no
+#: partition scheme applies, and the shard records the source's name as its partition
+OWN_CLIENTS = ("leaf", "synthetic")
+#: the options of the split schemes, which sources with their own clients refuse
+_SPLIT_OPTIONS = ("partition", "beta", "classes_per_client", "unbalanced", "batch_size", "max_tries")
 
 
 def flag(option: str) -> str:
@@ -83,6 +88,18 @@ class PartitionSpec:
     client_col: Optional[str] = None
     #: csv: comma-separated columns to ignore
     drop_cols: Optional[str] = None
+    #: leaf: femnist | shakespeare (None: told from the files' content)
+    leaf_task: Optional[str] = None
+    #: synthetic: alpha, the spread of the clients' models (required unless synthetic_iid)
+    synthetic_alpha: Optional[float] = None
+    #: synthetic: beta, the spread of the clients' input means (required unless synthetic_iid)
+    synthetic_beta: Optional[float] = None
+    #: synthetic: Synthetic-IID (one model for all clients, inputs N(0, Sigma))
+    synthetic_iid: bool = False
+    #: synthetic: the fewest samples of a client (the 50 of n = floor(lognormal(4, 2)) + 50)
+    synthetic_min_samples: int = 50
+    #: synthetic: the most samples of a client (None: no cap)
+    synthetic_max_samples: Optional[int] = None
 
     def __post_init__(self) -> None:
         # an integer given for a float option is that float (as the command line reads "1" as 1.0),
@@ -90,7 +107,7 @@ class PartitionSpec:
         types = _option_types()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if types[f.name] is float and type_ok(value, float):
+            if types[f.name] in (float, Optional[float]) and value is not None and type_ok(value, float):
                 setattr(self, f.name, float(value))
 
     @classmethod
@@ -109,6 +126,7 @@ class PartitionSpec:
     def check(self) -> None:
         """Refuse impossible values (before any data is loaded)."""
         check_option_values(self)
+        _check_own_clients(self)
         if self.partition not in SCHEMES:
             raise UserError(f"--partition must be one of {', '.join(SCHEMES)}, got {self.partition!r}")
         natural = NATURAL.get(self.partition)
@@ -118,7 +136,7 @@ class PartitionSpec:
         if self.client_col is not None and self.partition != "column":
             raise UserError(f"--client-col needs --partition column (each value of the column is one client), "
                             f"got --partition {self.partition}")
-        if self.num_clients is None and not natural:
+        if self.num_clients is None and not natural and self.source != "leaf":
             raise UserError("--num-clients is required")
         if self.num_clients is not None and self.num_clients < 1:
             raise UserError(f"--num-clients must be >= 1, got {self.num_clients}")
@@ -148,6 +166,15 @@ class PartitionSpec:
 
             parse_image_size(self.image_size)
 
+    def synthetic(self):
+        """The :class:`~fedcp_dist.data.synthetic.SyntheticSpec` of a synthetic source."""
+        from fedcp_dist.data.synthetic import SyntheticSpec
+
+        return SyntheticSpec(alpha=self.synthetic_alpha or 0.0, beta=self.synthetic_beta or 0.0,
+                             num_clients=self.num_clients, seed=self.seed, iid=self.synthetic_iid,
+                             train_ratio=self.train_ratio, min_samples=self.synthetic_min_samples,
+                             max_samples=self.synthetic_max_samples)
+
     def own_options(self, say) -> dict:
         """The keyword arguments of the own-data loaders (imagefolder, csv)."""
         natural = self.partition in NATURAL
@@ -157,6 +184,50 @@ class PartitionSpec:
             return {"label_col": self.label_col, "client_col": self.client_col, "drop_cols": self.drop_cols,
                     "natural": natural, "say": say}
         return {}
+
+
+def _check_own_clients(spec: PartitionSpec) -> None:
+    """Sources with their own clients (:data:`OWN_CLIENTS`) refuse the split schemes' options, and
+    their own options belong to them alone."""
+    defaults = _defaults()
+    given = [key for key in _SPLIT_OPTIONS if getattr(spec, key) != defaults[key]]
+    if spec.source in OWN_CLIENTS and given:
+        what = "LEAF's users" if spec.source == "leaf" else "its generated clients"
+        raise UserError(f"{flag(given[0])} applies to sources split among clients; --source {spec.source} keeps "
+                        f"{what} as the clients")
+    if spec.leaf_task is not None and spec.source != "leaf":
+        raise UserError(f"--leaf-task applies to --source leaf only, not to '{spec.source}'")
+    own = [f.name for f in dataclasses.fields(spec) if f.name.startswith("synthetic_")
+           and getattr(spec, f.name) != defaults[f.name]]
+    if own and spec.source != "synthetic":
+        raise UserError(f"{flag(own[0])} applies to --source synthetic only, not to '{spec.source}'")
+    if spec.source == "leaf":
+        if spec.train_ratio != defaults["train_ratio"]:
+            raise UserError("--train-ratio: LEAF's files hold their own train/test split (preprocess.sh --tf); "
+                            "--source leaf keeps it")
+        if spec.download:
+            raise UserError("--source leaf cannot be downloaded: make LEAF's files with its preprocess.sh")
+        from fedcp_dist.data.leaf import TASKS
+
+        if spec.leaf_task is not None and spec.leaf_task not in TASKS:
+            raise UserError(f"--leaf-task must be one of {', '.join(TASKS)}, got {spec.leaf_task!r}")
+    if spec.source == "synthetic":
+        if spec.root is not None or spec.download:
+            raise UserError(f"{'--root' if spec.root is not None else '--download'}: --source synthetic generates "
+                            f"its data and reads no files")
+        ab = [k for k in ("synthetic_alpha", "synthetic_beta") if getattr(spec, k) is not None]
+        if spec.synthetic_iid and ab:
+            raise UserError(f"{flag(ab[0])} does not apply to --synthetic-iid (one model for every client)")
+        if not spec.synthetic_iid and len(ab) < 2:
+            missing = "--synthetic-alpha" if "synthetic_alpha" not in ab else "--synthetic-beta"
+            raise UserError(f"--source synthetic needs {missing} (Synthetic(alpha, beta)), or --synthetic-iid")
+        if spec.num_clients is None:
+            raise UserError("--num-clients is required")
+        spec.synthetic().check()
+
+
+def _defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(PartitionSpec)}
 
 
 def option_types() -> dict:
@@ -261,6 +332,8 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
     from fedcp_dist.data.sources import load_source, source_kind
 
     spec.check()
+    if spec.source in OWN_CLIENTS:
+        return _make_own_clients(spec, out, force, say)
     text_opts = text_options(spec.max_len, spec.vocab_size, spec.min_freq, source_kind(spec.source), spec.source,
                              spec.text_pipeline)
     source_opts = {"include_val": True} if spec.include_val else {}
@@ -306,6 +379,21 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
                 num_classes=src.num_classes, input_shape=src.input_shape, mean=mean,
                 std=std, partition=spec.partition, partition_params=params, seed=spec.seed,
                 kind=src.kind, vocab=src.vocab, columns=src.feature_names)
+    say_written(out, say)
+    return out
+
+
+def _make_own_clients(spec: PartitionSpec, out, force: bool, say) -> Path:
+    """LEAF's users or the synthetic benchmark's clients, written as they come (no partition)."""
+    from fedcp_dist.data.leaf import write_leaf_shard
+    from fedcp_dist.data.synthetic import write_synthetic_shard
+
+    text_options(spec.max_len, spec.vocab_size, spec.min_freq, "image", spec.source, spec.text_pipeline)
+    out = check_out(out, force)
+    if spec.source == "leaf":
+        write_leaf_shard(spec.root, out, spec.leaf_task, CLIENT_NAMES_CHARS, say, spec.num_clients)
+    else:
+        write_synthetic_shard(spec.synthetic(), out, say)
     say_written(out, say)
     return out
 

@@ -9,7 +9,7 @@ samples, the positive class's recall TP / (TP + FN) and the balanced accuracy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -17,10 +17,7 @@ import torch.nn.functional as F
 
 from fedcp_dist.comm.aggregate import Sums
 from fedcp_dist.algorithms.base import Context
-from fedcp_dist.options import Component, Option, above
-
-if TYPE_CHECKING:  # the evaluation imports it where it fills probes
-    from fedcp_dist.engine.probes import EvalTally
+from fedcp_dist.engine.probes import RoundProbes
 
 
 @dataclass
@@ -95,17 +92,16 @@ def binary_auc(y_true: np.ndarray, y_score: np.ndarray) -> float:
 @torch.no_grad()
 def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx: int,
                      generator: Callable[[int, int], torch.Generator], batch_size: int,
-                     probes: Optional[Dict[int, "EvalTally"]] = None, order=None) -> EvalSums:
+                     probes: Optional[RoundProbes] = None, order=None) -> EvalSums:
     """The sums over ``clients`` of their personalized models' test metrics.
 
     ``store`` hands each client's state (and swaps its own BatchNorm statistics in);
     ``generator(round, client)`` is the client's evaluation stream (stochastic policies).
-    ``probes`` (analysis on): filled with each client's :class:`~fedcp_dist.engine.probes.EvalTally` of
-    the policy's s, from the very forward passes whose logits are scored. ``order``
+    ``probes`` (analysis on, the round evaluated with probes): its ``evals`` filled with each client's
+    tally of the method's probes, from the very forward passes whose logits are scored. ``order``
     (a :class:`~fedcp_dist.comm.aggregate.ClientOrder` with a slot per client): each client's own values.
     """
-    from fedcp_dist.engine.probes import EvalTally
-
+    probed = probes is not None and probes.evals is not None
     sums = EvalSums()
     for cid in clients:
         d = datas[cid]
@@ -113,19 +109,18 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
             continue
         ctx = Context(round_idx, cid, generator(round_idx, cid))
         state = algo.prepare_eval(store.activate(cid), d, ctx)
-        if probes is None:
+        if not probed:
             logits = torch.cat([algo.predict(state, d.test_batch(i, i + batch_size)[0], ctx)
                                 for i in range(0, d.n_test, batch_size)])
         else:
-            parts, tally = [], EvalTally()
+            parts, tally = [], probes.tally()
             for i in range(0, d.n_test, batch_size):
-                out, s = algo.predict_probe(state, d.test_batch(i, i + batch_size)[0], ctx)
+                out, probe = algo.predict_probe(state, d.test_batch(i, i + batch_size)[0], ctx)
                 parts.append(out)
-                if s is not None:
-                    tally.add(s)
+                if probe is not None:
+                    tally.add(probe)
             logits = torch.cat(parts)
-            if tally.samples:
-                probes[cid] = tally
+            probes.evals[cid] = tally
         loss = float(F.cross_entropy(logits, d.test_y, reduction="sum"))
         correct = float((logits.argmax(1) == d.test_y).sum())
         auc = micro_auc(d.test_y.cpu().numpy(), torch.softmax(logits.float(), 1).cpu().numpy())
@@ -138,13 +133,3 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
             order.add(cid, mine)
         sums += mine
     return sums
-
-
-class Evaluation(Component):
-    """Personalized evaluation of every client before a round's training."""
-
-    options = (
-        Option("eval_every", 1, "evaluate every this many rounds (before that round's training), and after the last "
-               "round", above(0)),
-        Option("eval_batch_size", 1000, "samples per forward pass at evaluation", above(0)),
-    )

@@ -7,7 +7,8 @@ works with, built in order, each step agreed on by every rank.
 2. the peer exchange's memory is checked, the global state made, the client store opened (a disk
    store locks its folder) and the training path chosen (fused or one client at a time);
 3. ``dp: central``'s mechanism (its noise calibrated for a target ε), the aggregator's buffer, the
-   compressor, the cohort trainer and the run directory's writer;
+   compressor and the cohort trainer; the memory the rounds will take is estimated and checked
+   against what is free (:mod:`fedcp_dist.engine.preflight`); the run directory's writer;
 4. resume from the newest verified checkpoint (``resume: auto``), and analysis.jsonl kept up to the
    rounds done.
 
@@ -20,16 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
+from fedcp_dist.capabilities import Probes, supports
 from fedcp_dist.engine import startup
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
-from fedcp_dist.state.client_store import DiskClientStore, make_store
+from fedcp_dist.state.client_store import BN_STAT_SUFFIXES, DiskClientStore, make_store
 from fedcp_dist.comm.compress import Compressor
 from fedcp_dist.config import Config
 from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.engine.evaluation import EvalSums
 from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
+from fedcp_dist.engine.preflight import preflight
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.rundir.directory import RunWriter, prepare_out_dir
 from fedcp_dist.runtime import Runtime
@@ -52,6 +55,10 @@ class RunParts:
     trainer: CohortTrainer
     writer: RunWriter
     lock: object
+    #: [(key, why)] of the config's keys that have no effect in this run (the start line names them)
+    idle_keys: List[tuple] = field(default_factory=list)
+    #: the memory the run's rounds will take at their peak, estimated before the first (a line)
+    memory: str = ""
     #: ``dp: central``'s mechanism (None: off)
     dp: Optional[CentralDP] = None
     start_round: int = 0
@@ -59,9 +66,12 @@ class RunParts:
     round_seconds: List[float] = field(default_factory=list)
 
 
-def run_data_record(cfg: Config, setup: startup.Setup) -> dict:
-    """The shard a run trains on, as its checkpoints record it (and resume checks it)."""
-    return data_record(cfg.data.path, setup.info.fingerprint, layout_digest(setup.info))
+def run_data_record(cfg: Config, setup: startup.Setup) -> Optional[dict]:
+    """The shard a run trains on, as its checkpoints record it and resume checks it (None on the
+    ranks that did not hash it: the first rank checks the data for every rank)."""
+    if setup.digest is None:
+        return None
+    return data_record(cfg.data.path, setup.info.fingerprint, layout_digest(setup.info), setup.digest)
 
 
 def close_parts(parts, failed: bool) -> None:
@@ -114,19 +124,26 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     # per-client BatchNorm statistics (known once the store is) keep the clients sequential
     fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
     upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
+    layout = algo.probe_layout if supports(algo, Probes) else None
+    idle = cfg.keys_without_effect()
+    if cfg.aggregate_bn_stats and not any(k.endswith(BN_STAT_SUFFIXES) for k in algo.upload_keys(global_state)):
+        idle.append(("aggregate_bn_stats", "the uploads hold no BatchNorm statistics"))
     # dp=central: the mechanism (its noise multiplier calibrated here when dp_target_epsilon is set)
     dp = startup.agree_on(rt, lambda: CentralDP(cfg, plan_run(cfg, s.num_clients))) if cfg.dp == "central" else None
     agg = FlatAggregator({k: global_state[k].shape for k in upload},
                          sums_size(TrainSums, EvalSums, *((PrivacySums,) if dp else ())), rt.device,
-                         extra=RoundProbes.size(cfg.probe_every, s.num_clients),
+                         extra=RoundProbes.size(cfg.probe_every, s.num_clients, layout),
                          groups=algo.aggregation_groups(upload),
                          rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
     compressor = Compressor.from_config(cfg, agg.shapes)
-    groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device)
+    groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device, rows=s.batch_rows(cfg))
               if fused and s.groups is not None else None)
     trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor, dp)
-    made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger)
-    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], dp)
+    # the memory the rounds will take, against what is free: a run that cannot fit stops here, in one line
+    memory = startup.agree_on(rt, lambda: preflight(cfg, rt, s, algo, store, agg, compressor, groups))
+    made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger, layout.scalars if layout else None)
+    parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], idle,
+                     memory=memory or "", dp=dp)
 
     def maybe_resume() -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory

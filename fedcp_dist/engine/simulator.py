@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from fedcp_dist.capabilities import PeerExchange, Probes, supports
 from fedcp_dist.engine import startup
 from fedcp_dist.comm.aggregate import ClientOrder, TrainSums, exchange_peers, reduce_sums
 from fedcp_dist.rundir.checkpoint import Checkpointer
@@ -21,12 +22,13 @@ from fedcp_dist.comm.compress import uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.engine.evaluation import EvalSums, evaluate_clients
+from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.state.placement import STREAM_EVAL
-from fedcp_dist.rundir.preemption import StopSignals
+from fedcp_dist.rundir.preemption import StopSignals, interrupt_after
 from fedcp_dist.comm.privacy import PrivacySums
 from fedcp_dist.engine.probes import RoundProbes
-from fedcp_dist.engine.round_record import evaluation_record, round_record, summary_json
-from fedcp_dist.rundir.directory import progress_line, result_table
+from fedcp_dist.engine.round_record import evaluation_record, learned_nothing, round_record, summary_json
+from fedcp_dist.rundir.directory import DIVERGED, SUMMARY, progress_line, result_table
 from fedcp_dist.engine.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.comm.selection import draw_cohort, gather_client_vectors
@@ -52,8 +54,12 @@ class Simulator:
         #: dp=central's mechanism (None: off)
         self.dp = p.dp
         self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
+        self.idle_keys, self.memory = p.idle_keys, p.memory
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
+        self.probe_layout = self.algo.probe_layout if supports(self.algo, Probes) else None
+        #: the method's peer exchange (None: it has none)
+        self.exchange = self.algo if supports(self.algo, PeerExchange) else None
         self.select_by_features = cfg.client_selection == "feature_difference"
 
     @property
@@ -71,9 +77,10 @@ class Simulator:
                        lambda ok: startup.all_ok(self.rt, ok))
 
     # -- one round's pieces --------------------------------------------------------------------
-    def evaluate(self, round_idx: int, probes: dict = None, order: ClientOrder = None) -> EvalSums:
+    def evaluate(self, round_idx: int, probes: RoundProbes = None, order: ClientOrder = None) -> EvalSums:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
         evaluation probes; into ``order``, each client's own values)."""
+        fault_point("eval", round_idx + 1)  # the fault tests' hook
         self.store.prefetch(self.owned)
         return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
                                 lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
@@ -95,8 +102,8 @@ class Simulator:
         """One all-gather of the participants' peer payloads; the algorithm updates the global state."""
         t0 = time.perf_counter()
         self.rt.phase = f"round {t + 1}: peer exchange"
-        peers = exchange_peers(self.rt, self.owner, cohort, payloads, self.algo.peer_dim)
-        self.store.set_global(self.algo.receive_peers(t, self.global_state, peers))
+        peers = exchange_peers(self.rt, self.owner, cohort, payloads, self.exchange.peer_dim)
+        self.store.set_global(self.exchange.receive_peers(t, self.global_state, peers))
         self.rt.phase = f"round {t + 1}"
         return time.perf_counter() - t0
 
@@ -134,7 +141,9 @@ class Simulator:
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
         self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line,
-                                     "; ".join(n for n in (self.algo.describe(), self._dp_line()) if n)))
+                                     "; ".join(n for n in (self.algo.describe(), self._dp_line()) if n),
+                                     self.idle_keys))
+        self.echo(self.memory)
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)
             self.writer.log(record)
@@ -157,10 +166,10 @@ class Simulator:
         t_start = time.perf_counter()
         self.algo.begin_round(t)
         evaluated = t % cfg.eval_every == 0
-        probes = RoundProbes(self.probe_every, self.num_clients, t, evaluated)
+        probes = RoundProbes(self.probe_every, self.num_clients, t, evaluated, self.probe_layout)
         # the sums of per-client fractions are taken in client order (the same bits on any world size)
         ev_order = ClientOrder(EvalSums, self.num_clients) if evaluated else None
-        ev = self.evaluate(t, probes.evals, ev_order) if evaluated else EvalSums()
+        ev = self.evaluate(t, probes, ev_order) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
 
         cohort = self._cohort(t)
@@ -170,6 +179,7 @@ class Simulator:
         self.agg.begin_round(self.algo.skipped_groups(t), train_order.values.numel()
                              + (ev_order.values.numel() if ev_order is not None else 0))
         cpu_start = time.process_time()
+        fault_point("train", t + 1)  # the fault tests' hook
         train, payloads = self.trainer.train(t, cohort, probes, train_order)
         times = {"train_seconds": time.perf_counter() - t_start - t_eval,
                  "train_cpu_seconds": time.process_time() - cpu_start, "eval_seconds": t_eval}
@@ -186,7 +196,7 @@ class Simulator:
             raise RunFailure(train.nonfinite_message(t))
         if total > 0 or dp:  # with DP the noised mean is released whoever trained
             self.store.set_global(self.algo.server_update(self.global_state, mean))
-        if self.algo.peer_dim:
+        if self.exchange is not None:
             times["peer_exchange_seconds"] = self._exchange_peers(t, cohort, payloads)
         times["seconds"] = time.perf_counter() - t_start
         self.round_seconds.append(times["seconds"])
@@ -201,14 +211,20 @@ class Simulator:
         return record, train.stop_requests > 0
 
     def _finish(self) -> dict:
-        """The evaluation after the last round, final_global.pt, summary.json and the result table."""
+        """The evaluation after the last round, final_global.pt, summary.json and the result table.
+
+        A run in which no round aggregated a finite client result (every update non-finite and left
+        out: ``on_nonfinite: skip``) learned nothing: its summary says ``"status": "diverged"`` and it
+        ends with a one-line :class:`RunFailure`, so that neither its exit status nor a sweep or
+        report takes the untrained model's accuracy for a result."""
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
-        probes = RoundProbes(self.probe_every, self.num_clients, cfg.rounds, evaluated=True, final=True)
+        probes = RoundProbes(self.probe_every, self.num_clients, cfg.rounds, evaluated=True, layout=self.probe_layout,
+                             final=True)
         # the rounds' reduction, with no upload in the buffer: the sums (per-client fractions in client
         # order) and probes of a round without training
         order = ClientOrder(EvalSums, self.num_clients)
-        ev = self.evaluate(cfg.rounds, probes.evals, order)
+        ev = self.evaluate(cfg.rounds, probes, order)
         self.agg.begin_round(rows=order.values.numel(), uploads=False)
         if probes.on:
             self.agg.add_extra(probes.pack())
@@ -222,7 +238,17 @@ class Simulator:
                               self.select_by_features)
         if self.dp is not None:
             summary.update(self.dp.summary(cfg.rounds))
-        self.writer.save_final_global(self.global_state)
-        self.writer.write_summary(summary)  # last: its presence marks a finished run
+        diverged = learned_nothing(self.records)
+        if diverged:
+            summary["status"] = DIVERGED
+        with interrupt_after(deliver=False):  # a Ctrl-C now: both files written whole, the run finished
+            self.writer.save_final_global(self.global_state)
+            fault_point("final")  # the fault tests' hook
+            self.writer.write_summary(summary)  # last: its presence marks a finished run
         self.echo(result_table(summary))
+        if diverged:
+            raise RunFailure(f"the run learned nothing: every client's update was non-finite in each of its {cfg.rounds} "
+                             f"rounds and on_nonfinite=skip left them all out, so its model is the untrained one "
+                             f"(accuracy {summary['final_acc']:.4f}); {cfg.out_dir}/{SUMMARY} marks it diverged (a "
+                             f"lower lr?)")
         return summary

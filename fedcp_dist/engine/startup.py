@@ -11,13 +11,17 @@ import numpy as np
 import torch
 
 from fedcp_dist.fused import slots as fused
+from fedcp_dist.engine import preflight
 from fedcp_dist.algorithms import Algorithm, make_algorithm
-from fedcp_dist.fused.groups import group_size as fused_group_size
+from fedcp_dist.capabilities import PeerExchange, supports
+from fedcp_dist.fused.groups import group_size as fused_group_size, workers_for
 from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.data.resident import ClientData, to_device
 from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
+from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
 from fedcp_dist.errors import UserError
-from fedcp_dist.models import build_model, model_options
+from fedcp_dist.rundir.faults import fault_point
+from fedcp_dist.models import MODEL_KINDS, build_model, model_options
 from fedcp_dist.state.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
                                   placement_weights, steps_per_rank)
 
@@ -41,6 +45,9 @@ class Setup:
     #: the run's fused groups (client ids of the run, each sorted; see :func:`fedcp_dist.state.placement.form_groups`),
     #: placed whole; None: the clients train one by one
     groups: Optional[List[np.ndarray]] = None
+    #: what the shard holds, hashed and checked against what was written with it (the first rank's;
+    #: None on the others): what checkpoints record and resume compares
+    digest: Optional[ShardDigest] = None
 
     @property
     def imbalance(self) -> float:
@@ -67,6 +74,11 @@ class Setup:
     def num_clients(self) -> int:
         return len(self.clients)
 
+    def batch_rows(self, cfg) -> int:
+        """Rows of a training batch at most: ``batch_size``, or the run's largest client's training
+        samples when fewer (the same on every rank; see :func:`fedcp_dist.fused.slots.batch_rows`)."""
+        return fused.batch_rows(cfg.batch_size, self.info.train_counts[self.clients])
+
     def clients_per_rank(self, world_size: int) -> np.ndarray:
         return np.bincount(self.owner, minlength=world_size)
 
@@ -79,8 +91,6 @@ def check_shard(cfg, info: ShardInfo) -> None:
         raise UserError(f"config key 'data.num_clients' is {d.num_clients} but {d.path} holds {info.num_clients} clients")
     if d.source and d.source != info.source:
         raise UserError(f"config key 'data.source' is {d.source!r} but {d.path} holds {info.source!r}")
-    from fedcp_dist.models import MODEL_KINDS
-
     wants = MODEL_KINDS.get(cfg.model)
     if wants and wants != info.kind:
         raise UserError(f"config key 'model': {cfg.model!r} reads {wants} shards but {d.path} holds "
@@ -165,9 +175,12 @@ def place(cfg, train_counts, world_size: int, group_size: int = 0) -> Tuple[np.n
 
 
 def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) -> Setup:
-    """Read the shard's metadata, place the clients, load this rank's clients onto its device.
+    """Read the shard's metadata, place the clients, load this rank's clients onto its device; the
+    first rank hashes the whole shard and checks it (:func:`~fedcp_dist.data.shards.verify.verify_shard`:
+    what was written with it, every label, a table's values), the others check the clients they load.
     ``group_size(info, clients)``: the size of the run's fused groups (0: not fused)."""
     info = read_info(cfg.data.path)
+    digest = verify_shard(info) if rt.is_main else None
     clients = run_clients(cfg, info)
     counts = info.train_counts[clients]
     size = group_size(info, len(clients)) if group_size is not None else 0
@@ -178,17 +191,20 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
         groups = form_groups(steps, size)
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
     t0 = time.perf_counter()
+    fault_point("shard")  # the fault tests' hook
+    preflight.check_data(info, [int(info.train_counts[clients[c]] + info.test_counts[clients[c]]) for c in owned],
+                         rt.rank, rt.device)
     arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
     data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
     del arrays
-    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps, groups)
+    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps, groups, digest)
 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
     """Bytes per rank of the method's other-client models plus the exchange buffer; refuse over budget."""
-    dim = algo.peer_dim
-    if not dim:
+    if not supports(algo, PeerExchange):
         return 0
+    dim = algo.peer_dim
     mapped = banks_in_files(cfg.client_state, algo.device)  # then page cache, not the process's own memory
     need = (0 if mapped else algo.peer_memory_bytes(num_clients)) + world_size * max_owned * (dim + 1) * 4
     if need > cfg.peer_memory_mb * 2**20:
@@ -213,7 +229,7 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     size = fused_group_size(cfg, algo.device, algo.num_clients)
     groups = f"groups of {size}" + ("" if cfg.fused_group else " (fused_group=auto)")
     threads = torch.get_num_threads()
-    workers = fused.workers_for(cfg.fused_workers, algo.device, threads, 2)
+    workers = workers_for(cfg.fused_workers, algo.device, threads, 2)
     if workers > 1:  # e.g. "groups of 8 (fused_group=auto), 2 at once with 1 thread each (fused_workers=auto)"
         groups += f", {workers} at once with 1 thread each (fused_workers={cfg.fused_workers})"
     elif algo.device.type == "cpu" and threads > 1:  # fused_workers=1: the rounding follows the thread count
@@ -222,13 +238,20 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
     return True, f"fused ({setting}, {groups})"
 
 
-def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "") -> str:
+def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "", idle=()) -> str:
     """The run's first line: method, clients, ranks, loading, placement, the training path, where
-    client states live and the method's own note (e.g. FedCP's CPN cost)."""
+    client states live, the method's own note (e.g. FedCP's CPN cost) and the keys set in the config
+    that have no effect in this run (``idle``: [(key, why)])."""
     of = f" of the shard's {setup.info.num_clients}" if cfg.data.clients is not None else ""
+    d = setup.digest
+    verified = (f" (content verified in {d.seconds:.2f} s{', kept in ' + d.cache if d.cache else ''})"
+                if d is not None and not d.cached and d.seconds >= 0.5 else "")
+    unused = ", ".join(f"{key}={getattr(cfg, key)} ({why})" for key, why in idle)
     return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
-            f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s; {setup.placement_line()}; "
-            f"training: {path}; {store_line}" + (f"; {note}" if note else "") + ranks_hint(rt))
+            f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s{verified}; "
+            f"{setup.placement_line()}; "
+            f"training: {path}; {store_line}" + (f"; {note}" if note else "")
+            + (f"; keys with no effect in this run: {unused}" if unused else "") + ranks_hint(rt))
 
 
 def ranks_hint(rt) -> str:

@@ -9,11 +9,11 @@ from typing import Optional
 
 import torch
 
-from fedcp_dist.comm.aggregate import TrainSums
 from fedcp_dist.algorithms.base import Context
+from fedcp_dist.capabilities import PeerExchange, Probes, supports
+from fedcp_dist.comm.aggregate import TrainSums
 from fedcp_dist.fused.groups import GroupTrainer
 from fedcp_dist.state.placement import STREAM_PROBE, STREAM_TRAIN, stream_seed
-from fedcp_dist.options import Component, Option, one_of
 
 
 def stream_generator(seed: int, device, *keys: int) -> torch.Generator:
@@ -28,6 +28,8 @@ class CohortTrainer:
     def __init__(self, cfg, rt, algo, store, data, owner, groups: Optional[GroupTrainer], agg, compressor, dp=None):
         self.cfg, self.rt, self.algo, self.store, self.data, self.owner = cfg, rt, algo, store, data, owner
         self.groups, self.agg, self.compressor = groups, agg, compressor
+        #: the method's peer exchange (None: it has none)
+        self.exchange = algo if supports(algo, PeerExchange) else None
         #: ``dp: central``'s mechanism (:class:`fedcp_dist.comm.privacy.CentralDP`; None: off)
         self.dp = dp
 
@@ -53,8 +55,8 @@ class CohortTrainer:
             # put takes BatchNorm statistics out of res.upload (which ``upload`` is when neither compressed
             # nor clipped; those hold the aggregated tensors only)
             self.store.put(cid, res.client_state, res.upload, residual)
-            if self.algo.peer_dim:
-                payloads[cid] = self.algo.peer_payload(res)
+            if self.exchange is not None:
+                payloads[cid] = self.exchange.peer_payload(res)
             self.agg.add(upload, weight, skip=res.skipped)
             mine = TrainSums(res.loss_sum, res.samples)
             if order is not None:
@@ -79,6 +81,7 @@ class CohortTrainer:
     def _probe(self, t: int, cid: int, res, probes) -> None:
         """Client ``cid``'s training probes of round t; before its new state is kept (the state it
         had before the round, the global state as it received it)."""
+        assert supports(self.algo, Probes), "probes are taken for a method that has them only"
         ctx = Context(t, cid, self.generator(STREAM_PROBE, t, cid))
         losses = self.algo.probe_losses(self.store.activate(cid), res, self.data[cid], ctx)
         probes.add_train(cid, res, losses, self.data[cid].n_train)
@@ -96,12 +99,3 @@ class CohortTrainer:
             return res.upload, self.data[cid].n_train, None
         decoded, residual = self.compressor.compress(res.upload, self.store.global_state, self.store.residual(cid))
         return decoded, self.data[cid].n_train, residual
-
-
-class NonFinite(Component):
-    """What a round does with a client whose training diverged."""
-
-    options = (
-        Option("on_nonfinite", "error", "a client's non-finite loss or update: error (stop every rank) | skip (leave it "
-               "out of the round)", one_of("error", "skip")),
-    )

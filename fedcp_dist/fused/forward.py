@@ -3,7 +3,9 @@
 The layers of :mod:`fedcp_dist.fused.slots`'s steps: parameters stacked along a leading slot dimension,
 ``Conv2d`` as one grouped channels-last convolution, ``Linear`` as ``baddbmm`` (taking its SGD step
 inside the backward pass where it may, :class:`InBackwardSGD`), ``LayerNorm`` as a normalisation
-and each slot's affine, parameter-free layers unchanged, anything else through ``torch.vmap``. The
+and each slot's affine, parameter-free layers unchanged, a module with a ``forward_stacked(params,
+x)`` method through it (its own grouped form: the LSTM, which vmap cannot run), anything else
+through ``torch.vmap``. The
 module docstring of :mod:`fedcp_dist.fused.slots` says why each layer runs as it does.
 """
 from __future__ import annotations
@@ -183,6 +185,8 @@ def grouped_forward(module: nn.Module, params: Dict[str, Tensor], x, k: int,
 
 
 def _run(m: nn.Module, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD]) -> Act:
+    if hasattr(m, "forward_stacked"):  # a module that carries its own grouped form (models/lstm.py)
+        return Act(m.forward_stacked(p, a.client_major()), a.k)
     if type(m) is nn.Sequential:
         children = list(m.named_children())
         i = 0

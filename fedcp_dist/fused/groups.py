@@ -16,14 +16,16 @@ groups in training, not of its whole cohort. The algorithm only declares its pha
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from fedcp_dist.fused import slots as fused
 from fedcp_dist.fused import memory as fused_memory
+from fedcp_dist.fused import slots as scheduler
 from fedcp_dist.local_train import Step, amp_autocast, module_keys
 
 #: {algorithm: {phase name: activation elements per sample}}, counted once per phase
@@ -35,13 +37,22 @@ def slot_cap(device: torch.device) -> int:
     return fused_memory.CUDA_SLOTS if torch.device(device).type == "cuda" else fused_memory.CPU_SLOTS
 
 
+#: the automatic group size on a GPU makes at least this many groups (where there are that many
+#: clients): a node's GPUs, so that ``torchrun --nproc_per_node=8`` gives every GPU a group
+GPU_SPREAD = 8
+
+
 def group_size(cfg, device, num_clients: int) -> int:
     """Clients per fused group: ``fused_group``, or (0, auto) a size from the configuration and the
     run's client count alone, the same on every rank and world size. Auto: about a slot cap of
     participants a round (the cap of the device kind over the mean participation rate), in a
     number of groups G rounded up to a power of two, each of ⌈N / G⌉ clients (the last may hold
     fewer), so that 1, 2, 4, 8 … ranks can get equal shares of whole groups (20 clients, ρ = 1 on a
-    CPU: 4 groups of 5, where groups of 8, cut 8, 8, 4, left 2 ranks at 1.26× their mean steps)."""
+    CPU: 4 groups of 5, where groups of 8, cut 8, 8, 4, left 2 ranks at 1.26× their mean steps).
+    On a GPU G is at least :data:`GPU_SPREAD` (a node's GPUs; the device kind is part of the
+    configuration, the world size is not): the paper's 20 clients make 7 groups of at most 3, one
+    for each of 7 GPUs, and a rank holding several trains them together
+    (:func:`trains_jointly`)."""
     if cfg.fused_group:
         return int(cfg.fused_group)
     rng = cfg.participation_range
@@ -49,7 +60,20 @@ def group_size(cfg, device, num_clients: int) -> int:
     per_group = int(slot_cap(device) * max(1, math.ceil(1.0 / max(rho, 1e-6) - 1e-9)))
     n = max(1, int(num_clients))
     groups = 1 << max(0, math.ceil(n / per_group) - 1).bit_length()  # the next power of two
+    if torch.device(device).type == "cuda":
+        groups = max(groups, GPU_SPREAD)
     return math.ceil(n / groups)
+
+
+def trains_jointly(cfg, device) -> bool:
+    """Whether a rank trains the round's participants of all its groups as one fused set of slots
+    (``fused_join``; auto: on a GPU). A GPU's stacked kernels give each slot the same bits whatever
+    the number of slots beside it (checked on the GPU by bench/gpu.sh), so the groups then fix only
+    the placement and a rank's GPU stays full however many groups it holds; on a CPU the kernels
+    block their sums by the number of slots, so each group trains alone there."""
+    if cfg.fused_join == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(cfg.fused_join)
 
 
 def activation_counts(algo) -> Dict[str, int]:
@@ -70,30 +94,34 @@ def _activations(algo, phase, cp, datas: list) -> int:
     return counted[phase.name]
 
 
-def memory_plan(algo, plans: list, datas: list) -> fused_memory.MemoryPlan:
+def memory_plan(algo, plans: list, datas: list, rows: Optional[int] = None) -> fused_memory.MemoryPlan:
     """Per-client memory of fused training (the largest over the phases), from one client's
     phases ``plans`` = [(phase, ClientPhase)]: 4 bytes per stacked value, twice for trained
-    ones (their gradient), plus activations counted on a one-sample forward of the loss."""
+    ones (their gradient), plus activations counted on a one-sample forward of the loss, times
+    ``rows``, a step's rows (None: :func:`fedcp_dist.fused.slots.batch_rows` of ``datas``; the
+    engine passes the run's, the same on every rank)."""
     per_slot = per_result = 0
-    x = fused.probe_input(datas)
+    x = probe_input(datas)
+    if rows is None:
+        rows = scheduler.batch_rows(algo.cfg.batch_size, [d.n_train for d in datas])
     for phase, cp in plans:
         trained = sum(t.numel() for n, t in cp.start.items() if n in phase.trainable)
         total = sum(t.numel() for t in cp.start.values())
         act = _activations(algo, phase, cp, datas) if x is not None else 0
-        per_slot = max(per_slot, 4 * (trained + total) + fused_memory.ACTIVATION_COPIES * 4 * algo.cfg.batch_size * act)
+        per_slot = max(per_slot, 4 * (trained + total) + fused_memory.ACTIVATION_COPIES * 4 * rows * act)
         per_result = max(per_result, 4 * total)
     return fused_memory.MemoryPlan(per_slot=per_slot, per_result=per_result)
 
 
-def _outcomes(algo, items: list, plans: list, slots: int) -> list:
-    """Each item's phase outcomes, its clients trained fused, ``slots`` at a time."""
+def _outcomes(algo, items: list, plans: list, count: int) -> list:
+    """Each item's phase outcomes, its clients trained fused, ``count`` at a time."""
     cfg = algo.cfg
-    outcomes = [[] for _ in items]
+    outcomes: List[list] = [[] for _ in items]
     for j, phase in enumerate(p for p, _ in plans[0]):
-        runs = [fused.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
+        runs = [scheduler.ClientRun(d, ctx.generator, plan[j][1].start, plan[j][1].index)
                 for (_, d, ctx), plan in zip(items, plans)]
-        done = fused.train_fused(runs, phase, slots=slots, autocast=lambda: amp_autocast(cfg.amp, algo.device),
-                                 tally=items[0][2].probe, **algo._sgd_kwargs(items[0][2]))
+        done = scheduler.train_fused(runs, phase, slots=count, autocast=lambda: amp_autocast(cfg.amp, algo.device),
+                                 tally=items[0][2].probe, **algo.sgd_settings(items[0][2]))
         for out, o, plan in zip(outcomes, done, plans):
             o.info = plan[j][1].info
             out.append(o)
@@ -120,6 +148,60 @@ def group_slots(plan: fused_memory.MemoryPlan, device: torch.device) -> int:
     return plan.slots(device, slot_cap(device), int(fused_memory.MEMORY_FRACTION * fused_memory.total_memory(device)))
 
 
+def probe_input(datas: Sequence) -> Optional[torch.Tensor]:
+    """One training sample (a batch of 1) of the first client that holds any, else None."""
+    for d in datas:
+        if d.n_train > 0:
+            return d.train_batch(torch.zeros(1, dtype=torch.long, device=d.train_y.device))[0]
+    return None
+
+
+def workers_for(setting, device: torch.device, threads: int, groups: int) -> int:
+    """Fused groups trained side by side (``fused_workers``): ``auto`` takes one per thread of a
+    CPU rank, an integer that many (on a CPU), never more than ``groups``; 1 on a GPU.
+
+    Why: at B = 10 most of a fused step's kernels are too small to split well over threads
+    (measured on 2 cores: the main thread still did 0.65–0.7 of a step's single-thread CPU time
+    with 2 threads, a 1.45× speed-up at best), while groups of clients are independent, so one
+    group per thread scales like one rank per core does.
+    """
+    if device.type != "cpu" or groups < 2:
+        return 1
+    n = threads if setting == "auto" else int(setting)
+    return max(1, min(n, groups))
+
+
+def run_in_workers(jobs: Sequence[Callable[[], object]], one_thread: bool = False) -> list:
+    """``[job() for job in jobs]``, each in a thread of its own with one intra-op thread; the
+    caller's thread count is restored afterwards. The jobs must be independent (their own
+    clients, generators and tensors): results are then the same whatever the threads' timing.
+    A single job runs in the caller's thread, on one intra-op thread with ``one_thread`` (the
+    thread count changes a kernel's rounding), else on the caller's threads."""
+    threads = torch.get_num_threads()
+    if len(jobs) == 1:
+        if not one_thread or threads == 1:
+            return [jobs[0]()]
+        torch.set_num_threads(1)
+        try:
+            return [jobs[0]()]
+        finally:
+            torch.set_num_threads(threads)
+
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()  # thread-local in torch: carried over
+
+    def one(job):
+        torch.set_num_threads(1)  # per thread for OpenMP; the process-wide value is 1 meanwhile
+        torch.set_default_dtype(dtype)
+        with torch.set_grad_enabled(grad):
+            return job()
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(one, jobs))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def one_thread_each(cfg, device: torch.device, threads: int) -> bool:
     """Whether each group trains on one intra-op thread: on a CPU rank of several threads unless
     ``fused_workers`` = 1. The thread count changes a kernel's rounding, so under ``auto`` (one
@@ -132,14 +214,14 @@ def one_thread_each(cfg, device: torch.device, threads: int) -> bool:
 def side_by_side(jobs: Sequence[Callable[[], list]], workers: int, group_bytes: int, device: torch.device,
                  one_thread: bool = False) -> list:
     """``[job() for job in jobs]`` (one job: one group), up to ``workers`` at once in threads of
-    their own (:func:`fused.run_in_workers`; ``one_thread``: a job alone too on one intra-op
+    their own (:func:`run_in_workers`; ``one_thread``: a job alone too on one intra-op
     thread), fewer when that many groups of ``group_bytes`` each would not fit in the memory free
     now (which changes how many run at once, not their results)."""
     fit = int(fused_memory.MEMORY_FRACTION * fused_memory.available_memory(device)) // max(1, group_bytes)
     at_once = max(1, min(workers, fit))
     out: list = []
     for i in range(0, len(jobs), at_once):
-        out.extend(fused.run_in_workers(list(jobs[i:i + at_once]), one_thread))
+        out.extend(run_in_workers(list(jobs[i:i + at_once]), one_thread))
     return out
 
 
@@ -149,10 +231,14 @@ class GroupTrainer:
 
     ``groups``: this rank's groups (lists of client ids, the run's order), the same lists whichever
     rank owns them. ``fused_workers`` groups train side by side, one intra-op thread each
-    (:func:`one_thread_each`); the slots are the same for every group of the run (:func:`group_slots`)."""
+    (:func:`one_thread_each`); the slots are the same for every group of the run (:func:`group_slots`),
+    sized for ``rows`` rows a step (:func:`fedcp_dist.fused.slots.batch_rows` of the run's clients;
+    None: of this rank's)."""
 
-    def __init__(self, cfg, algo, store, data: dict, groups: List[List[int]], device: torch.device):
+    def __init__(self, cfg, algo, store, data: dict, groups: List[List[int]], device: torch.device,
+                 rows: Optional[int] = None):
         self.cfg, self.algo, self.store, self.data, self.device = cfg, algo, store, data, device
+        self.rows = rows
         self.groups = [list(g) for g in groups]
         self.slots: Optional[int] = None
         self.plan: Optional[fused_memory.MemoryPlan] = None
@@ -165,8 +251,10 @@ class GroupTrainer:
     def results(self, groups: List[List[int]], context: Callable[[int], object]) -> Iterator[tuple]:
         """(client, LocalResult) for every client of ``groups`` (each trained as one fused group),
         group by group; ``context(c)``: the client's :class:`~fedcp_dist.algorithms.base.Context`."""
+        if trains_jointly(self.cfg, self.device) and len(groups) > 1:
+            groups = [[c for g in groups for c in g]]  # one set of slots for all of them
         threads = torch.get_num_threads()
-        workers = fused.workers_for(self.cfg.fused_workers, self.device, threads, len(groups))
+        workers = workers_for(self.cfg.fused_workers, self.device, threads, len(groups))
         one_thread = one_thread_each(self.cfg, self.device, threads)
         self.store.prefetch([c for g in groups for c in g])
         i = 0
@@ -177,13 +265,14 @@ class GroupTrainer:
             plan, slots = self.plan, self.slots
             if slots is None:  # from the first wave that holds a training sample: the same on every rank
                 datas = [d for group in items for _, d, _ in group]
-                plan = memory_plan(self.algo, plans[0][0], datas)
+                plan = memory_plan(self.algo, plans[0][0], datas, self.rows)
                 slots = group_slots(plan, self.device)
-                if fused.probe_input(datas) is not None:
+                if probe_input(datas) is not None:
                     self.plan, self.slots = plan, slots
+            assert plan is not None  # set with the slots
             group_bytes = slots * plan.per_slot + max(len(g) for g in wave) * plan.per_result
-            done = side_by_side([lambda it=it, pl=pl, s=slots: train_group(self.algo, it, s, pl)
-                                 for it, pl in zip(items, plans)], len(wave), group_bytes, self.device, one_thread)
+            jobs = [functools.partial(train_group, self.algo, it, slots, pl) for it, pl in zip(items, plans)]
+            done = side_by_side(jobs, len(wave), group_bytes, self.device, one_thread)
             del items, plans
             for g, res in zip(wave, done):
                 yield from zip(g, res)

@@ -65,7 +65,10 @@ def total_memory(device: torch.device) -> int:
 
 
 def activation_elements(run: Callable[[], object], modules: Sequence[nn.Module]) -> int:
-    """Output elements of every leaf module of ``modules`` while ``run()`` does one forward pass."""
+    """Output elements of every leaf module of ``modules`` while ``run()`` does one forward pass.
+
+    A module that states ``kept_activations`` (elements its fused form keeps per sample, e.g. an
+    LSTM's every step) is counted by it, per sample of its output, instead of by its leaves."""
     total = 0
 
     def hook(_m, _inp, out):
@@ -73,7 +76,15 @@ def activation_elements(run: Callable[[], object], modules: Sequence[nn.Module])
         if isinstance(out, torch.Tensor):
             total += out.numel()
 
-    handles = [m.register_forward_hook(hook) for mod in modules for m in mod.modules() if not list(m.children())]
+    def declared(m, _inp, out):
+        nonlocal total
+        total += int(m.kept_activations) * int(out.shape[0])
+
+    counted = [m for mod in modules for m in mod.modules() if hasattr(m, "kept_activations")]
+    inside = {id(c) for m in counted for c in m.modules()}
+    handles = [m.register_forward_hook(declared) for m in counted]
+    handles += [m.register_forward_hook(hook) for mod in modules for m in mod.modules()
+                if not list(m.children()) and id(m) not in inside]
     try:
         with torch.no_grad():
             run()

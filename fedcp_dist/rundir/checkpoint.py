@@ -27,7 +27,10 @@ from typing import Iterable, Optional
 
 import torch
 
+from fedcp_dist.data.shards.verify import ShardDigest, describe_differences
 from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.rundir.faults import fault_point
+from fedcp_dist.rundir.preemption import interrupt_after
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
 from fedcp_dist.rundir.directory import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
 
@@ -40,32 +43,49 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def data_record(path: str, fingerprint: str, layout: str) -> dict:
-    """What a checkpoint records of the shard it was made on (``meta["data"]``): its path, its
-    content fingerprint ("" for a shard written without one) and its layout digest (see
-    :mod:`fedcp_dist.data.shards`)."""
-    return {"path": path, "fingerprint": fingerprint or None, "layout": layout}
+def data_record(path: str, fingerprint: str, layout: str, digest: Optional[ShardDigest] = None) -> dict:
+    """What a checkpoint records of the shard it was made on (``meta["data"]``): its path, the
+    fingerprint written with it ("" for a shard written without one), its layout digest (see
+    :mod:`fedcp_dist.data.shards`) and, from ``digest`` (what the shard holds, hashed when the run
+    started: :func:`~fedcp_dist.data.shards.verify.verify_shard`), its content's fingerprint and each
+    array's digest."""
+    record = {"path": path, "fingerprint": fingerprint or None, "layout": layout}
+    if digest is not None:
+        record.update(content=digest.fingerprint, arrays=dict(digest.arrays))
+    return record
 
 
-def check_same_data(recorded: Optional[dict], current: dict, out_dir, echo) -> None:
+def check_same_data(recorded: Optional[dict], current: dict, out_dir, echo) -> bool:
     """Refuse to resume the checkpointed run in ``out_dir`` on other data than it was made on (a
-    UserError): the fingerprints when both shards have one, else their layouts, said so."""
+    UserError naming what differs). ``current``: this run's :func:`data_record`, with the content
+    hashed. True when the content is the checkpointed run's, wherever the shard now lies (a copy of it
+    on node-local scratch resumes); False when it could be checked by the layout only (a checkpoint
+    of a shard written before fingerprints), said so, or not at all (a checkpoint written before
+    runs recorded their shard)."""
     if not isinstance(recorded, dict):
         echo(f"note: the checkpoint in {out_dir} records no shard fingerprint (written by an earlier version); "
              f"the data is not checked against it")
-        return
-    old, new = recorded.get("fingerprint"), current.get("fingerprint")
+        return False
     refuse = (f"data.path {current.get('path')} holds other data than the checkpointed run in {out_dir} was made "
-              f"on ({{}}; partitioned again?); use another out_dir, or overwrite=true to start afresh")
+              f"on: {{}} (partitioned again, or edited in place?); point data.path at the shard the run was made on "
+              f"(a copy of it resumes from anywhere), or use another out_dir, or overwrite=true to start afresh")
+    if isinstance(recorded.get("arrays"), dict) and current.get("arrays"):
+        differ = [k for k in sorted(set(recorded["arrays"]) | set(current["arrays"]))
+                  if recorded["arrays"].get(k) != current["arrays"].get(k)]
+        if differ:
+            raise UserError(refuse.format(f"its {describe_differences(differ)} differ from the checkpoint's"))
+        return True
+    old = recorded.get("content") or recorded.get("fingerprint")  # the latter: as written, verified when read
+    new = current.get("content") or current.get("fingerprint")
     if old and new:
         if old != new:
-            raise UserError(refuse.format(f"shard fingerprint {new[:19]}..., checkpoint's {old[:19]}..."))
-        return
+            raise UserError(refuse.format(f"its shard fingerprint is {new[:19]}..., the checkpoint's {old[:19]}..."))
+        return True
     if recorded.get("layout") != current.get("layout"):
         raise UserError(refuse.format("its clients' sample or label counts differ"))
-    which = "the shard" if not new else "the checkpointed run's shard"
-    echo(f"note: {which} has no content fingerprint (written before shards had one); resuming checked only "
-         f"its clients' sample and label counts")
+    echo("note: the checkpointed run's shard had no content fingerprint (written before shards had one); resuming "
+         "checked only its clients' sample and label counts")
+    return False
 
 
 def _check_client_shapes(d: Path, store, client_states: dict) -> None:
@@ -108,8 +128,13 @@ class Checkpointer:
 
         ``all_ok(ok)`` is a collective: True when every rank passes True. A write that fails on
         any rank (a full disk, say) leaves the previous checkpoint as the newest complete one and
-        raises :class:`RunFailure` on every rank.
+        raises :class:`RunFailure` on every rank. A Ctrl-C (SIGINT) meanwhile takes effect once the
+        checkpoint is complete (:class:`~fedcp_dist.rundir.preemption.interrupt_after`).
         """
+        with interrupt_after():
+            return self._save(rounds_done, global_state, client_states, meta, all_ok)
+
+    def _save(self, rounds_done: int, global_state: dict, client_states: dict, meta: dict, all_ok) -> Path:
         d = self.root / f"round_{rounds_done:07d}"
         problem = None
         target = d
@@ -118,6 +143,7 @@ class Checkpointer:
             part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
             target = d / f"clients_{self.rank}.pt"
             atomic_torch_save(part, target)
+            fault_point("checkpoint", rounds_done)  # the fault tests' hook: this part written, not the rest
             if self.rank == 0:
                 target = d / "global.pt"
                 atomic_torch_save(
@@ -208,16 +234,18 @@ class Checkpointer:
                data: Optional[dict] = None) -> Optional[tuple]:
         """Load the newest intact checkpoint into ``store`` (the global state and the ``owned``
         clients' states) after checking that it was made by the same experiment on the same data
-        (``data``: this run's :func:`data_record`) and that its tensors have this run's shapes;
+        (``data``: this run's :func:`data_record`, on the first rank; the same content at another
+        ``data.path`` is the same data) and that its tensors have this run's shapes;
         (rounds done, the records, the rounds' seconds, the whole metadata), or None when there is no
         checkpoint."""
         d = self.latest(warn=echo)
         if d is None:
             return None
         rounds_done, global_state, client_states, meta = self.load(d, owned, device, mmap=mmap)
-        check_resume_config(meta.get("config", {}), cfg.to_dict(), cfg.out_dir)
-        if data is not None:
-            check_same_data(meta.get("data"), data, cfg.out_dir, echo)
+        # the data first: a shard that moved is the same data when its content is. Without ``data``
+        # (the ranks but the first) the first rank's check decides on the data and on data.path
+        same_data = check_same_data(meta.get("data"), data, cfg.out_dir, echo) if data is not None else True
+        check_resume_config(meta.get("config", {}), cfg.to_dict(), cfg.out_dir, same_data=same_data)
         if rounds_done > cfg.rounds:
             raise UserError(f"config key 'rounds' is {cfg.rounds} but the checkpointed run in {cfg.out_dir} has done "
                             f"{rounds_done} rounds; resume with rounds >= {rounds_done}, or use another out_dir")

@@ -8,7 +8,8 @@ One run writes one directory; rank 0 alone writes it::
     tensorboard/     with logger: tensorboard, the same numbers as TensorBoard events (:mod:`fedcp_dist.rundir.loggers`)
     checkpoints/     round-R checkpoints (:mod:`fedcp_dist.rundir.checkpoint` owns what is inside)
     final_global.pt  the global state after the last round (a plain tensor dict)
-    summary.json     written last: its presence marks a finished run
+    summary.json     written last: its presence marks a finished run (``"status": "diverged"`` in it:
+                     one that learned nothing, see :data:`DIVERGED`)
     .lock            held with ``flock`` by the run that uses the directory
 
 Every other module names these files through this one: the engine (lock, overwrite and resume
@@ -31,11 +32,12 @@ import numpy as np
 import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS
+from fedcp_dist.comm.keys import rounds_scheduled as privacy_rounds_scheduled
 from fedcp_dist.config import Config, flatten, legacy_defaults
+from fedcp_dist.engine.probes import keep_before
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes
 from fedcp_dist.rundir.loggers import make_logger
-from fedcp_dist.comm.privacy import rounds_scheduled as privacy_rounds_scheduled
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -55,6 +57,12 @@ LOCK = ".lock"
 RUN_FILES = (METRICS, ANALYSIS, SUMMARY, FINAL_GLOBAL, CONFIG)
 
 FINISHED, UNFINISHED, PENDING = "finished", "unfinished", "pending"
+#: a run that ran every round but learned nothing: every client's update was non-finite in every
+#: round (``on_nonfinite: skip`` left them all out), so its model is the untrained one. Its
+#: summary.json says ``"status": "diverged"``; it is not a result, and is not run again either
+DIVERGED = "diverged"
+#: the statuses of a run whose summary.json is written: it will not run again in its directory
+DONE = (FINISHED, DIVERGED)
 
 
 # ----------------------------------------------------------------------------- which keys define a run
@@ -80,6 +88,7 @@ NOT_DEFINING: dict = {
     "device": "which hardware computes",
     "threads": "how many CPU threads compute",
     "collective_timeout": "how long a rank waits for a silent peer",
+    "rendezvous_timeout": "how long the ranks may take to meet at start-up",
     "fused": "whether a rank trains its clients one by one or in fused groups",
     "fused_group": "how many clients a fused group holds",
     "fused_workers": "how many fused groups a CPU rank trains side by side",
@@ -148,16 +157,17 @@ def defining_changes(before: dict, after: dict) -> list:
     return [k for k in config_changes(before, after) if k not in NOT_DEFINING]
 
 
-def check_resume_config(checkpointed: dict, current: dict, out_dir) -> None:
+def check_resume_config(checkpointed: dict, current: dict, out_dir, same_data: bool = False) -> None:
     """Refuse to resume the checkpointed run in ``out_dir`` under ``current``: a UserError naming the key.
 
     Any change of a key outside RESUMABLE_CHANGES is refused, and so is a change of ``rounds`` for
-    a method whose training depends on it (:func:`rounds_scheduled`).
+    a method whose training depends on it (:func:`rounds_scheduled`). ``same_data``: the shard at
+    ``data.path`` was verified to hold the checkpointed run's data, so ``data.path`` may differ.
     """
     old, new = _flat_with_defaults(checkpointed), _flat_with_defaults(current)
     for key in config_changes(old, new):
         why = rounds_scheduled(new) if key == "rounds" else ""
-        if not why and key in RESUMABLE_CHANGES:
+        if not why and (key in RESUMABLE_CHANGES or (key == "data.path" and same_data)):
             continue
         raise UserError(
             f"config key '{key}' is {new.get(key)!r} but the checkpointed run in {out_dir} used "
@@ -218,9 +228,11 @@ class RunDir:
         return any((d / CHECKPOINT_MARKER).exists() for _, d in self.checkpoint_dirs())
 
     def status(self) -> str:
-        """finished (summary.json) | unfinished (a run was started there) | pending."""
+        """finished (summary.json) | diverged (summary.json, which says so) | unfinished (a run was
+        started there) | pending."""
         if self.summary.exists():
-            return FINISHED
+            summary = self.read_summary()
+            return DIVERGED if summary is not None and summary.get("status") == DIVERGED else FINISHED
         if any(p.exists() for p in (self.metrics, self.config, self.checkpoints)):
             return UNFINISHED
         return PENDING
@@ -310,9 +322,8 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
                 (out / name).unlink(missing_ok=True)
             return lock
         if run.summary.exists():
-            raise UserError(
-                f"out_dir {out} holds a finished run ({SUMMARY}); choose another out_dir or pass overwrite=true"
-            )
+            what = "a run that diverged (it learned nothing; " if run.status() == DIVERGED else "a finished run ("
+            raise UserError(f"out_dir {out} holds {what}{SUMMARY}); choose another out_dir or pass overwrite=true")
         if resume == "never" and (run.has_checkpoint() or run.metrics.exists()):
             raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")
     except BaseException:
@@ -349,16 +360,17 @@ class RunWriter:
     Whole-file writes go to a temporary name and are renamed when complete; metrics.jsonl is
     appended to one whole record at a time (:class:`~fedcp_dist.fileio.AppendFile`). An I/O error
     (a full disk) is a one-line RunFailure naming the file. ``logger`` (the config key: none |
-    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.rundir.loggers`).
+    tensorboard) also receives every metrics record and analysis line written (:mod:`fedcp_dist.rundir.loggers`),
+    the analysis lines as ``analysis_scalars`` (the method's probe layout's) makes them scalars.
     """
 
-    def __init__(self, out_dir, enabled: bool, logger: str = "none"):
+    def __init__(self, out_dir, enabled: bool, logger: str = "none", analysis_scalars=None):
         self.enabled = enabled
         self.dir = Path(out_dir)
         self._metrics: Optional[AppendFile] = None
         self._analysis: Optional[AppendFile] = None
         self._analysis_kept: list = []  # the lines start_analysis kept, for the logger's start
-        self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD)
+        self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD, analysis_scalars)
         if enabled:
             with _writing(self.dir, "create"):
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -415,8 +427,6 @@ class RunWriter:
         """Begin analysis.jsonl: keep the lines of the first ``rounds_done`` rounds of one already
         there (a resumed run: the rest is computed again), start it empty when ``create`` (analysis
         on), and leave it absent otherwise."""
-        from fedcp_dist.engine.probes import keep_before
-
         if not self.enabled:
             return
         path = self.dir / ANALYSIS
@@ -493,6 +503,8 @@ def result_table(s: dict) -> str:
         ("data", f"{s['source']}, {s['num_clients']} clients"),
         ("ranks", f"{s['world_size']} ({s['launcher']}, {s['device']})"),
         ("rounds", s["rounds"]),
+        *([("status", "DIVERGED: no round aggregated a finite update; the untrained model's accuracies")]
+          if s.get("status") == DIVERGED else []),
         ("best accuracy", f"{100 * s['best_acc']:.2f} %  (after {s['best_after_rounds']} rounds)"),
         ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
         ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),

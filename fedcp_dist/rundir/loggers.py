@@ -12,9 +12,10 @@ Tags and steps (a step counts the rounds trained, as metrics.jsonl's ``round`` a
   (``train_loss``, ``seconds``, ``allreduce_bytes``, ``participants``, ...);
 * ``eval/<key>`` at step ``evaluated_after``: the evaluation's numbers (``acc``, ``acc_client_mean``,
   ``auc``, ``test_loss``) of the round records and of the final evaluation;
-* with analysis on: ``analysis/pir_train``, ``analysis/loss_bef``, ``analysis/loss_aft`` at step
-  ``round`` and ``analysis/pir_test`` at step ``evaluated_after``, each the sample-weighted mean over
-  the clients probed (as ``fedcp-analyze`` draws them).
+* with analysis on: the scalars the method's probe layout makes of the ``analysis.jsonl`` lines
+  (:meth:`fedcp_dist.capabilities.ProbeLayout.scalars`; FedCP's: ``analysis/pir_train``,
+  ``analysis/loss_bef``, ``analysis/loss_aft`` at step ``round`` and ``analysis/pir_test`` at step
+  ``evaluated_after``, each the sample-weighted mean over the clients probed).
 
 TensorBoard stores a scalar as float32, so a value reads back as ``float(numpy.float32(value))``.
 
@@ -26,30 +27,18 @@ events (``logger`` turned on when resuming) gets the kept records' scalars in fu
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Tuple
-from fedcp_dist.options import Component, Option, described
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
-#: the values of the ``logger`` config key
-LOGGERS = ("none", "tensorboard")
 #: the numbers of an evaluation (EvalSums.summary) in a metrics record
 EVAL_KEYS = ("acc", "acc_client_mean", "auc", "test_loss")
 #: keys of a metrics record that place it rather than measure it
 _PLACE_KEYS = ("kind", "round", "evaluated_after")
 
 Scalar = Tuple[str, int, float]  # (tag, step, value)
-
-
-def logger_problem(name: str) -> Optional[str]:
-    """Why ``logger: name`` cannot run here (for the config check), or None."""
-    if name not in LOGGERS:
-        return f"must be one of {', '.join(LOGGERS)}, got {name!r}"
-    if name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        return ("'tensorboard' needs the tensorboard package, which is not installed: "
-                "pip install tensorboard (or pip install -e '.[tensorboard]')")
-    return None
+#: a method's analysis lines → scalars (its probe layout's ``scalars``)
+AnalysisScalars = Callable[[Iterable[dict]], Iterator[Scalar]]
 
 
 def _number(v) -> bool:
@@ -66,26 +55,6 @@ def record_scalars(record: dict) -> Iterator[Scalar]:
             yield f"eval/{key}", after, float(value)
         elif record.get("kind") == "round" and isinstance(rnd, int):
             yield f"round/{key}", rnd, float(value)
-
-
-def _weighted(pairs) -> float:
-    total = sum(n for n, _ in pairs)
-    return sum(n * v for n, v in pairs) / total
-
-
-def analysis_scalars(lines: Iterable[dict]) -> Iterator[Scalar]:
-    """The scalars of analysis.jsonl lines: per round, the sample-weighted means over the clients."""
-    train, evals = {}, {}
-    for obj in lines:
-        if obj.get("kind") == "train" and obj.get("samples", 0) > 0:
-            train.setdefault(obj["round"], []).append(obj)
-        elif obj.get("kind") == "eval" and obj.get("samples", 0) > 0:
-            evals.setdefault(obj["evaluated_after"], []).append(obj)
-    for r, objs in sorted(train.items()):
-        for key, tag in (("pir", "pir_train"), ("loss_bef", "loss_bef"), ("loss_aft", "loss_aft")):
-            yield f"analysis/{tag}", r, _weighted([(o["samples"], o[key]) for o in objs])
-    for e, objs in sorted(evals.items()):
-        yield "analysis/pir_test", e, _weighted([(o["samples"], o["pir"]) for o in objs])
 
 
 class NoLogger:
@@ -105,11 +74,13 @@ class NoLogger:
 
 
 class TensorBoardLogger(NoLogger):
-    """``logger: tensorboard``: TensorBoard event files in ``folder`` (the run's ``tensorboard/``)."""
+    """``logger: tensorboard``: TensorBoard event files in ``folder`` (the run's ``tensorboard/``);
+    ``analysis``: what the method's analysis lines become (None: they write no scalars)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, analysis: Optional[AnalysisScalars] = None):
         self.dir = Path(folder)
         self._writer = None
+        self._analysis = analysis or (lambda lines: iter(()))
 
     def start(self, records: list, analysis_lines: list) -> None:
         """Open the event file of this (possibly resumed) run: ``records`` and ``analysis_lines`` are
@@ -121,7 +92,7 @@ class TensorBoardLogger(NoLogger):
         earlier = self.dir.is_dir() and any(p.name.startswith("events.") for p in self.dir.iterdir())
         first = rounds_done if earlier else 0  # earlier events below this step stay as they are
         self._writer = SummaryWriter(str(self.dir), purge_step=rounds_done if earlier else None)
-        kept = [*(s for r in records for s in record_scalars(r)), *analysis_scalars(analysis_lines)]
+        kept = [*(s for r in records for s in record_scalars(r)), *self._analysis(analysis_lines)]
         self._add([s for s in kept if s[1] >= first])
 
     def _add(self, scalars) -> None:
@@ -135,7 +106,7 @@ class TensorBoardLogger(NoLogger):
         self._add(list(record_scalars(record)))
 
     def log_analysis(self, lines: list) -> None:
-        self._add(list(analysis_scalars(lines)))
+        self._add(list(self._analysis(lines)))
 
     def close(self) -> None:
         if self._writer is not None:
@@ -143,17 +114,8 @@ class TensorBoardLogger(NoLogger):
             self._writer = None
 
 
-def make_logger(name: str, folder) -> NoLogger:
+def make_logger(name: str, folder, analysis: Optional[AnalysisScalars] = None) -> NoLogger:
     """The logger the ``logger`` key names, writing its files into ``folder`` (the run directory
-    names it: :data:`fedcp_dist.rundir.directory.TENSORBOARD`)."""
-    return TensorBoardLogger(folder) if name == "tensorboard" else NoLogger()
-
-
-class Logging(Component):
-    """Where rank 0 also writes the metrics."""
-
-    options = (
-        Option("logger", "none", "none | tensorboard: rank 0 also writes every round's metrics and the analysis means "
-               "as TensorBoard events into out_dir/tensorboard/ (needs the tensorboard package)",
-               described(" | ".join(LOGGERS), logger_problem)),
-    )
+    names it: :data:`fedcp_dist.rundir.directory.TENSORBOARD`); ``analysis``: the method's
+    analysis lines → scalars."""
+    return TensorBoardLogger(folder, analysis) if name == "tensorboard" else NoLogger()

@@ -71,3 +71,36 @@ def write_status(status: str = "preempted") -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             f.write(f"{status}\n")
+
+
+class interrupt_after:
+    """A context in which a SIGINT (Ctrl-C) waits for the block to end: a checkpoint being written
+    is finished whole, then the interrupt takes its course (the handler that was in place runs, as
+    if the signal came then: ``KeyboardInterrupt`` by default). ``deliver=False`` (the run's final
+    files): the interrupt is dropped once the block is done, since the run is then finished. A
+    second SIGINT inside the block interrupts at once. Outside the main thread, where Python takes
+    no signals, it does nothing."""
+
+    def __init__(self, deliver: bool = True):
+        self.deliver, self.pending, self._previous = deliver, False, None
+
+    def _note(self, signum, frame) -> None:
+        if self.pending:  # asked twice: do not wait
+            raise KeyboardInterrupt
+        self.pending = True
+        then = "then stopping" if self.deliver else "the run is then finished"
+        print(f"got {signal.Signals(signum).name}; finishing the files being written first ({then})", flush=True)
+
+    def __enter__(self) -> "interrupt_after":
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is None:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        if self.pending and self.deliver and exc[0] is None:
+            signal.raise_signal(signal.SIGINT)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import math
 import os
 import resource
 import socket
@@ -23,7 +22,7 @@ import torch
 
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.fileio import atomic_torch_save
-from fedcp_dist.options import Component, Option, described, one_of
+from fedcp_dist.fused.memory import available_memory
 
 State = Dict[str, torch.Tensor]
 
@@ -126,7 +125,6 @@ class ClientStore:
 
 
 # -- where the per-client states live --------------------------------------------------------------
-CLIENT_STATE_MODES = ("device", "host", "disk", "auto")
 #: clients whose states the disk store reads ahead of the one being used
 PREFETCH_DEPTH = 2
 
@@ -190,8 +188,6 @@ def banks_in_files(client_state: str, device) -> bool:
 def available_memory_bytes(device) -> int:
     """What the budget of ``client_state: auto`` defaults to half of: the device's free memory
     (the same measure fused training sizes its groups by)."""
-    from fedcp_dist.fused.memory import available_memory
-
     return available_memory(torch.device(device))
 
 
@@ -515,33 +511,3 @@ def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tupl
     else:
         store, where = ClientStore(algo, global_state, bn_keys), "device"
     return store, f"client states: {where}" + (f" [{why}]" if why != "client_state" else "")
-
-
-class ClientStates(Component):
-    """Where each client's persistent state lives between rounds."""
-
-    options = (
-        Option("aggregate_bn_stats", False, "BatchNorm running statistics (ResNet-18): false keeps each client's own "
-               "(the reference's behaviour); true averages them across participants with the same sample weights as "
-               "the parameters"),
-        Option("client_state", "device", "where each client's persistent state lives between rounds: device | host "
-               "(moved to the device when used) | disk (one file per client, read ahead, written back in the "
-               "background) | auto (device when this rank's states fit client_state_budget_mb, disk otherwise)",
-               one_of(*CLIENT_STATE_MODES)),
-        Option("client_state_budget_mb", 0.0, "client_state=auto: MiB this rank's client states may take in memory; 0: "
-               "half the memory available at start",
-               described(">= 0", lambda v: None if math.isfinite(v) and v >= 0
-                         else f"must be a number >= 0 (MiB), got {v}")),
-        Option("client_state_dir", "", "client_state=disk (or auto): root directory of the state files (a local "
-               "scratch disk); each run keeps its files in a folder of its own under it, named by its out_dir and "
-               "locked while it runs; empty: out_dir/client_state"),
-    )
-
-    @classmethod
-    def check_config(cls, cfg):
-        if cfg.client_state_dir and cfg.client_state in ("device", "host"):
-            return "client_state_dir", f"is where client_state=disk (or auto) keeps its files; client_state={cfg.client_state} " \
-                                       f"writes none"
-        if cfg.client_state_budget_mb and cfg.client_state != "auto":
-            return "client_state_budget_mb", f"sizes client_state=auto; client_state={cfg.client_state} ignores it"
-        return None

@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from fedcp_dist.options import Component, Option, described, finite, one_of, within
+from fedcp_dist.local_train import num_batches
+from fedcp_dist.state.keys import cohort_size
 
 # stream tags: keep the streams of different purposes apart
 STREAM_COHORT = 1
@@ -22,11 +23,6 @@ STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/aft
 STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
 STREAM_DP_NOISE = 7  # dp=central: the Gaussian noise on a round's sum of clipped uploads
 STREAM_DP_COUNT = 8  # dp_clip=adaptive: the noise on a round's count of unclipped uploads
-
-#: how a drop-out round's participants are counted (``participation_draw``)
-PARTICIPATION_DRAWS = ("rho", "count")
-#: how a round's cohort is drawn (``participation_sampling``)
-PARTICIPATION_SAMPLINGS = ("fixed", "poisson")
 
 
 def stream_seed(seed: int, *keys: int) -> int:
@@ -99,15 +95,9 @@ def place_groups(weights: Sequence[int], groups: Sequence[np.ndarray], world_siz
     return owner
 
 
-#: how clients are weighted when placed on ranks (config key ``placement``)
-PLACEMENTS = ("auto", "samples", "steps")
-
-
 def client_steps(train_counts: Sequence[int], batch_size: int, epochs: int, drop_last: bool) -> np.ndarray:
     """Local SGD steps of every client in a round: its batches per epoch × ``epochs`` (as
     :func:`~fedcp_dist.local_train.num_batches` counts them)."""
-    from fedcp_dist.local_train import num_batches
-
     return np.asarray([num_batches(int(n), int(batch_size), int(epochs), bool(drop_last)) for n in train_counts],
                       dtype=np.int64)
 
@@ -142,10 +132,6 @@ def imbalance(per_rank: Sequence[int]) -> float:
     loads = np.asarray(per_rank, dtype=np.float64)
     mean = float(loads.mean()) if loads.size else 0.0
     return float(loads.max()) / mean if mean > 0 else 1.0
-
-
-def cohort_size(rho: float, num_clients: int) -> int:
-    return max(1, min(num_clients, int(math.floor(rho * num_clients + 1e-9))))
 
 
 def sample_cohort(
@@ -186,39 +172,3 @@ def round_cohort_size(rng: np.random.Generator, num_clients: int, participation:
         low, high = (cohort_size(float(r), num_clients) for r in participation_range)
         return int(rng.integers(low, high + 1))
     return cohort_size(float(rng.uniform(*participation_range)), num_clients)
-
-
-def _rho_range(r) -> "str | None":
-    ok = (r is None or (len(r) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
-                        and 0 < r[0] <= r[1] <= 1))
-    return None if ok else f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}"
-
-
-class Participation(Component):
-    """Which clients train each round, and which rank hosts each client."""
-
-    options = (
-        Option("participation", 1.0, "fraction ρ of clients that train each round, in (0, 1]",
-               described("(0, 1]", lambda v: finite(v) or within(0, 1, low_open=True)(v))),
-        Option("participation_range", None, "if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round "
-               "(drop-out study)", described("null or [ρ_min, ρ_max], 0 < ρ_min <= ρ_max <= 1", _rho_range),
-               kind=Optional[list]),
-        Option("participation_sampling", "fixed", "how a round's cohort is drawn: fixed (⌊ρN⌋ clients uniformly "
-               "without replacement) | poisson (each client on its own with probability ρ: the cohort's size varies, "
-               "and may be 0)", one_of(*PARTICIPATION_SAMPLINGS)),
-        Option("participation_draw", "rho", "with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; "
-               "count draws the number of participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference "
-               "library's rule, which reaches N)", one_of(*PARTICIPATION_DRAWS)),
-        Option("placement", "auto", "what clients are weighted by when placed on ranks (largest first, to the "
-               "least-loaded rank): samples | steps (local SGD steps: batches × local_epochs) | auto (steps unless "
-               "fused=false)", one_of(*PLACEMENTS)),
-    )
-
-    @classmethod
-    def check_config(cls, cfg):
-        if cfg.participation_sampling == "poisson" and cfg.participation_range is not None:
-            return "participation_range", ("draws each round's cohort size; participation_sampling=poisson draws "
-                                           "every client on its own with probability participation: use one of them")
-        if cfg.participation_draw != "rho" and cfg.participation_range is None:
-            return "participation_draw", f"{cfg.participation_draw} draws from participation_range, which is not set"
-        return None

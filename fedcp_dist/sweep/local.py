@@ -1,20 +1,35 @@
 """The local executor: the unfinished points one after another, each a ``fedcp_dist.run`` process.
 
-A point runs under torchrun when the sweep asks for several ranks per run. Its stdout goes to
-``<root>/<name>/logs/<point>.log`` and so does its stderr, whose last lines also explain a failure.
+A point runs under torchrun when the sweep asks for several ranks per run. Its output (stdout and
+stderr) goes to ``<root>/<name>/logs/<point>.log``, whose last lines also explain a failure.
+
+Stopping a sweep (the contract ``docs/cluster.md`` states): a stop signal to the sweep (SIGINT —
+Ctrl-C —, SIGTERM, SIGUSR2) is passed on to the running point as SIGTERM, which checkpoints after
+its round and exits 75; the sweep then launches nothing more and exits with the same status 75
+(:data:`~fedcp_dist.errors.EXIT_REQUEUE`), and run again it resumes every point from its own
+checkpoint. A second stop signal ends the point at once (it resumes from its last complete
+checkpoint). A point runs in a session of its own, so a Ctrl-C in the terminal reaches the sweep
+only; and it is asked to stop (SIGTERM) if the sweep dies (Linux's parent-death signal), so no run
+trains on without its sweep. A point whose run directory is locked by another process (another
+sweep running the same file) is left to it: the sweep goes on with the others, then waits for that
+process and runs the point only if it did not finish it. Such a point is never counted as failed.
 """
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
-from typing import Mapping
+from pathlib import Path
+from typing import Mapping, Optional
 
-from fedcp_dist.errors import EXIT_REQUEUE
-from fedcp_dist.rundir.directory import FINISHED, SUMMARY, UNFINISHED, RunDir
+from fedcp_dist.errors import EXIT_REQUEUE, Preempted
+from fedcp_dist.rundir.faults import fault_point
+from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
 from fedcp_dist.sweep.spec import Sweep, drift_warning
@@ -48,65 +63,218 @@ def pump(proc: subprocess.Popen, sink, tail: collections.deque) -> None:
         sink.flush()
 
 
-def _terminate(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
+#: the signals that stop a local sweep (each passed on to the running point as SIGTERM)
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR2")
+#: seconds between two looks at the lock of a point that another process runs
+LOCK_POLL_S = 1.0
+#: what fedcp-run says when another run holds its out_dir (:func:`fedcp_dist.rundir.directory.prepare_out_dir`)
+IN_USE = "is in use by another run"
+
+
+def lock_held(run_dir: Path) -> bool:
+    """Whether another process holds the run directory's lock (a run is using it now)."""
+    path = RunDir(run_dir).lock
     try:
-        proc.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        f = open(path, "r")
+    except OSError:  # no lock file: no run ever started there
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
+def _parent_death_signal():
+    """``preexec_fn`` for a point's process: SIGTERM to it when the sweep dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing), and at once if the sweep is already gone."""
+    parent = os.getpid()
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def setup() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+class SweepStop:
+    """While active, the stop signals (:data:`STOP_SIGNALS`) are the sweep's: the first is passed
+    on to the running point (``proc``) as SIGTERM, or, with none running, stops the sweep at once
+    (:class:`~fedcp_dist.errors.Preempted`); the second ends the running point at once (SIGKILL)."""
+
+    def __init__(self, sweep: str = ""):
+        self.sweep = sweep
+        self.signum: Optional[int] = None
+        self.proc: Optional[subprocess.Popen] = None
+        self.point = ""
+        self._previous: dict = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        running = self.proc is not None and self.proc.poll() is None
+        if not running:
+            raise Preempted(f"sweep {self.sweep} stopped by {signal.Signals(signum).name}; run it again to resume "
+                            f"its points")
+        if first:
+            print(f"got {signal.Signals(signum).name}: asking {self.point} to checkpoint after its round and stop "
+                  f"(a second signal stops it at once)", file=sys.stderr, flush=True)
+            self.proc.send_signal(signal.SIGTERM)
+        else:
+            print(f"got {signal.Signals(signum).name} again: stopping {self.point} at once (it resumes from its "
+                  f"last complete checkpoint)", file=sys.stderr, flush=True)
+            self.proc.kill()
+
+    def __enter__(self) -> "SweepStop":
+        for name in STOP_SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def _attempt_output(log_path: Path, offset: int) -> list:
+    """The lines this attempt added to the point's log."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+
+
+def _why(lines: list) -> str:
+    """A failed point's reason: its one-line errors, else the last lines of its output."""
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return stderr_tail(errors or lines, 2)
+
+
+def _launch(sweep: Sweep, k: int, p, stop: SweepStop, logs: Path) -> tuple:
+    """Run point ``p`` (the k-th) to its end; (exit status, seconds, its output, its log)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{p.name}.log"
+    cmd = sweep.command(p)
+    t0 = time.perf_counter()
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"# {now()} {shlex.join(cmd)}\n")
+        log.flush()
+        offset = log.tell()
+        stop.point = p.name
+        # a session of its own: a Ctrl-C in the terminal reaches the sweep, which passes it on
+        stop.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env(), start_new_session=True,
+                                     preexec_fn=_parent_death_signal())
+        try:
+            rc = stop.proc.wait()
+        finally:
+            stop.proc = None
+    return rc, time.perf_counter() - t0, _attempt_output(log_path, offset), log_path
 
 
 def run_local(sweep: Sweep) -> int:
-    """Run the unfinished points one after another; the number of failed points."""
-    todo = [p for p in sweep.points if p.status() != FINISHED]
+    """Run the unfinished points one after another; the number of failed and diverged points (a
+    diverged point, which learned nothing, is not run again: its directory must be removed first).
+    A stop signal ends the sweep with :class:`~fedcp_dist.errors.Preempted` (exit 75), the running
+    point checkpointed (see the module)."""
+    todo = [p for p in sweep.points if p.status() not in DONE]
     print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} finished, "
           f"{len(todo)} to run one after another (local, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"
           + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),
           flush=True)
-    drift_warning(sweep)
-    make_partitions(sweep, todo)
-    write_manifest(sweep, {"time": now(), "executor": "local", "points": [p.name for p in todo]} if todo else None)
+    with SweepStop(sweep.name) as stop:
+        drift_warning(sweep)
+        make_partitions(sweep, todo)
+        write_manifest(sweep, {"time": now(), "executor": "local", "points": [p.name for p in todo]} if todo else None)
+        failed, stopped, diverged = _run_points(sweep, stop)
+    done = sum(p.status() == FINISHED for p in sweep.points)
+    print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, "
+          + (f"{len(diverged)} diverged, " if diverged else "") + f"{len(failed)} failed"
+          + (f", {len(stopped)} stopped after a checkpoint" if stopped else ""), flush=True)
+    for p, why, log_path in failed:
+        print(f"  failed: {p.name}: {why} (log {display_path(log_path)})", flush=True)
+    for p in diverged:
+        print(f"  diverged: {p.name}: learned nothing, not a result (remove {display_path(p.run_dir)} to run it "
+              f"again)", flush=True)
+    if stop.signum is not None:
+        raise Preempted(f"sweep {sweep.name} stopped by {stop.name}; run it again to resume its points")
+    if stopped and not failed:
+        raise Preempted(f"sweep {sweep.name}: {len(stopped)} point(s) stopped after a checkpoint; run it again to "
+                        f"resume them")
+    return len(failed) + len(diverged)
+
+
+def _run_points(sweep: Sweep, stop: SweepStop) -> tuple:
+    """Every unfinished point; those another process runs are waited for at the end and run only
+    if that process did not finish them. (failed, stopped, diverged) points."""
     logs = sweep.dir / "logs"
-    failed = []
+    failed, stopped, elsewhere, diverged = [], [], [], []
+
+    def launch(k: int, p, status: str) -> bool:
+        """Run point k; False if another process runs it after all."""
+        fault_point("sweep_point", k)  # the fault tests' hook
+        print(sweep.point_line(k, p, "running") + (" (resuming)" if status == UNFINISHED else ""), flush=True)
+        rc, seconds, lines, log_path = _launch(sweep, k, p, stop, logs)
+        summary = RunDir(p.run_dir).read_summary()
+        if summary is not None and summary.get("status") == DIVERGED:
+            print(sweep.point_line(k, p, "DIVERGED") + f"  {seconds:.1f} s, learned nothing: {_why(lines)}",
+                  flush=True)
+            diverged.append(p)
+        elif rc == 0 and summary is not None:
+            print(sweep.point_line(k, p, "finished") + f"  {seconds:.1f} s, best_acc {summary.get('best_acc', float('nan')):.4f}",
+                  flush=True)
+        elif rc == 2 and any(IN_USE in ln for ln in lines):  # another process took it first
+            return False
+        elif rc == EXIT_REQUEUE or stop.signum is not None:
+            how = f"checkpointed (exit {EXIT_REQUEUE})" if rc == EXIT_REQUEUE else f"exit status {rc} once asked to stop"
+            print(sweep.point_line(k, p, "stopped") + f"  {seconds:.1f} s, {how}; the sweep run again resumes it",
+                  flush=True)
+            stopped.append(p)
+        else:
+            why = f"exited 0 but wrote no {SUMMARY}" if rc == 0 else f"exit status {rc}: {_why(lines)}"
+            print(sweep.point_line(k, p, "FAILED") + f"  {seconds:.1f} s, {why}; log {display_path(log_path)}", flush=True)
+            failed.append((p, why, log_path))
+        return True
+
     for k, p in enumerate(sweep.points, 1):
+        if stop.signum is not None:
+            break
         status = p.status()
         if status == FINISHED:
             print(sweep.point_line(k, p, "finished") + "  (skipped)", flush=True)
-            continue
-        print(sweep.point_line(k, p, "running") + (" (resuming)" if status == UNFINISHED else ""), flush=True)
-        logs.mkdir(parents=True, exist_ok=True)
-        log_path = logs / f"{p.name}.log"
-        cmd = sweep.command(p)
-        t0 = time.perf_counter()
-        tail: collections.deque = collections.deque(maxlen=40)
-        with open(log_path, "a", encoding="utf-8") as log:
-            log.write(f"# {now()} {shlex.join(cmd)}\n")
-            log.flush()
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, errors="replace",
-                                    env=run_env())
-            try:
-                pump(proc, log, tail)
-                rc = proc.wait()
-            except KeyboardInterrupt:
-                print(f"interrupted: waiting for {p.name} to checkpoint and stop", file=sys.stderr, flush=True)
-                _terminate(proc)
-                raise
-        seconds = time.perf_counter() - t0
-        summary = RunDir(p.run_dir).read_summary()
-        if rc == 0 and summary is not None:
-            print(sweep.point_line(k, p, "finished") + f"  {seconds:.1f} s, best_acc {summary.get('best_acc', float('nan')):.4f}",
-                  flush=True)
-            continue
-        if rc == EXIT_REQUEUE:
-            why = f"stopped after a checkpoint (exit {EXIT_REQUEUE}); run the sweep again to resume it"
-        elif rc == 0:
-            why = f"exited 0 but wrote no {SUMMARY}"
-        else:
-            why = f"exit status {rc}: {stderr_tail(tail, 2)}"
-        print(sweep.point_line(k, p, "FAILED") + f"  {seconds:.1f} s, {why}; log {display_path(log_path)}", flush=True)
-        failed.append((p, why, log_path))
-    done = sum(p.status() == FINISHED for p in sweep.points)
-    print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, {len(failed)} failed", flush=True)
-    for p, why, log_path in failed:
-        print(f"  failed: {p.name}: {why} (log {display_path(log_path)})", flush=True)
-    return len(failed)
+        elif status == DIVERGED:
+            print(sweep.point_line(k, p, "diverged") + "  (skipped: it learned nothing)", flush=True)
+            diverged.append(p)
+        elif lock_held(p.run_dir) or not launch(k, p, status):
+            print(sweep.point_line(k, p, "elsewhere") + "  (another process runs it; waited for at the end)", flush=True)
+            elsewhere.append((k, p))
+    while elsewhere and stop.signum is None:
+        k, p = elsewhere.pop(0)
+        if lock_held(p.run_dir):
+            print(sweep.point_line(k, p, "waiting") + "  (for the other process that runs it)", flush=True)
+            while lock_held(p.run_dir):
+                time.sleep(LOCK_POLL_S)
+        status = p.status()
+        if status == FINISHED:
+            print(sweep.point_line(k, p, "finished") + "  (by another process)", flush=True)
+        elif status == DIVERGED:
+            print(sweep.point_line(k, p, "diverged") + "  (by another process: it learned nothing)", flush=True)
+            diverged.append(p)
+        elif not launch(k, p, status):
+            elsewhere.append((k, p))
+    return failed, stopped, diverged

@@ -59,18 +59,29 @@ def partition_file_name(spec: PartitionSpec) -> str:
 
     Options other than source, scheme, its parameter, clients and seed that differ from the
     defaults add a short hash, so that different partitions never share a name; a text source's
-    ``text_pipeline`` always enters the hash.
+    ``text_pipeline`` always enters the hash. Synthetic shards are named by α and β
+    (``synthetic_a1_b1_n1000_s1.h5``), LEAF shards by their task, with their ``root`` in the hash.
     """
     scheme = spec.partition
-    if scheme == "dir":
+    if spec.source == "synthetic":  # synthetic_a1_b1_n1000_s1.h5, synthetic_iid_n1000_s1.h5
+        scheme = "iid" if spec.synthetic_iid else \
+            f"a{format_value(spec.synthetic_alpha)}_b{format_value(spec.synthetic_beta)}"
+    elif spec.source == "leaf":  # leaf_femnist_s1.h5: LEAF's users, as many as its files hold
+        scheme = spec.leaf_task or "auto"
+    elif scheme == "dir":
         scheme += format_value(spec.beta)
     elif scheme == "pat":
         scheme += f"{spec.classes_per_client}" + ("u" if spec.unbalanced else "")
-    name = f"{spec.source}_{scheme}_n{spec.num_clients}_s{spec.seed}"
+    clients = "" if spec.num_clients is None else f"_n{spec.num_clients}"
+    name = f"{spec.source}_{scheme}{clients}_s{spec.seed}"
     named = {"source", "partition", "beta", "classes_per_client", "unbalanced", "num_clients", "seed",
-             *PARTITION_LOCATION_KEYS}
+             "synthetic_alpha", "synthetic_beta", "synthetic_iid", "leaf_task", *PARTITION_LOCATION_KEYS}
     defaults = PartitionSpec().to_dict()
     extra = {k: v for k, v in spec.to_dict().items() if k not in named and v != defaults[k]}
+    if spec.source == "leaf":
+        # LEAF's files are the data itself: two roots (FEMNIST sampled at 5 % and at 100 %, say)
+        # are two data sets
+        extra["root"] = os.path.abspath(spec.root) if spec.root else None
     if spec.source in TEXT_SOURCES:
         # always named, so that a shard made before the reference pipeline became the default
         # (same options, other tokens) is never taken for one made with it

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedcp_dist.errors import EXIT_REQUEUE, Preempted, UserError
-from fedcp_dist.rundir.directory import FINISHED, SUMMARY, RunDir
+from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, RunDir
 from fedcp_dist.sweep.local import pump, stderr_tail
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
@@ -99,6 +99,8 @@ class SweepRun:
         if rc == EXIT_REQUEUE and _submitit_requeue():  # checkpointed on a signal: requeue
             return None
         summary = RunDir(out_dir).read_summary() if out_dir else None
+        if summary is not None and summary.get("status") == DIVERGED:
+            raise RuntimeError(f"run {name} diverged (it learned nothing): {stderr_tail(tail, 1)}")
         if rc != 0 or summary is None:
             why = f"exit status {rc}" if rc != 0 else f"no {SUMMARY} written"
             raise RuntimeError(f"run {name} failed ({why}): {stderr_tail(tail)}")
@@ -191,7 +193,7 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
     if shutil.which("sbatch") is None or shutil.which("srun") is None:
         raise UserError("--executor slurm needs sbatch and srun on PATH; this machine has no SLURM client "
                         "(use --executor local)")
-    todo = [p for p in sweep.points if p.status() != FINISHED]
+    todo = [p for p in sweep.points if p.status() not in DONE]
     print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} finished, "
           f"{len(todo)} to submit (slurm)"
           + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping, type_ok
+from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
 from fedcp_dist.errors import UserError
+from fedcp_dist.options import type_ok
 from fedcp_dist.rundir.directory import FINISHED, RunDir, defining_changes
 from fedcp_dist.sweep.names import did_you_mean, display_path, partition_file_name, point_name, yaml_value
 

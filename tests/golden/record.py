@@ -3,6 +3,10 @@
     python tests/golden/record.py --out tests/golden/digests.json              # record, 1 rank
     torchrun --standalone --nproc_per_node=2 tests/golden/record.py --out ...  # record, 2 ranks
     python tests/golden/record.py --check tests/golden/digests.json --cases fedcp fedavg   # compare
+    python tests/golden/record.py --out tests/golden/digests.json --cases mymethod         # add a case
+
+Every registered method is a case (its preset, configs/digits_<method>.yaml, as it is); recording
+some cases into an existing file keeps the others, on the machine kind the file was recorded on.
 
 Each case runs ROUNDS rounds of a ``configs/digits_<method>.yaml`` config (plus the case's
 overrides) in this process on the embedded digits partition (20 clients, Dir(0.1), seed 1),
@@ -32,6 +36,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: the package of this checkout
+
+from fedcp_dist.algorithms import ALGORITHMS  # noqa: E402
 ROUNDS = 2
 #: record keys that measure time (or depend on the buffer layout), left out of the digest
 UNSTABLE = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds", "allreduce_seconds",
@@ -40,8 +47,8 @@ UNSTABLE = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds", "al
 #: the byte counts every averaging run records (fedcp_dist.comm.compress.uplink_record): added after the
 #: digests were recorded, a function of the config and the cohort (tests/test_compress.py), left out
 ACCOUNTING = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense")
-METHODS = ("fedcp", "fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep",
-           "fedrod", "fedfomo", "fedphp")
+#: every registered method, in the registry's order
+METHODS = tuple(ALGORITHMS)
 CASES = {
     **{m: (m, []) for m in METHODS},
     "fedcp-fused": ("fedcp", ["fused=true", "placement=samples"]),
@@ -203,8 +210,14 @@ def main(argv=None) -> int:
     if rt.is_main:
         out = Path(args.out)
         data = json.loads(out.read_text()) if out.exists() else {}
+        cases = data.get("world_sizes", {}).get(str(rt.world_size), {})
+        if data.get("fingerprint", fingerprint()) != fingerprint() and set(cases) - set(results):
+            print(f"{out} was recorded on {data['fingerprint']}, this machine is {fingerprint()}: record every case "
+                  f"here (no --cases) or add this one on that kind of machine", file=sys.stderr)
+            rt.close()
+            return 2
         data["fingerprint"] = fingerprint()
-        data.setdefault("world_sizes", {})[str(rt.world_size)] = results
+        data.setdefault("world_sizes", {})[str(rt.world_size)] = {**cases, **results}
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     rt.close()
     return 0

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcp_dist.algorithms.fedcp.modules import PolicyModule, register
 from fedcp_dist.options import Component, Option, at_least, one_of
 from fedcp_dist.state.placement import STREAM_INIT, stream_seed
 
@@ -143,3 +144,9 @@ class ClientVector(Component):
             return v * h
         extra = step.value("stats") if self.kind == "head+stats" else step.run("emb", h)
         return F.normalize(step.run("vproj", torch.cat([v, extra], dim=-1)), dim=-1) * h
+
+
+#: ``cpn_client_vector`` head+stats or head+embed: the projection P of [v̂ ; extra] to K, shared with the CPN
+PROJECTION = register(PolicyModule("vproj", draw=1, shared=True, build=lambda algo: algo.vector.build_projection()))
+#: ``cpn_client_vector=head+embed``: the client's learned embedding e_i, its own (zero at first)
+EMBEDDING = register(PolicyModule("emb", draw=3, shared=False, build=lambda algo: algo.vector.build_embedding()))

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from fedcp_dist.algorithms.fedcp.modules import PolicyModule, register
 from fedcp_dist.errors import UserError
 from fedcp_dist.models.batchnorm import BatchNorm1d
 from fedcp_dist.options import Component, Option, above, at_least, one_of, within
@@ -175,6 +176,8 @@ class Policy(Component):
         self.cfg, self.K = cfg, feature_dim
         self.enabled = bool(cfg.fedcp_cpn)
         self.groups = int(cfg.cpn_groups)
+        #: the policy modules on in this run that add to the pair logits (FedCP sets them once built)
+        self.extra: list = []
 
     def build_cpn(self) -> nn.Module:
         """The paper's CPN or the light one (drawn from the seeded global RNG after the model)."""
@@ -202,20 +205,36 @@ class Policy(Component):
         return group_cpn(self.groups)
 
     def logits(self, step, c: torch.Tensor) -> torch.Tensor:
-        """The pair logits (B, 2K) of the trained (or evaluated) CPN on the policy input C."""
+        """The pair logits (B, 2K) of the trained (or evaluated) CPN on the policy input C, with the
+        shares of the policy modules that add to them (:attr:`extra`)."""
         logits = step.run("cpn.net", c)
-        if self.groups:
-            logits = combine_group_logits(logits, step.run("cpng", group_pool(c, self.groups)), self.K)
+        for m in self.extra:
+            logits = m.logits(self, c, logits, lambda x, name=m.name: step.run(name, x))
         return logits
 
-    def teacher_logits(self, step, c: torch.Tensor, cpn_g: nn.Module, cpng_g: Optional[nn.Module]) -> torch.Tensor:
-        """The received (frozen) CPN's pair logits on C, without gradient on either path."""
+    def teacher_logits(self, step, c: torch.Tensor, cpn_g: nn.Module, received: dict) -> torch.Tensor:
+        """The received (frozen) policy's pair logits on C (``received``: {name: the received copy of a
+        shared policy module}; a client's own module is no part of it), without gradient on either path."""
         c = c.detach()
         logits = step.shared(cpn_g.net, c, grad=False)
-        if not self.groups:
-            return logits
-        return combine_group_logits(logits, step.shared(cpng_g, group_pool(c, self.groups), grad=False), self.K)
+        for m in (m for m in self.extra if m.shared):
+            logits = m.logits(self, c, logits, lambda x, mod=received[m.name]: step.shared(mod, x, grad=False))
+        return logits
 
     def split(self, logits: torch.Tensor, tau: float, noise, entropy: bool):
         """(s, r, entropy or None) of the pair logits."""
         return policy(logits, self.K, tau, noise, hard=self.cfg.cpn_hard, entropy=entropy)
+
+
+def _group_logits(policy: Policy, c: torch.Tensor, logits: torch.Tensor, apply) -> torch.Tensor:
+    return combine_group_logits(logits, apply(group_pool(c, policy.groups)), policy.K)
+
+
+def _group_note(policy: Policy, module: nn.Module) -> str:
+    params, flops = cpn_cost(module)
+    return f"group policy (G={policy.groups}): {params} parameters, {flops} FLOPs/sample"
+
+
+#: ``cpn_groups``: the group-level policy, shared, its pair logits added to each member feature's
+GROUP_POLICY = register(PolicyModule("cpng", draw=2, shared=True, build=lambda algo: algo.policy.build_groups(),
+                                     logits=_group_logits, note=_group_note))

@@ -31,7 +31,8 @@ from fedcp_dist.algorithms.fedcp.cpn import Policy, cpn_cost
 from fedcp_dist.algorithms.fedcp.probing import PolicyProbes
 from fedcp_dist.algorithms.fedcp.regularisers import REGULARISERS
 from fedcp_dist.algorithms.fedcp.schedules import Schedules
-from fedcp_dist.algorithms.fedcp.sync import POLICY_PREFIXES, PolicySync
+from fedcp_dist.algorithms.fedcp.modules import registered
+from fedcp_dist.algorithms.fedcp.sync import PolicySync
 from fedcp_dist.local_train import ClientPhase, Phase
 from fedcp_dist.options import Option
 from fedcp_dist.state.placement import STREAM_INIT, stream_seed
@@ -61,6 +62,8 @@ PARTS = (*REGULARISERS, Policy, ClientVector, Schedules, PolicySync)
 class FedCP(PolicyProbes, SGDAlgorithm):
     name = "fedcp"
     parts = PARTS
+    digits_preset = {"lam": (0.1, "picked for this tiny set from the paper's grid: with λ = 5 its small features "
+                                  "barely grow")}
     options = (
         Option("fedcp_global_head", True, "FedCP ablation (paper, Table 1): false drops the frozen global head "
                "(needs fedcp_cpn=false; only the extractor is shared)"),
@@ -93,7 +96,7 @@ class FedCP(PolicyProbes, SGDAlgorithm):
             for key in needs_cpn:
                 if getattr(cfg, key) != options[key].default:
                     return key, "acts on the CPN, but fedcp_cpn=false has none"
-            if cfg.method == "fedcp" and cfg.probe_every:
+            if cfg.probe_every:
                 return ("analysis" if cfg.analysis else "analysis_every",
                         "the probes measure the CPN's policy (PIR, s), and fedcp_cpn=false has none")
         return None
@@ -111,15 +114,14 @@ class FedCP(PolicyProbes, SGDAlgorithm):
         self.terms = [part(cfg) for part in REGULARISERS]
         self.schedules, self.sync = Schedules(cfg), PolicySync(cfg)
         self.tau = cfg.tau  # this round's temperature (annealed: set per round in phases and evaluation)
-        # drawn from the same seeded global RNG as the model, in this order (the recorded results' order)
+        # drawn from the same seeded global RNG as the model, in this order (the recorded results' order):
+        # the paper's CPN, the shared policy modules, a CPN design replacing the paper's, the clients' own
         cpn = self.policy.build_cpn().to(device)
-        proj = self.vector.build_projection()
-        self.vproj = None if proj is None else proj.to(device)
-        groups = self.policy.build_groups()
-        self.cpng = None if groups is None else groups.to(device)
+        #: {name: module} of the registered policy modules on in this run (:mod:`.modules`), trained
+        self.own = self._build_modules(registered(shared=True), device)
         self.cpn = self.policy.redesign(cpn).to(device)
-        emb = self.vector.build_embedding()
-        self.emb_p = None if emb is None else emb.to(device)
+        self.own.update(self._build_modules(registered(shared=False), device))
+        self.policy.extra = [m for m in registered() if m.logits is not None and m.name in self.own]
         # selection_vector=features: the loss tallies Σ h (float64) in every round; finish keeps its mean
         self.track_features = cfg.selection_vector == "features"
         self.use_global_head = bool(cfg.fedcp_global_head)
@@ -129,8 +131,10 @@ class FedCP(PolicyProbes, SGDAlgorithm):
         self.fe_g = freeze(copy.deepcopy(self.fe)).eval()  # BatchNorm: running statistics at evaluation
         self.head_g = freeze(copy.deepcopy(self.head_p))
         self.cpn_g = freeze(copy.deepcopy(self.cpn)).eval()
-        self.vproj_g = None if self.vproj is None else freeze(copy.deepcopy(self.vproj))
-        self.cpng_g = None if self.cpng is None else freeze(copy.deepcopy(self.cpng))
+        #: {name: its received copy, frozen} of the shared policy modules on in this run
+        self.received = {m.name: freeze(copy.deepcopy(self.own[m.name])) for m in self._on(shared=True)}
+        #: a client's own modules' values before it has trained
+        self._init_own = {k: v for m in self._on(shared=False) for k, v in module_state(m.prefix, self.own[m.name]).items()}
         self._init_head = module_state("head.", self.head_p)
         gen = torch.Generator().manual_seed(stream_seed(cfg.seed, STREAM_INIT))
         self._init_v = torch.rand(self.K, generator=gen).to(device)
@@ -139,30 +143,42 @@ class FedCP(PolicyProbes, SGDAlgorithm):
         self._declare_phases()
         self.gs = self.init_global_state()
 
+    def _build_modules(self, modules: list, device) -> dict:
+        """{name: module} of ``modules`` that are on in this run, each built (and drawn) in turn."""
+        out = {}
+        for m in modules:
+            module = m.build(self)
+            if module is not None:
+                out[m.name] = module.to(device)
+        return out
+
+    def _on(self, shared: Optional[bool] = None) -> list:
+        """The registered policy modules on in this run (shared or the clients' own only), in draw order."""
+        return [m for m in registered(shared) if m.name in self.own]
+
     def _modules(self, trained: bool) -> dict:
         """{prefix: module} of the trained model (or of the evaluated one: received extractor and policy)."""
         m = {"features.": self.fe if trained else self.fe_g, "cpn.": self.cpn if trained else self.cpn_g,
              "head.": self.head_p}
-        for prefix, own, received in (("vproj.", self.vproj, self.vproj_g), ("cpng.", self.cpng, self.cpng_g)):
-            if own is not None:
-                m[prefix] = own if trained else received
-        if self.emb_p is not None:
-            m["emb."] = self.emb_p
+        for pm in self._on(shared=True):
+            m[pm.prefix] = self.own[pm.name] if trained else self.received[pm.name]
+        for pm in self._on(shared=False):
+            m[pm.prefix] = self.own[pm.name]
         return m
 
     def _declare_phases(self) -> None:
         modules = self._modules(trained=True)
-        # the distillation's teacher: the received CPN (and group CPN), applied alike to every client
+        # the distillation's teacher: the received CPN (and the modules adding to its logits), alike for every client
         shared = (self.fe_g, self.head_g)
         if self.cfg.cpn_distill:
-            shared += (self.cpn_g,) + ((self.cpng_g,) if self.cpng is not None else ())
+            shared += (self.cpn_g,) + tuple(self.received[m.name] for m in self.policy.extra if m.shared)
         tallied = ("h",) if self.track_features else ()  # selection_vector=features: Σ h over the samples trained
         trainable = tuple(p + n for p, m in modules.items() for n, t in m.named_parameters() if t.requires_grad)
         self.train_phase = Phase("train", self.loss, modules, trainable=trainable, epochs=self.cfg.local_epochs,
                                  shared=shared, tallied=tallied)
         # Θ frozen (warm-up, caching, asynchronous): the same loss, the policy's networks constants
         self.frozen_phase = Phase("train-cpn-frozen", self.loss, modules,
-                                  trainable=tuple(n for n in trainable if not n.startswith(POLICY_PREFIXES)),
+                                  trainable=tuple(n for n in trainable if not n.startswith(self.sync.prefixes)),
                                   epochs=self.cfg.local_epochs, shared=shared, tallied=tallied)
         self.training_phases = [self.train_phase]
         self.eval_modules = self._modules(trained=False)
@@ -171,14 +187,15 @@ class FedCP(PolicyProbes, SGDAlgorithm):
     # -- state ------------------------------------------------------------
     def init_global_state(self):
         state = {}
-        for prefix in ("features.", "head.", "cpn.", "vproj.", "cpng."):
+        for prefix in ("features.", "head.", *self.sync.prefixes):
             if prefix in self.train_phase.modules:
                 state.update(module_state(prefix, self.train_phase.modules[prefix]))
         return self.sync.init_global(state)
 
     def set_global(self, global_state):
+        own = {"head.", *(m.prefix for m in self._on(shared=False))}  # the client's, loaded from its state
         for prefix, module in self.eval_modules.items():
-            if prefix not in ("head.", "emb."):
+            if prefix not in own:
                 load_module(module, global_state, prefix)
         load_module(self.head_g, global_state, "head.")
         self.gs = global_state
@@ -202,11 +219,10 @@ class FedCP(PolicyProbes, SGDAlgorithm):
 
     def init_client_state(self, client):
         """A copy of the initial global head, and one random client vector from the run seed
-        (head+embed: and a zero embedding)."""
+        (and the initial values of its own policy modules: head+embed's zero embedding)."""
         state = {**{k: v.clone() for k, v in self._init_head.items()}, "v": self._init_v.clone()}
         self.sync.init_client(state, self._init_v)
-        if self.emb_p is not None:
-            state["emb.e"] = torch.zeros_like(self.emb_p.e.detach())
+        state.update({k: v.clone() for k, v in self._init_own.items()})
         if self.track_features:  # selection_vector=features: no features seen yet
             state["fmean"] = torch.zeros_like(self._init_v)
         return state
@@ -223,8 +239,7 @@ class FedCP(PolicyProbes, SGDAlgorithm):
             return f"cpn_client_vector={self.vector.kind} trains one client at a time"
         return super().fused_reason()
 
-    has_client_vector = True
-
+    # -- the client vector (fedcp_dist.capabilities.ClientVectors: feature-difference selection)
     @property
     def client_vector_dim(self) -> int:
         return self.K
@@ -264,9 +279,9 @@ class FedCP(PolicyProbes, SGDAlgorithm):
                 loss = loss + value
         return loss
 
-    def _sgd_kwargs(self, ctx=None):
-        kw = super()._sgd_kwargs(ctx)
-        rates = None if ctx is None else self.schedules.param_lr(ctx.round, POLICY_PREFIXES)
+    def sgd_settings(self, ctx=None):
+        kw = super().sgd_settings(ctx)
+        rates = None if ctx is None else self.schedules.param_lr(ctx.round, self.sync.prefixes)
         if rates is not None:
             kw["param_lr"] = rates
         return kw
@@ -277,9 +292,9 @@ class FedCP(PolicyProbes, SGDAlgorithm):
         params, flops = cpn_cost(self.cpn)
         design = f"light, H={self.cfg.cpn_hidden}" if self.cfg.cpn_hidden else "Linear(K, 2K)"
         line = f"CPN ({design}, K={self.K}): {params} parameters, {flops} FLOPs/sample"
-        if self.cpng is not None:
-            gp, gf = cpn_cost(self.cpng)
-            line += f"; group policy (G={self.cfg.cpn_groups}): {gp} parameters, {gf} FLOPs/sample"
+        for m in self._on():
+            if m.note is not None:
+                line += f"; {m.note(self.policy, self.own[m.name])}"
         return line
 
     # -- local training ---------------------------------------------------
@@ -287,10 +302,9 @@ class FedCP(PolicyProbes, SGDAlgorithm):
         k = self.keys
         start = {**{n: self.gs[n] for p in ("features.", "cpn.") for n in k[p]},
                  **{n: client_state[n] for n in k["head."]}, "v": client_state["v"]}
-        start.update({n: self.gs[n] for n in k.get("vproj.", ())})
+        start.update({n: self.gs[n] for m in self._on(shared=True) for n in k[m.prefix]})
         start.update(self.vector.values(client_state, data, ctx.client))
-        start.update({n: self.gs[n] for n in k.get("cpng.", ())})
-        start.update({n: client_state[n] for n in k.get("emb.", ())})
+        start.update({n: client_state[n] for m in self._on(shared=False) for n in k[m.prefix]})
         self.tau = self.schedules.tau_at(ctx.round)
         plan = self.sync.round_of(client_state, self.gs, ctx.round)
         if plan.values is not None:
@@ -307,10 +321,10 @@ class FedCP(PolicyProbes, SGDAlgorithm):
             if self.use_global_head:
                 upload.update({n: 0.5 * (self.gs[n] + v[n]) for n in k["head."]})
                 if o.info["sends"]:
-                    upload.update({n: v[n] for p in ("cpn.", "vproj.", "cpng.") for n in k.get(p, ())})
+                    upload.update({n: v[n] for p in self.sync.prefixes for n in k.get(p, ())})
             new_state = {**{n: v[n] for n in k["head."]}, "v": v["head.weight"].sum(dim=0)}
             self.sync.finish_client(new_state, client_state)
-            new_state.update({n: v[n] for n in k.get("emb.", ())})
+            new_state.update({n: v[n] for m in self._on(shared=False) for n in k[m.prefix]})
             tallies = o.tallies
             if self.track_features:  # the mean of h over every sample the local training saw
                 tallies = dict(tallies)

@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 from fedcp_dist.algorithms.fedcp.cpn import policy_kl
 from fedcp_dist.losses import MEDIAN, MMD_BANDWIDTHS
-from fedcp_dist.options import Component, Option, at_least, one_of
+from fedcp_dist.options import Component, Option, at_least, described, one_of
 
 
 def _number_or_median(v) -> Optional[str]:
@@ -44,9 +44,10 @@ class MMD(Component):
         Option("mmd_kernel", "multi", "FedCP: MMD kernel on squared distances d: multi (Σ_a exp(−d/2a) over "
                "mmd_bandwidths, the reference's) | rbf (exp(−d/2σ²), σ = mmd_sigma)", one_of("multi", "rbf")),
         Option("mmd_sigma", MEDIAN, "FedCP: σ of mmd_kernel=rbf: a number, or median (the median pairwise distance "
-               "of the batch's pooled features)", _number_or_median, kind=Union[float, str]),
+               "of the batch's pooled features)", described("median | > 0", _number_or_median), kind=Union[float, str]),
         Option("mmd_bandwidths", None, "FedCP: the bandwidths a of mmd_kernel=multi (null: 10, 15, 20, 50, the "
-               "reference's)", _bandwidth_list, kind=Optional[list]),
+               "reference's)", described("null or a non-empty list of numbers > 0", _bandwidth_list),
+               kind=Optional[list]),
         Option("fedcp_gfm", True, "FedCP ablation (paper, Table 1): false drops the frozen global feature extractor "
                "module and its MMD term"),
     )
@@ -110,7 +111,7 @@ class Distillation(Component):
     def term(self, algo, step, out):
         if not self.kappa:
             return None
-        kl = policy_kl(algo.policy.teacher_logits(step, out.c, algo.cpn_g, algo.cpng_g), out.policy_logits, algo.K,
+        kl = policy_kl(algo.policy.teacher_logits(step, out.c, algo.cpn_g, algo.received), out.policy_logits, algo.K,
                        algo.tau)
         return self.kappa * step.mean(kl)
 

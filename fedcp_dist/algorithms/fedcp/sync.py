@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from fedcp_dist.algorithms.fedcp.modules import policy_prefixes
 from fedcp_dist.options import Component, Option, at_least, within
 
-#: the value prefixes of the policy's networks: the CPN, the client vector's projection and the group CPN
-POLICY_PREFIXES = ("cpn.", "vproj.", "cpng.")
 #: the global-state prefix of Θ_prev
 PREV = "prev."
 #: BatchNorm running statistics: a client's own, not part of the interpolated Θ
@@ -103,6 +102,8 @@ class PolicySync(Component):
         self.every = int(cfg.policy_refresh_every)
         self.upload_every = int(cfg.cpn_upload_every)
         self.min_rate = float(cfg.cpn_async_min_rate)
+        #: the value prefixes of Θ, the policy's networks: the CPN and the shared policy modules
+        self.prefixes = policy_prefixes()
 
     @property
     def grouped(self) -> bool:
@@ -125,7 +126,7 @@ class PolicySync(Component):
     def values_at(self, gs: dict, t: int) -> dict:
         """Θ of round t: Θ_last (the global values) in a refresh round, else Θ_prev + α(Θ_last − Θ_prev)
         with α = (t mod P)/P (a value without Θ_prev, BatchNorm's statistics, as it is)."""
-        keys = [k for k in gs if k.startswith(POLICY_PREFIXES)]
+        keys = [k for k in gs if k.startswith(self.prefixes)]
         alpha = refresh_alpha(t, self.every)
         if alpha == 0:
             return {k: gs[k] for k in keys}
@@ -148,7 +149,7 @@ class PolicySync(Component):
         """Θ_prev, as Θ_last at the start (caching only)."""
         if self.every > 1:
             state.update({PREV + k: v.clone() for k, v in state.items()
-                          if k.startswith(POLICY_PREFIXES) and not k.endswith(_BN_STATS)})
+                          if k.startswith(self.prefixes) and not k.endswith(_BN_STATS)})
         return state
 
     @staticmethod
@@ -159,7 +160,7 @@ class PolicySync(Component):
     def groups(self, upload_keys: list) -> Optional[dict]:
         if not self.grouped:
             return None
-        return {k: "policy" for k in upload_keys if k.startswith(POLICY_PREFIXES)}
+        return {k: "policy" for k in upload_keys if k.startswith(self.prefixes)}
 
     def server_update(self, new: dict, old: dict, t: int) -> dict:
         """Caching's refresh round also sets Θ_prev ← Θ_last (the values before this round's average)."""

@@ -40,7 +40,10 @@ def describe_lines(info: ShardInfo, all_clients: bool = False) -> list[str]:
              f"source:           {info.source} ({info.kind}, input {info.input_shape}, "
              f"{info.num_classes} classes)"]
     if info.kind == TEXT_KIND:
-        lines.append(f"vocabulary:       {info.vocab_size} token ids (0 = padding, 1 = unknown)")
+        ids = "LEAF's Shakespeare characters, no padding" if info.partition == "leaf" else "0 = padding, 1 = unknown"
+        lines.append(f"vocabulary:       {info.vocab_size} token ids ({ids})")
+    elif info.kind == TABLE_KIND and info.partition == "synthetic":
+        lines.append("standardised:     no (mean 0, std 1: the generated features as they are)")
     elif info.kind == TABLE_KIND:
         shown = ", ".join(f"{m:.4g}/{s:.4g}" for m, s in zip(info.mean[:4], info.std[:4]))
         more = ", ..." if len(info.mean) > 4 else ""

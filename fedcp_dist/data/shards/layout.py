@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,9 @@ _REQUIRED_ATTRS = ("kind", "source", "num_classes", "num_clients", "input_shape"
                    "partition", "partition_params", "seed")
 #: the attribute holding a shard's content fingerprint (absent from shards written before it)
 FINGERPRINT = "fingerprint"
+#: the attribute holding each array's digest as written, JSON (absent from shards written before
+#: it; :mod:`fedcp_dist.data.shards.verify`)
+ARRAY_DIGESTS = "array_digests"
 #: attributes of versions 1 and 2 only (datasets in version 3)
 _COUNT_ATTRS = ("train_counts", "test_counts", "train_label_counts", "test_label_counts")
 
@@ -63,6 +66,9 @@ class ShardInfo:
     #: the content fingerprint written with the shard ("sha256:..."); "" for a shard written before
     #: fingerprints (see the module's docstring)
     fingerprint: str = ""
+    #: each array's digest as written ({} for a shard written before them; see
+    #: :mod:`fedcp_dist.data.shards.verify`)
+    array_digests: dict = field(default_factory=dict)
 
 
 class Rows:
@@ -96,6 +102,15 @@ class Rows:
 
     def __getitem__(self, item) -> np.ndarray:
         return self.base[self.index[item]]
+
+
+def training_attributes(kind: str, num_classes: int, input_shape, mean, std, vocab, columns) -> dict:
+    """The attributes that shape training, as the content fingerprint and digests hash them."""
+    return {"kind": kind, "num_classes": int(num_classes), "input_shape": [int(d) for d in input_shape],
+            "mean": [float(v) for v in np.asarray(mean, dtype=np.float64).ravel()],
+            "std": [float(v) for v in np.asarray(std, dtype=np.float64).ravel()],
+            "vocab": None if vocab is None else [str(t) for t in vocab],
+            "columns": None if columns is None else [str(c) for c in columns]}
 
 
 def layout_digest(info: "ShardInfo") -> str:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import h5py
 import numpy as np
 
-from fedcp_dist.data.shards.layout import (_COUNT_ATTRS, _REQUIRED_ATTRS, FINGERPRINT, FORMAT_VERSION,
+from fedcp_dist.data.shards.layout import (_COUNT_ATTRS, _REQUIRED_ATTRS, ARRAY_DIGESTS, FINGERPRINT, FORMAT_VERSION,
                                            IMAGE_FORMAT_VERSION, KIND, KINDS, READABLE_VERSIONS, SPLITS,
                                            TABLE_KIND, TEXT_FORMAT_VERSION, TEXT_KIND, TEXT_SPLITS,
                                            WRITE_SAMPLES, ShardInfo)
+from fedcp_dist.data.shards.verify import finite_rows, labels_in_range
 from fedcp_dist.errors import UserError
 
 
@@ -82,12 +84,62 @@ def _offsets(f: h5py.File, path, split: str, num_clients: int, names) -> np.ndar
     return offsets
 
 
+#: what a shard of each kind stores its samples as: (the dtype test, the words a refusal uses)
+SAMPLE_DTYPES = {KIND: (lambda dt: dt == np.uint8, "uint8 pixel values 0-255"),
+                 TEXT_KIND: (lambda dt: np.issubdtype(dt, np.integer), "integer token ids"),
+                 TABLE_KIND: (lambda dt: dt == np.float32, "float32 feature values")}
+
+
+def _values(sample: Optional[np.ndarray]) -> str:
+    """`` (0.0 to 255.0 in its first rows, NaN among them)``: what a few of an array's values are."""
+    if sample is None or not np.size(sample) or not np.issubdtype(sample.dtype, np.number):
+        return ""
+    finite = sample[np.isfinite(sample)] if np.issubdtype(sample.dtype, np.floating) else sample
+    span = f"{finite.min().item()!r} to {finite.max().item()!r}" if finite.size else "no finite value"
+    odd = sorted({str(v) for v in sample[~np.isfinite(sample)].ravel()[:1000]}) if finite.size < sample.size else []
+    return f" ({span} in its first rows{', ' + ' and '.join(odd) + ' among them' if odd else ''})"
+
+
+def dtype_ok(kind: str, name: str, dtype) -> bool:
+    """Whether a shard of ``kind`` stores its array ``name`` as ``dtype``."""
+    return SAMPLE_DTYPES[kind][0](np.dtype(dtype)) if name.endswith("_x") else np.issubdtype(dtype, np.integer)
+
+
+def check_ds_dtype(path, kind: str, name: str, ds: h5py.Dataset) -> None:
+    """:func:`check_dtype` of a dataset, some of its values read only when it is refused."""
+    if not dtype_ok(kind, name, ds.dtype):
+        check_dtype(path, kind, name, ds.dtype, sample=ds[:WRITE_SAMPLES])
+
+
+def check_dtype(path, kind: str, name: str, dtype, client: Optional[int] = None,
+                sample: Optional[np.ndarray] = None) -> None:
+    """Refuse an array of a dtype the shard's kind does not store (images as float, labels as
+    float, ...), in one line naming it, its dtype and (``sample``: some of its values) its values."""
+    dtype = np.dtype(dtype)
+    whose = f"client {client}'s " if client is not None else "dataset "
+    if name.endswith("_x"):
+        ok, what = SAMPLE_DTYPES[kind]
+        if not ok(dtype):
+            hint = (": images stored as float would train unscaled, as a table's features; re-create the shard "
+                    "with fedcp-partition, whose --from-npz converts float images"
+                    if kind == KIND and np.issubdtype(dtype, np.floating) else "")
+            raise UserError(f"shard file {path}: {whose}'{name}' holds {dtype} values{_values(sample)}, but "
+                            f"{'an' if kind == KIND else 'a'} {kind} shard stores {what}{hint}")
+    elif not np.issubdtype(dtype, np.integer):
+        what = "labels" if name.endswith("_y") else "lengths"
+        raise UserError(f"shard file {path}: {whose}'{name}' holds {dtype} values{_values(sample)}, but {what} "
+                        f"are integers")
+
+
 def _split_counts(f: h5py.File, path, num_clients: int, num_classes: int, kind: str) -> dict:
     """The per-client counts of a version-3 shard (ShardInfo's fields), checked together."""
     names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
     out = {}
     for split in ("train", "test"):
         counts = np.diff(_offsets(f, path, split, num_clients, names))
+        for name in names:
+            if name.startswith(split):
+                check_ds_dtype(path, kind, name, f[name])
         key = f"{split}_label_counts"
         if key not in f or not isinstance(f[key], h5py.Dataset):
             raise UserError(f"shard file {path} lacks the dataset '{key}'")
@@ -132,6 +184,12 @@ def read_info(path) -> ShardInfo:
             except ValueError:
                 raise UserError(f"shard file {path}: attribute 'partition_params' "
                                 f"is not valid JSON") from None
+            try:
+                digests = json.loads(_as_str(attrs[ARRAY_DIGESTS])) if ARRAY_DIGESTS in attrs else {}
+            except ValueError:
+                digests = None
+            if not isinstance(digests, dict):
+                raise UserError(f"shard file {path}: attribute '{ARRAY_DIGESTS}' is not a JSON object")
             n, c = int(attrs["num_clients"]), int(attrs["num_classes"])
             if version >= FORMAT_VERSION:
                 counts = _split_counts(f, path, n, c, kind)
@@ -154,6 +212,7 @@ def read_info(path) -> ShardInfo:
                 seed=int(attrs["seed"]),
                 vocab_size=vocab_size,
                 fingerprint=_as_str(attrs[FINGERPRINT]) if FINGERPRINT in attrs else "",
+                array_digests=digests,
                 **counts,
             )
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
@@ -215,11 +274,25 @@ def _check_text_arrays(path, cid: int, arrays: dict, max_len: int, vocab_size: i
             raise UserError(f"shard file {path}: client {cid} '{split}_len' is {lengths.dtype} "
                             f"of shape {lengths.shape}, expected ({len(x)},) integers")
         if x.size and (x.min() < 0 or x.max() >= vocab_size):
+            row, col = (int(v) for v in np.argwhere((x < 0) | (x >= vocab_size))[0])
             raise UserError(f"shard file {path}: client {cid} '{split}_x' holds token ids "
-                            f"outside [0, {vocab_size})")
+                            f"outside [0, {vocab_size}): {int(x[row, col])} (its row {row}, position {col})")
         if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
+            row = int(np.flatnonzero((lengths < 0) | (lengths > max_len))[0])
             raise UserError(f"shard file {path}: client {cid} '{split}_len' holds lengths "
-                            f"outside [0, {max_len}]")
+                            f"outside [0, {max_len}]: {int(lengths[row])} (its row {row})")
+
+
+def _check_client_values(path, kind: str, cid: int, arrays: dict, num_classes: Optional[int]) -> None:
+    """A loaded client's arrays: dtypes, labels in [0, num_classes), a table's values finite."""
+    for name, a in arrays.items():
+        if not dtype_ok(kind, name, a.dtype):
+            check_dtype(path, kind, name, a.dtype, cid, sample=a[:WRITE_SAMPLES])
+    for split in ("train", "test"):
+        if num_classes is not None:
+            labels_in_range(path, split, arrays[f"{split}_y"], [0, len(arrays[f"{split}_y"])], num_classes, cid)
+        if kind == TABLE_KIND:
+            finite_rows(path, f"{split}_x", cid, 0, arrays[f"{split}_x"])
 
 
 def _row_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -247,8 +320,10 @@ def _gather_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int) -> dict:
-    """Version 3: each client's rows of every dataset in ``names`` (views of one array each)."""
+def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int, kind: str,
+                     num_classes: Optional[int]) -> dict:
+    """Version 3: each client's rows of every dataset in ``names`` (views of one array each), each
+    array's dtype, labels and a table's values checked once for all of them."""
     order = np.unique(np.asarray(ids, dtype=np.int64))
     out: dict[int, dict[str, np.ndarray]] = {int(c): {} for c in order}
     for split in ("train", "test"):
@@ -258,7 +333,13 @@ def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int
         bounds = np.concatenate(([0], np.cumsum(lengths)))
         for name in names:
             if name.startswith(split):
+                check_ds_dtype(path, kind, name, f[name])
                 data = _gather_rows(f[name], rows)
+                if name.endswith("_y") and num_classes is not None:
+                    labels_in_range(path, split, data, bounds, num_classes, clients=order)
+                if kind == TABLE_KIND and name.endswith("_x") and not np.isfinite(data).all():
+                    k = int(np.searchsorted(bounds, np.argwhere(~np.isfinite(data))[0][0], side="right") - 1)
+                    finite_rows(path, name, int(order[k]), 0, data[bounds[k]:bounds[k + 1]])
                 for k, cid in enumerate(order):
                     out[int(cid)][name] = data[bounds[k]:bounds[k + 1]]
     return out
@@ -296,6 +377,7 @@ def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
             kind = _as_str(f.attrs.get("kind", KIND))
             _check_kind(path, kind, version)
             names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+            num_classes = int(f.attrs["num_classes"]) if "num_classes" in f.attrs else None
             if kind == TEXT_KIND:
                 for key in ("vocab_size", "input_shape"):
                     if key not in f.attrs:
@@ -310,9 +392,11 @@ def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
                     if not 0 <= cid < num_clients:
                         raise UserError(f"shard file {path} has no client {cid} "
                                         f"(it holds {num_clients} clients)")
-                out = _load_split_rows(f, path, ids, names, num_clients)
+                out = _load_split_rows(f, path, ids, names, num_clients, kind, num_classes)
             else:
                 out = _load_groups(f, path, ids, names, num_clients)
+                for cid, arrays in out.items():
+                    _check_client_values(path, kind, cid, arrays, num_classes)
             for cid, arrays in out.items():
                 if len(arrays["train_x"]) != len(arrays["train_y"]) or \
                         len(arrays["test_x"]) != len(arrays["test_y"]):

@@ -1,36 +1,51 @@
-"""Writing a shard: every client's arrays checked, appended a block at a time, fingerprinted, and
-the file moved into place only when complete."""
+"""Writing a shard: every client's arrays checked, appended a block at a time, fingerprinted (and
+each array digested, :mod:`fedcp_dist.data.shards.verify`), and the file moved into place only when
+complete."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from array import array
 from typing import Iterable
 
 import h5py
 import numpy as np
 
-from fedcp_dist.data.shards.layout import (ATTRIBUTE_BYTES, CHUNK_SAMPLES, FINGERPRINT, FORMAT_VERSION,
-                                           GROUP_VERSIONS, KIND, KINDS, SPLITS, TABLE_KIND, TEXT_KIND,
-                                           TEXT_SPLITS, WRITE_SAMPLES, Rows)
+from fedcp_dist.data.shards.layout import (ARRAY_DIGESTS, ATTRIBUTE_BYTES, CHUNK_SAMPLES, FINGERPRINT,
+                                           FORMAT_VERSION, GROUP_VERSIONS, KIND, KINDS, SPLITS, TABLE_KIND,
+                                           TEXT_KIND, TEXT_SPLITS, WRITE_SAMPLES, Rows, training_attributes)
+from fedcp_dist.data.shards.verify import ATTRIBUTES, ArrayHash, attributes_digest, offsets_digest
 from fedcp_dist.fileio import atomic_path
 
 
 class _Fingerprint:
-    """The running SHA-256 of a shard's content as it is written (see the module's docstring)."""
+    """The running SHA-256 of a shard's content as it is written (see the package's docstring), and
+    each array's digest (:mod:`fedcp_dist.data.shards.verify`)."""
 
-    def __init__(self):
+    def __init__(self, names, x_dtype, input_shape: tuple):
         self.h = hashlib.sha256()
+        self.arrays = {n: ArrayHash(n) for n in names}
+        self.dtypes = {n: (x_dtype if n.endswith("_x") else np.int64 if n.endswith("_y") else np.int32) for n in names}
+        self.row_shapes = {n: (input_shape if n.endswith("_x") else ()) for n in names}
 
     def add(self, name: str, x) -> None:
         """One client's array (an array or :class:`Rows`), read a block of rows at a time."""
         self.h.update(f"{name}|{np.dtype(x.dtype).str}|{tuple(x.shape)}|".encode())
         for start in range(0, len(x), WRITE_SAMPLES):
-            self.h.update(np.ascontiguousarray(x[start:start + WRITE_SAMPLES]).tobytes())
+            block = np.ascontiguousarray(x[start:start + WRITE_SAMPLES])
+            self.h.update(block.tobytes())
+            self.arrays[name].add(block)
 
-    def finish(self, meta: dict) -> str:
+    def finish(self, meta: dict, counts: dict) -> tuple:
+        """(the fingerprint, {array: digest}) once every client is added; ``counts``: the
+        per-client sample counts of each split."""
         self.h.update(json.dumps(meta, sort_keys=True).encode())
-        return f"sha256:{self.h.hexdigest()}"
+        digests = {n: h.hexdigest(self.dtypes[n], self.row_shapes[n]) for n, h in self.arrays.items()}
+        for split in ("train", "test"):
+            digests[f"{split}_offsets"] = offsets_digest(f"{split}_offsets", counts[f"{split}_counts"])
+        digests[ATTRIBUTES] = attributes_digest(meta)
+        return f"sha256:{self.h.hexdigest()}", digests
 
 
 def _write_x(group: h5py.Group, name: str, x) -> None:
@@ -126,26 +141,36 @@ def _check_client(i: int, arrays, input_shape: tuple, num_classes: int, kind: st
 
 
 class _Counts:
-    """Each client's train and test sample counts and per-class counts, as they are written."""
+    """Each client's train and test sample counts (8 bytes each a client: a million clients take
+    16 MB) and, when ``keep_labels``, its per-class counts; :meth:`add` returns the latter, which
+    version 3 appends to the file as they come instead of holding N × C of them."""
 
-    def __init__(self, num_classes: int):
+    def __init__(self, num_classes: int, keep_labels: bool):
         self.num_classes = num_classes
-        self.train, self.test, self.train_labels, self.test_labels = [], [], [], []
+        self.train, self.test = array("q"), array("q")
+        self.train_labels, self.test_labels = ([], []) if keep_labels else (None, None)
 
-    def add(self, train_y: np.ndarray, test_y: np.ndarray) -> None:
+    def add(self, train_y: np.ndarray, test_y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.train.append(len(train_y))
         self.test.append(len(test_y))
-        self.train_labels.append(np.bincount(train_y, minlength=self.num_classes))
-        self.test_labels.append(np.bincount(test_y, minlength=self.num_classes))
+        labels = (np.bincount(train_y, minlength=self.num_classes),
+                  np.bincount(test_y, minlength=self.num_classes))
+        if self.train_labels is not None:
+            self.train_labels.append(labels[0])
+            self.test_labels.append(labels[1])
+        return labels
 
     def __len__(self) -> int:
         return len(self.train)
 
+    def sizes(self) -> dict[str, np.ndarray]:
+        """``train_counts``, ``test_counts``: (N,) int64."""
+        return {"train_counts": np.frombuffer(self.train, dtype=np.int64) if self.train else np.zeros(0, np.int64),
+                "test_counts": np.frombuffer(self.test, dtype=np.int64) if self.test else np.zeros(0, np.int64)}
+
     def arrays(self) -> dict[str, np.ndarray]:
-        """``train_counts``, ``test_counts`` (N,) and ``*_label_counts`` (N, C), all int64."""
-        return {"train_counts": np.asarray(self.train, dtype=np.int64),
-                "test_counts": np.asarray(self.test, dtype=np.int64),
-                "train_label_counts": np.stack(self.train_labels).astype(np.int64),
+        """:meth:`sizes` and ``*_label_counts`` (N, C), all int64 (``keep_labels`` only)."""
+        return {**self.sizes(), "train_label_counts": np.stack(self.train_labels).astype(np.int64),
                 "test_label_counts": np.stack(self.test_labels).astype(np.int64)}
 
 
@@ -190,7 +215,10 @@ class _Appender:
 class _SplitWriter:
     """Version 3: every client's rows appended to one dataset per split and array."""
 
-    def __init__(self, f: h5py.File, kind: str, input_shape: tuple):
+    #: version 3 appends each client's per-class counts to the file as it is written
+    keep_labels = False
+
+    def __init__(self, f: h5py.File, kind: str, input_shape: tuple, num_classes: int):
         self.f = f
         self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
         x_dtype = {KIND: np.uint8, TEXT_KIND: np.int32, TABLE_KIND: np.float32}[kind]
@@ -201,33 +229,37 @@ class _SplitWriter:
             else:
                 dtype = np.int64 if name.endswith("_y") else np.int32
                 self.columns[name] = _Appender(f, name, dtype, (), WRITE_SAMPLES)
+        # a chunk of label counts holds about WRITE_SAMPLES values, whatever the number of classes
+        rows = max(1, WRITE_SAMPLES // max(1, num_classes))
+        self.labels = [_Appender(f, f"{split}_label_counts", np.int64, (num_classes,), rows)
+                       for split in ("train", "test")]
 
-    def add(self, i: int, checked: list) -> None:
+    def add(self, i: int, checked: list, labels: tuple) -> None:
         for name, arr in zip(self.names, checked):
             self.columns[name].append(arr)
+        for column, row in zip(self.labels, labels):
+            column.append(row[None])
 
     def finish(self, counts: _Counts) -> None:
-        for column in self.columns.values():
+        for column in (*self.columns.values(), *self.labels):
             column.close()
-        arrays = counts.arrays()
-        for split in ("train", "test"):
-            sizes = arrays[f"{split}_counts"]
+        for split, sizes in zip(("train", "test"), counts.sizes().values()):
             offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
             self.f.create_dataset(f"{split}_offsets", data=offsets)
-            self.f.create_dataset(f"{split}_label_counts", data=arrays[f"{split}_label_counts"],
-                                  chunks=True, compression="gzip", compression_opts=4,
-                                  shuffle=True)
 
 
 class _GroupWriter:
     """Versions 1 and 2: a group per client, the counts among the root attributes."""
+
+    #: the counts go to the root attributes at the end
+    keep_labels = True
 
     def __init__(self, f: h5py.File, kind: str, version: int):
         self.f, self.version = f, version
         self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
         self.root = f.create_group("clients")
 
-    def add(self, i: int, checked: list) -> None:
+    def add(self, i: int, checked: list, labels: tuple) -> None:
         g = self.root.create_group(str(i))
         for name, arr in zip(self.names, checked):
             if name.endswith("_x"):
@@ -292,15 +324,15 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         if format_version == FORMAT_VERSION:
-            body = _SplitWriter(f, kind, input_shape)
+            body = _SplitWriter(f, kind, input_shape, num_classes)
         else:
             body = _GroupWriter(f, kind, format_version)
-        counts = _Counts(num_classes)
-        fingerprint = _Fingerprint()
+        counts = _Counts(num_classes, body.keep_labels)
+        x_dtype = {KIND: np.uint8, TEXT_KIND: np.int32, TABLE_KIND: np.float32}[kind]
+        fingerprint = _Fingerprint(body.names, x_dtype, input_shape)
         for i, arrays in enumerate(clients):
             checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
-            body.add(i, checked)
-            counts.add(checked[1], checked[3])
+            body.add(i, checked, counts.add(checked[1], checked[3]))
             for name, arr in zip(body.names, checked):
                 fingerprint.add(name, arr)
         if len(counts) == 0:
@@ -323,10 +355,8 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         a["partition"] = str(partition)
         a["partition_params"] = json.dumps(partition_params, sort_keys=True)
         a["seed"] = np.int64(seed)
-        a[FINGERPRINT] = fingerprint.finish({
-            "kind": kind, "num_classes": num_classes, "input_shape": list(input_shape),
-            "mean": [float(v) for v in np.asarray(mean, dtype=np.float64).ravel()],
-            "std": [float(v) for v in np.asarray(std, dtype=np.float64).ravel()],
-            "vocab": vocab, "columns": None if columns is None else [str(c) for c in columns]})
+        a[FINGERPRINT], digests = fingerprint.finish(
+            training_attributes(kind, num_classes, input_shape, mean, std, vocab, columns), counts.sizes())
+        a[ARRAY_DIGESTS] = json.dumps(digests, sort_keys=True)
         body.finish(counts)
         f.flush()

@@ -1,0 +1,150 @@
+"""The launcher's environment, checked before anything waits on it, and the rendezvous of a job's
+ranks, bounded in time: :func:`check_launcher_env` refuses variables that cannot describe this
+process (one line naming the variable), :func:`rendezvous` meets the other ranks within
+``rendezvous_timeout`` or says where it waited and which variables it read. Leftover
+``RANK``/``WORLD_SIZE``/``MASTER_*`` variables (an ``srun --pty`` shell, an old export) otherwise make
+a plain run wait for ranks that never come. :func:`fedcp_dist.runtime.detect_launcher` and
+:func:`fedcp_dist.runtime.init_runtime` call them.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+import sys
+import time
+from typing import Mapping, Optional
+
+import torch.distributed as dist
+
+from fedcp_dist.errors import RunFailure, UserError
+
+#: the variables torchrun gives each worker that make an env:// rendezvous
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: the variables a SLURM job step gives each task that the slurm launcher needs
+SLURM_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+
+
+
+def seen(env: Mapping[str, str], names) -> str:
+    """``RANK='0' WORLD_SIZE='4'``: the variables among ``names`` that ``env`` sets."""
+    return " ".join(f"{k}={env[k]!r}" for k in names if k in env) or "none of them"
+
+
+def env_int(env: Mapping[str, str], name: str, lo: int = 0, hi: Optional[int] = None, default: Optional[int] = None,
+            why: str = "") -> int:
+    """The variable ``name`` of ``env`` as an integer in [lo, hi] (``default`` where it is unset or
+    empty); anything else is a one-line UserError naming it (``why``: where the variable comes from)."""
+    raw = env.get(name, "")
+    if raw.strip() == "" and default is not None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < lo or (hi is not None and value > hi):
+        bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+        raise UserError(f"environment variable {name}={raw!r} is not {bound}{why}")
+    return value
+
+
+def check_launcher_env(launcher: str, env: Mapping[str, str], forced: bool = False) -> None:
+    """Refuse, in one line naming the variable, launcher variables that cannot describe this process:
+    not numbers, a rank outside its world, a forced launcher without its variables, or (no launcher
+    found) a partial torchrun set that makes this process a rank of a larger job."""
+    if launcher == "torchrun":
+        missing = [k for k in TORCHRUN_VARS if not env.get(k)]
+        if missing:
+            how = "FEDCP_LAUNCHER=torchrun" if forced else "TORCHELASTIC_RUN_ID is set"
+            raise UserError(f"{how} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set "
+                            f"(torchrun sets {', '.join(TORCHRUN_VARS)} for each worker; seen: "
+                            f"{seen(env, TORCHRUN_VARS)}); start the run with torchrun, or unset "
+                            f"{'FEDCP_LAUNCHER' if forced else 'TORCHELASTIC_RUN_ID'} to run one process")
+        why = (f" (read as torchrun's, since {', '.join(TORCHRUN_VARS)} are set; left over from an earlier job or "
+               f"an srun --pty shell? unset them to run one process)")
+        world = env_int(env, "WORLD_SIZE", 1, why=why)
+        env_int(env, "RANK", 0, world - 1, why=f" (WORLD_SIZE is {world}){why}")
+        local_world = env_int(env, "LOCAL_WORLD_SIZE", 1, default=world, why=why)
+        env_int(env, "LOCAL_RANK", 0, local_world - 1, default=0, why=f" (LOCAL_WORLD_SIZE is {local_world}){why}")
+        env_int(env, "MASTER_PORT", 1, 65535, why=why)
+    elif launcher == "slurm":
+        missing = [k for k in SLURM_VARS if not env.get(k)]
+        if missing:
+            raise UserError(f"FEDCP_LAUNCHER=slurm but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                            f"set (srun sets them for each task of a job step); start the run with srun, or unset "
+                            f"FEDCP_LAUNCHER to run one process")
+        why = " (read as a task of a SLURM job step: srun sets it)"
+        tasks = env_int(env, "SLURM_STEP_NUM_TASKS", 1, why=why)
+        env_int(env, "SLURM_PROCID", 0, tasks - 1, why=f" (SLURM_STEP_NUM_TASKS is {tasks}){why}")
+        for name in ("SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID"):
+            env_int(env, name, 0, default=0, why=why)
+        env_int(env, "MASTER_PORT", 1, 65535, default=1, why=" (the rendezvous port of the job step)")
+    elif launcher == "mpi":
+        env_int(env, "MASTER_PORT", 1, 65535, default=1, why=" (the rendezvous port rank 0 opens)")
+    elif launcher == "single":
+        present = [k for k in TORCHRUN_VARS if k in env]
+        if present and ("RANK" in env or "WORLD_SIZE" in env):
+            rank = env_int(env, "RANK", 0, default=0, why=" (a torchrun variable)")
+            world = env_int(env, "WORLD_SIZE", 1, default=1, why=" (a torchrun variable)")
+            if rank > 0 or world > 1:
+                missing = [k for k in TORCHRUN_VARS if k not in env]
+                raise UserError(f"environment variables {seen(env, TORCHRUN_VARS)} make this process a rank of a job, "
+                                f"but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: not a "
+                                f"torchrun job (torchrun sets all of {', '.join(TORCHRUN_VARS)}); unset them to run "
+                                f"one process, or start the run with torchrun")
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    """Return once something accepts a connection at ``host:port``; an OSError naming the last
+    reason after ``deadline`` (``time.monotonic()``)."""
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing answered at {host}:{port}: {exc.strerror or exc}") from None
+        time.sleep(0.25)
+
+
+#: the variables each launcher's rendezvous is read from, named when it fails
+_RENDEZVOUS_VARS = {"torchrun": (*TORCHRUN_VARS, "TORCHELASTIC_RUN_ID"),
+                    "slurm": (*SLURM_VARS, "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"),
+                    "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
+    """Meet the job's other ranks at the address of ``ep`` (a :class:`fedcp_dist.runtime.Endpoint`):
+    the store the process group is made on.
+
+    Waits at most ``timeout_s`` (the config's ``rendezvous_timeout``), then fails in one line naming
+    the address, how many ranks were expected and the variables it was read from. A torchrun world
+    whose variables no torchrun set (no ``TORCHELASTIC_RUN_ID``: an old export, say) is announced on
+    stderr before the wait.
+    """
+    names = _RENDEZVOUS_VARS.get(launcher, ())
+    if ep.init_method == "env://":
+        host, port = env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT") or 0)
+    else:
+        host, _, port = (ep.init_method or "").removeprefix("tcp://").rpartition(":")
+        port = int(port)
+    where = f"{host}:{port}"
+    if launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in env:
+        print(f"note: {seen(env, TORCHRUN_VARS)} are set, but by no torchrun (no TORCHELASTIC_RUN_ID): rank "
+              f"{ep.rank} of {ep.world_size} waits up to rendezvous_timeout={timeout_s:g} s for the others at {where} "
+              f"(unset them to run one process)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        # a rank that connects to a store someone else serves waits here, in Python: torch's own retries
+        # print a C++ stack trace at each one
+        if ep.rank != 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            _wait_for_listener(host, port, deadline)
+        left = max(1.0, deadline - time.monotonic())
+        store, _, _ = next(dist.rendezvous(ep.init_method, rank=ep.rank, world_size=ep.world_size,
+                                           timeout=datetime.timedelta(seconds=left)))
+    except (RuntimeError, ValueError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise RunFailure(f"rank {ep.rank}: the {ep.world_size} ranks of the job did not meet at {where} within "
+                         f"rendezvous_timeout={timeout_s:g} s ({first}); launcher {launcher} read from "
+                         f"{seen(env, names)}: a rank that did not start, a wrong address or port, or variables left "
+                         f"over from an earlier job (unset them to run one process)") from None
+    return store

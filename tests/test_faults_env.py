@@ -1,0 +1,274 @@
+"""Faults in what a user writes and in the environment a run starts in: config values (numbers
+as YAML 1.1 leaves them, seeds torch or numpy cannot take) and launcher variables (malformed,
+inconsistent, left over from another job), each one line before any rank waits; a rendezvous that
+cannot complete ends within rendezvous_timeout, naming where it waited."""
+import dataclasses
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import typing
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, run_cmd
+from fedcp_dist.cli import config_reference
+from fedcp_dist.config import SEED_MAX, Config, components, load_config
+from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.options import accepts
+from fedcp_dist.runtime import detect_launcher, init_runtime
+from helpers import documented, run
+
+CONFIG = str(REPO / "configs" / "digits_fedavg.yaml")
+
+
+# ----------------------------------------------------------------------------- numbers a user writes
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("lr=1e-3", "lr", 0.001),  # YAML 1.1 reads 1e-3 as text
+    ("lr=5E-3", "lr", 0.005),
+    ("lr=' 2e-2 '", "lr", 0.02),
+    ("lam=1_000.5", "lam", 1000.5),
+    ("mmd_sigma=1e-3", "mmd_sigma", 0.001),  # a number or the word median
+    ("mmd_sigma=median", "mmd_sigma", "median"),
+    ("rounds=1e2", "rounds", 100),  # an integer key: a whole number written as a float
+    ("rounds=100.0", "rounds", 100),
+    ("batch_size=1_0", "batch_size", 10),
+    ("fused_workers=2", "fused_workers", 2),
+    ("fused_workers=auto", "fused_workers", "auto"),
+    ("participation_range=[1e-1, 2.5e-1]", "participation_range", [0.1, 0.25]),
+    ("mmd_bandwidths=[1e1, 15]", "mmd_bandwidths", [10.0, 15]),
+    ("collective_timeout=6e2", "collective_timeout", 600.0),
+    ("seed=9223372036854775807", "seed", SEED_MAX),
+    ("data.clients=3e0", "data.clients", 3),
+])
+def test_numbers_are_read_however_they_are_written(override, key, value, tmp_path):
+    cfg = load_config(None, [override], validate=False)
+    got = cfg.data.clients if key == "data.clients" else getattr(cfg, key)
+    assert got == value and type(got) is type(value)
+    # a config file says the same
+    k, v = override.split("=", 1)
+    path = tmp_path / "c.yaml"
+    node = {"data": {"clients": yaml.safe_load(v)}} if k == "data.clients" else {k: yaml.safe_load(v)}
+    path.write_text(yaml.safe_dump(node))
+    got = load_config(str(path), validate=False)
+    assert (got.data.clients if key == "data.clients" else getattr(got, key)) == value
+
+
+def _numeric(opt) -> typing.Optional[type]:
+    args = typing.get_args(opt.type) if typing.get_origin(opt.type) is typing.Union else (opt.type,)
+    return int if int in args else float if float in args else None
+
+
+def test_every_numeric_key_takes_its_value_in_e_notation():
+    """Whatever the key, a number's e-notation (which YAML 1.1 reads as text) is the number."""
+    checked = 0
+    for comp in components():
+        prefix = getattr(comp, "prefix", "")
+        for opt in comp.options:
+            kind = _numeric(opt)
+            if kind is None or isinstance(opt.default, (bool, str, list)) or opt.default is None:
+                continue
+            cfg = load_config(None, [f"{prefix}{opt.name}={float(opt.default):e}"], validate=False)
+            got = getattr(cfg.data if prefix else cfg, opt.name)
+            assert got == opt.default and isinstance(got, kind), (opt.name, got)
+            checked += 1
+    assert checked > 40
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("lr=1e-3x", ["config key 'lr': expected float, got '1e-3x'"]),
+    ("lr=nan", ["config key 'lr': must be a finite number, got nan"]),
+    ("lr=-inf", ["config key 'lr': must be a finite number"]),
+    ("rounds=1.5", ["config key 'rounds': expected int, got 1.5"]),
+    ("rounds=1e400", ["config key 'rounds': expected int, got '1e400'"]),
+    ("mmd_sigma=-1e-3", ["config key 'mmd_sigma': must be a number > 0 or median, got -0.001"]),
+    ("seed=9223372036854775808", ["config key 'seed': must be an integer in [0, 9223372036854775807]",
+                                  "got 9223372036854775808"]),
+    ("seed=-1", ["config key 'seed': must be an integer in [0, 9223372036854775807]", "got -1"]),
+    ("seed=18446744073709551616", ["config key 'seed'"]),
+    ("seed=1e30", ["config key 'seed': expected int"]),
+])
+def test_a_value_no_key_can_take_is_one_line(override, fragments, digits6_16px, capsys):
+    from fedcp_dist.run import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", CONFIG, f"data.path={digits6_16px}", override, "--print-config"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_the_failure_table_quotes_what_a_bad_value_gets(digits6_16px, capsys):
+    from fedcp_dist.run import main
+
+    for override, example in (("lam=-1", "`error: config key 'lam': must be >= 0, got -1.0`"),
+                              ("seed=-1", "`error: config key 'seed': must be an integer in [0, 9223372036854775807] "
+                                          "(a seed torch and numpy both take), got -1`")):
+        with pytest.raises(SystemExit):
+            main(["--config", CONFIG, f"data.path={digits6_16px}", override, "--print-config"])
+        documented("cluster.md", example, capsys.readouterr().err)
+    documented("cluster.md", "`lr=1e-3` (which YAML 1.1 takes for text) is 0.001, `rounds=1e2` is 100",
+               f"lr=1e-3 (which YAML 1.1 takes for text) is {load_config(None, ['lr=1e-3'], validate=False).lr}, "
+               f"rounds=1e2 is {load_config(None, ['rounds=1e2'], validate=False).rounds}")
+
+
+def test_the_largest_seed_runs(digits6_16px, tmp_path):
+    """torch and numpy both take SEED_MAX: the model's draw, a subset of clients (numpy) and a
+    cohort of half of them, over a round."""
+    s = run(CONFIG, [f"data.path={digits6_16px}", f"out_dir={tmp_path}", "rounds=1", "threads=1",
+                     f"seed={SEED_MAX}", "data.clients=4", "participation=0.5"])
+    assert s["rounds"] == 1 and math.isfinite(s["final_acc"])
+
+
+def test_the_configuration_reference_says_what_each_key_takes():
+    """Every numeric key's row names its kind of number; the page explains how numbers are read."""
+    page = config_reference.render()
+    for comp in components():
+        prefix = getattr(comp, "prefix", "")
+        for opt in comp.options:
+            if _numeric(opt) is None or opt.name == "clients":
+                continue
+            words = "an integer" if _numeric(opt) is int else "a number"
+            listed = all(part.strip().lstrip("-").replace(".", "", 1).isdigit() for part in accepts(opt).split("|"))
+            assert words in accepts(opt) or listed, (opt.name, accepts(opt))  # or the values themselves: 32 | 16 | 8
+            assert f"| `{prefix}{opt.name}` |" in page
+    for row in ("| `lr` | `0.005` | a number > 0 |", "| `rounds` | `100` | an integer > 0 |",
+                "| `seed` | `1` | an integer in [0, 2^63 - 1] |", "| `participation` | `1.0` | a number in (0, 1] |",
+                "| `fused_workers` | `auto` | auto \\| an integer >= 1 |", "| `mmd_sigma` | `median` | median \\| a number > 0 |"):
+        assert row in page, row
+    assert "takes `1e-3` for text, and a numeric key takes that text as the number it spells" in " ".join(page.split())
+
+
+# ----------------------------------------------------------------------------- launcher variables
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, fragments", [
+    ({"RANK": "abc"}, ["environment variable RANK='abc' is not an integer >= 0"]),
+    ({**TORCHRUN, "RANK": "abc"}, ["RANK='abc' is not an integer in [0, 1] (WORLD_SIZE is 2)",
+                                    "left over from an earlier job or an srun --pty shell? unset them"]),
+    ({**TORCHRUN, "RANK": "2"}, ["RANK='2' is not an integer in [0, 1]"]),
+    ({**TORCHRUN, "WORLD_SIZE": "0"}, ["WORLD_SIZE='0' is not an integer >= 1"]),
+    ({**TORCHRUN, "WORLD_SIZE": "two"}, ["WORLD_SIZE='two'"]),
+    ({**TORCHRUN, "MASTER_PORT": "http"}, ["MASTER_PORT='http' is not an integer in [1, 65535]"]),
+    ({**TORCHRUN, "MASTER_PORT": "70000"}, ["MASTER_PORT='70000'"]),
+    ({**TORCHRUN, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, ["LOCAL_RANK='2' is not an integer in [0, 1]"]),
+    ({**TORCHRUN, "MASTER_ADDR": ""}, ["MASTER_ADDR"]),
+    ({"FEDCP_LAUNCHER": "torchrun"}, ["FEDCP_LAUNCHER=torchrun but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are "
+                                      "not set", "unset FEDCP_LAUNCHER to run one process"]),
+    ({"FEDCP_LAUNCHER": "torchrun", "RANK": "0", "WORLD_SIZE": "2"}, ["MASTER_ADDR, MASTER_PORT are not set"]),
+    ({"TORCHELASTIC_RUN_ID": "x"}, ["TORCHELASTIC_RUN_ID is set but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"]),
+    ({"FEDCP_LAUNCHER": "slurm"}, ["FEDCP_LAUNCHER=slurm but SLURM_PROCID, SLURM_STEP_NUM_TASKS are not set"]),
+    ({"FEDCP_LAUNCHER": "mpirun"}, ["FEDCP_LAUNCHER='mpirun' is not one of torchrun, mpi, slurm, single"]),
+    ({"RANK": "1"}, ["RANK='1' make this process a rank of a job, but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"]),
+    ({"RANK": "0", "WORLD_SIZE": "4"}, ["but MASTER_ADDR, MASTER_PORT are not set: not a torchrun job"]),
+    ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "2"}, ["SLURM_PROCID='3' is not an integer in [0, 1]"]),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "x"}, ["SLURM_STEP_NUM_TASKS='x' is not an integer >= 1"]),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "abc"}, ["SLURM_JOB_ID='abc'"]),
+])
+def test_inconsistent_launcher_variables_are_refused_before_any_wait(env, fragments):
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as exc:
+        init_runtime("cpu", 1, 600.0, env=env, keep_freed=False, rendezvous_timeout=600.0)
+    assert time.monotonic() - t0 < 5  # no rendezvous was tried
+    msg = str(exc.value)
+    assert "\n" not in msg
+    for fragment in fragments:
+        assert fragment in msg, msg
+
+
+def test_the_failure_table_quotes_what_launcher_variables_get():
+    for env, example in (({**TORCHRUN, "RANK": "abc"}, "`error: environment variable RANK='abc' is not an integer in "
+                          "[0, 1] (WORLD_SIZE is 2) (read as torchrun's, since RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                          "are set; left over from an earlier job or an srun --pty shell? unset them to run one "
+                          "process)`"),
+                         ({"FEDCP_LAUNCHER": "torchrun"}, "`error: FEDCP_LAUNCHER=torchrun but RANK, WORLD_SIZE, "
+                          "MASTER_ADDR, MASTER_PORT are not set …`")):
+        with pytest.raises(UserError) as exc:
+            detect_launcher(env)
+        documented("cluster.md", example, f"error: {exc.value}")
+
+
+@pytest.mark.parametrize("env, launcher", [
+    ({}, "single"),
+    ({"MASTER_PORT": "29500"}, "single"),  # a lone leftover export: harmless
+    ({"LOCAL_RANK": "0"}, "single"),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "single"),
+    ({**TORCHRUN, "WORLD_SIZE": "1"}, "torchrun"),  # one rank: nothing to meet
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_ID": "7"}, "slurm"),  # an srun --pty shell
+])
+def test_harmless_leftovers_run_as_one_rank(env, launcher):
+    assert detect_launcher(env) == launcher
+    rt = init_runtime("cpu", 1, 600.0, env=env, keep_freed=False)
+    assert (rt.world_size, rt.rank, rt.distributed) == (1, 0, False)
+    rt.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rank_0_of_a_job_nobody_joins_stops_within_the_rendezvous_timeout(monkeypatch, capsys):
+    """Leftover variables that make a plain run rank 0 of 2: it says at once what it waits for, and
+    fails after rendezvous_timeout, naming the address and the variables (not collective_timeout's
+    600 s and a DistStoreError)."""
+    port = str(_free_port())
+    for k, v in {**TORCHRUN, "MASTER_PORT": port}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(RunFailure) as exc:
+        init_runtime("cpu", 1, 600.0, env=os.environ, keep_freed=False, rendezvous_timeout=1.0)
+    assert time.monotonic() - t0 < 15
+    msg = str(exc.value)
+    assert "\n" not in msg and f"did not meet at 127.0.0.1:{port} within rendezvous_timeout=1 s" in msg, msg
+    assert f"RANK='0' WORLD_SIZE='2' MASTER_ADDR='127.0.0.1' MASTER_PORT='{port}'" in msg
+    assert "left over from an earlier job (unset them to run one process)" in msg
+    err = capsys.readouterr().err
+    assert "note: RANK='0' WORLD_SIZE='2'" in err and "are set, but by no torchrun" in err
+    assert f"waits up to rendezvous_timeout=1 s for the others at 127.0.0.1:{port}" in err
+    documented("cluster.md", "`note: RANK='0' WORLD_SIZE='2' MASTER_ADDR='…' MASTER_PORT='…' are set, but by no "
+               "torchrun …`", err)
+    documented("cluster.md", "`error: rank 0: the 2 ranks of the job did not meet at …:… within rendezvous_timeout=… s "
+               "(…); launcher torchrun read from RANK='0' WORLD_SIZE='2' …`", f"error: {msg}")
+
+
+def test_a_rank_whose_master_never_comes_is_one_line_from_the_command(digits6_16px, tmp_path):
+    """The whole command, as a user runs it: exit 1, one error line after the note, no traceback and
+    no C++ stack of torch's connection retries."""
+    env = {**TORCHRUN, "RANK": "1", "MASTER_PORT": str(_free_port())}
+    t0 = time.monotonic()
+    r = run_cmd([str(BIN / "fedcp-run"), "--config", CONFIG, f"data.path={digits6_16px}", f"out_dir={tmp_path}",
+                 "rounds=1", "rendezvous_timeout=2"], env_extra=env, timeout=120)
+    assert time.monotonic() - t0 < 60
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 2, r.stderr
+    assert lines[0].startswith("note: ") and lines[1].startswith("error: rank 1: the 2 ranks of the job did not meet")
+    assert "nothing answered at 127.0.0.1:" in lines[1] and "Traceback" not in r.stderr and "frame #" not in r.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_started_apart_by_hand_meet_and_run(digits6_16px, tmp_path):
+    """The same variables set on purpose (two processes, no launcher), the second rank a few seconds
+    late: they meet within rendezvous_timeout and run as two ranks."""
+    port = str(_free_port())
+    args = [str(BIN / "fedcp-run"), "--config", CONFIG, f"data.path={digits6_16px}", f"out_dir={tmp_path}",
+            "rounds=1", "threads=1", "rendezvous_timeout=60"]
+    env = {**os.environ, **TORCHRUN, "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("FEDCP_LAUNCHER", None)
+    first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    second = run_cmd(args, env_extra={**TORCHRUN, "RANK": "1", "MASTER_PORT": port}, timeout=300)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0 and second.returncode == 0, err + second.stderr
+    assert "launcher=torchrun world_size=2" in out and "Traceback" not in err + second.stderr
