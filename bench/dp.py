@@ -156,7 +156,8 @@ def main(argv=None):
     ratio = ratios(means["no DP"], means["DP"])
     bench = _round_bench()
     rows = [("setting", f"{first.method} on {shard.name}, {rt.world_size} rank(s) × {rt.threads} thread(s), "
-                        f"{rt.device}; {overrides[0]} timed after {args.warmup} warm-up, {args.repeats} repeats"),
+                        f"{rt.device}; rounds={first.rounds - args.warmup} timed after {args.warmup} warm-up, "
+                        f"{args.repeats} repeats"),
             ("CPU", bench.cpu_model()),
             ("training path", f"{lines.get('no DP path')} / DP: {lines.get('DP path')}"),
             ("DP keys", " ".join(dp))]
