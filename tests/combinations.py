@@ -2,8 +2,8 @@
 array per method, and what each row must end in.
 
 The universe is every config key: the keys of a run and of its execution (``Config``'s own fields,
-``data.*`` flattened) and every option a method, a part of FedCP, upload compression or client
-selection declares (:func:`fedcp_dist.algorithms.method_options`). Each key is either varied or
+``data.*`` flattened) and every option a method, a part of FedCP, upload compression, client
+selection or differential privacy declares (:func:`fedcp_dist.algorithms.method_options`). Each key is either varied or
 held (:data:`FIXED`, with the reason it cannot vary in a tiny in-process run). A varied key's values
 besides its default come from its declaration where they can (:func:`declared_values`: a boolean's
 other value, ``one_of``'s other choices, ``within``'s ends, ``at_least``'s bound) and from
@@ -11,10 +11,13 @@ other value, ``one_of``'s other choices, ``within``'s ends, ``at_least``'s bound
 ``tests/test_combinations.py``, so the array grows with the options.
 
 A method's array (:func:`array`) is an allpairspy pairwise covering array over the keys that act on
-it: the engine's keys, its own options and those of the parts it is made of, compression and
-selection, the training path (``fused``) and the pseudo-key ``ranks`` (1: in this process; 2: two
-ranks under torchrun). Its filter keeps the rows the config accepts, so every pair of values the
-config allows together is run in some row. The pairs the config refuses are rows of their own
+it: the engine's keys, its own options and those of the parts it is made of, compression,
+selection and privacy, the training path (``fused``) and the pseudo-key ``ranks`` (1: in this
+process; 2: two ranks under torchrun). Its filter keeps the rows the config accepts and in which
+every key set acts (a key the run would name as having no effect, such as ``dp_clip`` while ``dp`` is
+none, runs nothing there: :func:`accepted`), so every pair of values the config allows together is
+run in some row, and every value that runs at all (some need two other keys set: ``dp_clip_lr``
+needs ``dp=central`` and ``dp_clip=adaptive``) in some row. The pairs the config refuses are rows of their own
 (:func:`refused_pairs`): each must be refused in one line that names both keys. Values that pass the
 config but are refused at start-up (they depend on the shard: :data:`START_REFUSED`) are rows of
 their own too. :func:`run_row` runs a row and classifies it: ``ran`` (the summary's accuracies
@@ -95,6 +98,16 @@ VALUES = {
     "fedfomo_val_ratio": [0.01, 0.9],
     # -- compression and selection (every method)
     "compress_ratio": [0.01],
+    # -- user-level differential privacy (every method that averages its uploads)
+    "dp_clip": ["adaptive", 0.01],
+    "dp_noise_multiplier": [0.0, 0.5],  # larger σ on 1-5 clients is noise that no model survives, not a bug
+    "dp_delta": [0.01],
+    "dp_target_epsilon": [50.0],  # calibrated for the row's rounds at start-up
+    "dp_clip_init": [0.01],
+    "dp_clip_quantile": [0.9],
+    "dp_clip_lr": [1.0],
+    "dp_clip_count_stddev": [0.0, 2.0],  # 0.0: refused with noise (the count alone would be noise-free)
+    "dp_noise_cohort_size": [10],
     # -- execution
     "eval_batch_size": [1],
     "fused": [False, True],
@@ -237,7 +250,20 @@ def config_of(method: str, row: dict, shard: str = "", out_dir: str = "runs/comb
 
 
 def accepted(method: str, row: dict) -> bool:
-    return not isinstance(config_of(method, row), UserError)
+    """Whether the config accepts the row and every key it sets acts in it (none is named among the
+    keys with no effect: ``dp_clip`` while ``dp`` is none runs nothing)."""
+    cfg = config_of(method, row)
+    return not isinstance(cfg, UserError) and not cfg.keys_without_effect()
+
+
+def inert_alone_ok(method: str, key: str, value) -> bool:
+    """A value the config accepts alone but names as having no effect, because of another key's
+    value, which the reason names (``dp_clip`` with ``dp`` none: 'applies with dp=central only')."""
+    cfg = config_of(method, {key: value})
+    if isinstance(cfg, UserError):
+        return False
+    why = dict(cfg.keys_without_effect()).get(key)
+    return why is not None and bool(names_keys(why, [k for k in universe() if k != key]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,7 +303,28 @@ def array(method: str) -> list:
         assert accepted(method, row), (method, pair)
         todo -= {_pair_key({k1: row[k1], k2: row[k2]}) for k1, k2 in itertools.combinations(names, 2)}
         rows_.append(row)
+    # a value that only works with two other keys off their defaults (dp_clip_lr needs dp=central and
+    # dp_clip=adaptive) is in no pair the config accepts: it gets a row of its own where it can run at all
+    for k in names:
+        for v in params[k][1:]:
+            if not any(r[k] == v for r in rows_):
+                row = _enabling_row(method, params, k, v)
+                if row is not None:
+                    rows_.append(row)
     return rows_
+
+
+def _enabling_row(method: str, params: "OrderedDict", key: str, value) -> Optional[dict]:
+    """A row the config accepts that gives ``key`` its ``value``, with one or two other keys off their
+    defaults (the first such in the array's order); None when none does."""
+    base = {k: vals[0] for k, vals in params.items()}
+    options = [(k, v) for k, vals in params.items() if k not in (key, RANKS) for v in vals[1:]]
+    for extra in itertools.chain(([o] for o in options), itertools.combinations(options, 2)):
+        if len({k for k, _ in extra}) == len(extra):
+            row = {**base, key: value, **dict(extra)}
+            if accepted(method, row):
+                return row
+    return None
 
 
 def _pair_key(pair: dict) -> tuple:

@@ -44,7 +44,7 @@ def pytest_configure(config):
 #: longest first, so that the two workers finish together
 FILE_SECONDS = {"test_failures.py": 175, "test_fault_harness.py": 100, "test_multiprocess.py": 150, "test_slurm.py": 140, "test_resume.py": 130,
                 "test_golden.py": 105, "test_baselines.py": 100, "test_fedcp_switch_runs.py": 100,
-                "test_client_store.py": 85, "test_edge_data.py": 65}
+                "test_client_store.py": 85, "test_privacy_runs.py": 75, "test_edge_data.py": 65}
 
 
 def pytest_collection_modifyitems(config, items):

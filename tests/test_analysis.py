@@ -255,6 +255,39 @@ def test_server_copy_reproduces_the_methods_upload(runs, method):
         assert err < 1e-2 if close else err > 0.1, (knowledge, err)
 
 
+def test_the_attack_reads_the_upload_as_dp_central_releases_it(runs):
+    """Clipped to C without noise, the observed gradient is the plain one times min(1, C/‖Δ‖), Δ the
+    delta over every uploaded tensor; with σ the difference from that is N(0, (σC/(η·S))²) per value."""
+    from fedcp_dist.analysis.runstate import load_run_state
+    from fedcp_dist.comm.privacy import total_norm
+
+    setup = dlg.AttackSetup(clients=[1], batch_size=2)
+    state = load_run_state(runs["fedavg"], changes=dlg.state_changes(setup))
+    up = dlg.client_upload(state, state.load_data([1])[1], 1, 0, setup)
+    norm = total_norm([up.upload[k].double() - up.sent[k].double() for k in up.upload])
+    clip = norm / 4
+    clipped = dlg.dp_upload(up, clip, 0.0, seed=0)
+    for k in up.observed:
+        assert torch.allclose(clipped.observed[k], up.observed[k] * 0.25, rtol=1e-4, atol=1e-6), k
+    noised = dlg.dp_upload(up, clip, 0.5, seed=0)
+    diff = torch.cat([(noised.observed[k] - clipped.observed[k]).reshape(-1).double() for k in up.observed])
+    assert float(diff.std()) == pytest.approx(0.5 * clip / up.lr_steps, rel=0.02)
+    assert torch.equal(dlg.dp_upload(up, clip, 0.5, seed=0).observed["head.weight"], noised.observed["head.weight"])
+
+
+def test_dp_settings_of_the_command_line():
+    from fedcp_dist.cli.analyze import dp_settings
+
+    assert dp_settings("0.1,inf", "0,0.5") == ((0.1, 0.0), (0.1, 0.5), (math.inf, 0.0))
+    assert dp_settings("1", None) == ((1.0, 0.0),) and dp_settings(None, None) == ()
+    with pytest.raises(UserError, match="--dp-noise needs --dp-clip"):
+        dp_settings(None, "0.1")
+    with pytest.raises(UserError, match="--dp-clip inf takes --dp-noise 0 only"):
+        dp_settings("inf", "0.1")
+    with pytest.raises(UserError, match="--dp-clip must be > 0"):
+        dlg.AttackSetup(clients=[0], dp=((0.0, 0.1),)).check()
+
+
 def test_self_check_catches_a_drifted_copy(runs, monkeypatch):
     from fedcp_dist.analysis.runstate import load_run_state
 
@@ -298,6 +331,15 @@ def test_fedcp_analyze_end_to_end(runs, tmp_path, capsys):
     assert "![PIR against rounds](pir.png)" in md and "| fedcp | fedcp | DLG |" in md
     uploads = json.loads((out / "dlg.json").read_text())["uploads"]
     assert [(u["client"], u["attack"]) for u in uploads] == [(1, "dlg")]
+    # under DP settings: a row per setting, the C and σ columns, the PSNR/label figure
+    dp_out = tmp_path / "dp"
+    _main(["--no-progress", runs["fedavg"], "--out", dp_out, "--dlg", "--clients", "1", "--batches", "1", "--steps",
+           "2", "--attacks", "idlg", "--dp-clip", "0.05,inf", "--dp-noise", "0,1"])
+    report = json.loads((dp_out / "report.json").read_text())
+    assert (dp_out / report["figures"]["dlg_dp"]["file"]).read_bytes()[:8] == PNG
+    rows = report["dlg"]["rows"]
+    assert [(r["dp_clip"], r["dp_noise"]) for r in rows] == [(0.05, 0.0), (0.05, 1.0), (math.inf, 0.0)]
+    assert "| fedavg C=0.05 σ=1 | fedavg | iDLG | 0.05 | 1 |" in report["dlg"]["table"]
 
 
 def _error(capsys, argv) -> str:

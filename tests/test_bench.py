@@ -214,3 +214,18 @@ def test_kernel_bench_refuses_bad_arguments(capsys):
             kb.main(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and said in err, (argv, err)
+
+
+def test_dp_bench_means_and_ratios():
+    """bench/dp.py: the timed rounds' means (warm-up left out) and DP / no-DP, by hand."""
+    spec = importlib.util.spec_from_file_location("bench_dp", REPO / "bench" / "dp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rec = lambda s: {"kind": "round", "seconds": s, "train_seconds": s / 2, "eval_seconds": 0.1,  # noqa: E731
+                     "allreduce_seconds": 0.01}
+    base = mod.timed_means([rec(9.0), rec(2.0), rec(4.0), {"kind": "final_eval"}], warmup=1)
+    assert base == {"seconds": 3.0, "train_seconds": 1.5, "eval_seconds": pytest.approx(0.1),
+                    "allreduce_seconds": pytest.approx(0.01)}
+    dp = mod.timed_means([rec(1.0), rec(3.3)], warmup=1)
+    assert mod.ratios(base, dp)["seconds"] == pytest.approx(1.1)
+    assert mod.variant_overrides("x.h5", ["rounds=2"], ["dp=central"])[-2:] == ["rounds=2", "dp=central"]

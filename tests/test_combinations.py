@@ -37,14 +37,15 @@ def test_every_config_key_is_varied_or_held_with_a_reason():
     # VALUES lists only what the declarations cannot give: a key whose values they give is not there
     assert [k for k, v in C.VALUES.items() if json.dumps(C.declared_values(k)) == json.dumps(v)] == []
     # every value is one of the key's own: some method accepts it alone, or it is refused alone
-    # only for the key it needs (participation_draw=count needs participation_range)
+    # only for the key it needs (participation_draw=count needs participation_range), or named as
+    # having no effect alone for the key it needs (dp_clip needs dp=central)
     for key in sorted(_varied()):
         for v in C.values(key):
             assert v != C.default(key), (key, v)
             methods = [m for m in METHODS if key in C.keys_for(m)]
             assert methods, f"{key} acts on no method"
             assert any(C.accepted(m, {key: v}) or C.single_refusal_ok(m, key, str(C.config_of(m, {key: v})))
-                       for m in methods), (key, v)
+                       or C.inert_alone_ok(m, key, v) for m in methods), (key, v)
 
 
 def test_a_key_missing_from_the_table_is_noticed(monkeypatch):

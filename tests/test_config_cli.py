@@ -186,6 +186,22 @@ def test_compression_and_selection_ask_the_method_class(monkeypatch, digits6):
     assert load_config(None, [*base, "method=fedavg", "client_selection=feature_difference"]).method == "fedavg"
 
 
+def test_openmp_threads_wait_asleep_unless_the_user_says_otherwise():
+    """fedcp-run sets OMP_WAIT_POLICY=PASSIVE before torch loads, keeps a user's value, and changes
+    nothing once torch is loaded (too late for OpenMP to read it)."""
+    from fedcp_dist import run as run_mod
+
+    env = {"PATH": "/bin"}
+    run_mod.quiet_openmp(env, modules={})
+    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    run_mod.quiet_openmp(env, modules={})
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {}
+    run_mod.quiet_openmp(env, modules={"torch": object()})
+    assert env == {}
+
+
 def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch, digits6):
     """``fedcp-run --ranks N`` is ``torchrun --standalone --nproc_per_node=N -m fedcp_dist.run`` with
     the same arguments, each rank its share of the cores, torchrun's SIGTERM grace raised; a bad

@@ -30,6 +30,9 @@ def test_learned_nothing_means_no_round_kept_a_single_update():
     assert not learned_nothing(_rounds((6, 6), (3, 2)))  # one client's update was averaged in
     assert not learned_nothing(_rounds((6, 0)))
     assert not learned_nothing([])  # no round run: nothing to judge
+    # rounds without participants (empty Poisson cohorts) judge nothing: only the rounds that trained count
+    assert learned_nothing(_rounds((0, 0), (4, 4), (0, 0)))
+    assert not learned_nothing(_rounds((0, 0), (0, 0)))
     assert learned_nothing([{"kind": "round", "participants": 2, "nonfinite_skipped": 2},
                             {"kind": "final_eval", "acc": 0.1}])
 

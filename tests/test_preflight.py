@@ -58,6 +58,11 @@ def test_the_estimate_one_client_at_a_time_by_hand():
     # a peer method's other models and all-gather
     other = estimate(cpu_figures(own_loop=True, peer_bytes=5 * MiB))["device"]
     assert other["training"] == train + 4 * 50 * 500 and other["peer exchange"] == 5 * MiB
+    # dp=central: an upload's float32 delta while it is clipped; the round's float64 noise
+    dp = estimate(cpu_figures(dp=True))["device"]
+    assert dp["training"] == train + 4 * 2**18
+    big = cpu_figures(dp=True, upload_elements=2**22)  # an upload whose round outweighs the training
+    assert estimate(big)["device"]["training"] == 3 * 8 * 2**22 + 2 * MiB
     # a disk store keeps the clients in flight only (read ahead, recent: all 4 here), and maps them to checkpoint
     disk = cpu_figures(store="disk", held=0)
     assert estimate(disk)["device"]["client states"] == 4 * MiB and preflight.mapped_bytes(disk) == 4 * MiB

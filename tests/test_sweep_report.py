@@ -156,7 +156,8 @@ def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("name, points", [("client_count", 350), ("heterogeneity_tinyimagenet", 300),
                                           ("heterogeneity_agnews", 300), ("client_subset", 120), ("dropout", 150),
                                           ("local_epochs", 240), ("lambda", 90), ("digits_smoke", 4),
-                                          ("extensions", 42), ("extensions_mnist", 14)])
+                                          ("extensions", 42), ("extensions_mnist", 14), ("dp_mnist_dir", 36),
+                                          ("dp_mnist_iid", 36), ("dp_mnist_pilot", 1)])
 def test_the_shipped_sweeps_expand(name, points, tmp_path):
     doc = yaml.safe_load((REPO / "configs" / "sweeps" / f"{name}.yaml").read_text())
     if not (REPO / doc["base"]).exists():  # the CIFAR-100 config comes with the CIFAR-100 support
@@ -354,6 +355,20 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     assert "'best'" in cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", "best"])
     assert "no runs" in cli_error(capsys, report.main, [str(tmp_path / "out")])
     assert "not a directory" in cli_error(capsys, report.main, [str(tmp_path / "none")])
+
+
+def test_report_shows_dp_epsilon_infinite_and_absent(tmp_path):
+    """dp_epsilon: a number where noise was added, ∞ without noise, n/a for runs without DP."""
+    for lam, eps in ((0.1, 2.5), (1.0, float("inf"))):
+        for seed in (1, 2):
+            folder = tmp_path / "runs" / f"a{lam}" / f"s{seed}"
+            fake_run(folder, "fedcp", seed, lam, 0.9)
+            summary = json.loads((folder / "summary.json").read_text())
+            (folder / "summary.json").write_text(json.dumps({**summary, "dp_epsilon": eps, "dp_delta": 1e-5}))
+    fake_run(tmp_path / "runs" / "b", "fedavg", 1, 0.1, 0.5)
+    report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--metric", "dp_epsilon", "--no-plots"])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| fedcp | 2.5 ± 0 | ∞ |" in md and "| fedavg | n/a |  |" in md
 
 
 METHODS12 = ("fedavg", "fedprox", "perfedavg", "pfedme", "fedamp", "ditto", "fedper", "fedrep", "fedrod", "fedfomo",

@@ -14,7 +14,7 @@ from fedcp_dist.algorithms.fedrep import FedRep
 from fedcp_dist.algorithms.fedrod import FedRoD
 from fedcp_dist.algorithms.perfedavg import PerFedAvg
 from fedcp_dist.algorithms.pfedme import PFedMe
-from fedcp_dist.comm.keys import CompressionOptions, SelectionOptions
+from fedcp_dist.comm.keys import CompressionOptions, Privacy, SelectionOptions
 
 ALGORITHMS = {
     cls.name: cls
@@ -22,8 +22,9 @@ ALGORITHMS = {
 }
 
 
-#: the classes whose options apply to every method alike: upload compression and client selection
-SHARED_OPTION_CLASSES = (CompressionOptions, SelectionOptions)
+#: the classes whose options apply to every method alike: upload compression, client selection and
+#: user-level differential privacy
+SHARED_OPTION_CLASSES = (CompressionOptions, SelectionOptions, Privacy)
 #: every class whose options are config keys: the methods, the parts a method is composed of (FedCP's),
 #: and the shared ones
 OPTION_CLASSES = (*(c for cls in ALGORITHMS.values() for c in (*getattr(cls, "parts", ()), cls)),

@@ -119,8 +119,26 @@ class Algorithm:
         return None
 
     #: whether the server averages the clients' uploads (False: the models travel in the peer
-    #: exchange, so upload compression has nothing to compress)
+    #: exchange, so upload compression has nothing to compress, and ``dp: central`` is refused)
     averages_uploads = True
+
+    # -- what leaves a client (``dp: central`` covers the upload; the Privacy page) ---------------
+    #: what a participant uploads each round, in words
+    privacy_uploads = "the whole model it trained"
+    #: what the client keeps and never uploads, in words ("": nothing)
+    privacy_keeps = ""
+
+    @classmethod
+    def privacy_coverage(cls, cfg) -> Tuple[str, str]:
+        """(what a participant uploads, what never leaves it) under the flat config ``cfg``."""
+        return cls.privacy_uploads, cls.privacy_keeps
+
+    @classmethod
+    def uneven_uploads(cls, cfg) -> Optional[Tuple[str, str]]:
+        """(key, why) when ``cfg`` lets some participants of a round leave parts of their upload out
+        (:attr:`LocalResult.skipped`), each such part averaged over its senders; None: every
+        participant of a round sends the same tensors."""
+        return None
 
     def describe(self) -> str:
         """A note on the method's own design for the run's start line ("": none)."""

@@ -19,6 +19,8 @@ from fedcp_dist.options import Option, above, at_least
 
 class Ditto(FedAvgWithPersonalModel):
     name = "ditto"
+    privacy_uploads = "the global model it trained"
+    privacy_keeps = "its personal model v"
     options = (
         Option("ditto_lam", 0.1, "Ditto: weight λ of (λ/2)·‖v − w_global‖² on the personal model v", at_least(0)),
         Option("ditto_epochs", 1, "Ditto: local epochs of the personal model v each round (the global model trains "

@@ -22,6 +22,8 @@ PERSONAL = "head."
 
 class FedPer(FedAvg):
     name = "fedper"
+    privacy_uploads = "the extractor (base layers)"
+    privacy_keeps = "its head (the personalisation layer)"
 
     def __init__(self, cfg, model, device):
         super().__init__(cfg, model, device)

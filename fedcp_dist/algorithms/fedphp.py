@@ -46,6 +46,8 @@ def hpm_momentum(mu_max: float, participations: int, participation: float, round
 
 class FedPHP(FedAvg):
     name = "fedphp"
+    privacy_uploads = "the global model it trained"
+    privacy_keeps = "its inherited private model (HPM)"
     options = (
         Option("fedphp_lam", 0.1, "FedPHP: λ: local loss = (1 − λ)·CE + λ·MMD²(local features, inherited private "
                "model's features)", within(0, 1)),

@@ -41,6 +41,8 @@ def balanced_softmax_loss(step, logits: torch.Tensor, log_prior: torch.Tensor) -
 
 class FedRoD(FedAvg):
     name = "fedrod"
+    privacy_uploads = "the extractor and the generic head G"
+    privacy_keeps = "its personal head P"
     options = (
         Option("fedrod_reference_compat", False, "FedRoD: the reference library's variant, the personal head P starting "
                "as a copy of the initial generic head, instead of zero (the personalised predictor starting as the generic one)"),

@@ -35,6 +35,7 @@ class PeerBankMethod(SGDAlgorithm):
     #: files mapped into memory, so they are updated in place, never copied whole
     bank_keys = ("bank",)
     averages_uploads = False
+    privacy_uploads = ""  # dp=central is refused: the models travel to the other clients
     options = (
         Option("peer_memory_mb", 4096.0, "FedAMP/FedFomo: MiB per rank that the models exchanged between clients may "
                "use; a run above it is refused", above(0)),

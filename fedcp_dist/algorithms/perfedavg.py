@@ -28,6 +28,7 @@ from fedcp_dist.options import Option, above
 
 class PerFedAvg(FedAvg):
     name = "perfedavg"
+    privacy_uploads = "the meta-model w it trained"
     digits_preset = {"perfedavg_alpha": (0.05, "10 × its default, as lr is on this tiny set"),
                      "perfedavg_beta": (0.01, "10 × its default, as lr is on this tiny set")}
     own_loop = "Per-FedAvg's meta step takes two gradients per update (inner and outer)"

@@ -31,6 +31,8 @@ from fedcp_dist.options import Option, above, at_least
 
 class PFedMe(FedAvgWithPersonalModel):
     name = "pfedme"
+    privacy_uploads = "its local copy w of the global model"
+    privacy_keeps = "its personalised model θ_i"
     digits_preset = {"pfedme_lr": (0.05, "the personalized step's rate as lr on this tiny set")}
     own_loop = "pFedMe solves an inner problem of K steps on each batch before its local step"
     options = (

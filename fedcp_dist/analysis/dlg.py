@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from fedcp_dist.analysis.dlg_report import GRID_MAX_IMAGES, grid_rows, markdown_table, summarise  # noqa: F401
 from fedcp_dist.analysis.imaging import match_images, psnr, ssim
 from fedcp_dist.errors import UserError
 
@@ -54,8 +55,6 @@ METHODS = ("fedavg", "fedper", "fedcp")
 KNOWLEDGE = ("server", "oracle")
 #: largest difference allowed between the server's copy of a method and the method's own predictions
 SELF_CHECK_TOL = 1e-4
-#: images per attacked batch shown in a grid, at most
-GRID_MAX_IMAGES = 8
 
 GradFn = Callable[[torch.Tensor, torch.Tensor], dict]
 
@@ -292,6 +291,8 @@ class AttackSetup:
     restarts: int = 1
     knowledge: str = "server"
     seed: int = 0
+    #: DP settings the upload is attacked under, [(clip C, noise multiplier σ)] (empty: as sent)
+    dp: tuple = ()
 
     def check(self) -> None:
         if not self.clients:
@@ -304,6 +305,11 @@ class AttackSetup:
             raise UserError(f"--attacks: choose from {', '.join(ATTACKS)}, got {','.join(self.attacks) or 'none'}")
         if self.knowledge not in KNOWLEDGE:
             raise UserError(f"--knowledge must be one of {', '.join(KNOWLEDGE)}, got {self.knowledge!r}")
+        for clip, noise in self.dp:
+            if not clip > 0 or not noise >= 0 or math.isnan(noise) or math.isinf(noise):
+                raise UserError(f"--dp-clip must be > 0 (inf: no clipping) and --dp-noise >= 0, got C={clip}, σ={noise}")
+            if math.isinf(clip) and noise > 0:
+                raise UserError(f"--dp-noise {noise:g} needs a finite --dp-clip: the noise's standard deviation is σ·C")
 
     @property
     def samples(self) -> int:
@@ -324,10 +330,13 @@ class AttackResult:
     distance: float  # relative gradient distance reached
     truth: torch.Tensor = field(repr=False)
     guess: torch.Tensor = field(repr=False)
+    #: the DP setting the upload was attacked under (None: as sent)
+    dp_clip: Optional[float] = None
+    dp_noise: Optional[float] = None
 
     def row(self) -> dict:
         return {k: getattr(self, k) for k in ("run", "method", "client", "batch", "attack", "psnr", "ssim", "label_acc",
-                                               "labels_inferred", "distance")}
+                                               "labels_inferred", "distance", "dp_clip", "dp_noise")}
 
 
 def attacked_samples(n_train: int, count: int, seed: int, client: int, batch: int) -> np.ndarray:
@@ -378,6 +387,11 @@ class Upload:
     labels: torch.Tensor  # (n,)
     observed: dict  # (sent − uploaded)/(η·S) of each matched key
     copy: ServerCopy
+    #: what the server sent, what the client uploaded (every key it uploads, BatchNorm statistics
+    #: aside), and η·S: for the same upload under DP (:func:`dp_upload`)
+    sent: dict = field(default_factory=dict, repr=False)
+    upload: dict = field(default_factory=dict, repr=False)
+    lr_steps: float = 1.0
 
 
 def client_upload(state, data, cid: int, b: int, setup: AttackSetup) -> Upload:
@@ -402,8 +416,28 @@ def client_upload(state, data, cid: int, b: int, setup: AttackSetup) -> Upload:
     gen = torch.Generator(device=state.device).manual_seed(int(setup.seed) * 7919 + cid * 101 + b)
     result = state.algo.local_train(client_state, victim, Context(state.rounds_done, cid, gen))
     copy_ = server_copy(state, cid, setup.knowledge, setup.local_steps)
-    observed = observed_gradient(sent, result.upload, copy_.matched_keys(), cfg.lr * setup.local_steps)
-    return Upload(cid, b, victim.train_x.float() / 255.0, victim.train_y, observed, copy_)
+    lr_steps = cfg.lr * setup.local_steps
+    observed = observed_gradient(sent, result.upload, copy_.matched_keys(), lr_steps)
+    from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
+
+    uploaded = {k: result.upload[k] for k in state.algo.upload_keys(sent)
+                if k in result.upload and not k.endswith(BN_STAT_SUFFIXES)}
+    return Upload(cid, b, victim.train_x.float() / 255.0, victim.train_y, observed, copy_, sent, uploaded, lr_steps)
+
+
+def dp_upload(up: Upload, clip: float, noise: float, seed: int) -> Upload:
+    """The upload as ``dp: central`` releases it, seen by a server that knows every other
+    participant's update (the strongest position against the noised sum): its delta from the sent
+    values over every uploaded tensor clipped to L2 norm ``clip`` as one vector, plus N(0, (σ·C)²)
+    on every value (:func:`fedcp_dist.comm.privacy.clip_and_noise`), drawn from (seed, client, batch)."""
+    from fedcp_dist.state.placement import stream_seed
+    from fedcp_dist.comm.privacy import clip_and_noise
+
+    device = next(iter(up.upload.values())).device
+    gen = torch.Generator(device=device).manual_seed(stream_seed(seed, up.client, up.batch, 17))
+    released = clip_and_noise(up.upload, up.sent, list(up.upload), clip, noise * clip if noise > 0 else 0.0, gen)
+    observed = observed_gradient(up.sent, released, up.copy.matched_keys(), up.lr_steps)
+    return dataclasses.replace(up, observed=observed, upload=released)
 
 
 #: config changes for attacking: the client trains B samples per step for S steps, once; evaluation
@@ -447,7 +481,8 @@ def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None,
     from fedcp_dist.analysis.runstate import load_run_state
 
     setup.check()
-    per_run = len(setup.clients) * setup.batches * len(setup.attacks) * setup.restarts * setup.steps
+    settings = list(setup.dp) or [None]
+    per_run = len(setup.clients) * setup.batches * len(settings) * len(setup.attacks) * setup.restarts * setup.steps
     results = []
     with tqdm(total=per_run * len(runs), disable=not progress, desc="DLG", unit="it", mininterval=1.0) as bar:
         for run_dir, label in runs:
@@ -460,76 +495,29 @@ def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None,
             for cid in setup.clients:
                 self_check(state, cid, datas[cid].train_batch()[0][:16])
                 for b in range(setup.batches):
-                    up = client_upload(state, datas[cid], cid, b, setup)
-                    done: dict = {}
-                    for attack in setup.attacks:
-                        bar.set_postfix_str(f"{label} client {cid} batch {b} {attack}")
-                        start = bar.n
-                        if attack == "idlg" and "head.weight" not in up.observed and "dlg" in done:
-                            res = dataclasses.replace(done["dlg"], attack="idlg")  # no labels to read: iDLG is DLG
-                        else:
-                            res = attack_upload(up, setup, attack, state.info.num_classes, label, state.cfg.method,
-                                                lambda loss: bar.update(1))
-                        bar.update(start + setup.restarts * setup.steps - bar.n)  # restarts that stopped early
-                        done[attack] = res
-                        results.append(res)
+                    sent_up = client_upload(state, datas[cid], cid, b, setup)
+                    for setting in settings:
+                        up, name = sent_up, label
+                        if setting is not None:
+                            up = dp_upload(sent_up, *setting, setup.seed)
+                            name = f"{label} C={setting[0]:g} σ={setting[1]:g}"
+                        results += _attacks(up, setup, state, name, bar, setting)
     return results
 
 
-def summarise(results: list) -> list:
-    """One row per (run, attack): PSNR and SSIM mean ± population std over the attacked uploads
-    (each upload's value the mean over its B·S images), the share of labels recovered."""
-    groups: dict = {}
-    for r in results:
-        groups.setdefault((r.run, r.attack), []).append(r)
-    rows = []
-    for (run, attack), rs in groups.items():
-        p = np.array([r.psnr for r in rs])
-        s = np.array([r.ssim for r in rs])
-        rows.append({"run": run, "method": rs[0].method, "attack": attack, "uploads": len(rs),
-                     "psnr_mean": float(p.mean()), "psnr_std": float(p.std()),
-                     "ssim_mean": float(s.mean()), "ssim_std": float(s.std()),
-                     "label_acc": float(np.mean([r.label_acc for r in rs])),
-                     "labels_inferred": all(r.labels_inferred for r in rs)})
-    return rows
-
-
-def markdown_table(rows: list) -> str:
-    lines = ["| run | method | attack | PSNR (dB) | SSIM | labels recovered | uploads |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        attack = r["attack"].upper().replace("IDLG", "iDLG")
-        if r["attack"] == "idlg" and not r["labels_inferred"]:
-            attack += " (labels not in the upload: as DLG)"
-        lines.append(f"| {r['run']} | {r['method']} | {attack} | {r['psnr_mean']:.2f} ± {r['psnr_std']:.2f} | "
-                     f"{r['ssim_mean']:.3f} ± {r['ssim_std']:.3f} | {100 * r['label_acc']:.0f} % | {r['uploads']} |")
-    return "\n".join(lines) + "\n"
-
-
-def grid_rows(results: list, attack: str) -> list:
-    """Rows for :func:`fedcp_dist.analysis.plots.dlg_grid`: the true images once (a row per run if
-    the runs attacked different images), then each run's reconstructions, at most
-    :data:`GRID_MAX_IMAGES` images per attacked batch."""
-    chosen = [r for r in results if r.attack == attack]
-    runs = list(dict.fromkeys(r.run for r in chosen))
-    rows = []
-
-    def images(rs, what):
-        return [img for r in rs for img in getattr(r, what)[:GRID_MAX_IMAGES]]
-
-    def captions(rs):
-        return [f"{ps:.1f} dB" for r in rs for ps in
-                [psnr(r.truth[i], r.guess[i]) for i in range(min(len(r.truth), GRID_MAX_IMAGES))]]
-
-    first = [r for r in chosen if r.run == runs[0]]
-    same = all(len([r for r in chosen if r.run == run]) == len(first) and all(
-        torch.equal(a.truth, b.truth) for a, b in zip(first, [r for r in chosen if r.run == run])) for run in runs)
-    if same:
-        rows.append(("truth", images(first, "truth"), [f"c{r.client} b{r.batch}" for r in first
-                                                        for _ in range(min(len(r.truth), GRID_MAX_IMAGES))]))
-    for run in runs:
-        rs = [r for r in chosen if r.run == run]
-        if not same:
-            rows.append((f"{run}\ntruth", images(rs, "truth"), None))
-        rows.append((f"{run}\n({rs[0].method})", images(rs, "guess"), captions(rs)))
-    return rows
+def _attacks(up: Upload, setup: AttackSetup, state, name: str, bar, setting) -> list:
+    """Every attack of ``setup`` on one upload (under the DP ``setting``, or None)."""
+    done: dict = {}
+    for attack in setup.attacks:
+        bar.set_postfix_str(f"{name} client {up.client} batch {up.batch} {attack}")
+        start = bar.n
+        if attack == "idlg" and "head.weight" not in up.observed and "dlg" in done:
+            res = dataclasses.replace(done["dlg"], attack="idlg")  # no labels to read: iDLG is DLG
+        else:
+            res = attack_upload(up, setup, attack, state.info.num_classes, name, state.cfg.method,
+                                lambda loss: bar.update(1))
+            if setting is not None:
+                res.dp_clip, res.dp_noise = float(setting[0]), float(setting[1])
+        bar.update(start + setup.restarts * setup.steps - bar.n)  # restarts that stopped early
+        done[attack] = res
+    return list(done.values())

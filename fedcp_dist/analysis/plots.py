@@ -296,3 +296,41 @@ def dlg_grid(rows: list, title: str):
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def dlg_dp_curves(rows: list, attack: str):
+    """PSNR and the share of labels recovered against the noise multiplier σ, a line per run and
+    clip norm, from :func:`fedcp_dist.analysis.dlg_report.summarise`'s rows of one ``attack`` (the
+    rows attacked under DP settings; None when there are none)."""
+    import math
+
+    chosen = [r for r in rows if r["attack"] == attack and r.get("dp_clip") is not None]
+    if not chosen:
+        return None
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    lines: dict = {}
+    for r in chosen:
+        base = r["run"].rsplit(" C=", 1)[0]
+        lines.setdefault((base, r["dp_clip"]), []).append(r)
+    for i, ((base, clip), rs) in enumerate(sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1]))):
+        rs = sorted(rs, key=lambda r: r["dp_noise"])
+        x = [r["dp_noise"] for r in rs]
+        label = f"{base}, C={'∞' if math.isinf(clip) else f'{clip:g}'}"
+        style = dict(marker="os^Dv"[i % 5], linestyle=("-", "--", ":", "-.")[i % 4], color=_colour(i), label=label)
+        a1.errorbar(x, [r["psnr_mean"] for r in rs], yerr=[r["psnr_std"] for r in rs], capsize=3, **style)
+        a2.plot(x, [100 * r["label_acc"] for r in rs], **style)
+    a1.set_ylabel("reconstruction PSNR (dB)")
+    a2.set_ylabel("labels recovered (%)")
+    a2.set_ylim(-5, 105)
+    small = min((r["dp_noise"] for r in chosen if r["dp_noise"] > 0), default=None)
+    for ax in (a1, a2):
+        ax.set_xlabel("noise multiplier σ" + (" (linear below the smallest > 0)" if small else ""))
+        if small:  # 0 and noise multipliers decades apart on one axis
+            ax.set_xscale("symlog", linthresh=small)
+            ax.set_xlim(-0.3 * small, 1.5 * max(r["dp_noise"] for r in chosen))
+        ax.grid(alpha=0.3)
+    a2.legend(fontsize=7)
+    fig.suptitle(f"{attack.upper().replace('IDLG', 'iDLG')} against clipped and noised uploads", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -15,6 +15,7 @@ or ``--out`` — with ``report.md`` and ``report.json``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -44,7 +45,29 @@ def _add_dlg_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--knowledge", default="server", choices=("server", "oracle"),
                    help="server: what a semi-honest server knows (default); oracle: also the client's private state")
     g.add_argument("--seed", type=int, default=0, help="which samples are attacked, and the dummies' start (default 0)")
+    g.add_argument("--dp-clip", help="comma-separated clip norms C (inf: no clipping): attack each upload as dp=central "
+                                     "releases it, clipped to C, under every --dp-noise (default: as sent)")
+    g.add_argument("--dp-noise", help="comma-separated noise multipliers σ (N(0, (σC)²) on every uploaded value; "
+                                      "default 0 with --dp-clip)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _float_list(text: Optional[str], option: str) -> list:
+    try:
+        return [float(t) for t in (text or "").split(",") if t.strip()]
+    except ValueError:
+        raise UserError(f"{option}: expected comma-separated numbers, got {text!r}") from None
+
+
+def dp_settings(clips: Optional[str], noises: Optional[str]) -> tuple:
+    """The (C, σ) settings of --dp-clip × --dp-noise (σ > 0 with C = inf left out: no noise scale)."""
+    c, n = _float_list(clips, "--dp-clip"), _float_list(noises, "--dp-noise")
+    if n and not c:
+        raise UserError("--dp-noise needs --dp-clip: the noise's standard deviation is σ·C")
+    settings = tuple((clip, noise) for clip in c for noise in (n or [0.0]) if not (math.isinf(clip) and noise > 0))
+    if c and not settings:
+        raise UserError("--dp-clip inf takes --dp-noise 0 only: the noise's standard deviation is σ·C")
+    return settings
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -169,7 +192,7 @@ def privacy(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
     attacks = tuple(a.strip().lower() for a in args.attacks.split(",") if a.strip())
     setup = dlg.AttackSetup(clients=clients, batches=args.batches, batch_size=args.batch_size,
                             local_steps=args.local_steps, attacks=attacks, steps=args.steps, restarts=args.restarts,
-                            knowledge=args.knowledge, seed=args.seed)
+                            knowledge=args.knowledge, seed=args.seed, dp=dp_settings(args.dp_clip, args.dp_noise))
     setup.check()
     results = dlg.attack_runs(list(zip(run_dirs, labels)), setup, args.data, args.device,
                               progress=not args.no_progress)
@@ -187,8 +210,18 @@ def privacy(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
         plots.save(plots.dlg_grid(dlg.grid_rows(results, attack), f"{attack.upper().replace('IDLG', 'iDLG')} "
                                   f"reconstructions"), out / name)
         figures[f"dlg_{attack}"] = {**_figure("dlg", f"DLG reconstructions ({attack})", name)["dlg"]}
+    if setup.dp:
+        attack = "idlg" if "idlg" in attacks else attacks[0]
+        fig = plots.dlg_dp_curves(rows, attack)
+        if fig is not None:
+            plots.save(fig, out / "dlg_dp.png")
+            figures["dlg_dp"] = _figure("dlg_dp", "DLG against clipped and noised uploads", "dlg_dp.png")["dlg_dp"]
+        protocol += (f" DP settings (clip C, noise multiplier σ): "
+                     f"{', '.join(f'({c:g}, {n:g})' for c, n in setup.dp)}: the upload's delta over every uploaded "
+                     f"tensor clipped to C, N(0, (σC)²) added to every value, as dp=central releases it to a server "
+                     f"that knows every other participant's update.")
     payload = {"setup": {k: getattr(setup, k) for k in ("clients", "batches", "batch_size", "local_steps", "attacks",
-                                                         "steps", "restarts", "knowledge", "seed")},
+                                                         "steps", "restarts", "knowledge", "seed", "dp")},
                "runs": dict(zip(labels, map(str, run_dirs))), "summary": rows,
                "uploads": [r.row() for r in results]}
     atomic_write_bytes(out / "dlg.json", (json.dumps(payload, indent=2) + "\n").encode("utf-8"))

@@ -91,6 +91,9 @@ def render() -> str:
             lines.append(f"| `{prefix}{opt.name}` | `{_cell(_value(opt.default))}` | {_cell(accepts(opt))} | "
                          f"{_cell(opt.help)} |")
         lines.append("")
+        notes = getattr(comp, "reference_notes", None)  # what a component adds below its keys (generated too)
+        if notes is not None:
+            lines += [notes(ALGORITHMS), ""]
     return "\n".join(lines)
 
 

@@ -11,7 +11,8 @@ Rows are methods, columns are settings: the values of the swept keys other than 
 differ between runs, or ``--by``); ``--rows KEY`` makes the rows by another key (a sweep's
 ``variant``, say), and ``--metric`` may list several summary keys, each then a column per setting;
 besides the summary's keys it knows metrics read from each run's records (``rounds_to_95``: the
-first round evaluated at 95 % or more; ``acc_after_10``; ``pir_test``, ``pir_test_spread``).
+first round evaluated at 95 % or more; ``acc_after_10``; ``pir_test``, ``pir_test_spread``); ``dp_epsilon``
+(``dp: central``'s ε after the last round) reads n/a for runs without DP and ∞ for runs without noise.
 A cell is mean ± std over seeds of the metric (100·metric for accuracies and AUCs). Runs that are
 missing or unfinished are listed and their cells marked ``(finished/expected)``; they are never
 averaged in, and neither are runs whose summary says they diverged (they learned nothing): those are
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "uplink_bytes_per_round (uplink_bytes / rounds) and, from each run's records, "
                         "rounds_to_P (first round evaluated at >= P %%), acc_after_R, pir_test and "
                         "pir_test_spread (FedCP's test PIR at the last evaluation: mean and spread over "
-                        "clients, with analysis: true)")
+                        "clients, with analysis: true); dp_epsilon (dp=central: ε after the last round; n/a for "
+                        "runs without DP, ∞ for runs without noise)")
     p.add_argument("--rows", default="method", help="the key whose values make the rows (default method; "
                                                      "a sweep's named variants: variant)")
     p.add_argument("--no-plots", action="store_true", help="write the table only")

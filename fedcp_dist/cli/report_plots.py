@@ -187,8 +187,8 @@ def client_rounds(run: Run) -> Optional[list]:
         return None
     from fedcp_dist.state.placement import sample_cohort
 
-    draw = cfg.get("participation_draw", "rho")
-    return selection_counts((sample_cohort(int(cfg["seed"]), t, n, float(rho), rho_range, draw)
+    draw, sampling = cfg.get("participation_draw", "rho"), cfg.get("participation_sampling", "fixed")
+    return selection_counts((sample_cohort(int(cfg["seed"]), t, n, float(rho), rho_range, draw, sampling)
                              for t in range(int(cfg["rounds"]))), n)
 
 

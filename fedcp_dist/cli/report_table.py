@@ -84,7 +84,10 @@ def record_metric(curve: list, path: Path, name: str):
 #: before every run counted its bytes; the saved bytes only with skipped uploads):
 #: a report of runs that have none of them says n/a rather than stopping
 OPTIONAL = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense", "uplink_bytes_sent",
-            "uplink_bytes_saved", "uplink_saved_fraction", *DERIVED)
+            "uplink_bytes_saved", "uplink_saved_fraction", *DERIVED, "dp_epsilon", "dp_noise_multiplier", "dp_clip")
+#: metrics whose value may be infinite and means it (dp_epsilon of a run without noise): such a cell reads ∞
+INFINITE_OK = ("dp_epsilon",)
+INFINITE_CELL = "∞"
 #: a cell whose finished runs do not record the metric (a byte count of a run that skips nothing)
 NA_CELL = "n/a"
 SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
@@ -399,6 +402,8 @@ class Table:
             if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
                 return NA_CELL + (f" ({cell.not_recorded}/{cell.expected})" if cell.not_recorded < cell.expected else "")
             return f"{MISSING_CELL} (0/{cell.expected})"
+        if any(math.isinf(v) for v in cell.values):  # ε of runs without noise
+            return INFINITE_CELL + (f" ({cell.n}/{cell.expected})" if cell.n < cell.expected else "")
         if _is_percent(self.metric):
             scale_fmt = "{:.2f}"
         elif _ROUNDS_TO.fullmatch(self.metric):
@@ -448,7 +453,8 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
             continue
         if r.finished and not isinstance(value, (int, float)):
             r.why = f"{SUMMARY} has no numeric '{metric}'"
-        if r.finished and isinstance(value, (int, float)) and math.isfinite(value):
+        if r.finished and isinstance(value, (int, float)) and (math.isfinite(value) or
+                                                                (metric in INFINITE_OK and math.isinf(value))):
             cell.values.append(scale * float(value))
             cell.seeds.append(r.seed)
         else:

@@ -162,13 +162,16 @@ class FlatAggregator:
         start = self.sent_params + self.num_weights + self.num_metrics
         return self.buffer[start : start + self.num_rows]
 
-    def reduce(self, runtime, base=None) -> tuple[dict, float, list]:
+    def reduce(self, runtime, base=None, privatize=None) -> tuple[dict, float, list]:
         """All-reduce (SUM) once; return (weighted mean of every tensor, Σ weights, metric sums).
 
         With ``base`` ({name: tensor}) the buffer holds weighted deltas and the mean is
         base + Σ n_i·Δ_i / Σ n_i, added in the buffer's precision. With aggregation groups a
         tensor is divided by its group's Σ n_i, and left out of the mean when no client sent it (as
-        are the round's skipped groups)."""
+        are the round's skipped groups). ``privatize`` (``dp: central``, :mod:`fedcp_dist.comm.privacy`):
+        called with the all-reduced sum of the round's tensors, which it noises in place; it returns
+        the fixed denominator that every tensor is then divided by, whoever sent it (a round without
+        any upload too: the noise is released all the same)."""
         t0 = time.perf_counter()
         runtime.all_reduce_sum_(self.buffer)
         w = self.num_weights
@@ -178,7 +181,14 @@ class FlatAggregator:
         ng = len(self.groups)
         self.group_totals = {g: (tail[1 + i], tail[1 + ng + i]) for i, g in enumerate(self.groups)}
         mean = {}
-        if total > 0:
+        denominator = privatize(self.buffer[: self.sent_params]) if privatize is not None else None
+        if denominator is not None:
+            flat = self.buffer[: self.sent_params] / denominator
+            for k in self.sent:
+                off = self.offsets[k]
+                part = flat[off : off + self.shapes[k].numel()].view(self.shapes[k])
+                mean[k] = (base[k].to(part.dtype) + part).to(torch.float32)
+        elif total > 0:
             flat = self.buffer[: self.sent_params] / total
             for k in self.sent:
                 off = self.offsets[k]
@@ -195,17 +205,19 @@ class FlatAggregator:
         return mean, total, metrics
 
 
-def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums, base=None, orders: Sequence["ClientOrder"] = ()):
+def reduce_sums(aggregator: FlatAggregator, runtime, *sums: Sums, base=None, orders: Sequence["ClientOrder"] = (),
+                privatize=None):
     """Add ``sums`` to the aggregator's metrics, all-reduce once; (mean, Σ weights, reduced sums
-    of the same classes, in order). ``base``: see :meth:`FlatAggregator.reduce`. ``orders``: one
-    :class:`ClientOrder` (or None) per sums object, its rows carried in the aggregator's rows
-    (begun with room for all of them), whose client-order sums replace the ordered fields."""
+    of the same classes, in order). ``base``, ``privatize``: see :meth:`FlatAggregator.reduce`.
+    ``orders``: one :class:`ClientOrder` (or None) per sums object, its rows carried in the
+    aggregator's rows (begun with room for all of them), whose client-order sums replace the ordered
+    fields."""
     values = [v for s in sums for v in s.values()]
     aggregator.add_metrics(values)
     packed = [o for o in orders if o is not None]
     if packed:
         aggregator.rows().copy_(torch.cat([o.values for o in packed]).to(aggregator.buffer.device, aggregator.buffer.dtype))
-    mean, total, metrics = aggregator.reduce(runtime, base)
+    mean, total, metrics = aggregator.reduce(runtime, base, privatize)
     reduced = aggregator.rows().cpu()
     out, off, row = [], 0, 0
     for i, s in enumerate(sums):

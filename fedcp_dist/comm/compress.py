@@ -29,6 +29,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from fedcp_dist.comm.privacy import clip_factor, total_norm
 from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
 
 
@@ -142,6 +143,37 @@ class Compressor:
             if self.error_feedback:
                 new_residual[k] = delta - decoded[k]
         return decoded, new_residual
+
+    def compress_clipped(self, upload: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor], keys,
+                         clip: float, residual: Optional[State] = None) -> Tuple[State, float, Optional[State], float]:
+        """``dp: central``'s compressed upload (:mod:`fedcp_dist.comm.privacy`) over the round's tensors ``keys``:
+
+        1. Δ' = Δ (+ e_i with error feedback) of every tensor, clipped to L2 norm C as one vector: v;
+        2. v compressed tensor by tensor (top-k, quantised) into Δ̂;
+        3. quantisation can raise the norm above C (8 bits round each kept value to a grid between
+           their min and max, 16 bits to the nearest half), so Δ̂ is sent with weight w = min(1, C/‖Δ̂‖);
+        4. error feedback keeps e_i ← v − w·Δ̂, what the clipped vector did not deliver; what
+           clipping cut off is dropped, as without compression (so ‖e_i‖ ≤ 2C, and ratio 1 at 32
+           bits is plain clipping). The residual is the client's own state; it reaches the server
+           only through later uploads, each clipped again.
+
+        Returns (Δ̂, w, the new residual or None, ‖Δ'‖)."""
+        delta = {}
+        for k in keys:
+            d = upload[k].detach().to(torch.float32) - global_state[k].to(torch.float32)
+            if self.error_feedback and residual is not None and k in residual:
+                d = d + residual[k]
+            delta[k] = d
+        norm = total_norm(delta.values())
+        scale = clip_factor(norm, clip)
+        clipped = {k: d * scale for k, d in delta.items()} if scale < 1 else delta
+        decoded = {k: compress_tensor(v, self.ratio, self.bits) for k, v in clipped.items()}
+        weight = clip_factor(total_norm(decoded.values()), clip)
+        new_residual = None
+        if self.error_feedback:
+            new_residual = {k: v for k, v in (residual or {}).items() if k not in clipped}  # tensors not sent now
+            new_residual.update({k: clipped[k] - weight * decoded[k] for k in clipped})
+        return decoded, weight, new_residual, norm
 
     def round_bytes(self, senders: Mapping[str, int], participants: int) -> dict:
         """The round's accounting: ``senders[k]`` clients sent tensor k (compressed if enabled; the

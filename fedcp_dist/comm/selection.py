@@ -81,7 +81,7 @@ def draw_cohort(cfg, t: int, train_counts, vectors):
     ρ < 1 drawn by feature difference from ``vectors()`` (called only then: it is a collective)."""
     if cfg.client_selection != "feature_difference" or (cfg.participation >= 1 and cfg.participation_range is None):
         return sample_cohort(cfg.seed, t, len(train_counts), cfg.participation, cfg.participation_range,
-                             cfg.participation_draw)
+                             cfg.participation_draw, cfg.participation_sampling)
     probs = selection_probabilities(train_counts, vectors(), cfg.selection_min_prob)
     return sample_cohort_weighted(cfg.seed, t, probs, cfg.participation, cfg.participation_range, cfg.participation_draw)
 

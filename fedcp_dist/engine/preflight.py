@@ -22,6 +22,8 @@ data resident, the client store and the all-reduce buffer made) and before resum
   ``eval_batch_size`` training samples besides, as FedRep computes its features).
 * **evaluation**: a test batch's activations (4 bytes per element, no gradient) and a global state.
 * **round**: the all-reduce's float64 mean and the server's new global state.
+* **dp: central**: a participant's upload delta, float32, while it is clipped (training), and the
+  round's float64 noise on the all-reduced sum (round).
 * **peer exchange**: a peer method's (FedAMP's, FedFomo's) models of the other clients and its
   all-gather's buffer.
 * **checkpoint**: on a GPU the client states copied to the host; with ``client_state: disk`` the
@@ -95,6 +97,8 @@ class Figures:
     own_loop: bool = False
     #: a peer method's models of the other clients and the round's all-gather (FedAMP, FedFomo)
     peer_bytes: int = 0
+    #: ``dp: central``: each upload's delta is made to be clipped, and the round's sum is noised
+    dp: bool = False
     fused: bool = False
     slot_params: int = 0  # a fused slot's bytes besides its activations
     per_result: int = 0
@@ -127,15 +131,18 @@ class Figures:
 def training_bytes(f: Figures) -> Tuple[int, str]:
     """(bytes, how) of the local training of one round at its peak."""
     act = ACTIVATION_COPIES * 4 * f.rows() * f.act_train
+    clip = 4 * f.upload_elements if f.dp and f.owned else 0  # dp=central: the upload's delta being clipped
     if f.fused and f.group_clients:
         slots, clients = f.slots(), f.group()
         one = slots * (f.slot_params + act) + clients * (f.group_per_client or 2 * f.per_result)
         at_once = max(1, min(f.workers, f.groups, f.side_budget // max(1, one)))
-        return at_once * one, f"{at_once} fused group(s) of {clients} at once, {slots} slots of {mib(f.slot_params + act)}"
+        return (at_once * one + clip,
+                f"{at_once} fused group(s) of {clients} at once, {slots} slots of {mib(f.slot_params + act)}")
     if f.owned == 0:
         return 0, "no client on this rank"
     chunks = 4 * max(1, min(f.eval_batch_size, f.max_train)) * f.act_eval if f.own_loop else 0
-    return act + chunks + 3 * f.global_bytes + 2 * f.per_client, f"one client at a time, batches of {f.rows()} rows"
+    return (act + chunks + 3 * f.global_bytes + 2 * f.per_client + clip,
+            f"one client at a time, batches of {f.rows()} rows")
 
 
 def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
@@ -150,7 +157,7 @@ def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
     train, _ = training_bytes(f)
     rows_e = max(1, min(f.eval_batch_size, f.max_test))
     evaluation = 4 * rows_e * f.act_eval + f.global_bytes
-    round_ = 2 * 8 * f.upload_elements + f.global_bytes
+    round_ = (2 + f.dp) * 8 * f.upload_elements + f.global_bytes  # dp=central: the noise, float64
     # copied to the host to be written (a disk store's files are mapped instead: see mapped_bytes)
     checkpoint = f.owned * f.per_client + f.global_bytes if gpu and f.store == "device" else 0
     if not gpu:  # one pool, the host's
@@ -454,7 +461,7 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
         batch_size=cfg.batch_size, max_train=int(setup.info.train_counts[setup.clients].max()),
         eval_batch_size=cfg.eval_batch_size, max_test=max((d.n_test for d in data.values()), default=0),
         act_train=phase[2] if phase else 2 * act_eval, act_eval=act_eval, own_loop=algo.own_loop is not None,
-        peer_bytes=_peer_bytes(cfg, algo, setup, rt.world_size))
+        peer_bytes=_peer_bytes(cfg, algo, setup, rt.world_size), dp=cfg.dp == "central")
     if groups is not None and groups.groups and phase is not None:
         threads = torch.get_num_threads()
         workers = fused_groups.workers_for(cfg.fused_workers, device, threads, len(groups.groups))

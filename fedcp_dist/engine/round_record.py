@@ -37,9 +37,11 @@ def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSu
 def learned_nothing(records: list) -> bool:
     """Whether no round of the run (``records``: its metrics.jsonl lines) aggregated a single finite
     client result: every participant of every round was left out as non-finite (``on_nonfinite:
-    skip``), so the global model and every client's state are still the initial ones."""
-    rounds = [r for r in records if r.get("kind") == "round"]
-    return bool(rounds) and all(int(r.get("participants", 0)) <= int(r.get("nonfinite_skipped", 0)) for r in rounds)
+    skip``), so the global model and every client's state are still the initial ones. A round
+    without participants (a Poisson cohort may be empty) says nothing either way, and a run whose
+    every round was empty diverged in none."""
+    trained = [r for r in records if r.get("kind") == "round" and int(r.get("participants", 0)) > 0]
+    return bool(trained) and all(int(r["participants"]) <= int(r.get("nonfinite_skipped", 0)) for r in trained)
 
 
 def evaluation_record(rounds_done: int, ev: EvalSums) -> dict:

@@ -6,9 +6,9 @@ works with, built in order, each step agreed on by every rank.
    the clients and loads its own (:func:`fedcp_dist.engine.startup.load`);
 2. the peer exchange's memory is checked, the global state made, the client store opened (a disk
    store locks its folder) and the training path chosen (fused or one client at a time);
-3. the aggregator's buffer, the compressor and the cohort trainer; the memory the rounds will
-   take is estimated and checked against what is free (:mod:`fedcp_dist.engine.preflight`); the run
-   directory's writer;
+3. ``dp: central``'s mechanism (its noise calibrated for a target ε), the aggregator's buffer, the
+   compressor and the cohort trainer; the memory the rounds will take is estimated and checked
+   against what is free (:mod:`fedcp_dist.engine.preflight`); the run directory's writer;
 4. resume from the newest verified checkpoint (``resume: auto``), and analysis.jsonl kept up to the
    rounds done.
 
@@ -31,6 +31,7 @@ from fedcp_dist.config import Config
 from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.engine.evaluation import EvalSums
 from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
+from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.engine.preflight import preflight
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.rundir.directory import RunWriter, prepare_out_dir
@@ -58,6 +59,8 @@ class RunParts:
     idle_keys: List[tuple] = field(default_factory=list)
     #: the memory the run's rounds will take at their peak, estimated before the first (a line)
     memory: str = ""
+    #: ``dp: central``'s mechanism (None: off)
+    dp: Optional[CentralDP] = None
     start_round: int = 0
     records: List[dict] = field(default_factory=list)
     round_seconds: List[float] = field(default_factory=list)
@@ -125,19 +128,22 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     idle = cfg.keys_without_effect()
     if cfg.aggregate_bn_stats and not any(k.endswith(BN_STAT_SUFFIXES) for k in algo.upload_keys(global_state)):
         idle.append(("aggregate_bn_stats", "the uploads hold no BatchNorm statistics"))
-    agg = FlatAggregator({k: global_state[k].shape for k in upload}, sums_size(TrainSums, EvalSums), rt.device,
+    # dp=central: the mechanism (its noise multiplier calibrated here when dp_target_epsilon is set)
+    dp = startup.agree_on(rt, lambda: CentralDP(cfg, plan_run(cfg, s.num_clients))) if cfg.dp == "central" else None
+    agg = FlatAggregator({k: global_state[k].shape for k in upload},
+                         sums_size(TrainSums, EvalSums, *((PrivacySums,) if dp else ())), rt.device,
                          extra=RoundProbes.size(cfg.probe_every, s.num_clients, layout),
                          groups=algo.aggregation_groups(upload),
                          rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
     compressor = Compressor.from_config(cfg, agg.shapes)
     groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device, rows=s.batch_rows(cfg))
               if fused and s.groups is not None else None)
-    trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor)
+    trainer = CohortTrainer(cfg, rt, algo, store, s.data, s.owner, groups, agg, compressor, dp)
     # the memory the rounds will take, against what is free: a run that cannot fit stops here, in one line
     memory = startup.agree_on(rt, lambda: preflight(cfg, rt, s, algo, store, agg, compressor, groups))
     made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger, layout.scalars if layout else None)
     parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], idle,
-                     memory=memory or "")
+                     memory=memory or "", dp=dp)
 
     def maybe_resume() -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory
@@ -145,7 +151,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
                                                     mmap=isinstance(store, DiskClientStore),
                                                     data=run_data_record(cfg, s))
         if done:
-            parts.start_round, parts.records, parts.round_seconds = done
+            parts.start_round, parts.records, parts.round_seconds, meta = done
+            if dp is not None:  # the clip norm adaptive clipping reached; ε follows from the rounds done
+                dp.load_state_dict(meta.get("privacy"))
 
     startup.agree_on(rt, maybe_resume)
     # analysis.jsonl: the lines of the rounds done kept, the rest computed again

@@ -25,6 +25,7 @@ from fedcp_dist.engine.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.state.placement import STREAM_EVAL
 from fedcp_dist.rundir.preemption import StopSignals, interrupt_after
+from fedcp_dist.comm.privacy import PrivacySums
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.engine.round_record import evaluation_record, learned_nothing, round_record, summary_json
 from fedcp_dist.rundir.directory import DIVERGED, SUMMARY, progress_line, result_table
@@ -50,6 +51,8 @@ class Simulator:
         self.num_clients, self.owner, self.owned, self.data = (
             p.setup.num_clients, p.setup.owner, p.setup.owned, p.setup.data)
         self.fused, self.path, self.agg, self.compressor, self.trainer = p.fused, p.path, p.agg, p.compressor, p.trainer
+        #: dp=central's mechanism (None: off)
+        self.dp = p.dp
         self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
         self.idle_keys, self.memory = p.idle_keys, p.memory
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
@@ -68,6 +71,8 @@ class Simulator:
         self.rt.phase = f"checkpoint after round {rounds_done}"
         meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict(),
                 "data": run_data_record(self.cfg, self.setup)}
+        if self.dp is not None:
+            meta["privacy"] = self.dp.state_dict()
         self.ckpt.save(rounds_done, self.global_state, self.store.state_dict(), meta,
                        lambda ok: startup.all_ok(self.rt, ok))
 
@@ -85,6 +90,13 @@ class Simulator:
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
         return draw_cohort(self.cfg, t, self.setup.info.train_counts[self.setup.clients],
                            lambda: gather_client_vectors(self.rt, self.algo, self.store, self.owned, self.num_clients))
+
+    def _dp_line(self) -> str:
+        """dp=central's part of the start line: the mechanism, its ε after the planned rounds and what it covers."""
+        if self.dp is None:
+            return ""
+        uploads, keeps = self.algo.privacy_coverage(self.cfg)
+        return self.dp.describe(self.cfg.rounds, uploads, keeps, self.agg.num_params)
 
     def _exchange_peers(self, t: int, cohort, payloads: dict) -> float:
         """One all-gather of the participants' peer payloads; the algorithm updates the global state."""
@@ -128,7 +140,8 @@ class Simulator:
             raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}")
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
-        self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line, self.algo.describe(),
+        self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line,
+                                     "; ".join(n for n in (self.algo.describe(), self._dp_line()) if n),
                                      self.idle_keys))
         self.echo(self.memory)
         for t in range(self.start_round, cfg.rounds):
@@ -160,6 +173,8 @@ class Simulator:
         t_eval = time.perf_counter() - t_start
 
         cohort = self._cohort(t)
+        if self.dp is not None:
+            self.dp.begin_round()
         train_order = ClientOrder(TrainSums, len(cohort))
         self.agg.begin_round(self.algo.skipped_groups(t), train_order.values.numel()
                              + (ev_order.values.numel() if ev_order is not None else 0))
@@ -172,12 +187,14 @@ class Simulator:
         train += TrainSums(stop_requests=float(self.stop.signum is not None))
         if probes.on:
             self.agg.add_extra(probes.pack())
-        mean, total, (train, ev) = reduce_sums(self.agg, rt, train, ev,
-                                               base=self.global_state if self.compressor.enabled else None,
-                                               orders=(train_order, ev_order))
+        dp = self.dp
+        mean, total, (train, ev, *dp_sums) = reduce_sums(
+            self.agg, rt, train, ev, *((dp.local,) if dp else ()),
+            base=self.global_state if self.compressor.enabled or dp else None, orders=(train_order, ev_order),
+            privatize=dp.privatizer(t) if dp else None)
         if train.nonfinite_clients > 0 and cfg.on_nonfinite == "error":
             raise RunFailure(train.nonfinite_message(t))
-        if total > 0:
+        if total > 0 or dp:  # with DP the noised mean is released whoever trained
             self.store.set_global(self.algo.server_update(self.global_state, mean))
         if self.exchange is not None:
             times["peer_exchange_seconds"] = self._exchange_peers(t, cohort, payloads)
@@ -186,6 +203,7 @@ class Simulator:
         uplink = uplink_record(self.compressor, self.agg, len(cohort) - int(train.nonfinite_clients), len(cohort))
         record = round_record(t, times, self.agg, cohort, train, uplink, ev if evaluated else None,
                               self.select_by_features)
+        record.update(dp.end_round(t, dp_sums[0]) if dp else {})
         record.update(memory_record(self.store) if cfg.record_memory else {})
         if evaluated:
             self.echo(progress_line(cfg.rounds, record, record))
@@ -210,13 +228,16 @@ class Simulator:
         self.agg.begin_round(rows=order.values.numel(), uploads=False)
         if probes.on:
             self.agg.add_extra(probes.pack())
-        _, _, (_, ev) = reduce_sums(self.agg, rt, TrainSums(), ev, orders=(None, order))
+        _, _, (_, ev, *_) = reduce_sums(self.agg, rt, TrainSums(), ev, *((PrivacySums(),) if self.dp else ()),
+                                        orders=(None, order))
         e = evaluation_record(cfg.rounds, ev)
         self.writer.log_analysis(probes.records(self.agg.extra()))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self.echo(progress_line(cfg.rounds, e, None))
         summary = summary_json(cfg, rt, self.setup, self.num_clients, self.records, e, self.round_seconds,
                               self.select_by_features)
+        if self.dp is not None:
+            summary.update(self.dp.summary(cfg.rounds))
         diverged = learned_nothing(self.records)
         if diverged:
             summary["status"] = DIVERGED

@@ -25,11 +25,13 @@ class CohortTrainer:
     """Trains this rank's participants of a round. ``owner``: every client's rank; ``data``: the
     owned clients' data; ``groups``: the fused groups' trainer (None: the clients train one by one)."""
 
-    def __init__(self, cfg, rt, algo, store, data, owner, groups: Optional[GroupTrainer], agg, compressor):
+    def __init__(self, cfg, rt, algo, store, data, owner, groups: Optional[GroupTrainer], agg, compressor, dp=None):
         self.cfg, self.rt, self.algo, self.store, self.data, self.owner = cfg, rt, algo, store, data, owner
         self.groups, self.agg, self.compressor = groups, agg, compressor
         #: the method's peer exchange (None: it has none)
         self.exchange = algo if supports(algo, PeerExchange) else None
+        #: ``dp: central``'s mechanism (:class:`fedcp_dist.comm.privacy.CentralDP`; None: off)
+        self.dp = dp
 
     def generator(self, *keys: int) -> torch.Generator:
         return stream_generator(self.cfg.seed, self.rt.device, *keys)
@@ -49,13 +51,13 @@ class CohortTrainer:
                 continue  # neither aggregated nor kept as the client's new state
             if probes.train:
                 self._probe(t, cid, res, probes)
-            upload, residual = self._compressed(cid, res)
-            # put takes BatchNorm statistics out of res.upload (which ``upload`` is when not compressed;
-            # a compressed upload holds the aggregated tensors only)
+            upload, weight, residual = self._upload(cid, res)
+            # put takes BatchNorm statistics out of res.upload (which ``upload`` is when neither compressed
+            # nor clipped; those hold the aggregated tensors only)
             self.store.put(cid, res.client_state, res.upload, residual)
             if self.exchange is not None:
                 payloads[cid] = self.exchange.peer_payload(res)
-            self.agg.add(upload, self.data[cid].n_train, skip=res.skipped)
+            self.agg.add(upload, weight, skip=res.skipped)
             mine = TrainSums(res.loss_sum, res.samples)
             if order is not None:
                 order.add(slot[cid], mine)
@@ -84,9 +86,16 @@ class CohortTrainer:
         losses = self.algo.probe_losses(self.store.activate(cid), res, self.data[cid], ctx)
         probes.add_train(cid, res, losses, self.data[cid].n_train)
 
-    def _compressed(self, cid: int, res) -> tuple:
-        """(what goes into the all-reduce, weighted by n_i: θ_i, or with compression Δ̂_i, added to
-        the global state after it; the client's new residual under error feedback, else None)."""
+    def _upload(self, cid: int, res) -> tuple:
+        """(what goes into the all-reduce, its weight, the client's new residual under error feedback
+        or None): θ_i weighted by n_i; with compression Δ̂_i weighted by n_i, added to the global state
+        after the all-reduce; with ``dp: central`` the clipped Δ_i (compressed when on) weighted by
+        its clip factor, every participant counting once (:mod:`fedcp_dist.comm.privacy`)."""
+        if self.dp is not None:
+            assert not res.skipped, "dp=central is refused where clients leave parts of their upload out"
+            return self.dp.client_upload(res.upload, self.store.global_state, self.agg.sent, self.compressor,
+                                         self.store.residual(cid))
         if not self.compressor.enabled:
-            return res.upload, None
-        return self.compressor.compress(res.upload, self.store.global_state, self.store.residual(cid))
+            return res.upload, self.data[cid].n_train, None
+        decoded, residual = self.compressor.compress(res.upload, self.store.global_state, self.store.residual(cid))
+        return decoded, self.data[cid].n_train, residual

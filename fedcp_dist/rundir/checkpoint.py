@@ -3,8 +3,9 @@
 Layout of ``out_dir/checkpoints/round_{R:07d}/`` (R = rounds trained):
 
 * ``global.pt``        rank 0: the global state, R, and the run's metadata as JSON (the metric
-                       records so far and the config); the random streams need nothing more,
-                       since every draw derives from (seed, round, client)
+                       records so far, the config and, with ``dp: central``, the clip norm adaptive
+                       clipping reached); the random streams need nothing more, since every draw
+                       (DP's noise included) derives from (seed, round, client)
 * ``clients_{r}.pt``   rank r: the persistent state of the clients it owns, keyed by client id
                        (so a checkpoint can be resumed on another world size)
 * ``COMPLETE``         rank 0, after every rank has written its part: the world size and a
@@ -235,7 +236,8 @@ class Checkpointer:
         clients' states) after checking that it was made by the same experiment on the same data
         (``data``: this run's :func:`data_record`, on the first rank; the same content at another
         ``data.path`` is the same data) and that its tensors have this run's shapes;
-        (rounds done, the records, the rounds' seconds), or None when there is no checkpoint."""
+        (rounds done, the records, the rounds' seconds, the whole metadata), or None when there is no
+        checkpoint."""
         d = self.latest(warn=echo)
         if d is None:
             return None
@@ -258,7 +260,7 @@ class Checkpointer:
         store.set_global(global_state)
         store.load_state_dict(client_states)
         echo(f"resuming from {d} ({rounds_done} rounds done)")
-        return rounds_done, meta["records"], meta["round_seconds"]
+        return rounds_done, meta["records"], meta["round_seconds"], meta
 
     def load(self, d: Path, owned: Iterable[int], device, mmap: bool = False) -> tuple[int, dict, dict, dict]:
         """(rounds done, global state, states of the ``owned`` clients, metadata). ``mmap``: the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ import numpy as np
 import yaml
 
 from fedcp_dist.algorithms import ALGORITHMS
+from fedcp_dist.comm.keys import rounds_scheduled as privacy_rounds_scheduled
 from fedcp_dist.config import Config, flatten, legacy_defaults
 from fedcp_dist.engine.probes import keep_before
 from fedcp_dist.errors import RunFailure, UserError
@@ -123,7 +125,7 @@ def rounds_scheduled(cfg: dict) -> str:
     """Why this (flat) config's training depends on the total number of rounds ("": it does not):
     the method's class answers (:meth:`~fedcp_dist.algorithms.base.Algorithm.rounds_scheduled`)."""
     cls = ALGORITHMS.get(cfg.get("method"))
-    why = cls.rounds_scheduled(cfg) if cls is not None else None
+    why = (cls.rounds_scheduled(cfg) if cls is not None else None) or privacy_rounds_scheduled(cfg)
     return f"{why}; " if why else ""
 
 
@@ -484,6 +486,10 @@ def format_value(value: Any) -> str:
 def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
     """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
     tail = f"  {record['seconds']:.2f} s/round  train loss {record['train_loss']:.4f}" if record else "  (final)"
+    if record and "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
+        eps = record["dp_epsilon"]
+        tail += f"  ε after round {record['round']}: " + (f"{eps:.3g}" if math.isfinite(eps) else "∞")
+        tail += " (noise of a larger cohort: no guarantee here)" if record.get("dp_guarantee") is False else ""
     return (f"[eval after {e['evaluated_after']:>4}/{rounds} rounds] acc {e['acc']:.4f}  client-mean "
             f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
             + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else "")
@@ -508,6 +514,13 @@ def result_table(s: dict) -> str:
           if "final_balanced_acc" in s else []),
         ("seconds per round", f"{s['seconds_per_round']:.3f}"),
     ]
+    if "dp_epsilon" in s:  # dp=central: the budget spent, and whether it is this run's guarantee
+        eps = s["dp_epsilon"]
+        rows.append(("DP (ε, δ)", f"({eps:.4g}, {s['dp_delta']:g})" if math.isfinite(eps) else
+                     f"(∞, {s['dp_delta']:g}): no noise"))
+        if "dp_noise_cohort_size" in s:
+            rows.append(("DP guarantee", "none for this run (noise of a cohort of "
+                                         f"{s['dp_noise_cohort_size']:g})"))
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 32)
     return "\n".join([line, *[f"{k:<{width}}  {v}" for k, v in rows], line])

@@ -44,6 +44,8 @@ class ClientStates(Component):
 
 #: how a drop-out round's participants are counted (``participation_draw``)
 PARTICIPATION_DRAWS = ("rho", "count")
+#: how a round's cohort is drawn (``participation_sampling``)
+PARTICIPATION_SAMPLINGS = ("fixed", "poisson")
 #: how clients are weighted when placed on ranks (config key ``placement``)
 PLACEMENTS = ("auto", "samples", "steps")
 
@@ -52,6 +54,11 @@ def _rho_range(r) -> "str | None":
     ok = (r is None or (len(r) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
                         and 0 < r[0] <= r[1] <= 1))
     return None if ok else f"must be [rho_min, rho_max] with 0 < rho_min <= rho_max <= 1, got {r}"
+
+
+def cohort_size(rho: float, num_clients: int) -> int:
+    """⌊ρN⌋ clients (at least one, at most N): a round's cohort at participation ρ."""
+    return max(1, min(num_clients, int(math.floor(rho * num_clients + 1e-9))))
 
 
 class Participation(Component):
@@ -63,6 +70,9 @@ class Participation(Component):
         Option("participation_range", None, "if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round "
                "(drop-out study)", described("null or [ρ_min, ρ_max], 0 < ρ_min <= ρ_max <= 1", _rho_range),
                kind=Optional[list]),
+        Option("participation_sampling", "fixed", "how a round's cohort is drawn: fixed (⌊ρN⌋ clients uniformly "
+               "without replacement) | poisson (each client on its own with probability ρ: the cohort's size varies, "
+               "and may be 0)", one_of(*PARTICIPATION_SAMPLINGS)),
         Option("participation_draw", "rho", "with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; "
                "count draws the number of participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference "
                "library's rule, which reaches N)", one_of(*PARTICIPATION_DRAWS)),
@@ -73,6 +83,9 @@ class Participation(Component):
 
     @classmethod
     def check_config(cls, cfg):
+        if cfg.participation_sampling == "poisson" and cfg.participation_range is not None:
+            return "participation_range", ("draws each round's cohort size; participation_sampling=poisson draws "
+                                           "every client on its own with probability participation: use one of them")
         if cfg.participation_draw != "rho" and cfg.participation_range is None:
             return "participation_draw", f"{cfg.participation_draw} draws from participation_range, which is not set"
         return None

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fedcp_dist.local_train import num_batches
+from fedcp_dist.state.keys import cohort_size
 
 # stream tags: keep the streams of different purposes apart
 STREAM_COHORT = 1
@@ -20,6 +21,8 @@ STREAM_EVAL = 3
 STREAM_INIT = 4
 STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/after with cpn_eval_gumbel)
 STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
+STREAM_DP_NOISE = 7  # dp=central: the Gaussian noise on a round's sum of clipped uploads
+STREAM_DP_COUNT = 8  # dp_clip=adaptive: the noise on a round's count of unclipped uploads
 
 
 def stream_seed(seed: int, *keys: int) -> int:
@@ -131,10 +134,6 @@ def imbalance(per_rank: Sequence[int]) -> float:
     return float(loads.max()) / mean if mean > 0 else 1.0
 
 
-def cohort_size(rho: float, num_clients: int) -> int:
-    return max(1, min(num_clients, int(math.floor(rho * num_clients + 1e-9))))
-
-
 def sample_cohort(
     seed: int,
     round_idx: int,
@@ -142,16 +141,23 @@ def sample_cohort(
     participation: float,
     participation_range: Optional[Sequence[float]] = None,
     draw: str = "rho",
+    sampling: str = "fixed",
 ) -> np.ndarray:
     """The sorted client ids that train in round ``round_idx`` (same on every rank).
 
-    With ``participation_range = [a, b]`` each round draws its cohort size: ``draw="rho"`` takes
-    ρ uniformly from [a, b] and ⌊ρN⌋ clients (ρ = b exactly has probability 0, so N is never
-    reached when b = 1); ``draw="count"`` takes the count uniformly from the integers
+    ``sampling="fixed"``: ⌊ρN⌋ clients (at least one) drawn uniformly without replacement.
+    ``sampling="poisson"``: each client joins with probability ρ on its own (one uniform draw per
+    client from the round's stream), so the cohort's size varies and may be 0.
+
+    With ``participation_range = [a, b]`` (fixed sampling) each round draws its cohort size:
+    ``draw="rho"`` takes ρ uniformly from [a, b] and ⌊ρN⌋ clients (ρ = b exactly has probability 0,
+    so N is never reached when b = 1); ``draw="count"`` takes the count uniformly from the integers
     {⌊aN⌋ … ⌊bN⌋} (at least 1), as the reference library draws its participants, so b = 1
     reaches all N clients.
     """
     rng = np.random.default_rng(stream_seed(seed, STREAM_COHORT, round_idx))
+    if sampling == "poisson":
+        return np.flatnonzero(rng.random(num_clients) < participation).astype(np.int64)
     m = round_cohort_size(rng, num_clients, participation, participation_range, draw)
     return np.sort(rng.choice(num_clients, size=m, replace=False))
 

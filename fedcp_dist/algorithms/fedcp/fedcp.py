@@ -69,6 +69,23 @@ class FedCP(PolicyProbes, SGDAlgorithm):
                "(needs fedcp_cpn=false; only the extractor is shared)"),
     )
 
+    privacy_uploads = ("its extractor W_i^fe, its CPN Θ_i and the mixed head (W^hd + W_i^hd)/2 (through which half of "
+                       "its personal head is uploaded)")
+    privacy_keeps = "its personal head W_i^hd (but for its half in the mixed head) and its client vector v_i"
+
+    @classmethod
+    def privacy_coverage(cls, cfg):
+        if not cfg.fedcp_global_head:
+            return "its extractor W_i^fe", "its personal head W_i^hd and its client vector v_i"
+        return cls.privacy_uploads, cls.privacy_keeps
+
+    @classmethod
+    def uneven_uploads(cls, cfg):
+        if cfg.cpn_async_min_rate > 0:
+            return "cpn_async_min_rate", ("leaves the CPN out of the uploads of clients below the rate, and averages it "
+                                          "over its senders")
+        return None
+
     @classmethod
     def check_config(cls, cfg):
         if not cfg.fedcp_global_head and cfg.fedcp_cpn:
