@@ -229,3 +229,35 @@ def test_dp_bench_means_and_ratios():
     dp = mod.timed_means([rec(1.0), rec(3.3)], warmup=1)
     assert mod.ratios(base, dp)["seconds"] == pytest.approx(1.1)
     assert mod.variant_overrides("x.h5", ["rounds=2"], ["dp=central"])[-2:] == ["rounds=2", "dp=central"]
+def _load_ab():
+    spec = importlib.util.spec_from_file_location("bench_ab_step", REPO / "bench" / "ab_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_step_interleaves_two_trees_and_compares_their_results():
+    """The A/B bench imports a tree per side, alternates their rounds and says whether the results
+    are equal bit for bit: the same tree twice is, float32 against bf16 is not; the caller's own
+    modules are in place afterwards."""
+    import fedcp_dist.fused.groups as groups_before
+
+    ab = _load_ab()
+    same = ab.compare(str(REPO), str(REPO), ("none", "none"), pairs=2, slots=2, batch=2, steps=1)
+    assert same["results_bit_identical"] and same["values_compared"] > 1000
+    assert len(same["ratios"]) == 2 and all(r > 0 for r in same["ratios"])
+    assert same["median_ratio_b_over_a"] == pytest.approx(sum(same["ratios"]) / 2)
+    mixed = ab.compare(str(REPO), str(REPO), ("none", "bf16"), pairs=1, slots=2, batch=2, steps=1)
+    assert not mixed["results_bit_identical"] and mixed["values_compared"] == same["values_compared"]
+    assert sys.modules["fedcp_dist.fused.groups"] is groups_before
+    v = ab.flat_values([{"b": torch.tensor([2.0, 3.0]), "a": 1}, (4.5, True)])
+    assert v.tolist() == [1.0, 2.0, 3.0, 4.5]
+
+
+def test_ab_step_refuses_what_is_not_a_tree(tmp_path, capsys):
+    ab = _load_ab()
+    with pytest.raises(SystemExit) as e:
+        ab.main([str(tmp_path), str(REPO)])
+    assert e.value.code == 2 and "not a source tree" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main([str(REPO), str(REPO), "--amp", "fp16"])

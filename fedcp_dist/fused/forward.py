@@ -104,26 +104,52 @@ class _LinearSGD(torch.autograd.Function):
     backward pass plus update, which bounds these layers at B = 10. Returns no gradient for the
     weight and bias (their step is done); the weight must not be used anywhere else in the graph
     (autograd's version check would refuse it).
+
+    Under bf16 autocast (``low`` = torch.bfloat16) the weight is cast once per step and that copy
+    serves the forward product and the input's gradient (autocast would cast it for the forward and
+    the backward would cast it again): the same values as autocast gives. The update stays a float32
+    product of the (bf16-valued) output gradient and the input as given, added into the float32
+    weight in place: at B = 10 it is bound by reading and writing the float32 weight, which a bf16
+    product of the weight's gradient would not save (it would add a bf16 gradient tensor to write
+    and read back, and round the gradient).
     """
 
     @staticmethod
-    def forward(ctx, x3, w, b, lr):
+    def forward(ctx, x3, w, b, lr, low):
+        ctx.b, ctx.lr, ctx.x_dtype = b, lr, x3.dtype
+        if low is not None:
+            w_low = w.to(low)
+            ctx.save_for_backward(x3, w, w_low)  # the update takes the input as given (as without this copy)
+            with torch.autocast(x3.device.type, enabled=False):
+                if b is None:
+                    return torch.bmm(x3.to(low), w_low.transpose(1, 2))
+                return torch.baddbmm(b.to(low).unsqueeze(1), x3.to(low), w_low.transpose(1, 2))
         ctx.save_for_backward(x3, w)
-        ctx.b, ctx.lr = b, lr
         if b is None:
             return torch.bmm(x3, w.transpose(1, 2))
         return torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
 
     @staticmethod
     def backward(ctx, g):
-        x3, w = ctx.saved_tensors
-        gx = torch.bmm(g, w.to(g.dtype)).to(x3.dtype) if ctx.needs_input_grad[0] else None
+        if len(ctx.saved_tensors) == 3:  # bf16: the input's gradient from the step's bf16 weight
+            x3, w, w_low = ctx.saved_tensors
+            gx = torch.bmm(g.to(w_low.dtype), w_low).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        else:
+            x3, w = ctx.saved_tensors
+            gx = torch.bmm(g, w.to(g.dtype)).to(x3.dtype) if ctx.needs_input_grad[0] else None
         with torch.no_grad():
             g32 = g.to(w.dtype)
             w.baddbmm_(g32.transpose(1, 2), x3.to(w.dtype), alpha=-ctx.lr)
             if ctx.b is not None:
                 ctx.b.sub_(g32.sum(1), alpha=ctx.lr)
-        return gx, None, None, None
+        return gx, None, None, None, None
+
+
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The lower precision autocast runs products in on ``device`` now (None: autocast is off)."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
 
 
 def _linear(m: nn.Linear, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD]) -> Act:
@@ -133,7 +159,7 @@ def _linear(m: nn.Linear, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackward
     w, b = p["weight"], p.get("bias") if m.bias is not None else None
     trained = w.requires_grad and (b is None or b.requires_grad)
     if sgd is not None and trained and w.is_leaf and (b is None or b.is_leaf) and sgd.claim(w, b):
-        y = _LinearSGD.apply(x3, w, b, sgd.lr_of(w))
+        y = _LinearSGD.apply(x3, w, b, sgd.lr_of(w), autocast_dtype(x3.device))
     elif b is not None:
         y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2))
     else:
@@ -151,8 +177,31 @@ def _layer_norm(m: nn.LayerNorm, p: Dict[str, Tensor], a: Act) -> Act:
     return Act(y, a.k)
 
 
+def halving_max_pool(m: nn.Module) -> bool:
+    """True for a max-pooling over disjoint 2×2 windows (kernel 2, stride 2, no padding or dilation,
+    floor mode): the pooling that :func:`max_pool_2x2` computes."""
+    if type(m) is not nn.MaxPool2d or m.return_indices or m.ceil_mode:
+        return False
+    pair = nn.modules.utils._pair
+    return (pair(m.kernel_size) == (2, 2) and pair(m.stride) == (2, 2) and pair(m.padding) == (0, 0)
+            and pair(m.dilation) == (1, 1))
+
+
+def max_pool_2x2(x: Tensor) -> Tensor:
+    """Max-pooling over disjoint 2×2 windows of the last two dimensions (a last odd row or column
+    is dropped, as floor mode does) as two elementwise maxima of strided views: rows, then columns.
+    The maximum of the same four values, so the same result as ``F.max_pool2d(x, 2)`` (a NaN in a
+    window gives NaN in both), without the int64 indices the pooling writes for its backward pass:
+    for inputs that need no gradient (the frozen extractor of FedCP's MMD), where it is the faster."""
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    rows = torch.maximum(x[..., 0:h:2, :w], x[..., 1:h:2, :w])
+    return torch.maximum(rows[..., 0::2], rows[..., 1::2])
+
+
 def _channelwise(m: nn.Module, a: Act) -> Act:
     if a.grouped:
+        if not (torch.is_grad_enabled() and a.t.requires_grad) and halving_max_pool(m):
+            return Act(max_pool_2x2(a.t), a.k, grouped=True)
         return Act(m(a.t), a.k, grouped=True)
     x = a.t
     y = m(x.reshape(-1, *x.shape[2:]))
@@ -197,7 +246,8 @@ def _run(m: nn.Module, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD
                 # max-pooling and ReLU commute exactly (ReLU is monotonic): pooling first runs the
                 # ReLU and its backward on a quarter of the elements
                 a = _channelwise(children[i + 1][1], a)
-                a = Act(torch.relu(a.t), a.k, a.grouped)
+                # in place on the pooling's own output (its backward needs its indices, not its output)
+                a = Act(torch.relu_(a.t) if a.grouped else torch.relu(a.t), a.k, a.grouped)
                 i += 2
                 continue
             a = _run(child, sub_params(p, f"{name}."), a, sgd)
@@ -209,6 +259,8 @@ def _run(m: nn.Module, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD
         return _linear(m, p, a, sgd)
     if type(m) is nn.LayerNorm:
         return _layer_norm(m, p, a)
+    if type(m) is nn.ReLU:  # never in place: on a view (a Linear's output) autograd would add two copies
+        return Act(torch.relu(a.t), a.k, a.grouped)
     if type(m) in _ELEMENTWISE:
         return Act(m(a.t), a.k, a.grouped)
     if type(m) in _CHANNELWISE:

@@ -38,7 +38,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 
-from fedcp_dist.data.resident import ClientData
+from fedcp_dist.data.resident import ClientData, stacked_train_batches
 from fedcp_dist.fused.forward import InBackwardSGD
 from fedcp_dist.fused.step import Batch, FusedStep, stacked_like
 from fedcp_dist.local_train import Phase, PhaseOutcome, batch_indices, finished_tallies, lr_of, num_batches
@@ -125,23 +125,22 @@ def batch_rows(batch_size: int, train_counts) -> int:
     return max(1, min(int(batch_size), max((int(n) for n in train_counts), default=1)))
 
 
-def next_batch(clients: Sequence[ClientRun], active: Sequence[Active], rows: int) -> Batch:
+def next_batch(clients: Sequence[ClientRun], active: Sequence[Active], rows: int, alike: bool = False) -> Batch:
     """Each active client's next batch (its epoch's permutation drawn here, as in the sequential
     loop), a short one padded with copies of its first row to ``rows`` rows (:func:`batch_rows`),
-    stacked with the mask of real rows."""
-    xs, ys, sizes = [], [], []
+    stacked with the mask of real rows. ``alike``: the clients' batches are prepared alike (see
+    :func:`~fedcp_dist.data.resident.stacked_train_batches`), so all at once."""
+    idxs, sizes = [], []
     for a in active:
         idx = next(a.batches)
         b = int(idx.shape[0])
         if b < rows:
             idx = torch.cat([idx, idx[:1].expand(rows - b)])
         c = clients[a.index]
-        x, y = c.data.train_batch(idx if c.index is None else c.index[idx])
-        xs.append(x)
-        ys.append(y)
+        idxs.append(idx if c.index is None else c.index[idx])
         sizes.append(b)
     k = len(active)
-    x, y = torch.stack(xs), torch.stack(ys)
+    x, y = stacked_train_batches([clients[a.index].data for a in active], idxs, alike)
     count = torch.tensor(sizes, dtype=torch.float32, device=x.device)
     if min(sizes) == rows:
         mask = torch.ones(k, rows, dtype=torch.float32, device=x.device)
@@ -262,9 +261,10 @@ def train_fused(
         i = queue.pop(0)
         held.load(len(active), clients[i])
         active.append(start(i))
+    alike = all(clients[0].data.prepared_alike(c.data) for c in clients[1:])
     while active:
         running = [a for a in active if a is not None]
-        batch = next_batch(clients, running, rows)
+        batch = next_batch(clients, running, rows, alike)
         step_tallies: Optional[dict] = {} if tally or phase.tallied else None
         losses = sgd_step(phase, held.views(batch.k), batch, trainable, lr, param_lr, autocast, step_tallies,
                           shared_params)

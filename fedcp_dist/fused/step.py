@@ -41,7 +41,7 @@ from typing import Dict, List, Mapping, Optional
 import torch
 from torch import nn
 
-from fedcp_dist.fused.forward import InBackwardSGD, grouped_forward, sub_params
+from fedcp_dist.fused.forward import InBackwardSGD, autocast_dtype, grouped_forward, sub_params
 from fedcp_dist.local_train import Bandwidths, full_precision, resolve
 from fedcp_dist.losses import MMD_BANDWIDTHS, at_least_fp32, grouped_mmd2, masked_cross_entropy, masked_mean
 
@@ -113,11 +113,15 @@ class FusedStep:
         if not any(isinstance(m, nn.Conv2d) for m in module.modules()):
             y = module(x.reshape(k * b, *x.shape[2:]))
             return y.view(k, b, *y.shape[1:])
-        # convolutions: all k·B samples as one slot of the grouped (channels-last) layers
-        if module not in self._shared_params:
-            self._shared_params[module] = stack_once(dict(module.named_parameters()))
+        # convolutions: all k·B samples as one slot of the grouped (channels-last) layers; under
+        # autocast a copy in its dtype, made once for the group (a shared module does not change)
+        low = autocast_dtype(x.device)
+        key = module if low is None else (module, low)
+        if key not in self._shared_params:
+            params = stack_once(dict(module.named_parameters()))
+            self._shared_params[key] = params if low is None else {n: t.to(low) for n, t in params.items()}
         with contextlib.nullcontext() if grad else torch.no_grad():
-            y = grouped_forward(module, self._shared_params[module], x.reshape(1, k * b, *x.shape[2:]), 1)
+            y = grouped_forward(module, self._shared_params[key], x.reshape(1, k * b, *x.shape[2:]), 1)
         return y.view(k, b, *y.shape[2:])
 
     def value(self, name: str) -> Tensor:
@@ -146,18 +150,21 @@ class FusedStep:
 
     def gumbel_like(self, logits: Tensor) -> Tensor:
         # each client's noise from its own stream, the same draws as alone; padding: −log 1 = 0
-        e = torch.ones_like(logits)
+        e = torch.empty_like(logits)
         for j, (n, g) in enumerate(zip(self.batch.sizes, self.batch.generators)):
             e[j, :n].exponential_(generator=g)
+            if n < e.shape[1]:
+                e[j, n:].fill_(1.0)
         return e.log_().neg_()
 
 
 def stacked_like(t: Tensor, slots: int) -> Tensor:
-    """Zeros of shape (slots, *t.shape); 4-d parameters (convolution weights) channels-last."""
+    """An uninitialised tensor of shape (slots, *t.shape) (each slot is written before it is read);
+    4-d parameters (convolution weights) channels-last."""
     if t.dim() == 4:
         o, i, h, w = t.shape
-        return torch.zeros((slots, o, h, w, i), dtype=t.dtype, device=t.device).permute(0, 1, 4, 2, 3)
-    return torch.zeros((slots, *t.shape), dtype=t.dtype, device=t.device)
+        return torch.empty((slots, o, h, w, i), dtype=t.dtype, device=t.device).permute(0, 1, 4, 2, 3)
+    return torch.empty((slots, *t.shape), dtype=t.dtype, device=t.device)
 
 
 def stack_once(params: Dict[str, Tensor]) -> Dict[str, Tensor]:

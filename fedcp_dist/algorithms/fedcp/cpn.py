@@ -111,7 +111,8 @@ def policy(logits: torch.Tensor, feature_dim: int, tau: float, noise=None, hard:
     if hard:
         first = (z[..., 0:1, :] >= z[..., 1:2, :]).to(p.dtype)
         p = _StraightThrough.apply(p, torch.cat([first, 1.0 - first], dim=-2))
-    return p[..., 0, :], p[..., 1, :], ent
+    s, r = p.unbind(-2)  # one node in the graph (two selections would each zero-fill a gradient of p's size)
+    return s, r, ent
 
 
 def group_pool(c: torch.Tensor, groups: int) -> torch.Tensor:
