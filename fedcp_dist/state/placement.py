@@ -20,6 +20,7 @@ STREAM_EVAL = 3
 STREAM_INIT = 4
 STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/after with cpn_eval_gumbel)
 STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
+STREAM_EVAL_SAMPLE = 7  # the draw of the clients a run evaluates (eval_clients)
 
 
 def stream_seed(seed: int, *keys: int) -> int:
@@ -41,6 +42,17 @@ def client_subset(clients, seed: int, num_clients: int) -> np.ndarray:
         return np.sort(np.asarray(clients, dtype=np.int64))
     rng = np.random.default_rng(stream_seed(seed, STREAM_SUBSET))
     return np.sort(rng.choice(num_clients, size=int(clients), replace=False)).astype(np.int64)
+
+
+def eval_sample(seed: int, num_clients: int, eval_clients: int) -> np.ndarray:
+    """The run's clients that every evaluation evaluates (``eval_clients``), sorted: all
+    ``num_clients`` when ``eval_clients`` is 0 or not below it, else that many drawn without
+    replacement, once, from a stream of the run seed of its own: the same sample on every rank,
+    every world size and on resume, whatever else the seed drives."""
+    if not eval_clients or eval_clients >= num_clients:
+        return np.arange(num_clients, dtype=np.int64)
+    rng = np.random.default_rng(stream_seed(seed, STREAM_EVAL_SAMPLE))
+    return np.sort(rng.choice(num_clients, size=int(eval_clients), replace=False)).astype(np.int64)
 
 
 def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
@@ -133,6 +145,15 @@ def imbalance(per_rank: Sequence[int]) -> float:
 
 def cohort_size(rho: float, num_clients: int) -> int:
     return max(1, min(num_clients, int(math.floor(rho * num_clients + 1e-9))))
+
+
+def max_cohort_size(num_clients: int, participation: float,
+                    participation_range: Optional[Sequence[float]] = None) -> int:
+    """The largest cohort any round may draw (:func:`sample_cohort`, and feature-difference
+    selection's draw of the same size): ⌊ρN⌋, or with ``participation_range`` [a, b] ⌊bN⌋ (either
+    draw)."""
+    rho = float(participation_range[1]) if participation_range is not None else float(participation)
+    return cohort_size(rho, num_clients)
 
 
 def sample_cohort(
