@@ -185,8 +185,9 @@ def grouped_forward(module: nn.Module, params: Dict[str, Tensor], x, k: int,
 
 
 def _run(m: nn.Module, p: Dict[str, Tensor], a: Act, sgd: Optional[InBackwardSGD]) -> Act:
-    if hasattr(m, "forward_stacked"):  # a module that carries its own grouped form (models/lstm.py)
-        return Act(m.forward_stacked(p, a.client_major()), a.k)
+    stacked = getattr(m, "forward_stacked", None)  # a module that carries its own grouped form (models/lstm.py)
+    if stacked is not None:
+        return Act(stacked(p, a.client_major()), a.k)
     if type(m) is nn.Sequential:
         children = list(m.named_children())
         i = 0
