@@ -145,3 +145,38 @@ def test_a_rounds_groups_are_its_cohort_in_group_order():
     assert groups.round_groups([3, 7, 5, 2, 100]) == [[5, 7], [2], [3]]  # 100: another rank's
     assert groups.round_groups([9]) == [[9]]
     assert groups.round_groups([]) == []
+
+
+@pytest.fixture(scope="module")
+def sampled_world_runs(digits6, tmp_path_factory):
+    """FedCP with the probes on, data read on demand and a sample of 4 of the 6 clients evaluated,
+    at ρ = 0.5 (the probe rows sized by the cohort), on one rank and on two."""
+    from helpers import runs_on_one_and_two_ranks
+
+    root = tmp_path_factory.mktemp("sampled")
+    runs_on_one_and_two_ranks(root, {"fedcp": ("configs/digits_fedcp.yaml", lambda out: [
+        f"data.path={digits6}", f"out_dir={out}", "rounds=2", "eval_every=1", "participation=0.5", "threads=1",
+        "fused=false", "checkpoint_every=0", "analysis=true", "analysis_every=1", "client_data=on_demand",
+        "eval_clients=4"])})
+    return root / "one" / "fedcp", root / "two" / "fedcp"
+
+
+@pytest.mark.slow
+def test_a_sampled_on_demand_run_is_the_same_on_two_ranks(sampled_world_runs):
+    one, two = sampled_world_runs
+    g1 = torch.load(one / "final_global.pt", weights_only=True)
+    g2 = torch.load(two / "final_global.pt", weights_only=True)
+    assert set(g1) == set(g2) and all(torch.allclose(g1[k], g2[k], atol=1e-5, rtol=0) for k in g1)
+    e1 = [(r["acc"], r["eval_clients"]) for r in _lines(one) if "acc" in r]
+    e2 = [(r["acc"], r["eval_clients"]) for r in _lines(two) if "acc" in r]
+    assert e1 == e2 and len(e1) == 3 and all(k == 4 for _, k in e1)
+    # the probes' lines name the cohort's and the sample's clients, the same on both worlds
+    a1 = [json.loads(line) for line in (one / "analysis.jsonl").read_text().splitlines()]
+    a2 = [json.loads(line) for line in (two / "analysis.jsonl").read_text().splitlines()]
+    ids = lambda lines, kind: sorted((r.get("round", r.get("evaluated_after")), r["client"])  # noqa: E731
+                                     for r in lines if r["kind"] == kind)
+    assert ids(a1, "train") == ids(a2, "train") and ids(a1, "eval") == ids(a2, "eval")
+    sample = set(eval_sample(1, 6, 4).tolist())
+    assert {c for _, c in ids(a1, "eval")} <= sample and len({c for _, c in ids(a1, "eval")}) >= 1
+    train = ids(a1, "train")
+    assert len(train) == 2 * 3 and len(set(train)) == 6  # two rounds of ⌊0.5 × 6⌋ = 3 clients, rows by id
