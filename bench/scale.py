@@ -24,6 +24,21 @@ partition and client count N prints one row:
 
 ``--source digits`` runs the same on the embedded digits (1,797 samples; for a quick check, with
 fewer clients).  ``--json FILE`` also writes the figures there.
+
+``--source synthetic`` measures what a run costs as the population grows at a fixed cohort
+(FedProx's Synthetic(1, 1), generated here, no files needed)::
+
+    python bench/scale.py --source synthetic --clients 100 1000 10000 --cohort 100 --methods fedavg fedcp ditto
+
+For every N it writes the shard (``write s``, ``MB``) and, for every method, runs ``--rounds``
+rounds in a fresh process (one rank, ``client_state: disk``, ``client_data`` following it, a
+cohort of ``--cohort`` clients, ``eval_clients`` = the cohort, evaluating every round, no
+checkpoints): ``start s`` (the run's time outside its rounds: start-up, with the shard's metadata, placement
+and the store, then the final evaluation and closing),
+``s/round`` (the median round, evaluation included), of which ``train s`` and ``eval s`` (medians),
+``AR KiB`` (the all-reduce's size) and ``RSS MB``, the process's peak resident memory.
+``--min-samples`` / ``--max-samples`` bound a client's samples (the benchmark's law is uncapped:
+cohorts then differ by orders of magnitude in samples from one draw to the next). Flat columns as N grows are what a population-independent run looks like.
 """
 from __future__ import annotations
 
@@ -146,6 +161,78 @@ def measure(src, kind: str, num_clients: int, args, work: Path) -> dict:
     return row
 
 
+def run_child(config: str, overrides: list) -> dict:
+    """One run in this (fresh) process; its start-up time, round times and peak memory."""
+    from fedcp_dist.config import load_config
+    from fedcp_dist.engine.simulator import Simulator
+    from fedcp_dist.runtime import init_runtime
+
+    cfg = load_config(config, overrides)
+    rt = init_runtime(cfg.device, cfg.threads, env={})
+    start = time.perf_counter()
+    try:
+        Simulator(cfg, rt, echo=lambda *_: None).run()
+    finally:
+        rt.close()
+    wall = time.perf_counter() - start
+    lines = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if r.get("kind") == "round"]
+    final = next(r for r in lines if r.get("kind") == "final_eval")
+
+    def median(key):
+        values = sorted(r[key] for r in records)
+        return values[len(values) // 2]
+
+    return {"wall_seconds": wall, "round_seconds": median("seconds"), "train_seconds": median("train_seconds"),
+            "eval_seconds": median("eval_seconds"), "allreduce_bytes": records[-1]["allreduce_bytes"],
+            "rounds": len(records), "start_seconds": wall - sum(r["seconds"] for r in records),
+            "peak_rss_mb": peak_rss_mb(), "final_acc": final["acc"]}
+
+
+def measure_cohort(num_clients: int, args, work: Path) -> list:
+    """Rows of ``--source synthetic``: the shard of ``num_clients`` clients written, then a short run
+    of each method at the fixed cohort, each in a fresh process."""
+    path = work / f"synthetic_n{num_clients}.h5"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fedcp_dist.cli.partition", "--source", "synthetic", "--synthetic-alpha",
+                    "1", "--synthetic-beta", "1", "--num-clients", str(num_clients), "--seed", str(args.seed),
+                    "--synthetic-min-samples", str(args.min_samples),
+                    *(["--synthetic-max-samples", str(args.max_samples)] if args.max_samples else []),
+                    "--out", str(path), "--force"], check=True, capture_output=True, cwd=REPO)
+    write_s = time.perf_counter() - start
+    cohort = min(args.cohort, num_clients)
+    rows = []
+    for method in args.methods:
+        out = work / f"run_{method}_n{num_clients}"
+        overrides = [f"method={method}", f"data.path={path}", f"data.num_clients={num_clients}",
+                     f"out_dir={out}", "overwrite=true", f"rounds={args.rounds}", "eval_every=1",
+                     f"participation={cohort / num_clients!r}", f"eval_clients={cohort}", "client_state=disk",
+                     "checkpoint_every=0", "threads=1", f"seed={args.seed}"]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--run", str(REPO / "configs" / "synthetic_fedcp.yaml"),
+               *overrides]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if res.returncode != 0:
+            sys.exit(f"error: {method} on N={num_clients} failed: {res.stderr.strip()[-2000:]}")
+        rows.append({"source": "synthetic(1,1)", "num_clients": num_clients, "cohort": cohort, "method": method,
+                     "write_seconds": write_s, "file_mb": path.stat().st_size / 1e6,
+                     **json.loads(res.stdout.splitlines()[-1])})
+        shutil.rmtree(out, ignore_errors=True)
+    if not args.keep:
+        path.unlink()
+    return rows
+
+
+COHORT_HEADER = (f"{'method':<8} {'N':>7} {'cohort':>6} {'write s':>7} {'MB':>7} {'start s':>7} "
+                 f"{'s/round':>7} {'train s':>7} {'eval s':>6} {'AR KiB':>6} {'RSS MB':>7} {'acc':>6}")
+
+
+def cohort_row(r: dict) -> str:
+    return (f"{r['method']:<8} {r['num_clients']:>7} {r['cohort']:>6} {r['write_seconds']:>7.2f} "
+            f"{r['file_mb']:>7.1f} {r['start_seconds']:>7.2f} {r['round_seconds']:>7.3f} {r['train_seconds']:>7.3f} "
+            f"{r['eval_seconds']:>6.3f} {r['allreduce_bytes'] / 1024:>6.0f} {r['peak_rss_mb']:>7.0f} "
+            f"{r['final_acc']:>6.3f}")
+
+
 def table_header(world_sizes) -> str:
     head = (f"{'partition':<9} {'N':>6} {'part s':>7} {'draws':>5} {'moved':>5} {'min':>4} "
             f"{'write s':>7} {'MB':>6} {'info ms':>7} {'digest s':>8}")
@@ -171,7 +258,7 @@ def table_row(r: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--source", default="mnist", choices=("mnist", "digits"))
+    p.add_argument("--source", default="mnist", choices=("mnist", "digits", "synthetic"))
     p.add_argument("--mnist-root", default=None,
                    help="gzipped MNIST IDX files, or a torchvision root with MNIST/raw/ "
                         "(default: ../shared/data/mnist)")
@@ -185,9 +272,20 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="also write the figures to this JSON file")
     p.add_argument("--load", help=argparse.SUPPRESS)  # child mode: load one rank's clients
     p.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--cohort", type=int, default=100, help="synthetic: clients a round (default 100)")
+    p.add_argument("--methods", nargs="+", default=["fedavg", "fedcp", "ditto"], help="synthetic: the methods run")
+    p.add_argument("--rounds", type=int, default=3, help="synthetic: rounds of each run (default 3)")
+    p.add_argument("--min-samples", type=int, default=50,
+                   help="synthetic: the fewest samples of a client (default 50, the benchmark's)")
+    p.add_argument("--max-samples", type=int, default=0,
+                   help="synthetic: the most samples of a client (default 0: no cap, the benchmark's law)")
+    p.add_argument("--run", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # child mode: one run
     args = p.parse_args(argv)
     if args.load:
         print(json.dumps(load_rank(args.load, args.world_size)))
+        return
+    if args.run:
+        print(json.dumps(run_child(args.run[0], args.run[1:])))
         return
 
     from fedcp_dist.data.sources import load_source
@@ -196,6 +294,18 @@ def main(argv=None) -> None:
     work = Path(args.work) if args.work else scratch
     work.mkdir(parents=True, exist_ok=True)
     try:
+        if args.source == "synthetic":
+            print(f"Synthetic(1, 1), a cohort of {args.cohort} clients, {args.rounds} rounds per run, one rank, "
+                  f"client_state=disk, each run in a fresh process", flush=True)
+            print(COHORT_HEADER, flush=True)
+            rows = []
+            for n in args.clients:
+                for row in measure_cohort(n, args, work):
+                    rows.append(row)
+                    print(cohort_row(row), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+            return
         if args.source == "mnist":
             folder = Path(args.mnist_root) if args.mnist_root else next(
                 (c for c in MNIST_CANDIDATES if c.is_dir()), MNIST_CANDIDATES[0])

@@ -68,8 +68,8 @@ class EvalTally(Protocol):
 
 
 class ProbeLayout(Protocol):
-    """A method's probe rows: a training row and an evaluation row per client of the run, float64,
-    summed over ranks in the round's all-reduce (a client's rows are non-zero on its owner only), and
+    """A method's probe rows: a training row per member of a round's cohort and an evaluation row per
+    evaluated client (the engine says which client each row is), float64, summed over ranks in the round's all-reduce (a client's rows are non-zero on its owner only), and
     the ``analysis.jsonl`` lines they mean. A line is ``{"kind": "train", "round": r, ...}`` (1-based)
     or ``{"kind": "eval", "evaluated_after": t, ...}``, which resume keeps up to the rounds done."""
 
@@ -86,10 +86,12 @@ class ProbeLayout(Protocol):
         ...
 
     def records(self, train: "torch.Tensor", evals: "torch.Tensor", round_idx: Optional[int],
-                evaluated_after: Optional[int]) -> List[dict]:
-        """The lines of the reduced rows (train: (clients, train_width), evals: (clients,
-        eval_width)): the evaluation after ``evaluated_after`` rounds, then round ``round_idx``'s
-        training (0-based; None: none)."""
+                evaluated_after: Optional[int], train_ids: Optional[Sequence[int]] = None,
+                eval_ids: Optional[Sequence[int]] = None) -> List[dict]:
+        """The lines of the reduced rows (train: (rows, train_width), evals: (rows, eval_width)): the
+        evaluation after ``evaluated_after`` rounds, then round ``round_idx``'s training (0-based;
+        None: none). Row k is client ``train_ids[k]`` / ``eval_ids[k]`` (None: client k); a row
+        whose flag is 0 (a client without probes, or a row past the round's cohort) is no line."""
         ...
 
     def scalars(self, lines: Iterable[dict]) -> Iterator[Tuple[str, int, float]]:

@@ -110,6 +110,7 @@ VALUES = {
     "dp_noise_cohort_size": [10],
     # -- execution
     "eval_batch_size": [1],
+    "eval_clients": [3],  # a sample of the tiny shard's 5 clients
     "fused": [False, True],
     "fused_group": [1, 2],
     "fused_workers": [1, 2],

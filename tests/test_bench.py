@@ -229,6 +229,8 @@ def test_dp_bench_means_and_ratios():
     dp = mod.timed_means([rec(1.0), rec(3.3)], warmup=1)
     assert mod.ratios(base, dp)["seconds"] == pytest.approx(1.1)
     assert mod.variant_overrides("x.h5", ["rounds=2"], ["dp=central"])[-2:] == ["rounds=2", "dp=central"]
+
+
 def _load_ab():
     spec = importlib.util.spec_from_file_location("bench_ab_step", REPO / "bench" / "ab_step.py")
     mod = importlib.util.module_from_spec(spec)

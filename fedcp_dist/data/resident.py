@@ -1,4 +1,5 @@
-"""A rank's clients, resident on its device for the whole run (read once from the shard).
+"""A rank's clients' data: resident on its device for the whole run (read once from the shard,
+:class:`ResidentData`), or read from the shard when a round needs them (:class:`OnDemandData`).
 
 Images stay uint8 on the device (4x less memory than float32) and are normalised per batch.
 Text keeps its int32 token ids on the device (half of int64) and hands out int64 ids per batch,
@@ -7,7 +8,7 @@ unnormalised; the per-row lengths (real, non-padding tokens) stay alongside.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Dict, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -154,3 +155,64 @@ def to_device(cid: int, arrays: Mapping[str, np.ndarray], mean, std, device: tor
         mean=m,
         inv_std=s,
     )
+
+
+class ResidentData(dict):
+    """{client: :class:`ClientData`}: every client of a rank, resident for the whole run. :meth:`hold`
+    and :meth:`release` (what the round asks of :class:`OnDemandData`) have nothing to do."""
+
+    def hold(self, cids: Iterable[int]) -> None:
+        """The clients ``cids`` are about to be used (all of them are here already)."""
+
+    def release(self) -> None:
+        """The clients held are no longer needed."""
+
+    def close(self) -> None:
+        """End of the run."""
+
+
+class OnDemandData:
+    """A rank's clients' data read from the shard as the rounds need them (``client_data:
+    on_demand``): :meth:`hold` reads the clients a round trains (or a block of those it evaluates)
+    in one read of the open shard (:class:`~fedcp_dist.data.shards.ShardReader`), :meth:`release`
+    drops them. A client asked for without being held is read alone. What a rank keeps resident is
+    then the cohort's data, not its share of the population's: the same bits as :class:`ResidentData`
+    holds (the same rows, converted alike), read again each time.
+
+    ``clients``: the shard's id of every client of the run (client k of the run is shard client
+    ``clients[k]``); ``mean``, ``std``: the shard's, as :func:`to_device` takes them."""
+
+    def __init__(self, reader, clients, mean, std, device):
+        self.reader, self.clients, self.mean, self.std, self.device = reader, clients, mean, std, device
+        self._held: Dict[int, ClientData] = {}
+        #: clients read from the shard so far, and the reads it took
+        self.reads = self.clients_read = 0
+
+    def hold(self, cids: Iterable[int]) -> None:
+        missing = sorted({int(c) for c in cids} - set(self._held))
+        if not missing:
+            return
+        arrays = self.reader.read([int(self.clients[c]) for c in missing])
+        for c in missing:
+            self._held[c] = to_device(c, arrays.pop(int(self.clients[c])), self.mean, self.std, self.device)
+        self.reads += 1
+        self.clients_read += len(missing)
+
+    def release(self) -> None:
+        self._held.clear()
+
+    def __getitem__(self, cid: int) -> ClientData:
+        if cid not in self._held:
+            self.hold([cid])
+        return self._held[cid]
+
+    def __contains__(self, cid) -> bool:
+        return cid in self._held
+
+    def __len__(self) -> int:
+        """Clients held now."""
+        return len(self._held)
+
+    def close(self) -> None:
+        self._held.clear()
+        self.reader.close()

@@ -89,13 +89,18 @@ def binary_auc(y_true: np.ndarray, y_score: np.ndarray) -> float:
     return float((np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2.0).sum())
 
 
+#: clients whose data an evaluation holds at once when they are read on demand (``client_data``)
+EVAL_BLOCK = 256
+
+
 @torch.no_grad()
 def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx: int,
                      generator: Callable[[int, int], torch.Generator], batch_size: int,
                      probes: Optional[RoundProbes] = None, order=None) -> EvalSums:
     """The sums over ``clients`` of their personalized models' test metrics.
 
-    ``store`` hands each client's state (and swaps its own BatchNorm statistics in);
+    ``store`` hands each client's state (and swaps its own BatchNorm statistics in); ``datas``: their
+    data (read a block of :data:`EVAL_BLOCK` clients at a time where it has ``hold``/``release``);
     ``generator(round, client)`` is the client's evaluation stream (stochastic policies).
     ``probes`` (analysis on, the round evaluated with probes): its ``evals`` filled with each client's
     tally of the method's probes, from the very forward passes whose logits are scored. ``order``
@@ -103,7 +108,12 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
     """
     probed = probes is not None and probes.evals is not None
     sums = EvalSums()
-    for cid in clients:
+    clients = [int(c) for c in clients]
+    hold, release = getattr(datas, "hold", None), getattr(datas, "release", None)
+    for i, cid in enumerate(clients):
+        if hold is not None and i % EVAL_BLOCK == 0:  # data read on demand: a block of clients at a time
+            release()
+            hold(clients[i:i + EVAL_BLOCK])
         d = datas[cid]
         if d.n_test == 0:
             continue
@@ -132,4 +142,6 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
         if order is not None:
             order.add(cid, mine)
         sums += mine
+    if release is not None:
+        release()
     return sums

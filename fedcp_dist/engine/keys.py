@@ -31,12 +31,16 @@ class LocalSGD(Component):
 
 
 class Evaluation(Component):
-    """Personalized evaluation of every client before a round's training."""
+    """Personalized evaluation of every client (or of a seeded sample of them) before a round's training."""
 
     options = (
         Option("eval_every", 1, "evaluate every this many rounds (before that round's training), and after the last "
                "round", above(0)),
         Option("eval_batch_size", 1000, "samples per forward pass at evaluation", above(0)),
+        Option("eval_clients", 0, "evaluate this many of the run's clients, a sample drawn once from the run seed (the "
+               "same clients on any world size, at every evaluation and on resume), so that an evaluation's cost "
+               "follows the sample, not the population; 0 (or at least the run's clients): every client. Every "
+               "output says which (metrics.jsonl, summary.json, the start line, fedcp-report)", at_least(0)),
     )
 
 

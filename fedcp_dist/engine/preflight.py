@@ -404,14 +404,13 @@ def model_activations(cfg, info) -> int:
         return fused_memory.activation_elements(lambda: model(x), [model]) // 2
 
 
-def _phase_figures(algo, data, rows: int) -> Optional[Tuple[int, int, int, int]]:
+def _phase_figures(algo, data, rows: int, client: Optional[int]) -> Optional[Tuple[int, int, int, int]]:
     """(a fused slot's bytes besides activations, a result's bytes, activation elements per sample,
     the bytes a group holds per client) of a method that declares its phases, from a client with
     training data (None: no such method or client). Counted as the fused memory plan counts them,
     on the method's own loss; a group holds every phase's starting values and outcome."""
     if not hasattr(algo, "phases") or algo.fused_reason() is not None:
         return None
-    client = next((c for c, d in data.items() if d.n_train > 0), None)
     if client is None:
         return None
     ctx = Context(0, client, torch.Generator(device=algo.device).manual_seed(0))
@@ -444,6 +443,9 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
     gpu = device.type == "cuda"
     owned = list(setup.owned)
     data = setup.data
+    train = setup.info.train_counts[setup.clients]
+    # a client with training samples (None: none on this rank), from the counts, not from the data
+    with_train = next((c for c in owned if train[c] > 0), None)
     gs = store.global_state
     upload = sum(s.numel() for s in agg.shapes.values())
     per_client = state_bytes(algo.init_client_state(int(owned[0]))) if owned else 0
@@ -453,13 +455,15 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
     kind = "disk" if isinstance(store, DiskClientStore) else "host" if isinstance(store, HostClientStore) else "device"
     rows = setup.batch_rows(cfg)
     act_eval = model_activations(cfg, setup.info)
-    phase = _phase_figures(algo, data, rows) if owned else None
+    phase = _phase_figures(algo, data, rows, with_train) if owned else None
+    if hasattr(data, "release"):  # data read on demand: what the figures read is not kept
+        data.release()
     f = Figures(
         device=device.type, now=torch.cuda.memory_allocated(device) if gpu else rss_bytes(), now_host=rss_bytes(),
         owned=len(owned), held=store.held_bytes(), per_client=per_client, store=kind,
         in_flight=PREFETCH_DEPTH + DiskClientStore.RECENT, global_bytes=state_bytes(gs), upload_elements=upload,
         batch_size=cfg.batch_size, max_train=int(setup.info.train_counts[setup.clients].max()),
-        eval_batch_size=cfg.eval_batch_size, max_test=max((d.n_test for d in data.values()), default=0),
+        eval_batch_size=cfg.eval_batch_size, max_test=max((int(setup.info.test_counts[setup.clients[c]]) for c in owned), default=0),
         act_train=phase[2] if phase else 2 * act_eval, act_eval=act_eval, own_loop=algo.own_loop is not None,
         peer_bytes=_peer_bytes(cfg, algo, setup, rt.world_size), dp=cfg.dp == "central")
     if groups is not None and groups.groups and phase is not None:

@@ -17,11 +17,11 @@ TIMES = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds")
 
 
 def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSums, uplink: dict,
-                 ev: Optional[EvalSums], with_cohort: bool) -> dict:
+                 ev: Optional[EvalSums], with_cohort: bool, eval_clients: Optional[int] = None) -> dict:
     """Round t's record (0-based t): ``times`` (:data:`TIMES`, and ``peer_exchange_seconds`` where
     there was an exchange), the all-reduce's time and size, the cohort's size and train loss from the
     reduced ``train`` sums, the byte counts ``uplink``, the cohort itself (``with_cohort``) and the
-    evaluation before the round (``ev``; None: the round did not evaluate)."""
+    evaluation before the round (``ev``; None: the round did not evaluate) of ``eval_clients`` clients."""
     record = {"kind": "round", "round": t + 1, **{k: times[k] for k in TIMES},
               "allreduce_seconds": agg.last_seconds, "allreduce_bytes": agg.nbytes,
               **({"peer_exchange_seconds": times["peer_exchange_seconds"]} if "peer_exchange_seconds" in times else {}),
@@ -30,7 +30,7 @@ def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSu
     if with_cohort:
         record["cohort"] = [int(c) for c in cohort]
     if ev is not None:
-        record.update(evaluation_record(t, ev))
+        record.update(evaluation_record(t, ev, eval_clients))
     return record
 
 
@@ -44,10 +44,14 @@ def learned_nothing(records: list) -> bool:
     return bool(trained) and all(int(r["participants"]) <= int(r.get("nonfinite_skipped", 0)) for r in trained)
 
 
-def evaluation_record(rounds_done: int, ev: EvalSums) -> dict:
+def evaluation_record(rounds_done: int, ev: EvalSums, eval_clients: Optional[int] = None) -> dict:
     """An evaluation's numbers from its reduced sums: that of a round (before its training) and the
-    one after the last round alike."""
-    return {"evaluated_after": rounds_done, **ev.summary()}
+    one after the last round alike, with the number of clients it evaluated where that is a sample
+    (``eval_clients``, config key ``eval_clients``; None: every client, and the key is left out)."""
+    out = {"evaluated_after": rounds_done, **ev.summary()}
+    if eval_clients is not None:
+        out["eval_clients"] = int(eval_clients)
+    return out
 
 
 def summary_json(cfg, rt, setup, num_clients: int, records: list, final: dict, round_seconds: list,
@@ -68,6 +72,8 @@ def summary_json(cfg, rt, setup, num_clients: int, records: list, final: dict, r
     }
     if cfg.data.clients is not None:
         out["shard_clients"] = setup.clients.tolist()
+    if setup.eval_ids is not None and len(setup.eval_ids) < num_clients:
+        out["eval_clients"] = int(len(setup.eval_ids))  # the evaluations covered a sample (config key eval_clients)
     out.update(byte_totals(records))
     if with_selection:
         out["selection_counts"] = selection_counts((r.get("cohort", ()) for r in records), num_clients)

@@ -1,11 +1,13 @@
 """A run's start-up on this rank: everything :class:`~fedcp_dist.engine.simulator.Simulator`'s round loop
 works with, built in order, each step agreed on by every rank.
 
-1. rank 0 locks ``out_dir`` (the overwrite and resume rules); every rank loads the shard, builds
-   the model and the method (before the clients are placed: fused groups are placed whole), places
-   the clients and loads its own (:func:`fedcp_dist.engine.startup.load`);
+1. rank 0 locks ``out_dir`` (the overwrite and resume rules); every rank reads the shard's
+   metadata, builds the model and the method (before the clients are placed: fused groups are
+   placed whole) and places the clients (:func:`fedcp_dist.engine.startup.load`);
 2. the peer exchange's memory is checked, the global state made, the client store opened (a disk
-   store locks its folder) and the training path chosen (fused or one client at a time);
+   store locks its folder), the rank's clients' data loaded or the shard opened for reads as rounds
+   need them (:func:`fedcp_dist.engine.startup.load_data`) and the training path chosen (fused or
+   one client at a time);
 3. ``dp: central``'s mechanism (its noise calibrated for a target ε), the aggregator's buffer, the
    compressor and the cohort trainer; the memory the rounds will take is estimated and checked
    against what is free (:mod:`fedcp_dist.engine.preflight`); the run directory's writer;
@@ -28,7 +30,6 @@ from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
 from fedcp_dist.state.client_store import BN_STAT_SUFFIXES, DiskClientStore, make_store
 from fedcp_dist.comm.compress import Compressor
 from fedcp_dist.config import Config
-from fedcp_dist.data.shards import layout_digest
 from fedcp_dist.engine.evaluation import EvalSums
 from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
@@ -71,7 +72,7 @@ def run_data_record(cfg: Config, setup: startup.Setup) -> Optional[dict]:
     ranks that did not hash it: the first rank checks the data for every rank)."""
     if setup.digest is None:
         return None
-    return data_record(cfg.data.path, setup.info.fingerprint, layout_digest(setup.info), setup.digest)
+    return data_record(cfg.data.path, setup.info.fingerprint, setup.layout, setup.digest)
 
 
 def close_parts(parts, failed: bool) -> None:
@@ -92,11 +93,11 @@ def start_run(cfg: Config, rt: Runtime, ckpt: Checkpointer, echo: Callable[[str]
               wrap: Optional[Callable] = None) -> RunParts:
     """Start-up, steps 1–4 of the module's list. ``wrap`` (for tests) wraps the method the config
     names; ``echo`` says what resume found (rank 0)."""
-    made = {"lock": None, "store": None, "writer": None}
+    made = {"lock": None, "store": None, "data": None, "writer": None}
     try:
         return _start(cfg, rt, ckpt, echo, wrap, made)
     except BaseException:  # what was locked is released
-        close_parts((made["store"], made["writer"], made["lock"]), failed=True)
+        close_parts((made["store"], made["data"], made["writer"], made["lock"]), failed=True)
         raise
 
 
@@ -121,6 +122,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     # a disk store locks its folder: a refusal on any rank stops every rank
     store, store_line = startup.agree_on(rt, lambda: make_store(cfg, algo, global_state, s.owned, rt.device, rt.rank))
     made["store"] = store
+    # the clients' data: resident, or read as rounds need them (client_data; auto follows the store)
+    startup.agree_on(rt, lambda: startup.load_data(cfg, rt, s, isinstance(store, DiskClientStore)))
+    made["data"] = s.data
     # per-client BatchNorm statistics (known once the store is) keep the clients sequential
     fused, path = startup.training_path(cfg, algo, bool(store.bn_keys))
     upload = [k for k in algo.upload_keys(global_state) if k not in store.bn_keys]
@@ -130,11 +134,13 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
         idle.append(("aggregate_bn_stats", "the uploads hold no BatchNorm statistics"))
     # dp=central: the mechanism (its noise multiplier calibrated here when dp_target_epsilon is set)
     dp = startup.agree_on(rt, lambda: CentralDP(cfg, plan_run(cfg, s.num_clients))) if cfg.dp == "central" else None
+    # the per-client rows of the all-reduce follow the largest cohort and the evaluated clients, not N
+    evaluated = len(s.eval_ids)
     agg = FlatAggregator({k: global_state[k].shape for k in upload},
                          sums_size(TrainSums, EvalSums, *((PrivacySums,) if dp else ())), rt.device,
-                         extra=RoundProbes.size(cfg.probe_every, s.num_clients, layout),
+                         extra=RoundProbes.size(cfg.probe_every, s.max_cohort, layout, eval_rows=evaluated),
                          groups=algo.aggregation_groups(upload),
-                         rows=ClientOrder.size(TrainSums, s.num_clients) + ClientOrder.size(EvalSums, s.num_clients))
+                         rows=ClientOrder.size(TrainSums, s.max_cohort) + ClientOrder.size(EvalSums, evaluated))
     compressor = Compressor.from_config(cfg, agg.shapes)
     groups = (GroupTrainer(cfg, algo, store, s.data, s.owned_groups(rt.rank), rt.device, rows=s.batch_rows(cfg))
               if fused and s.groups is not None else None)

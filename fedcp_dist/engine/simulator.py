@@ -55,6 +55,13 @@ class Simulator:
         self.dp = p.dp
         self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
         self.idle_keys, self.memory = p.idle_keys, p.memory
+        #: the clients every evaluation evaluates (eval_clients), and this rank's of them
+        self.eval_ids = p.setup.eval_ids
+        self.eval_owned = p.setup.owned_eval(rt.rank)
+        #: what an evaluation's record says it covered: the sample's size, None when every client
+        self.eval_count = len(self.eval_ids) if len(self.eval_ids) < self.num_clients else None
+        #: the run's clients' training samples (what a cohort is drawn by), taken once
+        self.train_counts = p.setup.info.train_counts[p.setup.clients]
         #: rounds between training probes (0: analysis off); their rows ride at the end of the all-reduce
         self.probe_every = cfg.probe_every
         self.probe_layout = self.algo.probe_layout if supports(self.algo, Probes) else None
@@ -81,14 +88,14 @@ class Simulator:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
         evaluation probes; into ``order``, each client's own values)."""
         fault_point("eval", round_idx + 1)  # the fault tests' hook
-        self.store.prefetch(self.owned)
-        return evaluate_clients(self.algo, self.store, self.data, self.owned, round_idx,
+        self.store.prefetch(self.eval_owned)
+        return evaluate_clients(self.algo, self.store, self.data, self.eval_owned, round_idx,
                                 lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
                                 order)
 
     def _cohort(self, t: int):
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
-        return draw_cohort(self.cfg, t, self.setup.info.train_counts[self.setup.clients],
+        return draw_cohort(self.cfg, t, self.train_counts,
                            lambda: gather_client_vectors(self.rt, self.algo, self.store, self.owned, self.num_clients))
 
     def _dp_line(self) -> str:
@@ -130,7 +137,7 @@ class Simulator:
     def _close(self, failed: bool) -> None:
         """Close the store (its writes end, its folder is released), the writer and the out_dir lock,
         each even when one before it fails; the first error is raised unless the run has ``failed``."""
-        close_parts((self.store, self.writer, self._lock), failed)
+        close_parts((self.store, self.data, self.writer, self._lock), failed)
 
     def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt
@@ -166,13 +173,15 @@ class Simulator:
         t_start = time.perf_counter()
         self.algo.begin_round(t)
         evaluated = t % cfg.eval_every == 0
-        probes = RoundProbes(self.probe_every, self.num_clients, t, evaluated, self.probe_layout)
+        probes = RoundProbes(self.probe_every, self.setup.max_cohort, t, evaluated, self.probe_layout,
+                             eval_ids=self.eval_ids)
         # the sums of per-client fractions are taken in client order (the same bits on any world size)
-        ev_order = ClientOrder(EvalSums, self.num_clients) if evaluated else None
+        ev_order = ClientOrder(EvalSums, len(self.eval_ids), ids=self.eval_ids) if evaluated else None
         ev = self.evaluate(t, probes, ev_order) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
 
         cohort = self._cohort(t)
+        probes.set_cohort(cohort)
         if self.dp is not None:
             self.dp.begin_round()
         train_order = ClientOrder(TrainSums, len(cohort))
@@ -202,7 +211,7 @@ class Simulator:
         self.round_seconds.append(times["seconds"])
         uplink = uplink_record(self.compressor, self.agg, len(cohort) - int(train.nonfinite_clients), len(cohort))
         record = round_record(t, times, self.agg, cohort, train, uplink, ev if evaluated else None,
-                              self.select_by_features)
+                              self.select_by_features, self.eval_count)
         record.update(dp.end_round(t, dp_sums[0]) if dp else {})
         record.update(memory_record(self.store) if cfg.record_memory else {})
         if evaluated:
@@ -219,18 +228,18 @@ class Simulator:
         report takes the untrained model's accuracy for a result."""
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
-        probes = RoundProbes(self.probe_every, self.num_clients, cfg.rounds, evaluated=True, layout=self.probe_layout,
-                             final=True)
+        probes = RoundProbes(self.probe_every, self.setup.max_cohort, cfg.rounds, evaluated=True,
+                             layout=self.probe_layout, final=True, eval_ids=self.eval_ids)
         # the rounds' reduction, with no upload in the buffer: the sums (per-client fractions in client
         # order) and probes of a round without training
-        order = ClientOrder(EvalSums, self.num_clients)
+        order = ClientOrder(EvalSums, len(self.eval_ids), ids=self.eval_ids)
         ev = self.evaluate(cfg.rounds, probes, order)
         self.agg.begin_round(rows=order.values.numel(), uploads=False)
         if probes.on:
             self.agg.add_extra(probes.pack())
         _, _, (_, ev, *_) = reduce_sums(self.agg, rt, TrainSums(), ev, *((PrivacySums(),) if self.dp else ()),
                                         orders=(None, order))
-        e = evaluation_record(cfg.rounds, ev)
+        e = evaluation_record(cfg.rounds, ev, self.eval_count)
         self.writer.log_analysis(probes.records(self.agg.extra()))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self.echo(progress_line(cfg.rounds, e, None))

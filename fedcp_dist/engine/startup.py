@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -16,14 +16,16 @@ from fedcp_dist.algorithms import Algorithm, make_algorithm
 from fedcp_dist.capabilities import PeerExchange, supports
 from fedcp_dist.fused.groups import group_size as fused_group_size, workers_for
 from fedcp_dist.state.client_store import banks_in_files
-from fedcp_dist.data.resident import ClientData, to_device
-from fedcp_dist.data.shards import ShardInfo, load_clients, read_info
+from fedcp_dist.data.resident import OnDemandData, ResidentData, to_device
+from fedcp_dist.data.shards import ShardInfo, ShardReader, load_clients, read_info
+from fedcp_dist.data.shards.read import layout_digest_of
+from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.models import MODEL_KINDS, build_model, model_options
-from fedcp_dist.state.placement import (client_subset, form_groups, imbalance, place_clients, place_groups, placement_rule,
-                                  placement_weights, steps_per_rank)
+from fedcp_dist.state.placement import (client_subset, eval_sample, form_groups, imbalance, max_cohort_size, place_clients,
+                                        place_groups, placement_rule, placement_weights, steps_per_rank)
 
 
 @dataclass
@@ -36,7 +38,9 @@ class Setup:
     clients: np.ndarray
     owner: np.ndarray  # owner rank of every client of the run
     owned: List[int]  # this rank's clients
-    data: Dict[int, ClientData]  # this rank's clients' data, on its device
+    #: this rank's clients' data (:func:`load_data`): resident on its device, or read from the shard
+    #: as rounds need them (``client_data``); None before :func:`load_data`
+    data: Optional[Union[ResidentData, OnDemandData]]
     load_seconds: float
     #: what the clients were weighted by when placed (``samples`` or ``steps``, see config key ``placement``)
     placement: str = "samples"
@@ -48,6 +52,16 @@ class Setup:
     #: what the shard holds, hashed and checked against what was written with it (the first rank's;
     #: None on the others): what checkpoints record and resume compares
     digest: Optional[ShardDigest] = None
+    #: the shard's layout digest (:func:`~fedcp_dist.data.shards.layout_digest`; the first rank's,
+    #: streamed from the file once: None on the others)
+    layout: Optional[str] = None
+    #: the run's clients that every evaluation evaluates (``eval_clients``), sorted
+    eval_ids: Optional[np.ndarray] = None
+    #: the largest cohort a round may draw (the rows of the all-reduce that follow the cohort)
+    max_cohort: int = 0
+    #: resident | on_demand (``client_data``) and why
+    data_mode: str = "resident"
+    data_why: str = ""
 
     @property
     def imbalance(self) -> float:
@@ -73,6 +87,25 @@ class Setup:
     @property
     def num_clients(self) -> int:
         return len(self.clients)
+
+    def owned_eval(self, rank: int) -> List[int]:
+        """The evaluated clients ``rank`` owns, in client order."""
+        ids = self.eval_ids if self.eval_ids is not None else np.arange(self.num_clients)
+        return [int(c) for c in ids[self.owner[ids] == rank]]
+
+    def eval_line(self) -> str:
+        """How the start line says which clients are evaluated."""
+        k = len(self.eval_ids) if self.eval_ids is not None else self.num_clients
+        if k >= self.num_clients:
+            return f"evaluation: every client ({self.num_clients})"
+        return f"evaluation: {k} of the {self.num_clients} clients (eval_clients, drawn once from the seed)"
+
+    def data_line(self) -> str:
+        """How the start line says where the clients' data are."""
+        if self.data_mode == "on_demand":
+            return (f"clients' data read from the shard as rounds need them (client_data=on_demand"
+                    f"{', ' + self.data_why if self.data_why else ''})")
+        return f"loaded in {self.load_seconds:.2f} s"
 
     def batch_rows(self, cfg) -> int:
         """Rows of a training batch at most: ``batch_size``, or the run's largest client's training
@@ -175,12 +208,16 @@ def place(cfg, train_counts, world_size: int, group_size: int = 0) -> Tuple[np.n
 
 
 def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) -> Setup:
-    """Read the shard's metadata, place the clients, load this rank's clients onto its device; the
-    first rank hashes the whole shard and checks it (:func:`~fedcp_dist.data.shards.verify.verify_shard`:
-    what was written with it, every label, a table's values), the others check the clients they load.
-    ``group_size(info, clients)``: the size of the run's fused groups (0: not fused)."""
-    info = read_info(cfg.data.path)
+    """Read the shard's metadata and place the clients (their data: :func:`load_data`, once the
+    client store is made); the first rank hashes the whole shard and checks it
+    (:func:`~fedcp_dist.data.shards.verify.verify_shard`: what was written with it, every label, a
+    table's values) and takes its layout digest, the others check the clients they read. Every rank
+    reads the per-client sample counts only, not the per-class ones, so that start-up's memory
+    grows by 16 bytes a client. ``group_size(info, clients)``: the size of the run's fused groups
+    (0: not fused)."""
+    info = read_info(cfg.data.path, label_counts=False)
     digest = verify_shard(info) if rt.is_main else None
+    layout = layout_digest_of(cfg.data.path, info) if rt.is_main else None
     clients = run_clients(cfg, info)
     counts = info.train_counts[clients]
     size = group_size(info, len(clients)) if group_size is not None else 0
@@ -190,14 +227,45 @@ def load(cfg, rt, group_size: Optional[Callable[[ShardInfo, int], int]] = None) 
         steps = placement_weights("steps", counts, cfg.batch_size, cfg.local_epochs, cfg.drop_last)
         groups = form_groups(steps, size)
     owned = [int(c) for c in np.flatnonzero(owner == rt.rank)]
-    t0 = time.perf_counter()
     fault_point("shard")  # the fault tests' hook
-    preflight.check_data(info, [int(info.train_counts[clients[c]] + info.test_counts[clients[c]]) for c in owned],
-                         rt.rank, rt.device)
-    arrays = load_clients(cfg.data.path, [int(clients[c]) for c in owned])
-    data = {c: to_device(c, arrays[int(clients[c])], info.mean, info.std, rt.device) for c in owned}
-    del arrays
-    return Setup(info, clients, owner, owned, data, time.perf_counter() - t0, rule, rank_steps, groups, digest)
+    return Setup(info, clients, owner, owned, None, 0.0, rule, rank_steps, groups, digest, layout,
+                 eval_sample(cfg.seed, len(clients), cfg.eval_clients),
+                 max_cohort_size(len(clients), cfg.participation, cfg.participation_range,
+                                 cfg.participation_sampling))
+
+
+def data_mode(cfg, need: int, states_on_disk: bool, device) -> Tuple[str, str]:
+    """(resident | on_demand, why) for ``client_data``: ``auto`` reads the data on demand where the
+    client states are on disk (a run that keeps its memory off the population) or where this rank's
+    data (``need`` bytes) would take more than a quarter of the memory available."""
+    if cfg.client_data != "auto":
+        return cfg.client_data, ""
+    if states_on_disk:
+        return "on_demand", "auto: client states on disk"
+    free = min(limit for _, limit in preflight.host_free().limits)
+    if torch.device(device).type == "cuda":
+        free = min(free, fused_memory.available_memory(torch.device(device)))
+    if need > free // 4:
+        return "on_demand", f"auto: {preflight.mib(need)} of data against {preflight.mib(free)} available"
+    return "resident", ""
+
+
+def load_data(cfg, rt, s: Setup, states_on_disk: bool) -> None:
+    """This rank's clients' data into ``s.data``: all of them onto its device (``resident``; refused
+    in one line where they cannot fit in the memory free now), or the shard opened for reads of
+    the clients each round needs (``on_demand``); see :func:`data_mode`."""
+    counts = [int(s.info.train_counts[s.clients[c]] + s.info.test_counts[s.clients[c]]) for c in s.owned]
+    s.data_mode, s.data_why = data_mode(cfg, preflight.resident_data_bytes(s.info, counts), states_on_disk, rt.device)
+    t0 = time.perf_counter()
+    if s.data_mode == "on_demand":
+        s.data = OnDemandData(ShardReader(cfg.data.path), s.clients, s.info.mean, s.info.std, rt.device)
+    else:
+        preflight.check_data(s.info, counts, rt.rank, rt.device)
+        arrays = load_clients(cfg.data.path, [int(s.clients[c]) for c in s.owned])
+        s.data = ResidentData({c: to_device(c, arrays.pop(int(s.clients[c])), s.info.mean, s.info.std, rt.device)
+                               for c in s.owned})
+        del arrays
+    s.load_seconds = time.perf_counter() - t0
 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
@@ -248,8 +316,8 @@ def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = ""
                 if d is not None and not d.cached and d.seconds >= 0.5 else "")
     unused = ", ".join(f"{key}={getattr(cfg, key)} ({why})" for key, why in idle)
     return (f"fedcp_dist: {cfg.method} on {setup.num_clients}{of} clients ({setup.info.source}), {rt.describe()}, "
-            f"{len(setup.owned)} clients on rank 0, loaded in {setup.load_seconds:.2f} s{verified}; "
-            f"{setup.placement_line()}; "
+            f"{len(setup.owned)} clients on rank 0, {setup.data_line()}{verified}; "
+            f"{setup.placement_line()}; {setup.eval_line()}; "
             f"training: {path}; {store_line}" + (f"; {note}" if note else "")
             + (f"; keys with no effect in this run: {unused}" if unused else "") + ranks_hint(rt))
 

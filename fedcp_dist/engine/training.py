@@ -41,9 +41,19 @@ class CohortTrainer:
         ``probes.train``), kept and added to the all-reduce. (Sums of the round's training,
         {client: peer payload} for a method that exchanges models.) ``order``: a
         :class:`~fedcp_dist.comm.aggregate.ClientOrder` with a slot per member of the cohort, in its order."""
-        train, bad, payloads = TrainSums(), [], {}
         slot = {int(c): i for i, c in enumerate(cohort)}
-        for cid, res in self._results(t, [int(c) for c in cohort if self.owner[int(c)] == self.rt.rank], probes.train):
+        mine = [int(c) for c in cohort if self.owner[int(c)] == self.rt.rank]
+        if not hasattr(self.data, "hold"):  # a plain {client: data}
+            return self._train(t, mine, slot, probes, order)
+        self.data.hold(mine)  # data read on demand: this round's clients in one read (resident: nothing to do)
+        try:
+            return self._train(t, mine, slot, probes, order)
+        finally:
+            self.data.release()
+
+    def _train(self, t: int, mine: list, slot: dict, probes, order) -> tuple[TrainSums, dict]:
+        train, bad, payloads = TrainSums(), [], {}
+        for cid, res in self._results(t, mine, probes.train):
             if not res.is_finite():
                 bad.append(cid)
                 print(f"rank {self.rt.rank}: round {t + 1}: client {cid} produced a non-finite loss or update "

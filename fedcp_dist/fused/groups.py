@@ -20,7 +20,7 @@ import concurrent.futures
 import functools
 import math
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -242,11 +242,20 @@ class GroupTrainer:
         self.groups = [list(g) for g in groups]
         self.slots: Optional[int] = None
         self.plan: Optional[fused_memory.MemoryPlan] = None
+        # every member's (group, place in it): a round's groups follow its cohort, not the rank's clients
+        self._where: Dict[int, Tuple[int, int]] = {int(c): (i, j) for i, g in enumerate(self.groups)
+                                                   for j, c in enumerate(g)}
 
     def round_groups(self, participants: Sequence[int]) -> List[List[int]]:
-        """This rank's groups restricted to the round's ``participants`` (empty ones left out)."""
-        taking = set(int(c) for c in participants)
-        return [g for g in ([c for c in group if c in taking] for group in self.groups) if g]
+        """This rank's groups restricted to the round's ``participants`` (empty ones left out), each in
+        its group's order; the work follows the participants, not the rank's clients."""
+        hits = sorted((*self._where[c], c) for c in {int(c) for c in participants} if c in self._where)
+        out: List[List[int]] = []
+        for k, (g, _, c) in enumerate(hits):
+            if k == 0 or g != hits[k - 1][0]:
+                out.append([])
+            out[-1].append(c)
+        return out
 
     def results(self, groups: List[List[int]], context: Callable[[int], object]) -> Iterator[tuple]:
         """(client, LocalResult) for every client of ``groups`` (each trained as one fused group),

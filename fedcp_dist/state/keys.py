@@ -10,10 +10,12 @@ from fedcp_dist.options import Component, Option, described, finite, one_of, wit
 
 #: the values of ``client_state``
 CLIENT_STATE_MODES = ("device", "host", "disk", "auto")
+#: the values of ``client_data``
+CLIENT_DATA_MODES = ("auto", "resident", "on_demand")
 
 
 class ClientStates(Component):
-    """Where each client's persistent state lives between rounds."""
+    """Where each client's persistent state and its data live between rounds."""
 
     options = (
         Option("aggregate_bn_stats", False, "BatchNorm running statistics (ResNet-18): false keeps each client's own "
@@ -30,6 +32,11 @@ class ClientStates(Component):
         Option("client_state_dir", "", "client_state=disk (or auto): root directory of the state files (a local "
                "scratch disk); each run keeps its files in a folder of its own under it, named by its out_dir and "
                "locked while it runs; empty: out_dir/client_state"),
+        Option("client_data", "auto", "where a rank keeps its clients' samples: resident (read once at start, kept on "
+               "its device) | on_demand (read from the shard when a round trains or evaluates them, so that a rank's "
+               "memory follows the cohort, not its share of the population) | auto (on_demand where client states "
+               "live on disk or this rank's data would take more than a quarter of the memory available, resident "
+               "otherwise); results are the same bits either way", one_of(*CLIENT_DATA_MODES)),
     )
 
     @classmethod

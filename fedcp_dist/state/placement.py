@@ -23,6 +23,7 @@ STREAM_PROBE = 5  # the probes' own draws (Gumbel noise of the losses before/aft
 STREAM_SUBSET = 6  # the draw of a run's client subset (data.clients)
 STREAM_DP_NOISE = 7  # dp=central: the Gaussian noise on a round's sum of clipped uploads
 STREAM_DP_COUNT = 8  # dp_clip=adaptive: the noise on a round's count of unclipped uploads
+STREAM_EVAL_SAMPLE = 9  # the draw of the clients a run evaluates (eval_clients)
 
 
 def stream_seed(seed: int, *keys: int) -> int:
@@ -44,6 +45,17 @@ def client_subset(clients, seed: int, num_clients: int) -> np.ndarray:
         return np.sort(np.asarray(clients, dtype=np.int64))
     rng = np.random.default_rng(stream_seed(seed, STREAM_SUBSET))
     return np.sort(rng.choice(num_clients, size=int(clients), replace=False)).astype(np.int64)
+
+
+def eval_sample(seed: int, num_clients: int, eval_clients: int) -> np.ndarray:
+    """The run's clients that every evaluation evaluates (``eval_clients``), sorted: all
+    ``num_clients`` when ``eval_clients`` is 0 or not below it, else that many drawn without
+    replacement, once, from a stream of the run seed of its own: the same sample on every rank,
+    every world size and on resume, whatever else the seed drives."""
+    if not eval_clients or eval_clients >= num_clients:
+        return np.arange(num_clients, dtype=np.int64)
+    rng = np.random.default_rng(stream_seed(seed, STREAM_EVAL_SAMPLE))
+    return np.sort(rng.choice(num_clients, size=int(eval_clients), replace=False)).astype(np.int64)
 
 
 def place_clients(train_counts: Sequence[int], world_size: int) -> np.ndarray:
@@ -132,6 +144,17 @@ def imbalance(per_rank: Sequence[int]) -> float:
     loads = np.asarray(per_rank, dtype=np.float64)
     mean = float(loads.mean()) if loads.size else 0.0
     return float(loads.max()) / mean if mean > 0 else 1.0
+
+
+def max_cohort_size(num_clients: int, participation: float,
+                    participation_range: Optional[Sequence[float]] = None, sampling: str = "fixed") -> int:
+    """The largest cohort any round may draw (:func:`sample_cohort`, and feature-difference
+    selection's draw of the same size): ⌊ρN⌋, or with ``participation_range`` [a, b] ⌊bN⌋ (either
+    draw); with ``sampling="poisson"`` every client may join, so N."""
+    if sampling == "poisson":
+        return num_clients
+    rho = float(participation_range[1]) if participation_range is not None else float(participation)
+    return cohort_size(rho, num_clients)
 
 
 def sample_cohort(

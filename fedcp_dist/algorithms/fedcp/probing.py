@@ -78,25 +78,28 @@ class PolicyProbeLayout:
         return PolicyTally()
 
     def records(self, train: torch.Tensor, evals: torch.Tensor, round_idx: Optional[int],
-                evaluated_after: Optional[int]) -> List[dict]:
+                evaluated_after: Optional[int], train_ids: Optional[Sequence[int]] = None,
+                eval_ids: Optional[Sequence[int]] = None) -> List[dict]:
         """The ``analysis.jsonl`` lines of the reduced rows: the evaluation after ``evaluated_after``
-        rounds (None: none), then round ``round_idx``'s training (0-based; None: none), each by client."""
+        rounds (None: none), then round ``round_idx``'s training (0-based; None: none), each by client
+        (row k is client ``train_ids[k]`` / ``eval_ids[k]``; None: client k)."""
         out = []
         if evaluated_after is not None:
             for c in range(evals.shape[0]):
                 flag, m, s_sum = evals[c, :3].tolist()
                 if flag > 0 and m > 0:
-                    out.append({"kind": "eval", "evaluated_after": int(evaluated_after), "client": c,
+                    out.append({"kind": "eval", "evaluated_after": int(evaluated_after),
+                                "client": int(eval_ids[c]) if eval_ids is not None else c,
                                 "samples": int(m), "pir": _share(s_sum / m),
                                 "s_hist": [int(v) for v in evals[c, 3:].tolist()]})
         if round_idx is not None:
             for c in range(train.shape[0]):
                 flag, n, s_sum, bef, aft, n_loss = train[c].tolist()
                 if flag > 0 and n > 0 and n_loss > 0:
-                    out.append({"kind": "train", "round": int(round_idx) + 1, "client": c, "samples": int(n),
+                    out.append({"kind": "train", "round": int(round_idx) + 1,
+                                "client": int(train_ids[c]) if train_ids is not None else c, "samples": int(n),
                                 "pir": _share(s_sum / n), "loss_bef": bef / n_loss, "loss_aft": aft / n_loss})
         return out
-
 
     def scalars(self, lines: Iterable[dict]) -> Iterator[Tuple[str, int, float]]:
         """Per round, the sample-weighted means over the clients probed: ``analysis/pir_train``,

@@ -64,10 +64,10 @@ from fedcp_dist.data.shards.describe import DESCRIBE_ROWS, DESCRIBE_SMALLEST, de
 from fedcp_dist.data.shards.layout import (CHUNK_SAMPLES, FINGERPRINT, FORMAT_VERSION, IMAGE_FORMAT_VERSION, KIND,
                                            KINDS, READABLE_VERSIONS, SPLITS, TABLE_KIND, TEXT_FORMAT_VERSION,
                                            TEXT_KIND, TEXT_SPLITS, WRITE_SAMPLES, Rows, ShardInfo, layout_digest)
-from fedcp_dist.data.shards.read import load_clients, read_info, read_vocab
+from fedcp_dist.data.shards.read import ShardReader, load_clients, read_info, read_vocab
 from fedcp_dist.data.shards.write import write_shard
 
 __all__ = ["CHUNK_SAMPLES", "DESCRIBE_ROWS", "DESCRIBE_SMALLEST", "FINGERPRINT", "FORMAT_VERSION",
            "IMAGE_FORMAT_VERSION", "KIND", "KINDS", "READABLE_VERSIONS", "SPLITS", "TABLE_KIND",
-           "TEXT_FORMAT_VERSION", "TEXT_KIND", "TEXT_SPLITS", "WRITE_SAMPLES", "Rows", "ShardInfo",
+           "TEXT_FORMAT_VERSION", "TEXT_KIND", "TEXT_SPLITS", "WRITE_SAMPLES", "Rows", "ShardInfo", "ShardReader",
            "describe_lines", "layout_digest", "load_clients", "read_info", "read_vocab", "write_shard"]

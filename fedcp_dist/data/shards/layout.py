@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -59,8 +60,9 @@ class ShardInfo:
     seed: int
     train_counts: np.ndarray
     test_counts: np.ndarray
-    train_label_counts: np.ndarray
-    test_label_counts: np.ndarray
+    #: (N, num_classes) per split; None when read without them (``read_info(label_counts=False)``)
+    train_label_counts: Optional[np.ndarray]
+    test_label_counts: Optional[np.ndarray]
     #: number of token ids of a text shard (its vocabulary's length); 0 for images
     vocab_size: int = 0
     #: the content fingerprint written with the shard ("sha256:..."); "" for a shard written before
@@ -113,14 +115,23 @@ def training_attributes(kind: str, num_classes: int, input_shape, mean, std, voc
             "columns": None if columns is None else [str(c) for c in columns]}
 
 
-def layout_digest(info: "ShardInfo") -> str:
-    """A digest of a shard's attributes that shape training and its per-client counts (cheap: no
-    sample is read). Stands in for :attr:`ShardInfo.fingerprint` on shards written without one."""
+def layout_hash(info: "ShardInfo"):
+    """The SHA-256 of :func:`layout_digest` fed its attributes and per-client sample counts (the
+    per-class counts follow, train's then test's, row by row)."""
     h = hashlib.sha256()
     meta = {"kind": info.kind, "num_classes": info.num_classes, "num_clients": info.num_clients,
             "input_shape": list(info.input_shape), "mean": list(info.mean), "std": list(info.std),
             "vocab_size": info.vocab_size}
     h.update(json.dumps(meta, sort_keys=True).encode())
-    for key in ("train_counts", "test_counts", "train_label_counts", "test_label_counts"):
+    for key in ("train_counts", "test_counts"):
+        h.update(np.ascontiguousarray(getattr(info, key), dtype=np.int64).tobytes())
+    return h
+
+
+def layout_digest(info: "ShardInfo") -> str:
+    """A digest of a shard's attributes that shape training and its per-client counts (cheap: no
+    sample is read). Stands in for :attr:`ShardInfo.fingerprint` on shards written without one."""
+    h = layout_hash(info)
+    for key in ("train_label_counts", "test_label_counts"):
         h.update(np.ascontiguousarray(getattr(info, key), dtype=np.int64).tobytes())
     return f"sha256:{h.hexdigest()}"

@@ -13,7 +13,7 @@ import numpy as np
 from fedcp_dist.data.shards.layout import (_COUNT_ATTRS, _REQUIRED_ATTRS, ARRAY_DIGESTS, FINGERPRINT, FORMAT_VERSION,
                                            IMAGE_FORMAT_VERSION, KIND, KINDS, READABLE_VERSIONS, SPLITS,
                                            TABLE_KIND, TEXT_FORMAT_VERSION, TEXT_KIND, TEXT_SPLITS,
-                                           WRITE_SAMPLES, ShardInfo)
+                                           WRITE_SAMPLES, ShardInfo, layout_digest, layout_hash)
 from fedcp_dist.data.shards.verify import finite_rows, labels_in_range
 from fedcp_dist.errors import UserError
 
@@ -131,8 +131,21 @@ def check_dtype(path, kind: str, name: str, dtype, client: Optional[int] = None,
                         f"are integers")
 
 
-def _split_counts(f: h5py.File, path, num_clients: int, num_classes: int, kind: str) -> dict:
-    """The per-client counts of a version-3 shard (ShardInfo's fields), checked together."""
+def _label_dataset(f: h5py.File, path, key: str, num_clients: int, num_classes: int) -> h5py.Dataset:
+    """The checked dataset ``{split}_label_counts``: (N, num_classes)."""
+    if key not in f or not isinstance(f[key], h5py.Dataset):
+        raise UserError(f"shard file {path} lacks the dataset '{key}'")
+    if f[key].shape != (num_clients, num_classes):
+        raise UserError(f"shard file {path}: dataset '{key}' has shape {f[key].shape}, "
+                        f"expected ({num_clients}, {num_classes})")
+    return f[key]
+
+
+def _split_counts(f: h5py.File, path, num_clients: int, num_classes: int, kind: str,
+                  label_counts: bool = True) -> dict:
+    """The per-client counts of a version-3 shard (ShardInfo's fields), checked together;
+    without ``label_counts`` the per-class counts are checked for their shape only and not read
+    (ShardInfo's label counts are then None)."""
     names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
     out = {}
     for split in ("train", "test"):
@@ -141,22 +154,50 @@ def _split_counts(f: h5py.File, path, num_clients: int, num_classes: int, kind: 
             if name.startswith(split):
                 check_ds_dtype(path, kind, name, f[name])
         key = f"{split}_label_counts"
-        if key not in f or not isinstance(f[key], h5py.Dataset):
-            raise UserError(f"shard file {path} lacks the dataset '{key}'")
-        labels = np.asarray(f[key][()], dtype=np.int64)
-        if labels.shape != (num_clients, num_classes):
-            raise UserError(f"shard file {path}: dataset '{key}' has shape {labels.shape}, "
-                            f"expected ({num_clients}, {num_classes})")
-        if not np.array_equal(labels.sum(axis=1), counts):
-            raise UserError(f"shard file {path}: dataset '{key}' does not add up to the client "
-                            f"sizes of '{split}_offsets' (corrupt file?)")
+        ds = _label_dataset(f, path, key, num_clients, num_classes)
+        labels = None
+        if label_counts:
+            labels = np.asarray(ds[()], dtype=np.int64)
+            if not np.array_equal(labels.sum(axis=1), counts):
+                raise UserError(f"shard file {path}: dataset '{key}' does not add up to the client "
+                                f"sizes of '{split}_offsets' (corrupt file?)")
         out[f"{split}_counts"], out[key] = counts, labels
     return out
 
 
-def read_info(path) -> ShardInfo:
+#: rows of the per-class counts read at a time by :func:`layout_digest_of`
+LABEL_BLOCK = 1 << 16
+
+
+def layout_digest_of(path, info: ShardInfo) -> str:
+    """:func:`~fedcp_dist.data.shards.layout_digest` of the shard at ``path`` whose ``info`` was read
+    without its per-class counts: those are read a block of :data:`LABEL_BLOCK` clients at a time
+    (the same digest, in memory that does not grow with the population)."""
+    if info.train_label_counts is not None or info.format_version < FORMAT_VERSION:
+        return layout_digest(info)
+    h = layout_hash(info)
+    f = _open(path)
+    try:
+        with f:
+            for split in ("train", "test"):
+                ds = _label_dataset(f, path, f"{split}_label_counts", info.num_clients, info.num_classes)
+                counts = getattr(info, f"{split}_counts")
+                for start in range(0, info.num_clients, LABEL_BLOCK):
+                    block = np.asarray(ds[start:start + LABEL_BLOCK], dtype=np.int64)
+                    if not np.array_equal(block.sum(axis=1), counts[start:start + LABEL_BLOCK]):
+                        raise UserError(f"shard file {path}: dataset '{split}_label_counts' does not add up to the "
+                                        f"client sizes of '{split}_offsets' (corrupt file?)")
+                    h.update(np.ascontiguousarray(block).tobytes())
+    except (OSError, RuntimeError, KeyError) as exc:
+        raise UserError(f"shard file {path} could not be read (truncated or corrupt?): "
+                        f"{' '.join(str(exc).split())}") from None
+    return f"sha256:{h.hexdigest()}"
+
+
+def read_info(path, label_counts: bool = True) -> ShardInfo:
     """Read and check the attributes (and, from version 3 on, the per-client counts) of the
-    shard at ``path``."""
+    shard at ``path``. ``label_counts=False`` (version 3): the per-class counts, (N, classes) for
+    each split, are not read (ShardInfo's are None; :func:`layout_digest_of` streams them)."""
     f = _open(path)
     try:
         with f:
@@ -192,7 +233,7 @@ def read_info(path) -> ShardInfo:
                 raise UserError(f"shard file {path}: attribute '{ARRAY_DIGESTS}' is not a JSON object")
             n, c = int(attrs["num_clients"]), int(attrs["num_classes"])
             if version >= FORMAT_VERSION:
-                counts = _split_counts(f, path, n, c, kind)
+                counts = _split_counts(f, path, n, c, kind, label_counts)
             else:
                 counts = {key: np.asarray(attrs[key], dtype=np.int64) for key in _COUNT_ATTRS}
                 for key in ("train_counts", "test_counts"):
@@ -223,7 +264,7 @@ def read_info(path) -> ShardInfo:
             raise UserError(f"shard file {path}: attribute '{key}' has shape "
                             f"{getattr(info, key).shape}, expected ({n},)")
     for key in ("train_label_counts", "test_label_counts"):
-        if getattr(info, key).shape != (n, c):
+        if getattr(info, key) is not None and getattr(info, key).shape != (n, c):
             raise UserError(f"shard file {path}: attribute '{key}' has shape "
                             f"{getattr(info, key).shape}, expected ({n}, {c})")
     if kind == TEXT_KIND:
@@ -321,15 +362,16 @@ def _gather_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
 
 
 def _load_split_rows(f: h5py.File, path, ids: list[int], names, num_clients: int, kind: str,
-                     num_classes: Optional[int]) -> dict:
+                     num_classes: Optional[int], offsets: Optional[dict] = None) -> dict:
     """Version 3: each client's rows of every dataset in ``names`` (views of one array each), each
-    array's dtype, labels and a table's values checked once for all of them."""
+    array's dtype, labels and a table's values checked once for all of them. ``offsets``: each
+    split's checked offsets, read before (None: read here)."""
     order = np.unique(np.asarray(ids, dtype=np.int64))
     out: dict[int, dict[str, np.ndarray]] = {int(c): {} for c in order}
     for split in ("train", "test"):
-        offsets = _offsets(f, path, split, num_clients, names)
-        lengths = offsets[order + 1] - offsets[order]
-        rows = _row_ranges(offsets[order], lengths)
+        split_offsets = offsets[split] if offsets is not None else _offsets(f, path, split, num_clients, names)
+        lengths = split_offsets[order + 1] - split_offsets[order]
+        rows = _row_ranges(split_offsets[order], lengths)
         bounds = np.concatenate(([0], np.cumsum(lengths)))
         for name in names:
             if name.startswith(split):
@@ -363,48 +405,93 @@ def _load_groups(f: h5py.File, path, ids: list[int], names, num_clients: int) ->
     return out
 
 
-def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
-    """Read the arrays of the given clients, opening the file once.
+class ShardReader:
+    """A shard opened once for reads of some clients at a time (:meth:`read`): what a run that reads
+    each round's clients from the shard keeps open (``client_data: on_demand``). The attributes and
+    (version 3) each split's offsets are read and checked when it opens; a read then costs the rows
+    of the clients asked for, not the population's. :func:`load_clients` is one read of one."""
 
-    Returns ``{client_id: {"train_x", "train_y", "test_x", "test_y"}}``; text shards add
-    ``"train_len"`` and ``"test_len"``.  Memory: the clients' arrays plus one block of rows.
-    """
-    f = _open(path)
-    try:
-        with f:
-            version = _check_version(f, path)
-            num_clients = int(f.attrs.get("num_clients", -1))
-            kind = _as_str(f.attrs.get("kind", KIND))
-            _check_kind(path, kind, version)
-            names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
-            num_classes = int(f.attrs["num_classes"]) if "num_classes" in f.attrs else None
-            if kind == TEXT_KIND:
-                for key in ("vocab_size", "input_shape"):
-                    if key not in f.attrs:
-                        raise UserError(f"shard file {path} lacks the attribute '{key}'")
-                vocab_size = int(f.attrs["vocab_size"])
-                max_len = int(np.atleast_1d(f.attrs["input_shape"])[0])
-            ids = [int(cid) for cid in client_ids]
-            if version >= FORMAT_VERSION:
-                if "num_clients" not in f.attrs:
-                    raise UserError(f"shard file {path} lacks the attribute 'num_clients'")
+    def __init__(self, path):
+        self.path = path
+        self._f = _open(path)
+        try:
+            self._setup()
+        except (OSError, RuntimeError, KeyError) as exc:
+            self.close()
+            raise UserError(f"shard file {path}: could not read client data (corrupt file?): "
+                            f"{' '.join(str(exc).split())}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        f, path = self._f, self.path
+        self.version = _check_version(f, path)
+        self.num_clients = int(f.attrs.get("num_clients", -1))
+        self.kind = kind = _as_str(f.attrs.get("kind", KIND))
+        _check_kind(path, kind, self.version)
+        self.names = TEXT_SPLITS if kind == TEXT_KIND else SPLITS
+        self.num_classes = int(f.attrs["num_classes"]) if "num_classes" in f.attrs else None
+        if kind == TEXT_KIND:
+            for key in ("vocab_size", "input_shape"):
+                if key not in f.attrs:
+                    raise UserError(f"shard file {path} lacks the attribute '{key}'")
+            self.vocab_size = int(f.attrs["vocab_size"])
+            self.max_len = int(np.atleast_1d(f.attrs["input_shape"])[0])
+        self.offsets = None
+        if self.version >= FORMAT_VERSION:
+            if "num_clients" not in f.attrs:
+                raise UserError(f"shard file {path} lacks the attribute 'num_clients'")
+            self.offsets = {split: _offsets(f, path, split, self.num_clients, self.names) for split in ("train", "test")}
+
+    def read(self, client_ids) -> dict[int, dict[str, np.ndarray]]:
+        """``{client_id: {"train_x", "train_y", "test_x", "test_y"}}`` (text adds ``"train_len"``,
+        ``"test_len"``), each client's arrays checked. Memory: their arrays plus one block of rows."""
+        path, kind = self.path, self.kind
+        ids = [int(cid) for cid in client_ids]
+        try:
+            if self.offsets is not None:
                 for cid in ids:
-                    if not 0 <= cid < num_clients:
+                    if not 0 <= cid < self.num_clients:
                         raise UserError(f"shard file {path} has no client {cid} "
-                                        f"(it holds {num_clients} clients)")
-                out = _load_split_rows(f, path, ids, names, num_clients, kind, num_classes)
+                                        f"(it holds {self.num_clients} clients)")
+                out = _load_split_rows(self._f, path, ids, self.names, self.num_clients, kind, self.num_classes,
+                                       self.offsets)
             else:
-                out = _load_groups(f, path, ids, names, num_clients)
+                out = _load_groups(self._f, path, ids, self.names, self.num_clients)
                 for cid, arrays in out.items():
-                    _check_client_values(path, kind, cid, arrays, num_classes)
+                    _check_client_values(path, kind, cid, arrays, self.num_classes)
             for cid, arrays in out.items():
                 if len(arrays["train_x"]) != len(arrays["train_y"]) or \
                         len(arrays["test_x"]) != len(arrays["test_y"]):
                     raise UserError(f"shard file {path}: client {cid} has samples and labels "
                                     f"of different lengths")
                 if kind == TEXT_KIND:
-                    _check_text_arrays(path, cid, arrays, max_len, vocab_size)
-    except (OSError, RuntimeError, KeyError) as exc:
-        raise UserError(f"shard file {path}: could not read client data (corrupt file?): "
-                        f"{' '.join(str(exc).split())}") from None
-    return out
+                    _check_text_arrays(path, cid, arrays, self.max_len, self.vocab_size)
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise UserError(f"shard file {path}: could not read client data (corrupt file?): "
+                            f"{' '.join(str(exc).split())}") from None
+        return out
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+            finally:
+                self._f = None
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_clients(path, client_ids) -> dict[int, dict[str, np.ndarray]]:
+    """Read the arrays of the given clients, opening the file once.
+
+    Returns ``{client_id: {"train_x", "train_y", "test_x", "test_y"}}``; text shards add
+    ``"train_len"`` and ``"test_len"``.  Memory: the clients' arrays plus one block of rows.
+    """
+    with ShardReader(path) as reader:
+        return reader.read(client_ids)
