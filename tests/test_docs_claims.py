@@ -290,6 +290,31 @@ def test_the_reproduction_page_sets_the_published_table_beside_measured_figures(
         assert figure in measured, figure
 
 
+def test_every_transcribed_table_is_whole_and_agrees_with_the_methods_page():
+    page = (DOCS / "reproduction.md").read_text(encoding="utf-8")
+    cell = re.compile(r"\d+\.\d\d ± \d+\.\d\d|—|diverged")
+    tables = {h: _table(page, h) for h in ("| method | pathological CIFAR-100, paper |", "| method | TINY (4-layer CNN), paper |",
+                                           "| method | N = 10 |", "| method | N = 10 of 50 |", "| method | E = 5 |",
+                                           "| method | ρ = 1 |")}
+    for header, rows in tables.items():
+        assert [r[0] for r in rows][-1] == "FedCP" and len(rows) in (10, 12), header
+        assert all(cell.fullmatch(c) for r in rows for c in r[1:]), header
+    cifar100 = {r[0]: r[1:] for r in tables["| method | pathological CIFAR-100, paper |"]}
+    tiny = {r[0]: r[1:] for r in tables["| method | TINY (4-layer CNN), paper |"]}
+    scale = {r[0]: r[1:] for r in tables["| method | N = 10 |"]}
+    subset = {r[0]: r[1:] for r in tables["| method | N = 10 of 50 |"]}
+    # the figures the Methods page quotes from the same slide
+    methods = " ".join((DOCS / "methods.md").read_text(encoding="utf-8").split())
+    assert "CIFAR-100 Dir(0.1) the paper reports FedCP 59.56 % against Ditto 52.87 %" in methods
+    assert cifar100["FedCP"][1].startswith("59.56") and cifar100["Ditto"][1].startswith("52.87")
+    assert "44.18 % against FedRep's 39.95 %" in methods
+    assert tiny["FedCP"][1].startswith("44.18") and tiny["FedRep"][1].startswith("39.95")
+    assert "**96.78 ± 0.09** for FedCP" in methods and "FedAvg 79.57, FedRep 96.28, Ditto 95.45" in methods
+    assert tiny["FedCP"][2] == "96.78 ± 0.09" and [tiny[m][2][:5] for m in ("FedAvg", "FedRep", "Ditto")] == ["79.57", "96.28", "95.45"]
+    # the subset table's N = 50 column is the scalability table's, as the page says
+    assert all(subset[m][2] == scale[m][2] for m in subset)
+
+
 def test_the_results_summary_repeats_the_detailed_tables():
     results = (DOCS / "results.md").read_text(encoding="utf-8")
     glance = _table(results, "| setting | method | paper")
