@@ -128,6 +128,8 @@ def plot_curves(table: Table, path: Path) -> bool:
             ax.indicate_inset_zoom(inset, edgecolor="0.5")
         if many:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        elif band is not None:  # left of the inset, below the plateau, right of the curves' first rise
+            ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.15, 0.08))
         else:
             ax.legend(fontsize=8)
         if len(settings) == 1 and table.keys:
