@@ -294,13 +294,14 @@ def plot_selection(table: Table, path: Path) -> bool:
         size = sizes.get(panel)
         order = sorted(range(n), key=lambda i: (size[i], i)) if size else list(range(n))
         width = 0.8 / len(series)
+        over = ", mean over seeds" if any(len(runs) > 1 for runs in series.values()) else ""
         for j, (label, runs) in enumerate(sorted(series.items())):
             mean = [sum(c[i] for c in runs) / len(runs) for i in order]
             seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
             ax.bar([x - 0.4 + width * (j + 0.5) for x in range(n)], mean, width, label=label + seeds, color=f"C{j}")
         ax.set_xticks(range(n), [f"{i}\n{size[i]}" if size else str(i) for i in order], fontsize=7)
-        ax.set_ylabel("rounds trained")
-        ax.set_title((panel + ": " if panel else "") + "rounds each client trained in"
+        ax.set_ylabel("rounds trained" + over)
+        ax.set_title((panel + ": " if panel else "") + "rounds each client trained in" + over
                      + (" (x: client, its training samples; ordered by size)" if size else " (x: client)"), fontsize=9)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
