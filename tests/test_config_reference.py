@@ -35,3 +35,39 @@ def test_check_mode_reports_a_stale_page(tmp_path, capsys):
     out.write_text(out.read_text() + "hand edit\n")
     assert config_reference.main(["--check", "--out", str(out)]) == 1
     assert "stale" in capsys.readouterr().err
+
+
+def _validate(values: dict):
+    from fedcp_dist.config import load_config, unflatten
+    return load_config(values=unflatten(dict(values)), validate=False).validate(data_file=False)
+
+
+def test_every_stated_rule_is_the_one_validation_enforces():
+    import pytest
+    from fedcp_dist.errors import UserError
+    keys = set(config_reference.keys())
+    assert config_reference.RULES, "the page states no rule"
+    for rule in config_reference.RULES:
+        assert rule.key in keys, rule.key
+        with pytest.raises(UserError) as err:  # the config that breaks the rule is refused ...
+            _validate(rule.refused)
+        assert rule.key in str(err.value), (rule.key, str(err.value))
+        _validate(rule.accepted)  # ... and the one made to keep it starts
+    # every rule and reference default is on the page, on its key's row
+    page = config_reference.render().splitlines()
+    for key, text in [(r.key, "**Rule:**") for r in config_reference.RULES] + \
+                     [(k, "**Reference library:**") for k in config_reference.REFERENCE]:
+        row = [line for line in page if line.startswith(f"| `{key}` |")]
+        assert len(row) == 1 and text in row[0], key
+
+
+def test_keys_link_the_methods_they_act_on():
+    import re
+    page = config_reference.render()
+    methods = (REPO / "docs" / "methods.md").read_text(encoding="utf-8")
+    assert "acts on [FedCP](methods.md#" in page and "acts on [FedRep](" in page
+    # every anchor a row links exists on the Methods page (mkdocs --strict checks it too)
+    anchors = set(re.findall(r"\(methods\.md#([a-z0-9_-]+)\)", page))
+    headings = {re.sub(r"[^\w\s-]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", methods, flags=re.M)}
+    assert anchors and anchors <= headings, anchors - headings

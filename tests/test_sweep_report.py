@@ -534,3 +534,56 @@ def test_metrics_read_from_the_records_rounds_to_acc_after_and_pir(tmp_path, cap
     # P outside (0, 100] is no metric: the error lists what is
     msg = cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", "rounds_to_101"])
     assert "'rounds_to_101'" in msg and "rounds_to_P" in msg
+
+
+def test_the_curves_plot_ticks_the_evaluated_rounds_says_its_seeds_and_zooms_where_curves_meet(tmp_path, monkeypatch):
+    """Evaluations every 2 rounds get ticks at 0, 2, 4 (not a locator's own spacing); one run a
+    method is titled as one seed, two as a mean over 2 seeds; curves that end within a fifth of the
+    plot's range of each other get an inset on the last half of the rounds, zoomed to them."""
+    from fedcp_dist.cli import report_plots
+
+    drawn = []
+    monkeypatch.setattr(report_plots, "_save", lambda fig, path: drawn.append(fig))
+    for m, best in (("fedcp", 0.95), ("fedper", 0.96)):
+        fake_run(tmp_path / "one" / m, m, 1, 0.1, best)
+    col = report.collect(tmp_path / "one")
+    assert report_plots.plot_curves(report.build_table(col, report.setting_keys(col, None), "best_acc"), tmp_path / "a.png")
+    fig = drawn[-1]
+    main = fig.axes[0]
+    (inset,) = main.child_axes
+    assert list(main.get_xticks()) == [0, 2, 4]
+    assert fig._suptitle.get_text() == "accuracy against rounds (one seed a curve)"
+    # the inset shows rounds 2 and 4 (the last half of 4) of both curves, its y axis around 90-96 %
+    assert [list(ln.get_xdata()) for ln in inset.get_lines()] == [[2, 4], [2, 4]]
+    lo, hi = inset.get_ylim()
+    assert 89.0 < lo < 90.0 and 96.0 < hi < 97.0  # 90 ... 96 % with a margin, against 10 ... 96 % on the main axis
+    # two seeds a method: a mean over 2 seeds; curves far apart at the end: no inset
+    for seed, best in ((1, 0.95), (2, 0.93)):
+        fake_run(tmp_path / "two" / f"a{seed}", "fedcp", seed, 0.1, best)
+    fake_run(tmp_path / "two" / "b", "fedavg", 1, 0.1, 0.3)
+    col = report.collect(tmp_path / "two")
+    report_plots.plot_curves(report.build_table(col, report.setting_keys(col, None), "best_acc"), tmp_path / "b.png")
+    fig = drawn[-1]
+    assert len(fig.axes) == 1 and not fig.axes[0].child_axes
+    assert fig._suptitle.get_text() == "accuracy against rounds (mean ± 1 std over 1–2 seeds a curve)"
+    assert report_plots.seeds_title({3}) == "accuracy against rounds (mean ± 1 std over 3 seeds)"
+
+
+def test_round_ticks_follow_the_evaluation_spacing():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedcp_dist.cli import report_plots
+
+    fig, ax = plt.subplots()
+    report_plots.round_ticks(ax, list(range(0, 51, 5)))  # 11 evaluations: one tick each
+    assert list(ax.get_xticks()) == list(range(0, 51, 5))
+    ax.set_xlim(0, 150)
+    report_plots.round_ticks(ax, list(range(0, 151)))  # every round to 150: every 20 (10 would make 15 ticks)
+    assert [t for t in ax.get_xticks() if 0 <= t <= 150] == [0, 20, 40, 60, 80, 100, 120, 140]
+    ax.set_xlim(0, 200)
+    report_plots.round_ticks(ax, list(range(0, 201, 5)))  # every 5 rounds to 200: every 25, a multiple of 5
+    assert [t for t in ax.get_xticks() if 0 <= t <= 200] == list(range(0, 201, 25))
+    plt.close(fig)

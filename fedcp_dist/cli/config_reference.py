@@ -7,7 +7,10 @@ to its code.
 
 The page lists every key the engine accepts, in the order a config file lists them (the order
 ``fedcp-run --print-config`` prints), one table per component: the key, its default, what it accepts
-and its help text. A preset is the digits run's shared settings (:data:`DIGITS`) and the method's own
+and its help text, with the methods the component acts on (linked to their section of the Methods
+page), the rules that tie a key to another (:data:`RULES`: each is checked against the config's own
+validation by ``tests/test_config_reference.py``) and the reference library's default where it
+differs (:data:`REFERENCE`). A preset is the digits run's shared settings (:data:`DIGITS`) and the method's own
 options at their declared defaults, but where the method's ``digits_preset`` says otherwise (and
 why). Nothing in them is written by hand: a test fails when they differ from what this module renders.
 """
@@ -16,11 +19,12 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from fedcp_dist.algorithms import ALGORITHMS
+from fedcp_dist.algorithms import ALGORITHMS, methods_using, option_classes
 from fedcp_dist.config import components
 from fedcp_dist.errors import ArgumentParser, cli_main
 from fedcp_dist.fileio import atomic_write_bytes
@@ -55,7 +59,155 @@ config files and `key=value` overrides are read with takes `1e-3` for text, and 
 that text as the number it spells); *an integer* is any value `int()` reads (`1000`, `1_000`) or a
 number with a whole value (`1e3`, `1000.0`); a list's items are read the same way. `inf` and `nan`
 are refused for every key.
+
+Under each component, *acts on* names the methods whose runs its keys change (another method's
+keys are accepted, have no effect and are named in the run's start line). In the last column,
+**Rule** is a condition that ties the key to another (a config that breaks it is refused before
+start-up, naming the key), and **Reference library** is the command-line default of the FedCP
+authors' library (PFLlib, `system/main.py` at commit d832e76) where it differs from the default
+here; the paper's runs may have set other values per run.
 """
+
+
+#: the section of the Methods page each method's component is described in (a component without an
+#: entry links the page itself)
+SECTIONS = {
+    "MMD": "methods.md#fedcp-extensions-the-policy-and-its-training",
+    "Entropy": "methods.md#fedcp-extensions-the-policy-and-its-training",
+    "Distillation": "methods.md#fedcp-extensions-the-policy-and-its-training",
+    "Policy": "methods.md#fedcp-as-implemented",
+    "ClientVector": "methods.md#client-vector-extension-cpn_client_vector",
+    "Schedules": "methods.md#fedcp-extensions-the-policy-and-its-training",
+    "PolicySync": "methods.md#fedcp-extensions-the-policy-and-its-training",
+    "FedCP": "methods.md#baselines-ablations-and-cpn-variants",
+    "PeerBankMethod": "methods.md#methods-that-use-other-clients-models-fedamp-fedfomo",
+    "CompressionOptions": "methods.md#compression",
+    "SelectionOptions": "methods.md#feature-difference-selection",
+    "ModelChoice": "methods.md#models",
+}
+#: the baselines' own components link the baselines' table
+BASELINES = "methods.md#baselines-ablations-and-cpn-variants"
+#: ``<method>_reference_compat`` keys link the table of the reference library's variants
+COMPAT = "methods.md#the-reference-librarys-variants-method_reference_compat"
+#: how the Methods page spells each method
+NAMES = {"fedcp": "FedCP", "fedavg": "FedAvg", "fedprox": "FedProx", "perfedavg": "Per-FedAvg", "pfedme": "pFedMe",
+         "fedamp": "FedAMP", "ditto": "Ditto", "fedper": "FedPer", "fedrep": "FedRep", "fedrod": "FedRoD",
+         "fedfomo": "FedFomo", "fedphp": "FedPHP"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A condition that ties ``key`` to another key. ``refused`` is a config (over the defaults) that
+    breaks it, ``accepted`` the same config made to keep it; the test checks that the config's own
+    validation refuses the first naming ``key`` and accepts the second."""
+
+    key: str
+    text: str
+    refused: dict = field(default_factory=dict)
+    accepted: dict = field(default_factory=dict)
+
+
+_SKIPS = "policy_refresh_every > 1, cpn_upload_every > 1 and cpn_async_min_rate > 0"
+RULES = (
+    Rule("participation_draw", "`count` needs `participation_range`", {"participation_draw": "count"},
+         {"participation_draw": "count", "participation_range": [0.5, 1.0]}),
+    Rule("client_state_dir", "only with `client_state: disk` or `auto`", {"client_state_dir": "states"},
+         {"client_state_dir": "states", "client_state": "disk"}),
+    Rule("client_state_budget_mb", "only with `client_state: auto`", {"client_state_budget_mb": 100.0},
+         {"client_state_budget_mb": 100.0, "client_state": "auto"}),
+    Rule("analysis", "needs FedCP with its CPN (the probes measure the policy): `method: fedcp`, `fedcp_cpn: true`",
+         {"method": "fedavg", "analysis": True}, {"analysis": True}),
+    Rule("analysis_every", "needs FedCP with its CPN, as `analysis`", {"method": "fedavg", "analysis_every": 5},
+         {"analysis_every": 5}),
+    Rule("mmd_sigma", "a number only with `mmd_kernel: rbf`", {"mmd_sigma": 1.0},
+         {"mmd_sigma": 1.0, "mmd_kernel": "rbf"}),
+    Rule("mmd_bandwidths", "only with `mmd_kernel: multi`", {"mmd_kernel": "rbf", "mmd_bandwidths": [10.0]},
+         {"mmd_bandwidths": [10.0]}),
+    Rule("mmd_kernel", "at its default with `fedcp_gfm: false` (no MMD term), as `mmd_sigma` and `mmd_bandwidths`",
+         {"fedcp_gfm": False, "mmd_kernel": "rbf"}, {"mmd_kernel": "rbf"}),
+    Rule("cpn_hidden", "> 0 needs `cpn_layers: 1`", {"cpn_hidden": 64, "cpn_layers": 2}, {"cpn_hidden": 64}),
+    Rule("cpn_client_vector", "other than `head`: needs `cpn_input: both` and `fedcp_cpn: true`, and "
+         "`fused: auto` or `false` (it trains one client at a time)",
+         {"cpn_client_vector": "head+stats", "cpn_input": "sample"}, {"cpn_client_vector": "head+stats"}),
+    Rule("cpn_embed_dim", "needs `cpn_client_vector: head+embed`", {"cpn_embed_dim": 4},
+         {"cpn_embed_dim": 4, "cpn_client_vector": "head+embed"}),
+    Rule("fedcp_global_head", "`false` needs `fedcp_cpn: false`", {"fedcp_global_head": False},
+         {"fedcp_global_head": False, "fedcp_cpn": False}),
+    Rule("fedcp_cpn", "`false`: the keys that act on the CPN (`tau`, the `cpn_*` design, schedule and "
+         "synchronisation keys, `policy_entropy`, `cpn_distill`) stay at their defaults and the probes are off",
+         {"fedcp_cpn": False, "tau": 0.5}, {"fedcp_cpn": False}),
+    Rule("cpn_lr_min", "needs `cpn_lr_schedule: cosine`, and at most the CPN's rate (`cpn_lr`, else `lr`)",
+         {"cpn_lr_min": 0.001}, {"cpn_lr_min": 0.001, "cpn_lr_schedule": "cosine"}),
+    Rule("tau_anneal", "`linear` needs `tau_final`", {"tau_anneal": "linear"},
+         {"tau_anneal": "linear", "tau_final": 0.1}),
+    Rule("cpn_warmup_rounds", "less than `rounds`", {"cpn_warmup_rounds": 5, "rounds": 5},
+         {"cpn_warmup_rounds": 4, "rounds": 5}),
+    Rule("policy_refresh_every", "> 1: not with `cpn_warmup_rounds`, `cpn_upload_every` > 1, "
+         "`cpn_async_min_rate` > 0, `cpn_distill` or `compress: topk`",
+         {"policy_refresh_every": 2, "cpn_warmup_rounds": 1}, {"policy_refresh_every": 2}),
+    Rule("cpn_upload_every", "> 1: not with `policy_refresh_every` > 1, `cpn_async_min_rate` > 0 or `compress: topk`",
+         {"cpn_upload_every": 2, "compress": "topk"}, {"cpn_upload_every": 2}),
+    Rule("cpn_async_min_rate", "> 0: not with `policy_refresh_every` > 1, `cpn_upload_every` > 1 or `compress: topk`",
+         {"cpn_async_min_rate": 0.5, "cpn_upload_every": 2}, {"cpn_async_min_rate": 0.5}),
+    Rule("cpn_distill", "> 0: not with `policy_refresh_every` > 1", {"cpn_distill": 0.1, "policy_refresh_every": 2},
+         {"cpn_distill": 0.1}),
+    Rule("compress", "`topk`: not with FedAMP or FedFomo (their models travel in the peer exchange), nor with "
+         + _SKIPS.replace(" and ", " or "), {"method": "fedamp", "compress": "topk"}, {"compress": "topk"}),
+    Rule("compress_ratio", "needs `compress: topk`", {"compress_ratio": 0.1}, {"compress_ratio": 0.1, "compress": "topk"}),
+    Rule("compress_bits", "needs `compress: topk`", {"compress_bits": 8}, {"compress_bits": 8, "compress": "topk"}),
+    Rule("compress_error_feedback", "needs `compress: topk`", {"compress_error_feedback": True},
+         {"compress_error_feedback": True, "compress": "topk"}),
+    Rule("client_selection", "`feature_difference` needs a method that keeps a client vector (FedCP)",
+         {"method": "fedavg", "client_selection": "feature_difference"}, {"client_selection": "feature_difference"}),
+    Rule("selection_min_prob", "needs `client_selection: feature_difference`", {"selection_min_prob": 0.1},
+         {"selection_min_prob": 0.1, "client_selection": "feature_difference"}),
+    Rule("selection_vector", "needs `client_selection: feature_difference`", {"selection_vector": "features"},
+         {"selection_vector": "features", "client_selection": "feature_difference"}),
+)
+
+#: {key: the reference library's command-line default where it differs from the default here}
+#: (PFLlib ``system/main.py`` and the clients it configures, at commit d832e76)
+REFERENCE = {
+    "rounds": "2000 (`-gr`)",
+    "lam": "1.0 (`-lam`); the paper sets 5 for the 4-layer CNN, 1 for ResNet-18 and fastText",
+    "cpn_eval_gumbel": "evaluates with Gumbel noise, as `true`",
+    "fasttext_dim": "512 (`-fd`, its `feature_dim` today); 32 in the authors' FedCP repository",
+    "prox_mu": "0.0 (`-mu`)",
+    "perfedavg_beta": "the outer step is `lr` (0.005) and local training runs twice a round: "
+                      "`perfedavg_reference_compat: true`",
+    "pfedme_lam": "1.0 (`-lam`)",
+    "pfedme_lr": "0.01 (`-lrp`)",
+    "pfedme_beta": "0.0 (`-bt`; at 0 its server keeps the previous global model)",
+    "ditto_lam": "0.0 (`-mu`, Ditto's λ there)",
+    "fedrep_head_epochs": "1 (`-pls`)",
+    "fedfomo_eps": "no ε-greedy choice (`fedfomo_reference_compat: true`)",
+    "fedphp_lam": "1.0 (`-lam`)",
+    "fedphp_mu": "0.0 (`-mu`, divided by the rounds)",
+}
+
+
+def _acts_on(comp) -> str:
+    """Which methods ``comp``'s keys act on, linked to their section of the Methods page."""
+    if comp not in option_classes():
+        return "acts on every method"
+    names = methods_using(comp)
+    if len(names) == len(ALGORITHMS):
+        return f"acts on every method ([Methods]({SECTIONS.get(comp.__name__, 'methods.md')}))"
+    link = SECTIONS.get(comp.__name__, BASELINES)
+    return "acts on " + ", ".join(f"[{NAMES.get(n, n)}]({link})" for n in names)
+
+
+def _notes(key: str, opt) -> str:
+    """The key's help text, then its rules and the reference library's default where they apply."""
+    text = _cell(opt.help)
+    if key.endswith("_reference_compat"):
+        text += f" ([the reference library's variants]({COMPAT}))"
+    rules = [r.text for r in RULES if r.key == key]
+    if rules:
+        text += " **Rule:** " + "; ".join(_cell(r) for r in rules) + "."
+    if key in REFERENCE:
+        text += f" **Reference library:** {_cell(REFERENCE[key])}."
+    return text
 
 
 def _value(v) -> str:
@@ -85,11 +237,11 @@ def render() -> str:
             continue
         prefix = getattr(comp, "prefix", "")
         where = Path(inspect.getsourcefile(comp)).resolve().relative_to(PAGE.parents[1]).as_posix()
-        lines += [f"## {comp.__name__}", "", f"{_title(comp)} (`{where}`)", "",
+        lines += [f"## {comp.__name__}", "", f"{_title(comp)} (`{where}`; {_acts_on(comp)})", "",
                   "| key | default | accepts | what it does |", "| --- | --- | --- | --- |"]
         for opt in comp.options:
             lines.append(f"| `{prefix}{opt.name}` | `{_cell(_value(opt.default))}` | {_cell(accepts(opt))} | "
-                         f"{_cell(opt.help)} |")
+                         f"{_notes(prefix + opt.name, opt)} |")
         lines.append("")
         notes = getattr(comp, "reference_notes", None)  # what a component adds below its keys (generated too)
         if notes is not None:

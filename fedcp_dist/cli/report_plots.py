@@ -20,20 +20,60 @@ from fedcp_dist.rundir.directory import RunDir, format_value
 # ----------------------------------------------------------------------------- plots
 
 
-def _int_locator():
-    from matplotlib.ticker import MaxNLocator
-
-    return MaxNLocator(integer=True)
-
-
 def _mean_std(values: list) -> tuple[float, float]:
     m = sum(values) / len(values)
     return m, math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
 
 
+def round_ticks(ax, rounds: list) -> None:
+    """x ticks at the evaluated rounds: each of them where there are few, else at most 12 at a
+    multiple (1, 2, 5, 10, 20 …) of their spacing, so evaluations every 5 rounds get ticks at
+    multiples of 5, never of 6."""
+    from matplotlib.ticker import MultipleLocator
+
+    rounds = sorted(set(rounds))
+    if len(rounds) <= 16:
+        ax.set_xticks(rounds)
+        return
+    step = 0
+    for a, b in zip(rounds, rounds[1:]):
+        step = math.gcd(step, b - a)
+    step, span = max(step, 1), rounds[-1] - rounds[0]
+    mult = next(m * 10 ** e for e in range(12) for m in (1, 2, 5) if span / (step * m * 10 ** e) <= 12)
+    ax.xaxis.set_major_locator(MultipleLocator(step * mult))
+
+
+def seeds_title(counts: set) -> str:
+    """What the curves are over: one seed, or the mean ± 1 std over k seeds (a range when the
+    series differ)."""
+    if counts == {1}:
+        return "accuracy against rounds (one seed a curve)"
+    if len(counts) == 1:
+        return f"accuracy against rounds (mean ± 1 std over {min(counts)} seeds)"
+    return f"accuracy against rounds (mean ± 1 std over {min(counts)}–{max(counts)} seeds a curve)"
+
+
+def zoom_band(series: list) -> Optional[tuple]:
+    """(first round, low, high) of the inset that shows the last half of the rounds, where the
+    curves are closer together than a fifth of the whole plot's range; None where no inset helps."""
+    if len(series) < 2:
+        return None
+    last = max(xs[-1] for *_, xs, _, _ in series)
+    start = last / 2
+    tail = [v for *_, xs, mean, _ in series for x, v in zip(xs, mean) if x >= start]
+    every = [v for *_, mean, _ in series for v in mean]
+    if not tail or max(every) == min(every) or max(tail) - min(tail) >= 0.2 * (max(every) - min(every)):
+        return None
+    pad = max(0.1, 0.08 * (max(tail) - min(tail)))
+    return start, min(tail) - pad, max(tail) + pad
+
+
 def plot_curves(table: Table, path: Path) -> bool:
-    """acc_vs_round.png: mean accuracy against rounds trained, ±1 std over seeds (finished runs)."""
+    """acc_vs_round.png: mean accuracy against rounds trained, ±1 std over seeds (finished runs),
+    ticks at the evaluated rounds, a title that says over how many seeds, and an inset zoomed on the
+    last half of the rounds where the curves end close together."""
     series = []  # (method, setting, label, xs, means, stds)
+    seeds = set()
     for m in table.methods:
         for s, label in table.settings:
             cell = table.cells.get((m, s))
@@ -46,6 +86,7 @@ def plot_curves(table: Table, path: Path) -> bool:
                         per_x[x].append(100.0 * acc)
             if not per_x:
                 continue
+            seeds.add(max(len(v) for v in per_x.values()))
             xs = sorted(per_x)
             stats = [_mean_std(per_x[x]) for x in xs]
             series.append((m, s, label, xs, [a for a, _ in stats], [b for _, b in stats]))
@@ -68,10 +109,27 @@ def plot_curves(table: Table, path: Path) -> bool:
                             color=st["color"], alpha=0.12, linewidth=0, zorder=st["zorder"] - 1)
         ax.set_xlabel("rounds trained")
         ax.set_ylabel("test accuracy (%)")
-        ax.xaxis.set_major_locator(_int_locator())
+        round_ticks(ax, [x for *_, xs, _, _ in series for x in xs])
         ax.grid(alpha=0.3)
+        band = zoom_band(series)
+        if band is not None:
+            start, lo, hi = band
+            inset = ax.inset_axes([0.42, 0.1, 0.55, 0.5])
+            for m, s, label, xs, mean, std in series:
+                keep = [i for i, x in enumerate(xs) if x >= start]
+                st = styles_of[m]
+                inset.plot([xs[i] for i in keep], [mean[i] for i in keep], styles[settings.index(s) % len(styles)],
+                           **{**st, "markersize": st["markersize"] * 0.7})
+            inset.set_ylim(lo, hi)
+            round_ticks(inset, [x for *_, xs, _, _ in series for x in xs if x >= start])
+            inset.tick_params(labelsize=7)
+            inset.grid(alpha=0.3)
+            inset.set_title("last half of the rounds, zoomed", fontsize=7)
+            ax.indicate_inset_zoom(inset, edgecolor="0.5")
         if many:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        elif band is not None:  # left of the inset, below the plateau, right of the curves' first rise
+            ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.15, 0.08))
         else:
             ax.legend(fontsize=8)
         if len(settings) == 1 and table.keys:
@@ -89,7 +147,7 @@ def plot_curves(table: Table, path: Path) -> bool:
                 ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
                                 color=st["color"], alpha=0.12, linewidth=0, zorder=st["zorder"] - 1)
             ax.set_title(dict(table.settings)[s], fontsize=8)
-            ax.xaxis.set_major_locator(_int_locator())
+            round_ticks(ax, [x for _, s2, _, xs, _, _ in series if s2 == s for x in xs])
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(settings):]:
             ax.set_visible(False)
@@ -98,7 +156,7 @@ def plot_curves(table: Table, path: Path) -> bool:
         for ax in axes[:, 0]:
             ax.set_ylabel("test accuracy (%)")
         axes.flat[0].legend(fontsize=7)
-    fig.suptitle("accuracy against rounds (mean ± 1 std over seeds)", fontsize=10)
+    fig.suptitle(seeds_title(seeds), fontsize=10)
     fig.tight_layout()
     _save(fig, path)
     return True
@@ -236,13 +294,14 @@ def plot_selection(table: Table, path: Path) -> bool:
         size = sizes.get(panel)
         order = sorted(range(n), key=lambda i: (size[i], i)) if size else list(range(n))
         width = 0.8 / len(series)
+        over = ", mean over seeds" if any(len(runs) > 1 for runs in series.values()) else ""
         for j, (label, runs) in enumerate(sorted(series.items())):
             mean = [sum(c[i] for c in runs) / len(runs) for i in order]
             seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
             ax.bar([x - 0.4 + width * (j + 0.5) for x in range(n)], mean, width, label=label + seeds, color=f"C{j}")
         ax.set_xticks(range(n), [f"{i}\n{size[i]}" if size else str(i) for i in order], fontsize=7)
-        ax.set_ylabel("rounds trained")
-        ax.set_title((panel + ": " if panel else "") + "rounds each client trained in"
+        ax.set_ylabel("rounds trained" + over)
+        ax.set_title((panel + ": " if panel else "") + "rounds each client trained in" + over
                      + (" (x: client, its training samples; ordered by size)" if size else " (x: client)"), fontsize=9)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
