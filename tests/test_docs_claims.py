@@ -171,7 +171,7 @@ ALSO_INLINE = {"participation_range", "partition_params", "include_val", "train_
                "num_clients", "text_pipeline", "selection_counts", "uplink_bytes", "best_acc", "final_acc",
                "peak_rss_mb", "rss_mb", "rss_anon_mb", "client_state_held_mb", "train_cpu_seconds",
                "uplink_bytes_sent", "n_diverged", "max_len", "vocab_size", "min_freq", "image_size",
-               "label_col", "client_col", "synthetic_alpha", "synthetic_beta",
+               "label_col", "client_col", "synthetic_alpha", "synthetic_beta", "dp_guarantee",
                # library arguments the pages quote (TensorBoard's writer, torch.load), and the key the
                # contributing guide's worked example declares
                "purge_step", "weights_only", "fedls_eps"}
