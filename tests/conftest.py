@@ -6,6 +6,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# submitit configures logging when it is imported (logging.config.dictConfig), which closes every
+# handler that exists by then. dp-accounting imports absl, whose handler keeps the sys.stderr of the
+# moment it was made and closes it unless it is sys.stderr at the time: under pytest, a capture file.
+# A test that imported dp-accounting (the privacy tests) followed by one that imported submitit
+# (the sweep's SLURM executor) in one worker left pytest writing to a closed file. Imported here,
+# first, submitit's set-up finds no handler to close.
+import submitit  # noqa: E402,F401
 BIN = Path(sys.executable).parent
 
 
