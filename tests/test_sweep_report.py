@@ -157,7 +157,8 @@ def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
                                           ("heterogeneity_agnews", 300), ("client_subset", 120), ("dropout", 150),
                                           ("local_epochs", 240), ("lambda", 90), ("digits_smoke", 4),
                                           ("extensions", 42), ("extensions_mnist", 14), ("dp_mnist_dir", 36),
-                                          ("dp_mnist_iid", 36), ("dp_mnist_pilot", 1)])
+                                          ("dp_mnist_iid", 36), ("dp_mnist_pilot", 1), ("digits_bf16", 6),
+                                          ("synthetic_client_count", 45)])
 def test_the_shipped_sweeps_expand(name, points, tmp_path):
     doc = yaml.safe_load((REPO / "configs" / "sweeps" / f"{name}.yaml").read_text())
     if not (REPO / doc["base"]).exists():  # the CIFAR-100 config comes with the CIFAR-100 support
