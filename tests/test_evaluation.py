@@ -67,8 +67,8 @@ def test_the_final_evaluation_goes_through_the_rounds_reduction(digits6, tmp_pat
 
     calls, real = [], simulator.reduce_sums
 
-    def spy(agg, rt, *sums, base=None, orders=()):
-        out = real(agg, rt, *sums, base=base, orders=orders)
+    def spy(agg, rt, *sums, **kw):
+        out = real(agg, rt, *sums, **kw)
         calls.append((list(agg.sent), agg.buffer.numel(), agg.num_params, out[2][-1]))
         return out
 

@@ -68,9 +68,14 @@ def test_every_rank_places_the_same_subset(digits20):
     cfg = load_config(CONFIG, [f"data.path={digits20}", "data.clients=5", "seed=3"])
     info = read_info(digits20)
     subset = client_subset(5, 3, 20)
-    setups = {(w, r): startup.load(cfg, FakeRuntime(w, r))
-              for w in (1, 2) for r in range(w)}
+    def loaded(rt):
+        s = startup.load(cfg, rt)
+        startup.load_data(cfg, rt, s, states_on_disk=False)
+        return s
+
+    setups = {(w, r): loaded(FakeRuntime(w, r)) for w in (1, 2) for r in range(w)}
     for (w, r), s in setups.items():
+        assert s.data_mode == "resident"
         assert s.clients.tolist() == subset.tolist() and s.num_clients == 5
         assert len(s.owner) == 5 and set(s.owner.tolist()) <= set(range(w))
         for k, d in s.data.items():

@@ -193,8 +193,10 @@ def test_data_that_cannot_fit_is_refused_before_it_is_read(digits6_16px, tmp_pat
 
     monkeypatch.setattr(preflight, "host_free", lambda: Free([("cgroup memory limit", 100_000)]))
     with pytest.raises(SystemExit) as exc:
+        # client_data=resident: auto would read such data on demand instead (and the rounds' own
+        # pre-flight refuse the run)
         main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6_16px}", f"out_dir={tmp_path}",
-              "rounds=1", "threads=1"])
+              "rounds=1", "threads=1", "client_data=resident"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1, err
     # 1797 samples of 16 x 16 uint8 pixels and an int64 label each
