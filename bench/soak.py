@@ -51,10 +51,11 @@ def window_summary(records: list) -> dict:
 
 
 def checkpoint_sizes(run_dir: Path) -> list:
-    """[(round, bytes of its files, bytes of global.pt)] of the checkpoints kept."""
+    """[(round, bytes of its files, bytes of global.pt)] of the checkpoints kept (a disk store's
+    client files included, those linked from an older checkpoint too)."""
     out = []
     for d in sorted((run_dir / "checkpoints").glob("round_*")):
-        files = [p for p in d.iterdir() if p.is_file()]
+        files = [p for p in d.rglob("*") if p.is_file()]
         glob = d / "global.pt"
         out.append((int(d.name.split("_")[1]), sum(p.stat().st_size for p in files),
                     glob.stat().st_size if glob.exists() else 0))

@@ -522,23 +522,26 @@ def test_a_run_refused_after_start_up_releases_its_folders(digits6, tmp_path):
 
 def test_an_io_error_nothing_else_names_is_one_line_naming_rank_phase_and_file(digits6, tmp_path, capsys,
                                                                               monkeypatch):
-    """A client's file that cannot be read back while the checkpoint after round 1 is written (an
-    I/O error of the scratch disk): one line naming the rank, what it was doing and the file, exit 1."""
+    """An older checkpoint's part that cannot be read while the checkpoint after round 2 chooses
+    which to keep (an I/O error of the disk): one line naming the rank, what it was doing and the
+    file, exit 1."""
     import errno
+    from fedcp_dist.rundir import checkpoint
     from fedcp_dist.run import main
 
-    real_load, bad = torch.load, []
+    real_sha, bad = checkpoint._sha256, []
 
-    def eio(f, *args, **kwargs):
-        if kwargs.get("mmap") and Path(str(f)).name.startswith("client_"):
-            bad.append(str(f))
-            raise OSError(errno.EIO, os.strerror(errno.EIO), str(f))
-        return real_load(f, *args, **kwargs)
+    def eio(path):
+        if path.parent.name == "round_0000001" and path.name == "global.pt" and (path.parent.parent /
+                                                                                "round_0000002").exists():
+            bad.append(str(path))
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real_sha(path)
 
-    monkeypatch.setattr(torch, "load", eio)
+    monkeypatch.setattr(checkpoint, "_sha256", eio)
     with pytest.raises(SystemExit) as exc:
-        main(["--config", "configs/digits_ditto.yaml", *_ditto(digits6, tmp_path / "run", "client_state=disk", "rounds=1")])
+        main(["--config", "configs/digits_ditto.yaml", *_ditto(digits6, tmp_path / "run", "client_state=disk", "rounds=2")])
     monkeypatch.undo()
     err = capsys.readouterr().err
     assert exc.value.code == 1 and "Traceback" not in err, err
-    assert err == f"error: rank 0, checkpoint after round 1: {bad[0]}: Input/output error\n"
+    assert err == f"error: rank 0, checkpoint after round 2: {bad[0]}: Input/output error\n"

@@ -27,7 +27,7 @@ data resident, the client store and the all-reduce buffer made) and before resum
 * **peer exchange**: a peer method's (FedAMP's, FedFomo's) models of the other clients and its
   all-gather's buffer.
 * **checkpoint**: on a GPU the client states copied to the host; with ``client_state: disk`` the
-  state files mapped to write them.
+  checkpoint's client files mapped on resume to write them into the store.
 * **margin**: :data:`MARGIN` of what is to come and :data:`MARGIN_BYTES`, for the allocator's own
   overhead and what the first round sets up besides.
 
@@ -158,7 +158,7 @@ def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
     rows_e = max(1, min(f.eval_batch_size, f.max_test))
     evaluation = 4 * rows_e * f.act_eval + f.global_bytes
     round_ = (2 + f.dp) * 8 * f.upload_elements + f.global_bytes  # dp=central: the noise, float64
-    # copied to the host to be written (a disk store's files are mapped instead: see mapped_bytes)
+    # copied to the host to be written (a disk store's files go file to file, never held; see mapped_bytes)
     checkpoint = f.owned * f.per_client + f.global_bytes if gpu and f.store == "device" else 0
     if not gpu:  # one pool, the host's
         pools = {"device": {"client states": in_flight if f.store == "disk" else kept,
@@ -174,8 +174,8 @@ def estimate(f: Figures) -> Dict[str, Dict[str, int]]:
 
 
 def mapped_bytes(f: Figures) -> int:
-    """Bytes of files mapped into memory at a checkpoint (a disk store's state files): page cache,
-    which the kernel may drop, yet address space."""
+    """Bytes of files mapped into memory at a resume (a disk store's checkpointed client files, read
+    into its own): page cache, which the kernel may drop, yet address space."""
     return f.owned * f.per_client if f.store == "disk" else 0
 
 

@@ -80,7 +80,7 @@ class Simulator:
                 "data": run_data_record(self.cfg, self.setup)}
         if self.dp is not None:
             meta["privacy"] = self.dp.state_dict()
-        self.ckpt.save(rounds_done, self.global_state, self.store.state_dict(), meta,
+        self.ckpt.save(rounds_done, self.global_state, self.store.checkpoint_part(), meta,
                        lambda ok: startup.all_ok(self.rt, ok))
 
     # -- one round's pieces --------------------------------------------------------------------

@@ -12,6 +12,21 @@ Layout of ``out_dir/checkpoints/round_{R:07d}/`` (R = rounds trained):
                        SHA-256 of every part. A directory without it, or whose parts do not
                        match it, does not count.
 
+With ``client_state: disk`` the clients' states are files of their own instead of
+``clients_{r}.pt``, so that a checkpoint writes only what changed since the previous one:
+
+* ``clients/client_{id:07d}.pt``  a client's state, as the store keeps it. A client whose state
+                       changed since the previous checkpoint (the one written or resumed from) is
+                       a copy of the store's file, synced; any other is a hard link to the
+                       previous checkpoint's file: the same bytes, not read or written again (a
+                       copy where the file system has no hard links). Removing an older
+                       checkpoint removes its names only, never a newer one's files.
+* ``clients_{r}.json`` rank r: its clients' files, each with its SHA-256 and size (an unchanged
+                       client's carried over from the previous checkpoint); ``COMPLETE`` holds the
+                       SHA-256 of these indexes, which so cover every client file. Resuming checks
+                       every file's SHA-256; choosing which older checkpoints to keep checks
+                       that each file is there with its size.
+
 After each checkpoint the newest ``keep_checkpoints`` verified ones stay: the new one and the
 newest older ones whose parts match their checksums; damaged and unfinished ones are removed.
 
@@ -21,9 +36,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional, Union
 
 import torch
 
@@ -33,6 +49,10 @@ from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import interrupt_after
 from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
 from fedcp_dist.rundir.directory import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
+from fedcp_dist.state.client_store import ClientFiles
+
+#: a disk store's checkpoint: the folder of its clients' files (and the manifest's key naming it)
+CLIENT_DIR = "clients"
 
 
 def _sha256(path: Path) -> str:
@@ -114,6 +134,48 @@ def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() for k, v in state.items()}
 
 
+def _client_file(cid: int) -> str:
+    return f"client_{cid:07d}.pt"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """``dst`` made a hard link to ``src``; False where it cannot be (another file system, no such file)."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError:
+        return False
+
+
+def _copy(src: Path, dst: Path) -> list:
+    """``src`` copied to ``dst`` and synced; [SHA-256, size] of the bytes copied."""
+    h, size = hashlib.sha256(), 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        for block in iter(lambda: fin.read(1 << 20), b""):
+            h.update(block)
+            fout.write(block)
+            size += len(block)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return [h.hexdigest(), size]
+
+
+def _client_index(d: Path, manifest: dict) -> Dict[int, list]:
+    """{client: [SHA-256, size]} of every rank's ``clients_{r}.json`` in checkpoint ``d``."""
+    index: Dict[int, list] = {}
+    for r in range(int(manifest["world_size"])):
+        index.update({int(c): v for c, v in json.loads((d / f"clients_{r}.json").read_text())["clients"].items()})
+    return index
+
+
 class Checkpointer:
     def __init__(self, out_dir: str, rank: int, world_size: int, keep: int):
         self.run = RunDir(out_dir)
@@ -121,10 +183,15 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.keep = max(1, keep)
+        #: the checkpoint a disk store's unchanged clients are linked from (the last written or
+        #: resumed from) and its {client: [SHA-256, size]}; None: every client counts as changed
+        self._base: Optional[tuple[Path, Dict[int, list]]] = None
 
     # -- writing -------------------------------------------------------------
-    def save(self, rounds_done: int, global_state: dict, client_states: dict, meta: dict, all_ok) -> Path:
-        """Every rank calls this with its own clients; returns the checkpoint directory.
+    def save(self, rounds_done: int, global_state: dict, client_states: Union[dict, ClientFiles], meta: dict,
+             all_ok) -> Path:
+        """Every rank calls this with its own clients (their states, or a disk store's
+        :class:`~fedcp_dist.state.client_store.ClientFiles`); returns the checkpoint directory.
 
         ``all_ok(ok)`` is a collective: True when every rank passes True. A write that fails on
         any rank (a full disk, say) leaves the previous checkpoint as the newest complete one and
@@ -134,15 +201,25 @@ class Checkpointer:
         with interrupt_after():
             return self._save(rounds_done, global_state, client_states, meta, all_ok)
 
-    def _save(self, rounds_done: int, global_state: dict, client_states: dict, meta: dict, all_ok) -> Path:
+    def _save(self, rounds_done: int, global_state: dict, client_states: Union[dict, ClientFiles], meta: dict,
+              all_ok) -> Path:
         d = self.root / f"round_{rounds_done:07d}"
+        files = client_states if isinstance(client_states, ClientFiles) else None
         problem = None
         target = d
+        index: Dict[int, list] = {}
         try:
             d.mkdir(parents=True, exist_ok=True)
-            part = {"rank": self.rank, "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
-            target = d / f"clients_{self.rank}.pt"
-            atomic_torch_save(part, target)
+            if files is not None:
+                target = d / CLIENT_DIR
+                index = self._write_client_files(d, files)
+                target = d / f"clients_{self.rank}.json"
+                atomic_write_bytes(target, json.dumps({"rank": self.rank, "clients": index}).encode("utf-8"))
+            else:
+                part = {"rank": self.rank,
+                        "clients": {int(c): _cpu(s) for c, s in client_states.items() if s is not None}}
+                target = d / f"clients_{self.rank}.pt"
+                atomic_torch_save(part, target)
             fault_point("checkpoint", rounds_done)  # the fault tests' hook: this part written, not the rest
             if self.rank == 0:
                 target = d / "global.pt"
@@ -154,16 +231,22 @@ class Checkpointer:
         if all_ok(problem is None):  # every part is on disk
             if self.rank == 0:
                 try:
-                    parts = ["global.pt"] + [f"clients_{r}.pt" for r in range(self.world_size)]
+                    kind = "json" if files is not None else "pt"
+                    parts = ["global.pt"] + [f"clients_{r}.{kind}" for r in range(self.world_size)]
                     manifest = {
                         "round": rounds_done,
                         "world_size": self.world_size,
                         "sha256": {p: _sha256(d / p) for p in parts},
                     }
+                    if files is not None:
+                        manifest["client_files"] = CLIENT_DIR
                     atomic_write_bytes(d / MARKER, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
                 except OSError as exc:
                     problem = _naming(exc, d / MARKER)
             if all_ok(problem is None):  # nobody moves on before the checkpoint counts
+                if files is not None:
+                    self._base = (d, index)
+                    files.saved()
                 if self.rank == 0:
                     self._prune(d)
                 return d
@@ -175,6 +258,34 @@ class Checkpointer:
             f"the checkpoint after round {rounds_done} could not be written ({why}); "
             f"the previous complete checkpoint in {self.root} is intact"
         )
+
+    def _write_client_files(self, d: Path, files: ClientFiles) -> Dict[int, list]:
+        """This rank's clients' files in ``d/clients``; {client: [SHA-256, size]}. A changed client's
+        (or one the previous checkpoint lacks) is copied from the store's file, hashed as it is
+        copied, and synced: the checkpoint never shares a file with the store's working space. An
+        unchanged one is a hard link to the previous checkpoint's (:attr:`_base`; a copy of it where
+        the file system has no hard links), its SHA-256 carried over."""
+        folder = d / CLIENT_DIR
+        folder.mkdir(exist_ok=True)
+        base, known = self._base if self._base is not None else (None, {})
+        index: Dict[int, list] = {}
+        for c, src in files.paths.items():
+            dst = folder / _client_file(c)
+            old = None if c in files.changed else known.get(c)
+            if old is not None and base is not None:
+                prev = base / CLIENT_DIR / _client_file(c)
+                if prev == dst or (prev.is_file() and prev.stat().st_size == old[1]):
+                    if prev != dst:
+                        dst.unlink(missing_ok=True)
+                        if not _link(prev, dst):
+                            _copy(prev, dst)
+                    if dst.is_file():
+                        index[c] = old
+                        continue
+            dst.unlink(missing_ok=True)
+            index[c] = _copy(src, dst)
+        _fsync(folder)
+        return index
 
     def _prune(self, fresh: Path) -> None:
         """Keep ``fresh`` (just written, its checksums taken from the files on disk) and the
@@ -190,9 +301,9 @@ class Checkpointer:
             if d == fresh:
                 continue
             if r > fresh_round:
-                if (d / MARKER).exists() and self.verify(d) is None:
+                if (d / MARKER).exists() and self.verify(d, deep=False) is None:
                     continue  # intact and newer: never the run's to remove
-            elif kept < self.keep and (d / MARKER).exists() and self.verify(d) is None:
+            elif kept < self.keep and (d / MARKER).exists() and self.verify(d, deep=False) is None:
                 kept += 1
                 continue
             shutil.rmtree(d, ignore_errors=True)
@@ -204,8 +315,10 @@ class Checkpointer:
     def exists(self) -> bool:
         return self.run.has_checkpoint()
 
-    def verify(self, d: Path) -> Optional[str]:
-        """None if the checkpoint in ``d`` is complete and intact, else what is wrong."""
+    def verify(self, d: Path, deep: bool = True) -> Optional[str]:
+        """None if the checkpoint in ``d`` is complete and intact, else what is wrong. Every part
+        is checked against its SHA-256; a disk store's client files too when ``deep``, else only
+        that each is there with its size (what pruning asks: resuming checks them whole)."""
         try:
             manifest = json.loads((d / MARKER).read_text())
             sums = manifest["sha256"]
@@ -216,6 +329,19 @@ class Checkpointer:
             if not p.is_file():
                 return f"{name} is missing"
             if _sha256(p) != digest:
+                return f"{name} does not match its checksum"
+        if not manifest.get("client_files"):
+            return None
+        try:
+            index = {c: (str(digest), int(size)) for c, (digest, size) in _client_index(d, manifest).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return "a clients_{r}.json index cannot be read"
+        for c, (digest, size) in index.items():
+            name = f"{CLIENT_DIR}/{_client_file(c)}"
+            p = d / name
+            if not p.is_file():
+                return f"{name} is missing"
+            if p.stat().st_size != size or (deep and _sha256(p) != digest):
                 return f"{name} does not match its checksum"
         return None
 
@@ -242,6 +368,9 @@ class Checkpointer:
         if d is None:
             return None
         rounds_done, global_state, client_states, meta = self.load(d, owned, device, mmap=mmap)
+        manifest = json.loads((d / MARKER).read_text())
+        # a disk store's clients, as resumed, are this checkpoint's files: the next one links them
+        self._base = (d, _client_index(d, manifest)) if manifest.get("client_files") else None
         # the data first: a shard that moved is the same data when its content is. Without ``data``
         # (the ranks but the first) the first rank's check decides on the data and on data.path
         same_data = check_same_data(meta.get("data"), data, cfg.out_dir, echo) if data is not None else True
@@ -271,12 +400,16 @@ class Checkpointer:
             g = torch.load(d / "global.pt", map_location=device, weights_only=True, **({"mmap": True} if on_host else {}))
             manifest = json.loads((d / MARKER).read_text())
             clients: dict = {}
-            for r in range(int(manifest["world_size"])):
-                part = torch.load(d / f"clients_{r}.pt", map_location="cpu" if mmap else device, weights_only=True,
-                                  **({"mmap": True} if mmap else {}))
-                for c, s in part["clients"].items():
-                    if int(c) in owned:
-                        clients[int(c)] = s
+            where = {"map_location": "cpu" if mmap else device, "weights_only": True, **({"mmap": True} if mmap else {})}
+            if manifest.get("client_files"):  # a disk store's: a file per client
+                for c in sorted(owned & set(_client_index(d, manifest))):
+                    clients[c] = torch.load(d / CLIENT_DIR / _client_file(c), **where)
+            else:
+                for r in range(int(manifest["world_size"])):
+                    part = torch.load(d / f"clients_{r}.pt", **where)
+                    for c, s in part["clients"].items():
+                        if int(c) in owned:
+                            clients[int(c)] = s
             meta = json.loads(g["meta_json"])
         except Exception as exc:  # a part that passed its checksum but cannot be read
             raise UserError(f"checkpoint {d} cannot be read: {type(exc).__name__}: {exc}") from None

@@ -4,7 +4,8 @@ The store hands a client's persistent state to training and evaluation (creating
 method's ``init_client_state`` when first needed), keeps each client's own BatchNorm running
 statistics when they are not aggregated, and is the one place that hands the algorithm the
 global state (``set_global``), with the client's own statistics swapped in where it has them.
-Checkpoints take its :meth:`state_dict` and give it back through :meth:`load_state_dict`.
+Checkpoints take its :meth:`checkpoint_part` (the states, or with a disk store its clients'
+files) and give the states back through :meth:`load_state_dict`.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import resource
 import socket
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Set, Union
 
 import torch
 
@@ -29,6 +31,17 @@ State = Dict[str, torch.Tensor]
 BN_STAT_SUFFIXES = (".running_mean", ".running_var")
 BN_PREFIX = "__bn__/"  # a client's own BatchNorm statistics, inside its checkpointed state
 EF_PREFIX = "__ef__/"  # what compression did not send yet (error feedback), inside its checkpointed state
+
+
+@dataclass
+class ClientFiles:
+    """What a disk store hands a checkpoint: each client's file (in the checkpoint's layout, never
+    changed in place: a new state is a new file renamed over the old name) and the clients whose
+    file was written since the last checkpoint; ``saved()`` tells the store the checkpoint is
+    complete (those clients then count as unchanged)."""
+    paths: Dict[int, Path]
+    changed: Set[int]
+    saved: Callable[[], None]
 
 
 class ClientStore:
@@ -105,6 +118,10 @@ class ClientStore:
                 + sum(state_bytes(s) for s in self.residuals.values()))
 
     # -- checkpoints -----------------------------------------------------------------------
+    def checkpoint_part(self) -> Union[Dict[int, State], ClientFiles]:
+        """What a checkpoint takes of this store: :meth:`state_dict` (a disk store: its files)."""
+        return self.state_dict()
+
     def state_dict(self) -> Dict[int, State]:
         """{client: its state, its BatchNorm statistics and its compression residual (both
         prefixed)} for the clients that have any."""
@@ -260,6 +277,7 @@ class DiskClientStore(ClientStore):
             self._lock.close()
             raise UserError(f"client_state_dir {self.dir} cannot be cleared: {exc.strerror or exc}") from None
         self.saved: set = set()  # clients with a file
+        self.changed: set = set()  # clients whose file was written since the last checkpoint
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state")
         self._writing: Dict[int, tuple] = {}  # client -> (entry, future) until its file is written
         self._older: list = []  # futures of writes overtaken by a later write of the same client
@@ -366,6 +384,7 @@ class DiskClientStore(ClientStore):
             self._older.append(self._writing[cid][1])
         self._writing[cid] = (entry, self._io.submit(self._write, cid, entry))
         self.saved.add(cid)
+        self.changed.add(cid)
 
     def activate(self, cid: int) -> Optional[State]:
         if self.bn_keys:
@@ -432,12 +451,23 @@ class DiskClientStore(ClientStore):
 
     def state_dict(self) -> Dict[int, State]:
         """As :meth:`ClientStore.state_dict`: the clients' files mapped into memory (read from disk
-        as the checkpoint writes them, not held at once); they are already in its layout."""
+        as they are used, not held at once); they are already in its layout. Checkpoints take the
+        files themselves (:meth:`checkpoint_part`)."""
         self.flush()
         self._recent.clear()
         return {c: torch.load(self._path(c), map_location="cpu", weights_only=True, mmap=True) for c in self.saved}
 
+    def checkpoint_part(self) -> ClientFiles:
+        """The clients' files, once every write has ended, and those written since the last
+        checkpoint (or the one resumed from: :meth:`load_state_dict` writes states that are already
+        in it, so they do not count as changed): a checkpoint writes only those."""
+        self.flush()
+        changed = set(self.changed)
+        return ClientFiles({c: self._path(c) for c in sorted(self.saved)}, changed,
+                           lambda: self.changed.difference_update(changed))
+
     def load_state_dict(self, states: Dict[int, State]) -> None:
+        """Write the checkpointed states as the clients' files (not counted as changed)."""
         self._recent.clear()
         for c, state in states.items():
             if state:
