@@ -156,7 +156,7 @@ def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("name, points", [("client_count", 350), ("heterogeneity_tinyimagenet", 300),
                                           ("heterogeneity_agnews", 300), ("client_subset", 120), ("dropout", 150),
                                           ("local_epochs", 240), ("lambda", 90), ("digits_smoke", 4),
-                                          ("extensions", 42), ("extensions_mnist", 14), ("dp_mnist_dir", 36),
+                                          ("extensions", 42), ("extensions_mnist", 14), ("dp_mnist_dir", 48),
                                           ("dp_mnist_iid", 36), ("dp_mnist_pilot", 1), ("digits_bf16", 6),
                                           ("synthetic_client_count", 45)])
 def test_the_shipped_sweeps_expand(name, points, tmp_path):
