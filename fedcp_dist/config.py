@@ -28,13 +28,11 @@ from fedcp_dist.engine.keys import Evaluation, Execution, LocalSGD, NonFinite, P
 from fedcp_dist.errors import UserError
 from fedcp_dist.fused.keys import Fusing
 from fedcp_dist.models import ModelChoice
-from fedcp_dist.options import Check, Component, Option, above, at_least, described, one_of, type_ok
+from fedcp_dist.options import SEED_MAX, Check, Component, Option, above, at_least, described, one_of, type_ok
 from fedcp_dist.rundir.keys import Logging
 from fedcp_dist.state.keys import ClientStates, Participation
 
 METHODS = tuple(ALGORITHMS)
-#: the largest run seed: torch's generators take 64 bits, numpy's seeds no negative number
-SEED_MAX = 2**63 - 1
 
 
 def _known(kind: str, names) -> Check:

@@ -14,6 +14,10 @@ from typing import Any, Callable, Optional
 
 Check = Callable[[Any], Optional[str]]
 
+#: the largest seed (a run's, a partition's): torch's generators take 64 bits, numpy's seeds no
+#: negative number
+SEED_MAX = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class Option:

@@ -12,7 +12,7 @@ import torch
 
 from conftest import run_cmd
 from helpers import run
-from fedcp_dist.errors import Preempted
+from fedcp_dist.errors import Preempted, UserError
 from fedcp_dist.rundir import checkpoint as checkpoint_module
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.state.client_store import DiskClientStore
@@ -101,6 +101,43 @@ def test_a_checkpoint_writes_only_changed_clients_and_links_the_rest(tmp_path, m
     assert ck.verify(second, deep=False) is None
     victim.unlink()
     assert ck.verify(second, deep=False) == "clients/client_0000013.pt is missing"
+
+
+def test_a_damaged_file_shared_by_every_kept_checkpoint_is_refused_not_restarted(tmp_path):
+    """keep_checkpoints=2: a client file unchanged between the two checkpoints is one file with two
+    names, so a byte flipped in it damages both. The newer is skipped for the older, which is damaged
+    too: resuming refuses in one line naming the file, instead of starting over on round 0."""
+    out = tmp_path / "run"
+    stores = [(DiskClientStore(_Algo(), {}, directory=str(tmp_path / f"s{r}")), Checkpointer(str(out), r, 2, 2))
+              for r in (0, 1)]
+    for c in range(6):
+        stores[c % 2][0].put(c, {"w": torch.full((4,), float(c))}, {})
+    first = _save_two_ranks(out, stores, 1, keep=2)
+    stores[0][0].put(0, {"w": torch.full((4,), 100.0)}, {})
+    second = _save_two_ranks(out, stores, 2, keep=2)
+    for store, _ in stores:
+        store.close()
+    shared = second / "clients" / "client_0000003.pt"
+    assert shared.stat().st_ino == (first / "clients" / "client_0000003.pt").stat().st_ino
+    ck = Checkpointer(str(out), 0, 1, 2)
+    assert ck.latest() == second
+    data = bytearray(shared.read_bytes())
+    data[-3] ^= 0xFF
+    shared.write_bytes(bytes(data))
+    said = []
+    with pytest.raises(UserError) as err:
+        ck.latest(warn=said.append)
+    assert said == [f"checkpoint {second} is damaged (clients/client_0000003.pt does not match its checksum); "
+                    f"trying the previous one"]
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        f"checkpoint {first} is damaged (clients/client_0000003.pt does not match its checksum), and so is every "
+        f"newer one in {out / 'checkpoints'}: nothing intact to resume from")
+    assert "overwrite=true" in message
+    # the byte restored, the newest is intact again
+    data[-3] ^= 0xFF
+    shared.write_bytes(bytes(data))
+    assert ck.latest() == second
 
 
 def test_checkpoints_copy_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):

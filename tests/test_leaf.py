@@ -137,6 +137,14 @@ def test_a_bad_femnist_file_names_the_file_and_the_user(tmp_path, capsys, split,
      ["user 'HAMLET_OPHELIA' sample 1: x is 5 characters, expected a string of 80"]),
     (lambda d: d["user_data"]["HAMLET_OPHELIA"]["y"].__setitem__(0, "ab"),
      ["user 'HAMLET_OPHELIA' sample 0: y is 2 characters, expected a string of 1"]),
+    # the first sequence read is the one at fault, not the first of the right length after it
+    (lambda d: d["user_data"][d["users"][0]]["x"].__setitem__(0, "abc"),
+     ["sample 0: x is 3 characters, expected a string of 80"]),
+    # sequences of one other length throughout are not LEAF's either
+    (lambda d: [u["x"].__setitem__(j, s[:5]) for u in d["user_data"].values() for j, s in enumerate(u["x"])],
+     ["sample 0: x is 5 characters, expected a string of 80"]),
+    (lambda d: d["num_samples"].__setitem__(0, str(d["num_samples"][0])),
+     ["'num_samples' holds '", "not a count (an integer)"]),
 ])
 def test_a_bad_shakespeare_file_names_the_file_and_the_user(tmp_path, capsys, change, fragments):
     shakespeare_set(tmp_path / "leaf")

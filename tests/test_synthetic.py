@@ -169,6 +169,15 @@ def test_the_writer_takes_one_client_at_a_time_as_it_is_generated(monkeypatch, t
     (["--synthetic-iid", "--num-clients", 5, "--partition", "pat"], ["--partition applies to sources split among clients"]),
     (["--synthetic-iid", "--num-clients", 5, "--root", "data"], ["--root: --source synthetic generates its data"]),
     (["--synthetic-iid", "--num-clients", 5, "--leaf-task", "femnist"], ["--leaf-task applies to --source leaf only"]),
+    # before the smallest client's split is worked out from it (which never ends for a ratio <= 0)
+    (["--synthetic-iid", "--num-clients", 1, "--train-ratio", 0], ["--train-ratio must be between 0 and 1"]),
+    (["--synthetic-alpha", 1, "--synthetic-beta", 1, "--num-clients", 1, "--train-ratio", -0.5],
+     ["--train-ratio must be between 0 and 1 (exclusive), got -0.5"]),
+    (["--synthetic-iid", "--num-clients", 5, "--seed", -1], ["--seed must be an integer in [0, 9223372036854775807]"]),
+    (["--synthetic-iid", "--num-clients", 5, "--seed", 2**63], ["--seed must be an integer in [0,", f"got {2**63}"]),
+    # finite, but what they generate is not: refused while generating, nothing written
+    (["--synthetic-alpha", 1e308, "--synthetic-beta", 1e308, "--num-clients", 5],
+     ["--synthetic-alpha 1e+308 and --synthetic-beta 1e+308 make client 0's features overflow"]),
 ])
 def test_bad_arguments_are_refused_in_one_line(tmp_path, capsys, argv, fragments):
     expect_user_error(capsys, ["--source", "synthetic", "--out", tmp_path / "o.h5", *argv], *fragments)

@@ -166,10 +166,9 @@ def _shakespeare(where: str, x: list, y: list, length: int) -> tuple[np.ndarray,
     return _ids(where, "x", x, length).astype(np.int32), _ids(where, "y", y, 1).reshape(-1)
 
 
-def _read_split(folder: Path, split: str, task: Optional[str], length: Optional[int] = None
-                ) -> tuple[str, dict, dict, Optional[int]]:
-    """(task, {user: (x, y)}, {user: file}, sequence length) of one split's files; Shakespeare's
-    sequences must all have ``length`` characters (None: the first one's)."""
+def _read_split(folder: Path, split: str, task: Optional[str]) -> tuple[str, dict, dict]:
+    """(task, {user: (x, y)}, {user: file}) of one split's files; Shakespeare's sequences must all
+    have :data:`SEQ_LEN` characters, as LEAF's scripts write them."""
     out, where_of = {}, {}
     files = _json_files(folder)
     for path in progress(files, total=len(files), desc=f"reading LEAF {split}", unit="file"):
@@ -186,18 +185,18 @@ def _read_split(folder: Path, split: str, task: Optional[str], length: Optional[
                 raise UserError(f"{where} has {len(x)} x but {len(y)} y")
             if not x:
                 raise UserError(f"{where} has no samples")
+            if type(count) is not int:
+                raise UserError(f"{where}: 'num_samples' holds {count!r}, not a count (an integer)")
             if count != len(y):
                 raise UserError(f"{where}: 'num_samples' says {count!r} but it has {len(y)} samples")
             task = task or detect_task(path, user, x)
             if task == "femnist":
                 out[user] = _femnist(where, x, y)
             else:
-                if length is None:
-                    length = len(x[0]) if isinstance(x[0], str) and x[0] else SEQ_LEN
-                out[user] = _shakespeare(where, x, y, length)
+                out[user] = _shakespeare(where, x, y, SEQ_LEN)
             where_of[user] = path
         del data
-    return task, out, where_of, length
+    return task, out, where_of
 
 
 def read_leaf(root, task: Optional[str] = None) -> LeafData:
@@ -206,8 +205,8 @@ def read_leaf(root, task: Optional[str] = None) -> LeafData:
     if task is not None and task not in TASKS:
         raise UserError(f"--leaf-task must be one of {', '.join(TASKS)}, got {task!r}")
     train_dir, test_dir = leaf_folders(root)
-    task, train, train_at, length = _read_split(train_dir, "train", task)
-    _, test, test_at, _ = _read_split(test_dir, "test", task, length)
+    task, train, train_at = _read_split(train_dir, "train", task)
+    _, test, test_at = _read_split(test_dir, "test", task)
     for user in test:
         if user not in train:
             raise UserError(f"{test_at[user]}: user {user!r} has no training samples (in no file of {train_dir}); "
@@ -216,7 +215,7 @@ def read_leaf(root, task: Optional[str] = None) -> LeafData:
         if user not in test:
             raise UserError(f"{train_at[user]}: user {user!r} has no test samples (in no file of {test_dir})")
     files = {"train": len(_json_files(train_dir)), "test": len(_json_files(test_dir))}
-    return LeafData(task, sorted(train), train, test, files, length or 0)
+    return LeafData(task, sorted(train), train, test, files, SEQ_LEN if task == "shakespeare" else 0)
 
 
 def write_leaf_shard(root, out: Path, task: Optional[str], names_chars: int, say: Callable[[str], None],

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from fedcp_dist.data.text import (DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE,
                                   TEXT_PIPELINES)
 from fedcp_dist.errors import UserError
-from fedcp_dist.options import type_ok
+from fedcp_dist.options import SEED_MAX, type_ok
 
 SCHEMES = ("dir", "pat", "iid", "folders", "column")
 #: the natural partitions (the data say which client holds each sample) and the source of each
@@ -126,6 +126,11 @@ class PartitionSpec:
     def check(self) -> None:
         """Refuse impossible values (before any data is loaded)."""
         check_option_values(self)
+        if not 0 <= self.seed <= SEED_MAX:
+            raise UserError(f"--seed must be an integer in [0, {SEED_MAX}] (a seed torch and numpy both take), "
+                            f"got {self.seed}")
+        if not 0 < self.train_ratio < 1:
+            raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {self.train_ratio}")
         _check_own_clients(self)
         if self.partition not in SCHEMES:
             raise UserError(f"--partition must be one of {', '.join(SCHEMES)}, got {self.partition!r}")
@@ -142,8 +147,6 @@ class PartitionSpec:
             raise UserError(f"--num-clients must be >= 1, got {self.num_clients}")
         if not self.beta > 0:
             raise UserError(f"--beta must be > 0, got {self.beta}")
-        if not 0 < self.train_ratio < 1:
-            raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {self.train_ratio}")
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_tries < 1:

@@ -77,6 +77,8 @@ class SyntheticSpec:
                 raise UserError(f"{name} must be a finite number >= 0, got {value}")
         if self.num_clients < 1:
             raise UserError(f"--num-clients must be >= 1, got {self.num_clients}")
+        if not 0 < self.train_ratio < 1:
+            raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {self.train_ratio}")
         least = min_split_samples(self.train_ratio)
         if self.min_samples < least:
             raise UserError(f"--synthetic-min-samples must be >= {least} (one train and one test sample at "
@@ -140,9 +142,15 @@ def client_samples(spec: SyntheticSpec, k: int, shared=None) -> tuple[np.ndarray
     y = np.empty(model.n, dtype=np.int64)
     for start in range(0, model.n, ROW_BLOCK):
         rows = min(ROW_BLOCK, model.n - start)
-        block = (model.v + rng.standard_normal((rows, DIMENSION)) * _SCALE).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            block = (model.v + rng.standard_normal((rows, DIMENSION)) * _SCALE).astype(np.float32)
+            logits = block.astype(np.float64) @ model.W.T + model.b
+        if not (np.isfinite(block).all() and np.isfinite(logits).all()):
+            raise UserError(f"--synthetic-alpha {spec.alpha:g} and --synthetic-beta {spec.beta:g} make client {k}'s "
+                            f"{'features' if not np.isfinite(block).all() else 'logits'} overflow (past float32's "
+                            f"3.4e38 or float64's 1.8e308); the benchmark's values are 0 to about 1")
         x[start:start + rows] = block
-        y[start:start + rows] = np.argmax(block.astype(np.float64) @ model.W.T + model.b, axis=1)
+        y[start:start + rows] = np.argmax(logits, axis=1)
     return x, y
 
 

@@ -346,14 +346,23 @@ class Checkpointer:
         return None
 
     def latest(self, warn=print) -> Optional[Path]:
-        """The newest complete, intact checkpoint; damaged newer ones are reported and skipped."""
-        for _, d in reversed(self._round_dirs()):
-            if not (d / MARKER).exists():
-                continue
+        """The newest complete, intact checkpoint; damaged newer ones are reported and skipped. None
+        when there is no complete checkpoint; a one-line error when there are complete ones and
+        every one is damaged (a disk store's unchanged client files are hard links shared by the
+        kept checkpoints, so one damaged file can damage them all): starting over would discard
+        the run's rounds without a word."""
+        complete = [d for _, d in reversed(self._round_dirs()) if (d / MARKER).exists()]
+        for i, d in enumerate(complete):
             problem = self.verify(d)
             if problem is None:
                 return d
-            warn(f"checkpoint {d} is damaged ({problem}); trying the previous one")
+            if i + 1 < len(complete):
+                warn(f"checkpoint {d} is damaged ({problem}); trying the previous one")
+            else:
+                raise UserError(
+                    f"checkpoint {d} is damaged ({problem}), and so is every newer one in {self.root}: "
+                    f"nothing intact to resume from, and starting over would discard the run's rounds; "
+                    f"restore the damaged file from a copy, or set overwrite=true to start afresh")
         return None
 
     def resume(self, store, cfg, owned: Iterable[int], device, echo, mmap: bool = False,
