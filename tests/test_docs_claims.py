@@ -363,6 +363,31 @@ def test_the_results_summary_repeats_the_detailed_tables():
     assert checked >= 20
 
 
+def test_the_digits_table_is_the_committed_report_of_its_runs():
+    """The headline digits table's best and final cells are fedcp-report's report.csv of the sweep
+    (committed under docs/reports/), rounded as the page rounds them; the summary row's range too."""
+    import csv
+
+    results = (DOCS / "results.md").read_text(encoding="utf-8")
+    rows = {r[0]: r for r in _table(results, "| method | best accuracy (%) | final accuracy, after round 50")}
+    names = {"fedavg": "FedAvg", "fedprox": "FedProx", "perfedavg": "Per-FedAvg", "pfedme": "pFedMe",
+             "fedamp": "FedAMP", "ditto": "Ditto", "fedper": "FedPer", "fedrep": "FedRep", "fedrod": "FedRoD",
+             "fedfomo": "FedFomo", "fedphp": "FedPHP", "fedcp": "FedCP"}
+    bests = []
+    for column, metric in ((1, "best_acc"), (2, "final_acc")):
+        with open(DOCS / "reports" / f"digits_methods_{metric}.csv", newline="") as f:
+            report = list(csv.DictReader(f))
+        assert sorted(r["method"] for r in report) == sorted(names) and len(rows) == 12
+        for r in report:
+            assert r["n_seeds"] == "3" and r["seeds"] == "1 2 3", r
+            cell = f"{float(r['mean']):.2f} ± {float(r['std']):.2f}"
+            assert rows[names[r["method"]]][column] == cell, (r["method"], metric, cell)
+            if metric == "best_acc" and r["method"] != "fedcp":
+                bests.append(float(r["mean"]))
+    glance = next(r for r in _table(results, "| setting | method | paper") if r[1] == "the other 11 methods")
+    assert glance[3].startswith(f"{min(bests):.2f} – {max(bests):.2f}")
+
+
 def test_the_license_is_mit_and_setup_says_so():
     assert (REPO / "LICENSE").read_text(encoding="utf-8").startswith("MIT License")
     assert 'license="MIT"' in (REPO / "setup.py").read_text(encoding="utf-8")

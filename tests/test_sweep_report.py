@@ -568,6 +568,19 @@ def test_the_curves_plot_ticks_the_evaluated_rounds_says_its_seeds_and_zooms_whe
     assert len(fig.axes) == 1 and not fig.axes[0].child_axes
     assert fig._suptitle.get_text() == "accuracy against rounds (mean ± 1 std over 1–2 seeds a curve)"
     assert report_plots.seeds_title({3}) == "accuracy against rounds (mean ± 1 std over 3 seeds)"
+    # three methods end close together and one far below: the inset zooms on the three
+    for m, best in (("fedcp", 0.95), ("fedper", 0.96), ("fedrep", 0.955), ("perfedavg", 0.60)):
+        fake_run(tmp_path / "group" / m, m, 1, 0.1, best)
+    col = report.collect(tmp_path / "group")
+    report_plots.plot_curves(report.build_table(col, report.setting_keys(col, None), "best_acc"), tmp_path / "c.png")
+    (inset,) = drawn[-1].axes[0].child_axes
+    lo, hi = inset.get_ylim()
+    assert 89.0 < lo < 90.0 and 96.0 < hi < 97.0  # the three's 90 ... 96 %, not perfedavg's 55 ... 60 %
+    # two of them close and one far: no group worth an inset
+    band = report_plots.zoom_band([("a", "", "", [0, 2, 4], [10, 90, 95], []),
+                                   ("b", "", "", [0, 2, 4], [10, 91, 96], []),
+                                   ("c", "", "", [0, 2, 4], [10, 50, 55], [])])
+    assert band is None
 
 
 def test_round_ticks_follow_the_evaluation_spacing():

@@ -54,18 +54,29 @@ def seeds_title(counts: set) -> str:
 
 
 def zoom_band(series: list) -> Optional[tuple]:
-    """(first round, low, high) of the inset that shows the last half of the rounds, where the
-    curves are closer together than a fifth of the whole plot's range; None where no inset helps."""
+    """(first round, low, high) of the inset that shows the last half of the rounds: zoomed to every
+    curve where they all lie within a fifth of the whole plot's range there, else to the largest
+    group of at least three that lie within a tenth of it (the methods that end close together
+    while another ends far below: those the plot's own axis cannot tell apart); None where no
+    inset helps."""
     if len(series) < 2:
         return None
     last = max(xs[-1] for *_, xs, _, _ in series)
     start = last / 2
-    tail = [v for *_, xs, mean, _ in series for x, v in zip(xs, mean) if x >= start]
+    tails = [t for t in ([v for x, v in zip(xs, mean) if x >= start] for *_, xs, mean, _ in series) if t]
     every = [v for *_, mean, _ in series for v in mean]
-    if not tail or max(every) == min(every) or max(tail) - min(tail) >= 0.2 * (max(every) - min(every)):
+    if not tails or max(every) == min(every):
         return None
-    pad = max(0.1, 0.08 * (max(tail) - min(tail)))
-    return start, min(tail) - pad, max(tail) + pad
+    span = max(every) - min(every)
+    group = tails
+    if max(map(max, tails)) - min(map(min, tails)) >= 0.2 * span:
+        group = max(([t for t in tails if min(t) >= low and max(t) < low + 0.1 * span]
+                     for low in sorted(map(min, tails))), key=len)
+        if len(group) < 3:
+            return None
+    top, bottom = max(map(max, group)), min(map(min, group))
+    pad = max(0.1, 0.08 * (top - bottom))
+    return start, bottom - pad, top + pad
 
 
 def plot_curves(table: Table, path: Path) -> bool:
