@@ -136,6 +136,8 @@ def main(argv=None):
     with StopSignals() as stop:
         fault_point("startup")  # the fault tests' hook
         _main(build_parser().parse_args(argv), stop)
+        stop.finished()
+    fault_point("exit")  # the fault tests' hook: a signal between a finished run and the process's end
 
 
 def _main(args, stop: StopSignals) -> None:

@@ -50,6 +50,14 @@ class StopSignals:
                 signal.signal(sig, self._previous.pop(sig))
             self._install()
 
+    def finished(self) -> None:
+        """The run's final files are written: from here to the process's end (the interpreter's
+        shutdown, torch's and the collectives' teardown) a stop signal has nothing left to stop, so
+        the signals listened to are ignored instead of given back to their default action, which
+        would end a finished run with 128 + the signal's number."""
+        for sig in self._previous:
+            self._previous[sig] = signal.SIG_IGN
+
     def __enter__(self) -> "StopSignals":
         if self._depth == 0:
             self._install()
