@@ -170,6 +170,8 @@ class _ConfigMethods:
                     bad(*problem)
         if data_file and not self.data.path:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
+        if data_file and os.path.isdir(self.data.path):
+            bad("data.path", f"{self.data.path} is a directory; name the HDF5 partition file in it")
         if data_file and not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
         return self
@@ -322,11 +324,41 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(f"key {key!r} appears twice")
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (which it would otherwise
+    resolve silently to the last value: two ``lr:`` lines, two ``grid:`` blocks)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
+                    seen[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the base loader says so
+                    break
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml_mapping(path, what: str = "config file") -> dict:
-    """A YAML file that must hold a mapping (empty → {}); every problem is a one-line UserError."""
+    """A YAML file that must hold a mapping (empty → {}); every problem is a one-line UserError,
+    a key written twice in one mapping included."""
     try:
         with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f)
+            values = yaml.load(f, Loader=_UniqueKeys)
+    except _DuplicateKey as exc:
+        raise UserError(f"{what} {path}: key {exc.key!r} is set twice (lines {exc.first} and {exc.again}); "
+                        f"keep one") from None
     except FileNotFoundError:
         raise UserError(f"{what} not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -357,8 +357,26 @@ def test_one_line_errors(runs, tmp_path, capsys, digits6):
     assert "checkpoint_every set" in _error(capsys, [no_ckpt, "--gradcam", "--out", tmp_path / "o"])
     assert "ran fedavg" in _error(capsys, [runs["fedavg"], "--gradcam", "--out", tmp_path / "o"])
     assert "--clients" in _error(capsys, [runs["fedcp"], "--clients", "a,b", "--out", tmp_path / "o"])
-    assert "client 9" in _error(capsys, [runs["fedcp"], "--gradcam", "--clients", "9", "--out", tmp_path / "o"])
+    # refused by the curves where the run has probe rows (an earlier test may have written them),
+    # else by Grad-CAM
+    err = _error(capsys, [runs["fedcp"], "--gradcam", "--clients", "9", "--out", tmp_path / "o"])
+    assert "client 9 is not in" in err or "no probe rows of client(s) 9 in these runs (their clients: 0 to 5)" in err
     assert "--attacks" in _error(capsys, [runs["fedcp"], "--dlg", "--attacks", "gan", "--out", tmp_path / "o"])
+    assert "'bogus' is not a torch device" in _error(capsys, [runs["fedcp"], "--device", "bogus", "--out", tmp_path / "o"])
+    if not torch.cuda.is_available():
+        assert "0 CUDA device(s)" in _error(capsys, [runs["fedcp"], "--dlg", "--device", "cuda:7", "--out", tmp_path / "o"])
+    assert "--seed must be an integer in [0," in _error(capsys, [runs["fedcp"], "--dlg", "--seed", "-5", "--out", tmp_path / "o"])
+    assert "no client id" in _error(capsys, [runs["fedcp"], "--clients", ",", "--out", tmp_path / "o"])
+    assert "--labels" in _error(capsys, [runs["fedcp"], "--labels", "", "--out", tmp_path / "o"])
+    # another shard than the run's (another partition of the same set): its clients are other clients
+    other = tmp_path / "other.h5"
+    from fedcp_dist.cli.partition import main as partition_main
+
+    partition_main(["--source", "digits", "--partition", "dir", "--beta", "0.5", "--num-clients", "6", "--seed", "3",
+                    "--out", str(other)])
+    capsys.readouterr()
+    assert "is not the one the run was made on" in _error(
+        capsys, [runs["fedcp"], "--gradcam", "--data", other, "--out", tmp_path / "o"])
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in ("config.yaml", "metrics.jsonl"):

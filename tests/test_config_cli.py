@@ -100,6 +100,26 @@ def test_missing_and_broken_config_files(tmp_path, capsys):
         assert words in capsys.readouterr().err
 
 
+def test_a_key_set_twice_is_refused_naming_both_lines(tmp_path, capsys):
+    """YAML would keep the last of two ``lr:`` lines without a word; nested mappings too. A merge
+    key (``<<``) that a later key overrides is not a duplicate."""
+    cases = {"lr: 0.1\nrounds: 3\nlr: 5.0\n": "key 'lr' is set twice (lines 1 and 3)",
+             "data:\n  path: a.h5\n  path: b.h5\n": "key 'path' is set twice (lines 2 and 3)"}
+    for i, (text, words) in enumerate(cases.items()):
+        path = tmp_path / f"dup{i}.yaml"
+        path.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", str(path), "--print-config"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err == f"error: config file {path}: {words}; keep one\n", err
+    from fedcp_dist.config import read_yaml_mapping
+
+    merged = tmp_path / "merged.yaml"
+
+    merged.write_text("x: &b {lr: 0.1, rounds: 3}\ny:\n  <<: *b\n  lr: 0.2\n")
+    assert read_yaml_mapping(merged)["y"] == {"lr": 0.2, "rounds": 3}
+
+
 def test_a_finished_run_is_not_overwritten(digits6, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()

@@ -86,6 +86,8 @@ def test_grid_expansion_and_stable_names(tmp_path, digits6):
     ({"grid": {"seed": []}}, "'seed'"),
     ({"grid": {"seed": 3}}, "'seed'"),
     ({"grid": {"seed": [1, 1]}}, "'seed'"),
+    ({"grid": {"lr": [0.1, "1e-1"]}}, "'lr': 0.1 and '1e-1' are the same value"),  # written apart, run alike
+    ({"base": "configs"}, "is a directory"),
     ({"grid": {"rounds": ["abc"]}}, "'rounds'"),
     ({"grid": {"lam": [-1]}}, "'lam'"),
     ({"grid": {"beta": [0.1]}}, "'beta'"),
@@ -104,6 +106,28 @@ def test_bad_sweeps_name_the_key(fields, key, tmp_path, capsys):
     err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path, **fields)), "--dry-run"])
     assert key in err
     assert not (tmp_path / "sweeps").exists()
+
+
+def test_a_sweep_folder_or_root_that_is_a_file_and_a_damaged_summary_are_refused(digits6, tmp_path, capsys):
+    (tmp_path / "sweeps").write_text("not a folder")
+    for argv in ([], ["--dry-run"]):
+        err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path)), *argv])
+        assert f"{tmp_path / 'sweeps'} (a folder above the sweep's directory) is a file" in err
+    (tmp_path / "sweeps").unlink()
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "t").write_text("")
+    assert "(the sweep's directory) is a file" in cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path))])
+    # a point whose summary.json is cut short: neither finished nor to run, said so, nothing run
+    (tmp_path / "sweeps" / "t").unlink()
+    path = write_sweep(tmp_path, overrides={"rounds": 2, "data.path": str(digits6)})
+    sweep_cli.main([str(path), "--dry-run"])
+    assert "runs/seed=1" in capsys.readouterr().out
+    run_dir = tmp_path / "sweeps" / "t" / "runs" / "seed=1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text('{"best_acc": 0.8,')
+    err = cli_error(capsys, sweep_cli.main, [str(path), "--dry-run"])
+    assert f"{run_dir / 'summary.json'} is damaged (not a JSON object)" in err
+    assert (run_dir / "summary.json").read_text() == '{"best_acc": 0.8,'
 
 
 @pytest.mark.parametrize("where, key", [

@@ -117,8 +117,13 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
                         f"had {cfg.data.num_clients}")
     clients = run_clients(cfg, info)
     algo = build_method(cfg, info, len(clients), dev)  # the run's initial model, as the engine builds it
-    rounds_done, global_state, states, _ = Checkpointer(str(run_dir), 0, 1, 1).load(
+    rounds_done, global_state, states, meta = Checkpointer(str(run_dir), 0, 1, 1).load(
         ckpt, range(len(clients)), dev)
+    recorded = (meta.get("data") or {}).get("fingerprint") if isinstance(meta, dict) else None
+    if recorded and info.fingerprint and recorded != info.fingerprint:
+        raise UserError(f"{run_dir}: the shard {cfg.data.path} is not the one the run was made on (its fingerprint "
+                        f"{info.fingerprint[:12]}…, the run's {recorded[:12]}…): its clients' models would meet other "
+                        f"clients' data; give the run's shard with --data")
     template = algo.init_global_state()
     if set(template) - set(global_state):
         missing = sorted(set(template) - set(global_state))[0]

@@ -29,9 +29,32 @@ def _int_list(text: str, option: str) -> list:
         out = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise UserError(f"{option}: expected comma-separated client ids, got {text!r}") from None
+    if not out:
+        raise UserError(f"{option}: no client id in {text!r}")
     if any(c < 0 for c in out):
         raise UserError(f"{option}: client ids are >= 0, got {text!r}")
     return out
+
+
+def _check_device_and_seed(args) -> None:
+    """``--device`` a device torch knows and this machine has; ``--seed`` one numpy and torch take."""
+    import torch
+
+    from fedcp_dist.options import SEED_MAX
+
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device: {args.device!r} is not a torch device (cpu, cuda, cuda:N, ...)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise UserError(f"--device {args.device}: this machine has {count} CUDA device(s)")
+    elif device.type != "cpu":
+        raise UserError(f"--device {args.device}: only cpu and cuda devices are supported")
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed <= SEED_MAX:
+        raise UserError(f"--seed must be an integer in [0, {SEED_MAX}], got {seed}")
 
 
 def _add_dlg_options(p: argparse.ArgumentParser) -> None:
@@ -117,7 +140,7 @@ def _out_dir(runs: list, out: Optional[str]) -> Path:
 
 
 def _labels(runs: list, labels: Optional[str]) -> list:
-    if labels:
+    if labels is not None:
         names = [t.strip() for t in labels.split(",")]
         if len(names) != len(runs) or not all(names):
             raise UserError(f"--labels: give one non-empty name per run ({len(runs)}), got {labels!r}")
@@ -241,11 +264,17 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
         if not (r / "config.yaml").is_file():
             raise UserError(f"{r} is not a run directory (no config.yaml)")
     labels = _labels(args.runs, args.labels)
-    chosen = _int_list(args.clients, "--clients") if args.clients else None
+    _check_device_and_seed(args)
+    chosen = _int_list(args.clients, "--clients") if args.clients is not None else None
     out = _out_dir(args.runs, args.out)
     sections: dict = {"figures": {}}
     if do_curves:
         runs = [read_run(p, label) for p, label in zip(run_dirs, labels)]
+        present = {p.client for r in runs for p in (*r.train_probes, *r.eval_probes)}
+        if chosen and present and not set(chosen) <= present:
+            missing = sorted(set(chosen) - present)
+            raise UserError(f"--clients: no probe rows of client(s) {', '.join(map(str, missing))} in these runs "
+                            f"(their clients: {min(present)} to {max(present)})")
         sections["runs"] = [run_numbers(r) for r in runs]
         sections["figures"].update(curves(runs, out, chosen))
     if do_gradcam:

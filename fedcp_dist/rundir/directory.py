@@ -323,6 +323,8 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
             return lock
         if run.summary.exists():
             what = "a run that diverged (it learned nothing; " if run.status() == DIVERGED else "a finished run ("
+            if run.read_summary() is None:
+                what = "a finished run whose summary is damaged (not a JSON object: "
             raise UserError(f"out_dir {out} holds {what}{SUMMARY}); choose another out_dir or pass overwrite=true")
         if resume == "never" and (run.has_checkpoint() or run.metrics.exists()):
             raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")

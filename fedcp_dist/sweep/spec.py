@@ -208,7 +208,14 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     root = raw.get("root", DEFAULT_ROOT)
     if not isinstance(root, str) or not root:
         raise UserError(f"sweep key 'root' must be a directory path, got {root!r}")
+    # the sweep's folder and every folder above it: a directory, or not there yet
+    for folder in (Path(root) / name, *(Path(root) / name).parents):
+        if folder.exists() and not folder.is_dir():
+            what = "the sweep's directory" if folder == Path(root) / name else "a folder above the sweep's directory"
+            raise UserError(f"sweep keys 'root'/'name': {folder} ({what}) is a file, not a directory")
     base = raw.get("base")
+    if Path(base).is_dir() if isinstance(base, str) and base else False:
+        raise UserError(f"sweep key 'base': {base} is a directory; name the run config file (a .yaml)")
     if not isinstance(base, str) or not base:
         raise UserError("sweep key 'base' is required: the run config every point starts from")
     if not Path(base).is_file():
@@ -298,11 +305,18 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
             continue
         if key == "data.path" and part_block is not None:
             raise UserError("sweep grid key 'data.path' conflicts with the partition block, which sets data.path")
+        resolved: dict = {}
         for v in values:
             try:
-                load_config(str(base_path), override_args + [f"{key}={yaml_value(v)}"], validate=False)
+                cfg = load_config(str(base_path), override_args + [f"{key}={yaml_value(v)}"], validate=False)
             except UserError as exc:
                 raise UserError(f"sweep grid key '{key}': {exc}") from None
+            value = flatten(cfg.to_dict()).get(key, v)  # as the run reads it: '1e-1' and 0.1 alike
+            marker = json.dumps(value, sort_keys=True, default=str)
+            if marker in resolved:
+                raise UserError(f"sweep grid key '{key}': {resolved[marker]!r} and {v!r} are the same value "
+                                f"({value!r} in a run's config); keep one")
+            resolved[marker] = v
 
     sweep = Sweep(file=path, name=name, root=Path(root), base=base_path, overrides=overrides, grid=grid,
                   partition=part_block, kind=kind, nproc=nproc, slurm=slurm, partition_keys=partition_keys,
@@ -311,6 +325,11 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     _expand(sweep, override_args)
     if not sweep.points:
         raise UserError(f"sweep file {path}: 'exclude' leaves no point to run")
+    for p in sweep.points:  # a finished point's summary that cannot be read: neither done nor to run
+        run = RunDir(p.run_dir)
+        if run.summary.exists() and run.read_summary() is None:
+            raise UserError(f"{run.summary} is damaged (not a JSON object), so its point is neither finished nor "
+                            f"to run; restore it, or move the point's folder away to run it again")
     return sweep
 
 
