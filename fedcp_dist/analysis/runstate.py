@@ -81,6 +81,8 @@ def run_config(run_dir: Path, data_path: Optional[str] = None, changes: Optional
         setattr(cfg, key, value)  # a run written before the key existed, as it ran
     if data_path is not None:
         cfg.data.path = data_path
+        if not os.path.isfile(data_path):
+            raise UserError(f"--data {data_path}: no such file (the run's HDF5 partition)")
     if not os.path.isfile(cfg.data.path):
         raise UserError(f"{run_dir}: the run's shard {cfg.data.path} is not found from {os.getcwd()}; "
                         f"give its path with --data")

@@ -247,6 +247,9 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     override_args = [f"{k}={yaml_value(v)}" for k, v in overrides.items()]
     try:
         base_cfg = load_config(str(base_path), [], validate=False)
+    except UserError as exc:  # the base config itself, before any override
+        raise UserError(f"sweep key 'base': {exc}") from None
+    try:
         load_config(str(base_path), override_args, validate=False)
     except UserError as exc:
         raise UserError(f"sweep key 'overrides': {exc}") from None
