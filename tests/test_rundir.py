@@ -73,7 +73,9 @@ def test_a_finished_run_is_refused_and_left_as_it_was(tmp_path):
     out = tmp_path / "run"
     _fill(out)
     for resume in ("auto", "never"):
-        with pytest.raises(UserError, match=r"holds a finished run \(summary.json\).*overwrite=true"):
+        # the files hold "x": summary.json is said to be damaged as well as finished
+        with pytest.raises(UserError, match=r"holds a finished run whose summary is damaged \(not a JSON object: "
+                                            r"summary.json\).*overwrite=true"):
             prepare_out_dir(out, overwrite=False, resume=resume)
     assert all((out / name).read_text() == "x" for name in rundir.RUN_FILES)
     with pytest.raises(UserError, match="finished run") as refused:  # keeps the failed call's frame alive
