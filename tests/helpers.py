@@ -372,6 +372,26 @@ def _main(argv):
         rt.close()
 
 
+class PreemptAt:
+    """A method wrapper (``run(..., wrap=lambda a: PreemptAt(a, r))``) that sends the preemption
+    signal to this process while round ``r`` (1-based) trains: the run checkpoints after that round
+    and stops as a preempted job does. Needs ``fused=false`` (it wraps ``local_train``)."""
+
+    def __init__(self, algo, r):
+        self.__dict__.update(algo=algo, r=r)
+
+    def __getattr__(self, name):
+        return getattr(self.algo, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.algo, name, value)
+
+    def local_train(self, state, data, ctx):
+        if ctx.round + 1 == self.r:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return self.algo.local_train(state, data, ctx)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _main(sys.argv[1:])
@@ -485,3 +505,4 @@ def documented(page: str, example: str, actual: str = None) -> None:
             found = actual.find(piece, at)
             assert found >= 0, f"{piece!r} (docs/{page}) not in {actual!r} after position {at}"
             at = found + len(piece)
+

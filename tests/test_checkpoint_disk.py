@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import run_cmd
-from helpers import run
+from helpers import PreemptAt, run
 from fedcp_dist.errors import Preempted, UserError
 from fedcp_dist.rundir import checkpoint as checkpoint_module
 from fedcp_dist.rundir.checkpoint import Checkpointer
@@ -33,6 +33,22 @@ def _inodes(d: Path) -> dict:
     return {p.name: p.stat().st_ino for p in (d / "clients").iterdir()}
 
 
+def _two_rank_stores(tmp_path: Path, out: Path, clients: int, keep: int) -> list:
+    """[(disk store, checkpointer)] of 2 ranks, client c (even ids on rank 0) holding w = c."""
+    stores = [(DiskClientStore(_Algo(), {}, directory=str(tmp_path / f"s{r}")), Checkpointer(str(out), r, 2, keep))
+              for r in (0, 1)]
+    for c in range(clients):
+        stores[c % 2][0].put(c, {"w": torch.full((4,), float(c))}, {})
+    return stores
+
+
+def _flip_byte(path: Path) -> None:
+    """Flip one byte of ``path`` in place (its inode, and so every hard link to it, kept)."""
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def _save_two_ranks(root: Path, stores, rounds: int, keep: int) -> Path:
     """A 2-rank checkpoint written in this process: rank 1's part first, then rank 0's (which writes
     COMPLETE over both parts and prunes)."""
@@ -48,10 +64,7 @@ def test_a_checkpoint_writes_only_changed_clients_and_links_the_rest(tmp_path, m
     checkpoint's files (the same inodes). keep_checkpoints=1 then removes checkpoint 1 and
     checkpoint 2 still verifies and loads on 1 and on 3 ranks, and a damaged file is found."""
     out = tmp_path / "run"
-    stores = [(DiskClientStore(_Algo(), {}, directory=str(tmp_path / f"s{r}")), Checkpointer(str(out), r, 2, 1))
-              for r in (0, 1)]
-    for c in range(40):
-        stores[c % 2][0].put(c, {"w": torch.full((4,), float(c))}, {})
+    stores = _two_rank_stores(tmp_path, out, 40, keep=1)
     first = _save_two_ranks(out, stores, 1, keep=1)
     assert sorted(_inodes(first)) == [f"client_{c:07d}.pt" for c in range(40)]
     before = _inodes(first)
@@ -94,9 +107,7 @@ def test_a_checkpoint_writes_only_changed_clients_and_links_the_rest(tmp_path, m
     assert ck.verify(second) is None and ck.load(second, [4, 6], "cpu")[2][4]["w"].tolist() == [104.0] * 4
     # one flipped byte: resuming (deep) finds it; pruning checks the file is there with its size
     victim = second / "clients" / "client_0000013.pt"
-    data = bytearray(victim.read_bytes())
-    data[-3] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    _flip_byte(victim)
     assert ck.verify(second) == "clients/client_0000013.pt does not match its checksum"
     assert ck.verify(second, deep=False) is None
     victim.unlink()
@@ -108,10 +119,7 @@ def test_a_damaged_file_shared_by_every_kept_checkpoint_is_refused_not_restarted
     names, so a byte flipped in it damages both. The newer is skipped for the older, which is damaged
     too: resuming refuses in one line naming the file, instead of starting over on round 0."""
     out = tmp_path / "run"
-    stores = [(DiskClientStore(_Algo(), {}, directory=str(tmp_path / f"s{r}")), Checkpointer(str(out), r, 2, 2))
-              for r in (0, 1)]
-    for c in range(6):
-        stores[c % 2][0].put(c, {"w": torch.full((4,), float(c))}, {})
+    stores = _two_rank_stores(tmp_path, out, 6, keep=2)
     first = _save_two_ranks(out, stores, 1, keep=2)
     stores[0][0].put(0, {"w": torch.full((4,), 100.0)}, {})
     second = _save_two_ranks(out, stores, 2, keep=2)
@@ -121,9 +129,7 @@ def test_a_damaged_file_shared_by_every_kept_checkpoint_is_refused_not_restarted
     assert shared.stat().st_ino == (first / "clients" / "client_0000003.pt").stat().st_ino
     ck = Checkpointer(str(out), 0, 1, 2)
     assert ck.latest() == second
-    data = bytearray(shared.read_bytes())
-    data[-3] ^= 0xFF
-    shared.write_bytes(bytes(data))
+    _flip_byte(shared)
     said = []
     with pytest.raises(UserError) as err:
         ck.latest(warn=said.append)
@@ -135,8 +141,7 @@ def test_a_damaged_file_shared_by_every_kept_checkpoint_is_refused_not_restarted
         f"newer one in {out / 'checkpoints'}: nothing intact to resume from")
     assert "overwrite=true" in message
     # the byte restored, the newest is intact again
-    data[-3] ^= 0xFF
-    shared.write_bytes(bytes(data))
+    _flip_byte(shared)
     assert ck.latest() == second
 
 
@@ -202,7 +207,7 @@ def test_a_store_file_that_cannot_be_read_fails_the_checkpoint_naming_it(tmp_pat
 # -- a whole run ---------------------------------------------------------------------------------
 
 def _ditto(shard, out, *extra):
-    # 20 clients, a cohort of 3 a round; fused=false: _PreemptAt wraps local_train
+    # 20 clients, a cohort of 3 a round; fused=false: PreemptAt wraps local_train
     return [f"data.path={shard}", f"out_dir={out}", "rounds=4", "eval_every=2", "participation=0.15",
             "checkpoint_every=1", "threads=1", "fused=false", "client_state=disk", *extra]
 
@@ -210,26 +215,6 @@ def _ditto(shard, out, *extra):
 def _records(out: Path):
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
-
-
-class _PreemptAt:
-    """Sends the preemption signal to this process while round ``r`` (1-based) trains."""
-
-    def __init__(self, algo, r):
-        self.__dict__.update(algo=algo, r=r)
-
-    def __getattr__(self, name):
-        return getattr(self.algo, name)
-
-    def __setattr__(self, name, value):
-        setattr(self.algo, name, value)
-
-    def local_train(self, state, data, ctx):
-        if ctx.round + 1 == self.r:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGUSR2)
-        return self.algo.local_train(state, data, ctx)
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +230,7 @@ def _stopped_after_round_3(shard, out):
     checkpoint alone is left, its unchanged clients' files carried over from the removed ones."""
     args = _ditto(shard, out, "keep_checkpoints=1")
     with pytest.raises(Preempted, match="checkpointed after 3 rounds"):
-        run("configs/digits_ditto.yaml", args, wrap=lambda a: _PreemptAt(a, 3))
+        run("configs/digits_ditto.yaml", args, wrap=lambda a: PreemptAt(a, 3))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["round_0000003"]
     return args
 

@@ -2,14 +2,13 @@
 stores give the same runs, bit for bit, and a disk store resumes from checkpoints exactly."""
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_cmd
-from helpers import run
+from helpers import PreemptAt, run
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.state.client_store import ClientStore, DiskClientStore, resolve_mode
 from fedcp_dist.errors import Preempted
@@ -20,7 +19,7 @@ MiB = 2**20
 def _ditto(shard, out, *extra):
     return [f"data.path={shard}", f"out_dir={out}", "rounds=3", "eval_every=2", "participation=0.5",
             "checkpoint_every=1", "threads=1",
-            "fused=false", *extra]  # one client at a time: _PreemptAt wraps local_train
+            "fused=false", *extra]  # one client at a time: PreemptAt wraps local_train
 
 
 def _records(out: Path):
@@ -66,29 +65,11 @@ def test_disk_and_host_stores_give_the_device_stores_run_bit_for_bit(digits6, de
     _same(device_run, host)
 
 
-class _PreemptAt:
-    """Sends the preemption signal to this process while round ``r`` (1-based) trains."""
-
-    def __init__(self, algo, r):
-        self.__dict__.update(algo=algo, r=r)
-
-    def __getattr__(self, name):
-        return getattr(self.algo, name)
-
-    def __setattr__(self, name, value):
-        setattr(self.algo, name, value)
-
-    def local_train(self, state, data, ctx):
-        if ctx.round + 1 == self.r:
-            os.kill(os.getpid(), signal.SIGUSR2)
-        return self.algo.local_train(state, data, ctx)
-
-
 def test_disk_store_resumes_exactly_from_the_checkpoint_not_from_its_files(digits6, device_run, tmp_path):
     out = tmp_path / "resumed"
     args = _ditto(digits6, out, "client_state=disk", "checkpoint_every=0")
     with pytest.raises(Preempted):
-        run("configs/digits_ditto.yaml", args, wrap=lambda a: _PreemptAt(a, 2))
+        run("configs/digits_ditto.yaml", args, wrap=lambda a: PreemptAt(a, 2))
     # a state file newer than (or unlike) the checkpoint must not be used: the checkpoint rules
     files = sorted((out / "client_state" / "rank_0").glob("client_*.pt"))
     assert files
@@ -297,7 +278,7 @@ def test_bn_statistics_and_residuals_live_in_the_disk_stores_files_and_resume_ex
     out = tmp_path / "resumed"
     args = _fedcp_bn_ef(digits6, out, "client_state=disk", "checkpoint_every=0")
     with pytest.raises(Preempted):
-        run("configs/digits_fedcp.yaml", args, wrap=lambda a: _PreemptAt(a, 2))
+        run("configs/digits_fedcp.yaml", args, wrap=lambda a: PreemptAt(a, 2))
     for f in (out / "client_state" / "rank_0").glob("client_*.pt"):
         torch.save({k: v + 1 for k, v in torch.load(f, weights_only=True).items()}, f)
     run("configs/digits_fedcp.yaml", args[:-1] + ["checkpoint_every=1"])
@@ -350,7 +331,7 @@ def test_peer_banks_live_in_mapped_files_and_resume_exactly(method, digits6, tmp
     out = tmp_path / "resumed"
     args = _ditto(digits6, out, "client_state=disk", "checkpoint_every=0")
     with pytest.raises(Preempted):
-        run(cfg, args, wrap=lambda a: _PreemptAt(a, 2))
+        run(cfg, args, wrap=lambda a: PreemptAt(a, 2))
     run(cfg, args[:-1] + ["checkpoint_every=1"])
     _same(dev, out)
 
@@ -415,7 +396,7 @@ def test_runs_sharing_a_client_state_dir_keep_apart_and_a_requeue_finds_its_own(
     args_a = _ditto(digits6, a, "client_state=disk", f"client_state_dir={scratch}", "checkpoint_every=0")
     said = []
     with pytest.raises(Preempted):
-        run("configs/digits_ditto.yaml", args_a, wrap=lambda x: _PreemptAt(x, 2), echo=said.append)
+        run("configs/digits_ditto.yaml", args_a, wrap=lambda x: PreemptAt(x, 2), echo=said.append)
     dir_a = run_state_dir(str(a), str(scratch), 0)
     assert dir_a.parent.parent == scratch and dir_a.parent.name.startswith("a-") and dir_a.name == "rank_0"
     assert f"client states: disk ({dir_a})" in said[0]
@@ -512,7 +493,7 @@ def test_a_run_refused_after_start_up_releases_its_folders(digits6, tmp_path):
     args = _ditto(digits6, out, "client_state=disk", f"client_state_dir={tmp_path / 'scratch'}", "rounds=2",
                   "checkpoint_every=0")
     with pytest.raises(Preempted):
-        run("configs/digits_ditto.yaml", args, wrap=lambda x: _PreemptAt(x, 1))
+        run("configs/digits_ditto.yaml", args, wrap=lambda x: PreemptAt(x, 1))
     with pytest.raises(UserError, match="config key 'lr'"):
         run("configs/digits_ditto.yaml", args + ["lr=0.5"])
     said = []

@@ -13,7 +13,8 @@ from typing import Optional
 from fedcp_dist.analysis.plots import pyplot as _pyplot
 from fedcp_dist.analysis.plots import save as _save
 from fedcp_dist.analysis.plots import series_styles
-from fedcp_dist.cli.report_table import Run, Table, _is_percent, _label, _numeric, _sort_key
+from fedcp_dist.cli.report_runs import Run, _label, _numeric, _sort_key
+from fedcp_dist.cli.report_table import Table, _is_percent
 from fedcp_dist.rundir.directory import RunDir, format_value
 
 
