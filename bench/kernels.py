@@ -4,6 +4,7 @@
     python bench/kernels.py --batch 80               # the same kernels with 80 samples per client
     python bench/kernels.py --input 3,32,32 --classes 100 --compile
     python bench/kernels.py --device cuda --slots 64 --compile       # on a GPU (CUDA graphs: see bench/gpu.sh)
+    python bench/kernels.py --split                  # where the real step's operations spend their CPU time
 
 A fused FedCP step (``fused: auto``) of ``--slots`` clients with ``--batch`` samples each runs, for
 every convolution and Linear layer of the model's feature extractor and for the CPN, the kernels
@@ -27,6 +28,9 @@ with these kernels. The heads and the MMD (under 0.5 % of the step's FLOPs) are 
 its backward with the in-place SGD step, against the eager kernels, and prints the compile time.
 On a GPU (``--device cuda``) the kernels are also captured as one CUDA graph and replayed: the
 difference to launching them one by one is what graphs of the fused step could save.
+``--split`` (CPU) times every aten operation of the real step around its call, in CPU time, and
+sorts them by kind (products and convolutions, max-pooling, random draws, copies and fills, the
+rest): the operations beside the products are the step's non-kernel rest that a leaner step cuts.
 The allocator keeps freed memory as the engine does on a CPU (``--keep-freed-memory``, the config key
 ``keep_freed_memory``). The figures go to ``--json`` (default bench/kernels.json).
 """
@@ -231,10 +235,10 @@ def graph_seconds(kernels: List[Kernel], calls: int, repeats: int) -> float:
     return time_call(graph.replay, calls, repeats)
 
 
-def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int, steps: int, repeats: int,
-                      device: torch.device = torch.device("cpu")) -> float:
-    """Seconds per step of FedCP's real fused local training (the paper's η = 0.005, λ = 5) of
-    ``k`` synthetic clients of ``steps`` full batches each: every step has all ``k`` slots."""
+def real_round(model_name: str, input_shape, classes: int, k: int, b: int, steps: int,
+               device: torch.device = torch.device("cpu")) -> Callable[[], None]:
+    """One round of FedCP's real fused local training (the paper's η = 0.005, λ = 5) of ``k``
+    synthetic clients of ``steps`` full batches each: every step has all ``k`` slots."""
     from bench.models import client
     from fedcp_dist.algorithms import make_algorithm
     from fedcp_dist.algorithms.base import Context
@@ -253,7 +257,82 @@ def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int
                  for c in range(k)]
         train_group(algo, items)
 
-    return time_call(one_round, 1, repeats) / steps
+    return one_round
+
+
+def real_step_seconds(model_name: str, input_shape, classes: int, k: int, b: int, steps: int, repeats: int,
+                      device: torch.device = torch.device("cpu")) -> float:
+    """Seconds per step of :func:`real_round`'s training (the best of ``repeats`` rounds)."""
+    return time_call(real_round(model_name, input_shape, classes, k, b, steps, device), 1, repeats) / steps
+
+
+#: the aten operations of a fused step by what they do (``--split``); the rest are elementwise
+#: operations, reductions and views
+OP_KINDS = (
+    ("matrix products and convolutions", ("convolution", "convolution_backward", "bmm", "baddbmm", "baddbmm_",
+                                          "mm", "addmm", "addmm_", "addbmm", "addbmm_")),
+    ("max-pooling, forward and backward", ("max_pool2d_with_indices", "max_pool2d_with_indices_backward", "maximum")),
+    ("random draws (Gumbel noise)", ("exponential_", "uniform_", "normal_", "random_", "bernoulli_", "bernoulli")),
+    ("copies, fills and gathers", ("copy_", "fill_", "zero_", "clone", "_to_copy", "index", "index_select", "cat",
+                                   "stack", "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones",
+                                   "new_empty", "new_zeros", "new_empty_strided")),
+)
+OTHER_OPS = "other operations (elementwise, reductions, views)"
+
+
+def op_kind(op_name: str) -> str:
+    """The :data:`OP_KINDS` entry of an aten operation's name ("aten.bmm.default" or "bmm")."""
+    parts = op_name.split(".")
+    base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+    for kind, names in OP_KINDS:
+        if base in names:
+            return kind
+    return OTHER_OPS
+
+
+def split_step(one_round: Callable[[], None], steps: int, repeats: int) -> dict:
+    """Where a real fused step's operations spend their time: CPU seconds per step by
+    :func:`op_kind`, each aten operation timed around its own call (``time.process_time``: other
+    work on the machine does not count) in one traced round after two untraced ones, beside the
+    best untraced round's CPU seconds per step. What no operation's call holds (Python, autograd's
+    engine between the operations) cannot be told apart from the tracing's own cost, so it is not
+    split out. CPU only: a GPU's operations run after their calls return."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    spent = {kind: 0.0 for kind, _ in OP_KINDS}
+    spent[OTHER_OPS] = 0.0
+    calls = {kind: 0 for kind in spent}
+
+    class Timed(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.process_time()
+            out = func(*args, **(kwargs or {}))
+            kind = op_kind(str(func))
+            spent[kind] += time.process_time() - t0
+            calls[kind] += 1
+            return out
+
+    untraced = time_call(one_round, 1, repeats, clock=time.process_time) / steps
+    with Timed():
+        one_round()
+    per_step = {kind: v / steps for kind, v in spent.items()}
+    products = per_step[OP_KINDS[0][0]]
+    rest = sum(per_step.values()) - products
+    return {"untraced_step_seconds": untraced, "seconds": per_step,
+            "calls_per_step": {kind: v / steps for kind, v in calls.items()},
+            "products_seconds": products, "rest_seconds": rest, "rest_over_products": rest / products}
+
+
+def print_split(split: dict, width: int) -> None:
+    """Prints :func:`split_step`'s figures."""
+    sec, total = split["seconds"], sum(split["seconds"].values())
+    width = max(width, 2 + max(len(kind) for kind in sec))
+    print(f"where the real step's operations spend their time (CPU ms a step, each operation timed around its call "
+          f"in one traced round; the same step untraced: {1e3 * split['untraced_step_seconds']:.3f} ms):")
+    for kind, v in sec.items():
+        print(f"  {kind:{width - 2}}  {1e3 * v:7.3f} ms  {100 * v / total:5.1f} %  {split['calls_per_step'][kind]:6.1f} calls a step")
+    print(f"  the operations beside the products and convolutions: {1e3 * split['rest_seconds']:.3f} ms, "
+          f"{split['rest_over_products']:.2f}× the products' and convolutions' time in the same step")
 
 
 def main(argv=None):
@@ -269,6 +348,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel (the best is kept)")
     p.add_argument("--steps", type=int, default=20, help="steps of the real fused training timed for comparison (0: skip)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the largest Linear layer")
+    p.add_argument("--split", action="store_true",
+                   help="also time every aten operation of the real step (CPU only): where the rest beyond the kernels goes")
     p.add_argument("--keep-freed-memory", default="auto", choices=["auto", "true", "false"],
                    help="the allocator setting, as the engine's config key keep_freed_memory (default auto: on)")
     p.add_argument("--json", default=str(REPO / "bench" / "kernels.json"))
@@ -281,6 +362,8 @@ def main(argv=None):
         p.error(f"--input must be C,H,W with positive sizes, got {args.input!r}")
     if args.steps < 0:
         p.error("--steps must be at least 0")
+    if args.split and args.steps == 0:
+        p.error("--split times the real step: it needs --steps of at least 1")
     for flag in ("slots", "batch", "threads", "calls", "repeats"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be at least 1")
@@ -290,6 +373,8 @@ def main(argv=None):
         p.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         p.error(f"--device {args.device}: not available here (cpu, or cuda with a visible GPU)")
+    if args.split and device.type != "cpu":
+        p.error("--split times operations as they return: CPU only (on a GPU use torch.profiler)")
     global SYNC
     if device.type == "cuda":
         SYNC = lambda: torch.cuda.synchronize(device)  # noqa: E731
@@ -303,6 +388,8 @@ def main(argv=None):
         peak_before = matmul_peak_gflops(device)
         timed = [(kern, time_call(kern.run, args.calls, args.repeats)) for kern in step_kernels(model, input_shape, k, b)]
     real = real_step_seconds(args.model, input_shape, args.classes, k, b, args.steps, args.repeats, device) if args.steps else None
+    split = (split_step(real_round(args.model, input_shape, args.classes, k, b, args.steps, device), args.steps, args.repeats)
+             if args.split else None)
     with on:
         peak_after = matmul_peak_gflops(device)
     peak = max(peak_before, peak_after)  # the machine's speed moves: the better of the two
@@ -336,10 +423,14 @@ def main(argv=None):
         print(f"{'the real fused step (FedCP local training)':{w}}  {1e3 * summary['step_gflop']:8.1f}  {1e3 * real:7.3f}  "
               f"{rate:8.1f}  {100 * rate / peak:6.1f} %  ({real / summary['kernel_seconds']:.2f}× the kernels' sum; "
               f"mean of {args.steps} steps of {k} synthetic clients)")
+    if split is not None:
+        print_split(split, w)
     out = {"model": args.model, "input": list(input_shape), "slots": k, "batch": b, "threads": args.threads,
            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "cpu_model": cpu_model(), "keep_freed_memory": keep, "matmul_peak_gflops": [peak_before, peak_after],
            "kernels": [asdict(r) for r in rows], **summary}
+    if split is not None:
+        out["split"] = split
     if args.compile:
         lin = [m for m in model.features.modules() if isinstance(m, nn.Linear)]
         big = max(lin, key=lambda m: m.in_features * m.out_features)

@@ -186,7 +186,7 @@ def test_kernel_bench_summary_and_json(tmp_path):
 
     out = tmp_path / "k.json"
     r = run_cmd([sys.executable, "bench/kernels.py", "--slots", "2", "--calls", "1", "--repeats", "1", "--steps", "2",
-                 "--json", str(out)], timeout=300)
+                 "--split", "--json", str(out)], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     peak = max(res["matmul_peak_gflops"])
@@ -200,13 +200,35 @@ def test_kernel_bench_summary_and_json(tmp_path):
     assert res["real_step_gflops"] == pytest.approx(res["step_gflop"] / res["real_step_seconds"], rel=1e-9)
     assert res["real_over_kernels"] == pytest.approx(res["real_step_seconds"] / res["kernel_seconds"], rel=1e-9)
     assert "all kernels of one step" in r.stdout and "the real fused step" in r.stdout
+    # --split: every traced operation in one kind; the rest is what is not a product or convolution
+    sp = res["split"]
+    kinds = [kind for kind, _ in kb.OP_KINDS] + [kb.OTHER_OPS]
+    assert list(sp["seconds"]) == kinds and list(sp["calls_per_step"]) == kinds
+    assert sp["products_seconds"] == sp["seconds"][kinds[0]] > 0
+    assert sp["rest_seconds"] == pytest.approx(sum(sp["seconds"][k] for k in kinds[1:]), rel=1e-12)
+    assert sp["rest_over_products"] == pytest.approx(sp["rest_seconds"] / sp["products_seconds"], rel=1e-12)
+    # a step's calls are the same every step: 2 steps give whole numbers; two slots draw Gumbel noise twice a step
+    assert all(float(n).is_integer() for n in sp["calls_per_step"].values())
+    assert sp["calls_per_step"]["random draws (Gumbel noise)"] == 2
+    assert sum(line.startswith("  ") and " calls a step" in line for line in r.stdout.splitlines()) == len(kinds)
+
+
+def test_kernel_bench_sorts_operations_by_kind():
+    kb = _load_kernels()
+    assert kb.op_kind("aten.convolution_backward.default") == "matrix products and convolutions"
+    assert kb.op_kind("aten.baddbmm_.default") == kb.op_kind("bmm") == "matrix products and convolutions"
+    assert kb.op_kind("aten.max_pool2d_with_indices_backward.default") == "max-pooling, forward and backward"
+    assert kb.op_kind("aten.exponential_.default") == "random draws (Gumbel noise)"
+    assert kb.op_kind("aten.fill_.Scalar") == "copies, fills and gathers"
+    assert kb.op_kind("aten.mul.Tensor") == kb.op_kind("aten.sum.dim_IntList") == kb.OTHER_OPS
 
 
 def test_kernel_bench_refuses_bad_arguments(capsys):
     r = run_cmd([sys.executable, "bench/kernels.py", "--input", "1,28"], timeout=120)
     assert r.returncode == 2 and "--input must be C,H,W" in r.stderr and "Traceback" not in r.stderr
     kb = _load_kernels()  # the other refusals in this process: the same main, no second start of torch
-    bad = [(["--slots", "0"], "--slots must be at least 1"), (["--device", "tpu"], "--device must be cpu or cuda")]
+    bad = [(["--slots", "0"], "--slots must be at least 1"), (["--device", "tpu"], "--device must be cpu or cuda"),
+           (["--split", "--steps", "0"], "--split times the real step")]
     if not torch.cuda.is_available():
         bad.append((["--device", "cuda"], "--device cuda: not available here"))
     for argv, said in bad:
