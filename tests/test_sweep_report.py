@@ -556,9 +556,10 @@ def test_metrics_read_from_the_records_rounds_to_acc_after_and_pir(tmp_path, cap
     assert cells[0] == "2.7 ± 0.9" and cells[1] == "4.0 ± 0.0 (2/3; 1 not reached)" and cells[2] == "not reached"
     assert cells[4] == "n/a" and cells[5].startswith("0.5 ± 0")
     capsys.readouterr()
-    # P outside (0, 100] is no metric: the error lists what is
-    msg = cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", "rounds_to_101"])
-    assert "'rounds_to_101'" in msg and "rounds_to_P" in msg
+    # P outside (0, 100] is said to be out of range
+    for bad, p in (("rounds_to_101", "101"), ("rounds_to_0", "0")):
+        msg = cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", bad])
+        assert msg == f"error: fedcp-report: --metric {bad}: P must be a percentage in (0, 100], got {p}\n"
 
 
 def test_the_curves_plot_ticks_the_evaluated_rounds_says_its_seeds_and_zooms_where_curves_meet(tmp_path, monkeypatch):

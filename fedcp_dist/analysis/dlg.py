@@ -483,14 +483,20 @@ def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None,
     setup.check()
     settings = list(setup.dp) or [None]
     per_run = len(setup.clients) * setup.batches * len(settings) * len(setup.attacks) * setup.restarts * setup.steps
+    states = []  # every run read and checked before the bar starts: a refusal is the only line printed
+    for run_dir, label in runs:
+        state = load_run_state(run_dir, data_path, device, changes=state_changes(setup), warn=warn)
+        if state.cfg.method not in METHODS:
+            raise UserError(f"DLG attacks {', '.join(METHODS)}; {run_dir} ran {state.cfg.method}")
+        if state.info.kind != "image":
+            raise UserError(f"DLG reconstructs images; {run_dir} trained on {state.info.kind}")
+        bad = [c for c in setup.clients if not 0 <= c < state.num_clients]
+        if bad:
+            raise UserError(f"client {bad[0]} is not in {run_dir} (clients 0..{state.num_clients - 1})")
+        states.append((state, label))
     results = []
     with tqdm(total=per_run * len(runs), disable=not progress, desc="DLG", unit="it", mininterval=1.0) as bar:
-        for run_dir, label in runs:
-            state = load_run_state(run_dir, data_path, device, changes=state_changes(setup), warn=warn)
-            if state.cfg.method not in METHODS:
-                raise UserError(f"DLG attacks {', '.join(METHODS)}; {run_dir} ran {state.cfg.method}")
-            if state.info.kind != "image":
-                raise UserError(f"DLG reconstructs images; {run_dir} trained on {state.info.kind}")
+        for state, label in states:
             datas = state.load_data(list(setup.clients))
             for cid in setup.clients:
                 self_check(state, cid, datas[cid].train_batch()[0][:16])

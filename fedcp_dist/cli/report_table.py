@@ -135,6 +135,9 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     scale = 100.0 if _is_percent(metric) else 1.0
     finished = [r for r in runs if r.finished]
     diverged = [r for r in runs if r.diverged]
+    m = _ROUNDS_TO.fullmatch(metric)
+    if m and not 0 < float(m.group(1)) <= 100:
+        raise UserError(f"fedcp-report: --metric {metric}: P must be a percentage in (0, 100], got {m.group(1)}")
     if finished and metric not in OPTIONAL and not is_record_metric(metric) and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
         raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
