@@ -310,6 +310,10 @@ def parse_overrides(items: list[str]) -> dict:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise UserError(f"override {item!r} has an empty key")
+        bad = next((c for c in item if "\udc80" <= c <= "\udcff"), None)  # a byte the locale could not decode
+        if bad is not None:
+            raise UserError(f"override {key}=…: the value holds byte 0x{ord(bad) - 0xdc00:02x}, which is not UTF-8 text "
+                            f"(a path must be valid UTF-8 to be written in config.yaml)")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:

@@ -41,10 +41,34 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
+def os_error_behind(exc: BaseException):
+    """The OSError that ``exc`` was raised from or while handling (torch's zip writer turns a full
+    disk into a RuntimeError raised while handling the OSError), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def atomic_torch_save(obj, path: Path, durable: bool = True) -> None:
+    """``torch.save`` of ``obj`` to ``path``, whole or not at all (:func:`atomic_write`); a write that
+    fails for the file system's reason (a full disk, a file size limit) is an OSError naming ``path``,
+    whichever error torch's writer raised for it."""
     import torch  # here, so that command-line tools that never save tensors start fast
 
-    atomic_write(path, lambda f: torch.save(obj, f), durable)
+    def write(f) -> None:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as exc:
+            err = os_error_behind(exc)
+            if err is None:
+                raise
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from exc
+
+    atomic_write(path, write, durable)
 
 
 class AppendFile:

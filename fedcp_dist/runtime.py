@@ -26,6 +26,7 @@ old export) otherwise make a plain run wait for ranks that never come.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -241,26 +242,31 @@ class Runtime:
                              f"(the last complete checkpoint is kept)") from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         missing = self._silent_ranks()
-        who = (
-            f"rank(s) {', '.join(map(str, missing))} stopped answering"
-            if missing
-            else f"a peer rank died or did not answer within collective_timeout={self.timeout_s:g} s"
-        )
+        if missing:
+            who = f"rank(s) {', '.join(map(str, missing))} stopped answering"
+        elif missing is None and self.rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # without torchrun's agent holding it, rank 0 holds the job's rendezvous store: gone with it
+            who = "rank 0 is gone (the job's rendezvous store, which rank 0 held, no longer answers)"
+        else:
+            who = f"a peer rank died or did not answer within collective_timeout={self.timeout_s:g} s"
         raise RunFailure(f"rank {self.rank}, {self.phase}: a collective failed: {who} ({first})") from None
 
     def _silent_ranks(self, wait_s: float = 3.0) -> Optional[list]:
-        """Ranks that do not check in on the rendezvous store within ``wait_s`` (None: store gone)."""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(f"fedcp/alive/{self.rank}", self.phase)
-            deadline = time.monotonic() + wait_s
-            while True:
-                missing = [r for r in range(self.world_size) if not store.check([f"fedcp/alive/{r}"])]
-                if not missing or time.monotonic() > deadline:
-                    return missing
-                time.sleep(0.2)
-        except Exception:  # the store lived in the process that died
-            return None
+        """Ranks that do not check in on the rendezvous store within ``wait_s`` (None: store gone).
+        torch's C++ logger writes a stack trace to stderr for a store that is gone: stderr is
+        silenced while the store is asked (the run says what happened in its own line)."""
+        with _stderr_silenced():
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                store.set(f"fedcp/alive/{self.rank}", self.phase)
+                deadline = time.monotonic() + wait_s
+                while True:
+                    missing = [r for r in range(self.world_size) if not store.check([f"fedcp/alive/{r}"])]
+                    if not missing or time.monotonic() > deadline:
+                        return missing
+                    time.sleep(0.2)
+            except Exception:  # the store lived in the process that died
+                return None
 
     def close(self) -> None:
         # after a failed collective, tearing down the group can block on the dead peer
@@ -273,6 +279,25 @@ class Runtime:
             f"backend={self.backend or 'none'}{f' ({self.backend_note})' if self.backend_note else ''} threads={self.threads}"
             + (f" keep_freed_memory={self.keep_freed}" if self.device.type == "cpu" else "")
         )
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 points at /dev/null inside the block (C++ code writes there directly)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 #: seconds between two looks of the launcher watch at this process's parent

@@ -27,6 +27,16 @@ def test_parse_overrides_nested():
     assert parse_overrides(["a=1", "data.path=x.h5", "b=true"]) == {"a": 1, "data": {"path": "x.h5"}, "b": True}
 
 
+def test_an_override_holding_a_byte_that_is_not_utf8_is_named():
+    """A shell passes a path's raw bytes; Python keeps an undecodable byte as a surrogate escape."""
+    raw = b"out_dir=/tmp/caf\xe9".decode("utf-8", "surrogateescape")
+    with pytest.raises(UserError) as exc:
+        parse_overrides([raw])
+    assert str(exc.value) == ("override out_dir=…: the value holds byte 0xe9, which is not UTF-8 text (a path must be "
+                              "valid UTF-8 to be written in config.yaml)")
+    assert parse_overrides(["out_dir=/tmp/café 1"]) == {"out_dir": "/tmp/café 1"}
+
+
 @pytest.mark.parametrize(
     "override, key",
     [

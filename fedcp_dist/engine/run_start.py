@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from fedcp_dist.capabilities import Probes, supports
-from fedcp_dist.engine import startup
+from fedcp_dist.engine import agreement, startup
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
 from fedcp_dist.state.client_store import BN_STAT_SUFFIXES, DiskClientStore, make_store
@@ -115,7 +115,10 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
             made["lock"] = prepare_out_dir(cfg.out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
         return startup.load(cfg, rt, build)
 
+    agreement.check_same_config(cfg, rt)  # before rank 0 touches out_dir: a refused start changes nothing
     s = startup.agree_on(rt, lock_and_load)
+    agreement.check_same_shard(rt, s.info)
+    agreement.check_shared_out_dir(rt, cfg.out_dir)
     algo = built["algo"]
     startup.check_peer_memory(cfg, algo, s.num_clients, int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
     global_state = algo.init_global_state()
