@@ -16,6 +16,14 @@ REPO = Path(__file__).resolve().parents[1]
 import submitit  # noqa: E402,F401
 BIN = Path(sys.executable).parent
 
+# A suite started in the background by a script (`make test &`, nohup) inherits SIGINT ignored, as
+# POSIX has background jobs do; the stop tests send SIGINT on purpose, to this process (in-process
+# runs) and to the processes it starts: give it back its default handler.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def _pin_xdist_worker() -> None:
     """Under pytest-xdist (``make test``), worker gwN keeps every ``count``-th CPU from the N-th on,

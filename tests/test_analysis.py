@@ -362,9 +362,10 @@ def test_one_line_errors(runs, tmp_path, capsys, digits6):
     err = _error(capsys, [runs["fedcp"], "--gradcam", "--clients", "9", "--out", tmp_path / "o"])
     assert "client 9 is not in" in err or "no probe rows of client(s) 9 in these runs (their clients: 0 to 5)" in err
     assert "--attacks" in _error(capsys, [runs["fedcp"], "--dlg", "--attacks", "gan", "--out", tmp_path / "o"])
-    # DLG checks the clients before its progress bar starts: the refusal is the only output
-    err = _error(capsys, [runs["fedcp"], "--dlg", "--clients", "9", "--out", tmp_path / "o"])
-    assert err == f"error: client 9 is not in {runs['fedcp']} (clients 0..5)"
+    # DLG checks the clients before its progress bar starts: the refusal is the only output (_error
+    # checks one line); FedAvg's run has no probe rows, so DLG, not the curves, refuses
+    err = _error(capsys, [runs["fedavg"], "--dlg", "--clients", "9", "--out", tmp_path / "o"])
+    assert err == f"error: client 9 is not in {runs['fedavg']} (clients 0..5)"
     assert "'bogus' is not a torch device" in _error(capsys, [runs["fedcp"], "--device", "bogus", "--out", tmp_path / "o"])
     if not torch.cuda.is_available():
         assert "0 CUDA device(s)" in _error(capsys, [runs["fedcp"], "--dlg", "--device", "cuda:7", "--out", tmp_path / "o"])
