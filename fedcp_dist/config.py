@@ -172,6 +172,8 @@ class _ConfigMethods:
             bad("data.path", "is required: the HDF5 partition written by fedcp-partition")
         if data_file and os.path.isdir(self.data.path):
             bad("data.path", f"{self.data.path} is a directory; name the HDF5 partition file in it")
+        if data_file and os.path.islink(self.data.path) and not os.path.exists(self.data.path):
+            bad("data.path", f"{self.data.path} is a symbolic link to {os.readlink(self.data.path)}, which does not exist")
         if data_file and not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
         return self

@@ -27,6 +27,15 @@ def test_parse_overrides_nested():
     assert parse_overrides(["a=1", "data.path=x.h5", "b=true"]) == {"a": 1, "data": {"path": "x.h5"}, "b": True}
 
 
+def test_a_shard_path_that_is_a_broken_link_names_its_target(tmp_path):
+    link = tmp_path / "d.h5"
+    link.symlink_to(tmp_path / "gone" / "d.h5")
+    with pytest.raises(UserError) as exc:
+        load_config("configs/digits_fedcp.yaml", [f"data.path={link}"])
+    assert str(exc.value) == (f"config key 'data.path': {link} is a symbolic link to {tmp_path / 'gone' / 'd.h5'}, "
+                              f"which does not exist")
+
+
 def test_an_override_holding_a_byte_that_is_not_utf8_is_named():
     """A shell passes a path's raw bytes; Python keeps an undecodable byte as a surrogate escape."""
     raw = b"out_dir=/tmp/caf\xe9".decode("utf-8", "surrogateescape")

@@ -268,6 +268,23 @@ def test_shards_carry_a_content_fingerprint(tmp_path):
     assert any(line.startswith("fingerprint:") and "none" in line for line in describe_lines(old))
 
 
+def test_resume_onto_a_shard_of_another_client_count_says_the_counts():
+    """A shard swapped for one of other clients is named by its client counts, not by its arrays."""
+    from fedcp_dist.errors import UserError
+    from fedcp_dist.rundir.checkpoint import check_same_data, data_record
+
+    was = data_record("d.h5", "sha256:a", "L4", num_clients=4)
+    was.update(arrays={"train_x": "1", "train_y": "2"})
+    now = data_record("/x/d.h5", "sha256:b", "L6", num_clients=6)
+    now.update(arrays={"train_x": "3", "train_y": "4"})
+    with pytest.raises(UserError, match=r"^data.path /x/d.h5 holds other data than the checkpointed run in out was made "
+                                        r"on: it holds 6 clients, the checkpointed run's shard 4 \(partitioned again"):
+        check_same_data(was, now, "out", print)
+    del was["clients"]  # a checkpoint written before runs recorded their client count: the arrays say it
+    with pytest.raises(UserError, match=r"its .*differ from the checkpoint's"):
+        check_same_data(was, now, "out", print)
+
+
 @pytest.mark.slow
 def test_resume_onto_a_shard_partitioned_again_is_refused(tmp_path):
     """The same data.path, partitioned again with another seed after the checkpoints were written:

@@ -72,7 +72,7 @@ def run_data_record(cfg: Config, setup: startup.Setup) -> Optional[dict]:
     ranks that did not hash it: the first rank checks the data for every rank)."""
     if setup.digest is None:
         return None
-    return data_record(cfg.data.path, setup.info.fingerprint, setup.layout, setup.digest)
+    return data_record(cfg.data.path, setup.info.fingerprint, setup.layout, setup.digest, setup.info.num_clients)
 
 
 def close_parts(parts, failed: bool) -> None:

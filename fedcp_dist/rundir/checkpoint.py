@@ -63,13 +63,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def data_record(path: str, fingerprint: str, layout: str, digest: Optional[ShardDigest] = None) -> dict:
+def data_record(path: str, fingerprint: str, layout: str, digest: Optional[ShardDigest] = None,
+                num_clients: Optional[int] = None) -> dict:
     """What a checkpoint records of the shard it was made on (``meta["data"]``): its path, the
     fingerprint written with it ("" for a shard written without one), its layout digest (see
-    :mod:`fedcp_dist.data.shards`) and, from ``digest`` (what the shard holds, hashed when the run
-    started: :func:`~fedcp_dist.data.shards.verify.verify_shard`), its content's fingerprint and each
-    array's digest."""
+    :mod:`fedcp_dist.data.shards`), its number of clients and, from ``digest`` (what the shard holds,
+    hashed when the run started: :func:`~fedcp_dist.data.shards.verify.verify_shard`), its content's
+    fingerprint and each array's digest."""
     record = {"path": path, "fingerprint": fingerprint or None, "layout": layout}
+    if num_clients is not None:
+        record["clients"] = int(num_clients)
     if digest is not None:
         record.update(content=digest.fingerprint, arrays=dict(digest.arrays))
     return record
@@ -89,6 +92,10 @@ def check_same_data(recorded: Optional[dict], current: dict, out_dir, echo) -> b
     refuse = (f"data.path {current.get('path')} holds other data than the checkpointed run in {out_dir} was made "
               f"on: {{}} (partitioned again, or edited in place?); point data.path at the shard the run was made on "
               f"(a copy of it resumes from anywhere), or use another out_dir, or overwrite=true to start afresh")
+    if isinstance(recorded.get("clients"), int) and isinstance(current.get("clients"), int) \
+            and recorded["clients"] != current["clients"]:
+        raise UserError(refuse.format(f"it holds {current['clients']} clients, the checkpointed run's shard "
+                                      f"{recorded['clients']}"))
     if isinstance(recorded.get("arrays"), dict) and current.get("arrays"):
         differ = [k for k in sorted(set(recorded["arrays"]) | set(current["arrays"]))
                   if recorded["arrays"].get(k) != current["arrays"].get(k)]
