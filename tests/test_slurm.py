@@ -242,6 +242,54 @@ def test_submitit_sweep_completes_reports_and_is_not_resubmitted(cluster, digits
     assert "nothing to submit" in again and "submitted" not in again and "warning" not in again
 
 
+def test_a_sweep_task_cancelled_stops_and_one_requeued_by_slurm_resumes(cluster, digits6_16px, tmp_path):
+    """Two points of a submitit sweep, `fedcp-sweep --wait` watching: scancel of one task ends it
+    after its run checkpointed (not requeued: Restarts stays 0; the point is reported stopped, not
+    FAILED), `scontrol requeue` of the other lets SLURM requeue it alone (no second requeue, no
+    traceback, no result for that attempt), its next attempt resumes and finishes; the sweep exits 75
+    (run it again to resume the stopped point)."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(json.dumps({
+        "name": "stops", "root": str(tmp_path / "sweeps"), "base": str(CONFIG),
+        "overrides": {"rounds": 60, "eval_every": 20, "checkpoint_every": 1, "threads": 1,
+                      "data.path": str(digits6_16px)},
+        "grid": {"seed": [1, 2]},
+        "executor": {"kind": "slurm", "nproc": 1, "slurm": {"partition": "debug", "gpus_per_task": 0,
+                     "tasks_per_node": 1, "cpus_per_task": 1, "time_min": 10}},
+    }))
+    watcher = subprocess.Popen([str(BIN / "fedcp-sweep"), str(sweep), "--wait"], cwd=REPO, env=_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        runs = tmp_path / "sweeps" / "stops" / "runs"
+        deadline = time.monotonic() + 180
+        while len({c.parts[-4] for c in runs.glob("*/checkpoints/round_*/COMPLETE")}) < 2:  # both in their rounds
+            assert watcher.poll() is None, watcher.communicate()
+            assert time.monotonic() < deadline, "the sweep's runs did not checkpoint in time"
+            time.sleep(0.5)
+        manifest = json.loads((tmp_path / "sweeps" / "stops" / "sweep.json").read_text())
+        cancelled, requeued = sorted(manifest["submissions"][-1]["jobs"].values())
+        assert subprocess.run(["scancel", cancelled], env=_env(), timeout=30).returncode == 0
+        assert subprocess.run(["scontrol", "requeue", requeued], env=_env(), timeout=30).returncode == 0
+        out, err = watcher.communicate(timeout=420)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            subprocess.run(["scancel", "--name=fedcp-stops"], capture_output=True, timeout=30)
+    assert watcher.returncode == 75, out[-3000:] + err[-3000:]
+    assert re.search(rf"{re.escape(cancelled)}\s+\S+: stopped: the job was ended \(scancel", out), out
+    assert re.search(rf"{re.escape(requeued)}\s+\S+: finished, best_acc", out), out
+    assert "FAILED" not in out and "1 stopped after a checkpoint" in out, out
+    assert "preempted: sweep stops: 1 point(s) stopped after a checkpoint" in err, err
+    folder = tmp_path / "sweeps" / "stops" / "submitit"
+    log = lambda job, kind: (folder / f"{job}_0_log.{kind}").read_text(errors="replace")  # noqa: E731
+    # one attempt of the cancelled task, two of the requeued one (SLURM's requeue, not a second one of ours)
+    assert log(cancelled, "out").count("Starting with JobEnvironment") == 1
+    assert log(requeued, "out").count("Starting with JobEnvironment") == 2
+    assert "checkpointed; SLURM requeues this task, the next attempt resumes it" in log(requeued, "out")
+    assert "resuming from" in log(requeued, "out")
+    assert "CalledProcessError" not in log(cancelled, "err") + log(requeued, "err")
+
+
 def _rank_pids(out_dir):
     pids = []
     for cmd in os.listdir("/proc"):

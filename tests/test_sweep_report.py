@@ -10,6 +10,7 @@ import pickle
 import shutil
 import signal
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -478,6 +479,52 @@ def test_slurm_callable_pickles_and_requeues_itself(tmp_path):
                       "slurm_signal_delay_s": 120}
     with pytest.raises(UserError, match="tasks_per_node"):
         sweep.load_sweep(write_sweep(tmp_path, executor={"nproc": 2, "slurm": {"tasks_per_node": 4}}))
+
+
+def test_what_slurm_does_with_a_task_whose_run_checkpointed():
+    """scontrol's view of the task once its run stopped on a SIGTERM: a restart count past this
+    attempt's is SLURM's own requeue; a job no longer running is ending (scancel); else requeue."""
+    from fedcp_dist.sweep import slurm
+
+    env = {"SLURM_ARRAY_JOB_ID": "85", "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_ID": "86", "SLURM_RESTART_COUNT": "0"}
+    asked = []
+
+    def shows(out):
+        return lambda job: asked.append(job) or out
+
+    line = "JobId=86 ArrayJobId=85 ArrayTaskId=1 JobName=fedcp-t JobState={} Reason=None Requeue=1 Restarts={} BatchFlag=1"
+    assert slurm.slurm_task_fate(env, shows(line.format("COMPLETING", 1))) == "requeue"
+    assert asked == ["85_1"]
+    assert slurm.slurm_task_fate(env, shows(line.format("COMPLETING", 0))) == "end"
+    assert slurm.slurm_task_fate(env, shows(line.format("CANCELLED", 0))) == "end"
+    assert slurm.slurm_task_fate(env, shows(line.format("RUNNING", 0))) == "run"
+    assert slurm.slurm_task_fate({**env, "SLURM_RESTART_COUNT": "1"}, shows(line.format("RUNNING", 1))) == "run"
+    assert slurm.slurm_task_fate({"SLURM_JOB_ID": "7"}, shows(line.format("RUNNING", 0))) == "run" and asked[-1] == "7"
+    assert slurm.slurm_task_fate({}, shows(line.format("RUNNING", 0))) == "unknown"
+
+    def fails(job):
+        raise subprocess.CalledProcessError(1, ["scontrol", "show", "job", job])
+
+    assert slurm.slurm_task_fate(env, fails) == "unknown"
+
+
+def test_a_tasks_error_is_told_by_its_own_line_and_a_checkpointed_stop_is_not_a_failure():
+    from fedcp_dist.sweep import slurm
+
+    def submitit_text(last):  # how submitit re-raises a task's error
+        return ("Job (task=0) failed during processing with trace:\n----------------------\n"
+                "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n" + last + "\n"
+                "----------------------\nYou can check full logs with 'job.stderr(0)' and 'job.stdout(0)'or at "
+                "paths:\n  - /s/85_0_0_log.err\n  - /s/85_0_0_log.out")
+
+    assert slurm.task_outcome(submitit_text("RuntimeError: run seed=1 failed (exit status 2): error: bad")) == \
+        ("failed", "RuntimeError: run seed=1 failed (exit status 2): error: bad")
+    assert slurm.task_outcome(submitit_text(f"RuntimeError: {slurm.STOPPED} the job was ended (scancel)")) == \
+        ("stopped", "the job was ended (scancel)")
+    outcome, why = slurm.task_outcome(submitit_text(
+        "submitit.core.utils.UncompletedJobError: Job not requeued because: timed-out too many times."))
+    assert outcome == "stopped" and "executor.slurm.max_num_timeout" in why and "run the sweep again" in why
+    assert slurm.task_outcome("just one line") == ("failed", "just one line")
 
 
 def test_slurm_task_of_several_ranks_runs_the_config_in_process(digits6, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -61,6 +62,59 @@ def _submitit_requeue() -> bool:
     return False
 
 
+#: how a task's error begins when its run checkpointed and stopped, so that the sweep run again
+#: resumes it: ``fedcp-sweep --wait`` counts such a point as stopped, not failed
+STOPPED = "stopped after a checkpoint:"
+
+
+def slurm_task_fate(env=os.environ, scontrol=None) -> str:
+    """What SLURM does with this task once its run checkpointed on a signal the task's wrapper did
+    not get as the warning signal (a SIGTERM from SLURM): ``requeue`` when SLURM requeues it itself
+    (``scontrol requeue``, a preemption that requeues: the job's restart count is already past
+    this attempt's ``SLURM_RESTART_COUNT``), ``end`` when SLURM ends it (``scancel``, a preemption
+    that cancels: the job is no longer running), ``run`` when it is still running (the signal came
+    from elsewhere), ``unknown`` when ``scontrol`` does not say."""
+    job = (f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+           if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID") else env.get("SLURM_JOB_ID"))
+    if not job:
+        return "unknown"
+    try:
+        out = (scontrol or _scontrol_show)(job)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    restarts, state = re.search(r"\bRestarts=(\d+)", out), re.search(r"\bJobState=([A-Z_]+)", out)
+    attempt = env.get("SLURM_RESTART_COUNT", "0")
+    if restarts and int(restarts.group(1)) > (int(attempt) if attempt.isdigit() else 0):
+        return "requeue"
+    if state:
+        return "run" if state.group(1) == "RUNNING" else "end"
+    return "unknown"
+
+
+def _scontrol_show(job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60,
+                          check=True).stdout
+
+
+def _after_checkpoint(name: str) -> bool:
+    """The task's run checkpointed on a signal and exited 75: leave the task to SLURM where SLURM
+    requeues it (exit without a result, so ``--wait`` waits for the next attempt), stop it where
+    SLURM ends it (an error beginning with :data:`STOPPED`), else requeue it through submitit
+    (True where submitit's handler is installed and the task goes on: a rank other than the first)."""
+    fate = slurm_task_fate()
+    if fate == "requeue":
+        print(f"fedcp-sweep: {name}: checkpointed; SLURM requeues this task, the next attempt resumes it", flush=True)
+        sys.exit(EXIT_REQUEUE)  # not an Exception: submitit writes no result for this attempt
+    if fate == "end":
+        raise RuntimeError(f"{STOPPED} the job was ended (scancel, or a preemption that does not requeue) after "
+                           f"its run checkpointed; run the sweep again to resume it")
+    try:
+        return _submitit_requeue()
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"{STOPPED} the run checkpointed but {' '.join(map(str, exc.cmd))} failed; run the sweep "
+                           f"again to resume it") from None
+
+
 class SweepRun:
     """The callable that one SLURM array task runs for one point (submitted by ``fedcp-sweep``).
 
@@ -96,7 +150,7 @@ class SweepRun:
             rc = self._proc.wait()
         finally:
             self._proc = None
-        if rc == EXIT_REQUEUE and _submitit_requeue():  # checkpointed on a signal: requeue
+        if rc == EXIT_REQUEUE and _after_checkpoint(name):  # checkpointed on a signal: requeued
             return None
         summary = RunDir(out_dir).read_summary() if out_dir else None
         if summary is not None and summary.get("status") == DIVERGED:
@@ -114,7 +168,7 @@ class SweepRun:
         try:
             return run.run_config(opts.config, opts.overrides)
         except Preempted:
-            if _submitit_requeue():  # checkpointed: requeue
+            if _after_checkpoint(" ".join(args)):  # checkpointed: requeued
                 return None
             raise
 
@@ -184,6 +238,25 @@ def _wait_for(pairs: list, array_id: str, poll_s: float = 5.0, grace_s: float = 
         time.sleep(poll_s)
 
 
+def task_outcome(error_text: str) -> tuple:
+    """("stopped" | "failed", why) from the text of a task's error as submitit re-raises it (a header,
+    the task's traceback between two lines of dashes, then where its logs are): stopped where the
+    run checkpointed and the sweep run again resumes it (:data:`STOPPED`; submitit's "timed-out too
+    many times"), else failed; ``why`` is the error's own line, not the log paths after it."""
+    lines = [ln.strip() for ln in error_text.splitlines() if ln.strip()]
+    stopped = next((ln for ln in lines if STOPPED in ln), None)
+    if stopped is not None:
+        return "stopped", stopped[stopped.index(STOPPED) + len(STOPPED):].strip()
+    if any("timed-out too many times" in ln for ln in lines):
+        return "stopped", ("the task reached its time limit more often than executor.slurm.max_num_timeout lets it "
+                           "requeue (submitit's default: 3); its run checkpointed each time: run the sweep again to "
+                           "resume it")
+    dashes = [i for i, ln in enumerate(lines) if set(ln) == {"-"}]
+    if len(dashes) >= 2 and dashes[1] > dashes[0] + 1:
+        return "failed", lines[dashes[1] - 1]
+    return "failed", lines[-1] if lines else "no error text"
+
+
 def run_slurm(sweep: Sweep, wait: bool) -> int:
     """Submit one array job for the unfinished points; with ``wait``, the number of failed points."""
     try:
@@ -230,7 +303,7 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
         print(f"not waiting: watch with `squeue -j {array_id}`; run this command again to resubmit what did not finish")
         return 0
     print("waiting for the jobs ...", flush=True)
-    failed = 0
+    failed = stopped = 0
     for job, p, gone in _wait_for(list(zip(jobs, todo)), array_id):
         if gone:  # left the queue without a result: killed, node failure, cancelled
             failed += 1
@@ -240,13 +313,20 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
         try:
             summary = job.results()[0]  # one result per task; the first is rank 0's
         except Exception as exc:  # submitit re-raises the task's error with its traceback
-            failed += 1
-            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            print(f"  {job.job_id}  {p.name}: FAILED: {lines[-1] if lines else type(exc).__name__}", flush=True)
+            outcome, why = task_outcome(str(exc) or type(exc).__name__)
+            if outcome == "stopped":
+                stopped += 1
+                print(f"  {job.job_id}  {p.name}: stopped: {why}", flush=True)
+            else:
+                failed += 1
+                print(f"  {job.job_id}  {p.name}: FAILED: {why}", flush=True)
             continue
         acc = (summary or RunDir(p.run_dir).read_summary() or {}).get("best_acc")
         acc_text = f"best_acc {acc:.4f}" if isinstance(acc, (int, float)) else "no summary"
         print(f"  {job.job_id}  {p.name}: finished, {acc_text}", flush=True)
     done = sum(p.status() == FINISHED for p in sweep.points)
-    print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, {failed} failed", flush=True)
+    print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, {failed} failed"
+          + (f", {stopped} stopped after a checkpoint" if stopped else ""), flush=True)
+    if stopped and not failed:
+        raise Preempted(f"sweep {sweep.name}: {stopped} point(s) stopped after a checkpoint; run it again to resume them")
     return failed
