@@ -122,7 +122,8 @@ def test_an_out_dir_that_a_rank_does_not_see_stops_every_rank(tmp_path, monkeypa
     shared, local = tmp_path / "shared", tmp_path / "node_local"
     shared.mkdir()
     local.mkdir()
-    (local / agreement.MARKER).write_text("12345\n")  # a stale marker of another job: not rank 0's token
+    (local / agreement.MARKER).write_text("12345\n")  # files of another job: not rank 0's token
+    (local / f"{agreement.MARKER}-{12345:016x}").write_text("12345\n")
     monkeypatch.setattr(agreement, "MARKER_WAIT_SECONDS", 0.5)
     errors = _Ranks().run([lambda rt: agreement.check_shared_out_dir(rt, shared),
                            lambda rt: agreement.check_shared_out_dir(rt, local)])
@@ -133,7 +134,7 @@ def test_an_out_dir_that_a_rank_does_not_see_stops_every_rank(tmp_path, monkeypa
     documented("cluster.md", "`error: out_dir … is not the folder rank 0 writes in on rank 1 (they do not see the file "
                              "rank 0 wrote there): out_dir must be on a file system every rank shares, not a node-local "
                              "disk`", f"error: {errors[0]}")
-    assert not (shared / agreement.MARKER).exists()  # rank 0 removes its marker
+    assert os.listdir(shared) == []  # rank 0 removes its marker
     assert _Ranks().run([lambda rt: agreement.check_shared_out_dir(rt, shared)] * 2) == [None, None]
     assert os.listdir(shared) == []
 

@@ -34,10 +34,11 @@ PER_RANK_KEYS = {
     "collective_timeout": "how long this rank waits",
     "rendezvous_timeout": "how long this rank waits",
 }
-#: the file rank 0 writes in out_dir for the other ranks to find (removed once they looked)
+#: the file rank 0 writes in out_dir for the other ranks to find, named by a fresh token each start
+#: (a name no node has looked up before, so no file system cache answers for it); removed once they looked
 MARKER = ".rank_check"
 #: how long a rank looks for the marker (a shared file system may show a new file late)
-MARKER_WAIT_SECONDS = 5.0
+MARKER_WAIT_SECONDS = 30.0
 
 
 def digest64(data: bytes) -> int:
@@ -108,22 +109,27 @@ def check_same_shard(rt, info) -> None:
                         f"every rank must read the same shard (a copy with the same content is fine)")
 
 
+def marker_file(out_dir, token: int) -> Path:
+    return Path(out_dir) / f"{MARKER}-{token:016x}"
+
+
 def check_shared_out_dir(rt, out_dir) -> None:
     """Every rank sees the ``out_dir`` rank 0 writes in (checkpoints are written there by every
-    rank): rank 0 writes a random token to :data:`MARKER`, the others read it back; else a
+    rank): rank 0 writes a random token to a file named by it (:func:`marker_file`), the others
+    read it back; else a
     UserError on every rank naming the ranks that do not see it. Rank 0 removes the marker."""
     if rt.world_size == 1:
         return
-    marker = Path(out_dir) / MARKER
     token = secrets.randbits(62) if rt.is_main else 0
     if rt.is_main:
         try:
-            marker.write_text(f"{token}\n")
+            marker_file(out_dir, token).write_text(f"{token}\n")
         except OSError as exc:
             token, why = -1, exc.strerror
     token = int(_gathered(rt, [token])[0, 0])  # rank 0's
     if token == -1:
         raise UserError(f"out_dir {out_dir}: rank 0 could not write in it" + (f" ({why})" if rt.is_main else ""))
+    marker = marker_file(out_dir, token)
     seen = rt.is_main
     deadline = time.monotonic() + MARKER_WAIT_SECONDS
     while not seen:
