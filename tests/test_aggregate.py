@@ -87,8 +87,16 @@ def test_round_record_by_hand():
                              "allreduce_seconds", "allreduce_bytes"]  # metrics.jsonl's order
     # no evaluation, no cohort list, a peer exchange: its time after the all-reduce's
     rec = round_record(0, {**times, "peer_exchange_seconds": 0.125}, Agg, [0], TrainSums(), {}, None, False)
-    assert "acc" not in rec and "cohort" not in rec and rec["train_loss"] == 0.0
+    # no sample trained on (an empty cohort): no loss, not a loss of 0
+    assert "acc" not in rec and "cohort" not in rec and rec["train_loss"] is None
     assert list(rec)[7:9] == ["allreduce_bytes", "peer_exchange_seconds"]
+    from fedcp_dist.rundir.directory import progress_line
+    from fedcp_dist.rundir.loggers import record_scalars
+
+    e = {"evaluated_after": 0, "acc": 0.5, "acc_client_mean": 0.5, "auc": 0.5, "test_loss": 1.0}
+    assert "2.00 s/round  train loss n/a (no client trained)" in progress_line(6, e, rec)
+    assert "train loss 1.5000" in progress_line(6, e, {**rec, "train_loss": 1.5})
+    assert not any("train_loss" in str(s) for s in record_scalars(rec))  # nothing plotted for it
     assert evaluation_record(5, ev) == {"evaluated_after": 5, "acc": 0.75, "acc_client_mean": 0.75, "auc": 0.5,
                                           "test_loss": 0.25}
 

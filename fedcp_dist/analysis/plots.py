@@ -106,7 +106,7 @@ def plot_accuracy(runs: list):
         axes[0].plot(xs, [100 * e.get("acc_client_mean", float("nan")) for e in run.evals], "--", color=c,
                      label=f"{run.label} (client mean)")
         axes[1].plot(xs, [e.get("auc", float("nan")) for e in run.evals], "-o", ms=3, color=c, label=run.label)
-        axes[2].plot([r["round"] for r in run.rounds], [r.get("train_loss", float("nan")) for r in run.rounds], "-",
+        axes[2].plot([r["round"] for r in run.rounds], [r["train_loss"] if r.get("train_loss") is not None else float("nan") for r in run.rounds], "-",
                      color=c, label=f"{run.label} train")
         axes[2].plot(xs, [e.get("test_loss", float("nan")) for e in run.evals], ":o", ms=3, color=c,
                      label=f"{run.label} test")

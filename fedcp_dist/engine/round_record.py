@@ -25,7 +25,9 @@ def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSu
     record = {"kind": "round", "round": t + 1, **{k: times[k] for k in TIMES},
               "allreduce_seconds": agg.last_seconds, "allreduce_bytes": agg.nbytes,
               **({"peer_exchange_seconds": times["peer_exchange_seconds"]} if "peer_exchange_seconds" in times else {}),
-              "participants": int(len(cohort)), "train_loss": train.loss_sum / max(train.samples, 1.0),
+              "participants": int(len(cohort)),
+              # null where no sample was trained on (an empty Poisson cohort): no loss, not a loss of 0
+              "train_loss": train.loss_sum / train.samples if train.samples > 0 else None,
               "nonfinite_skipped": int(train.nonfinite_clients), **uplink}
     if with_cohort:
         record["cohort"] = [int(c) for c in cohort]

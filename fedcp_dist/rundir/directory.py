@@ -487,7 +487,9 @@ def format_value(value: Any) -> str:
 
 def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
     """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
-    tail = f"  {record['seconds']:.2f} s/round  train loss {record['train_loss']:.4f}" if record else "  (final)"
+    loss = record.get("train_loss") if record else None
+    tail = (f"  {record['seconds']:.2f} s/round  train loss " + (f"{loss:.4f}" if loss is not None else "n/a (no client trained)")
+            if record else "  (final)")
     if record and "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
         eps = record["dp_epsilon"]
         tail += f"  ε after round {record['round']}: " + (f"{eps:.3g}" if math.isfinite(eps) else "∞")
