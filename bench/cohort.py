@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from fedcp_dist.state.client_store import anon_rss_bytes  # noqa: E402
+from fedcp_dist.state.process_memory import anon_rss_bytes  # noqa: E402
 from fedcp_dist.config import load_config  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.engine.simulator import Simulator  # noqa: E402

@@ -15,7 +15,7 @@ from helpers import PreemptAt, run
 from fedcp_dist.errors import Preempted, UserError
 from fedcp_dist.rundir import checkpoint as checkpoint_module
 from fedcp_dist.rundir.checkpoint import Checkpointer
-from fedcp_dist.state.client_store import DiskClientStore
+from fedcp_dist.state.disk_store import DiskClientStore
 
 META = {"records": [], "round_seconds": [], "config": {}}
 

@@ -10,7 +10,8 @@ import torch
 from conftest import run_cmd
 from helpers import PreemptAt, run
 from fedcp_dist.rundir.checkpoint import Checkpointer
-from fedcp_dist.state.client_store import ClientStore, DiskClientStore, resolve_mode
+from fedcp_dist.state.client_store import ClientStore, resolve_mode
+from fedcp_dist.state.disk_store import DiskClientStore
 from fedcp_dist.errors import Preempted
 
 MiB = 2**20
@@ -195,7 +196,8 @@ def test_micro_auc_is_scikit_learns_value_to_the_last_bit():
 
 
 def test_record_memory_adds_rank_0s_memory_to_every_round(digits6, tmp_path):
-    from fedcp_dist.state.client_store import ClientStore, memory_record, rss_bytes
+    from fedcp_dist.state.client_store import ClientStore
+    from fedcp_dist.state.process_memory import memory_record, rss_bytes
 
     out = tmp_path / "mem"
     run("configs/digits_ditto.yaml", _ditto(digits6, out, "record_memory=true", "rounds=1"))
@@ -390,7 +392,7 @@ def test_runs_sharing_a_client_state_dir_keep_apart_and_a_requeue_finds_its_own(
     """Two runs given one client_state_dir (array tasks on one node's scratch disk) each get a folder
     of their own, named after their out_dir; the other run's states are neither removed nor read, and
     a requeue (the same out_dir, however spelt) resumes from its own folder exactly."""
-    from fedcp_dist.state.client_store import run_state_dir
+    from fedcp_dist.state.disk_store import run_state_dir
 
     scratch, a, b = tmp_path / "scratch", tmp_path / "a", tmp_path / "b"
     args_a = _ditto(digits6, a, "client_state=disk", f"client_state_dir={scratch}", "checkpoint_every=0")
@@ -436,7 +438,7 @@ def test_a_second_store_on_a_held_folder_is_refused_naming_the_holder(tmp_path):
 
 
 def test_a_run_on_a_held_client_state_folder_is_one_line_exit_2(digits6, tmp_path, capsys):
-    from fedcp_dist.state.client_store import run_state_dir
+    from fedcp_dist.state.disk_store import run_state_dir
     from fedcp_dist.run import main
 
     scratch, out = tmp_path / "scratch", tmp_path / "run"

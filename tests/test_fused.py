@@ -673,7 +673,8 @@ def test_disk_store_holds_the_states_of_a_group_not_of_the_cohort(monkeypatch, r
     written back before the next group's are read, so the states held for training at once (read,
     not yet written back: count and MiB) are bounded by the group size, whatever the cohort: groups
     of 2 hold 2 of the 6 and of the 20 clients; auto (4 groups of 5 for 20 clients) holds 5 of 20."""
-    from fedcp_dist.state.client_store import DiskClientStore, state_bytes
+    from fedcp_dist.state.disk_store import DiskClientStore
+    from fedcp_dist.state.process_memory import state_bytes
     from fedcp_dist.engine.training import CohortTrainer
 
     held, peak, training = {}, {"states": 0, "bytes": 0}, []

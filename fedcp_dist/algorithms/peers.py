@@ -13,7 +13,7 @@ state, so it is checkpointed with it and identical on every rank:
 * ``seen``  (N,): 1 for the clients whose model has ever arrived.
 
 Memory per rank: N·P·4 bytes for the bank (with ``client_state: disk`` a file mapped into memory,
-see :class:`~fedcp_dist.state.client_store.DiskClientStore`) (the engine adds its exchange buffer and refuses a run
+see :class:`~fedcp_dist.state.disk_store.DiskClientStore`) (the engine adds its exchange buffer and refuses a run
 above ``peer_memory_mb``); for the 4-layer CNN on MNIST (P ≈ 582 k) that is 2.2 MiB per client.
 """
 from __future__ import annotations

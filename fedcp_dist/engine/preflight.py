@@ -56,8 +56,9 @@ from fedcp_dist.errors import UserError
 from fedcp_dist.fused import groups as fused_groups
 from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.models import build_model, model_options
-from fedcp_dist.state.client_store import (PREFETCH_DEPTH, DiskClientStore, HostClientStore, banks_in_files, rss_bytes,
-                                           state_bytes)
+from fedcp_dist.state.client_store import HostClientStore, banks_in_files
+from fedcp_dist.state.disk_store import PREFETCH_DEPTH, DiskClientStore
+from fedcp_dist.state.process_memory import rss_bytes, state_bytes
 
 MiB = 2**20
 #: fraction of what is still to come added for the allocator's overhead, and a fixed part for what

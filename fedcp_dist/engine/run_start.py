@@ -27,7 +27,8 @@ from fedcp_dist.capabilities import Probes, supports
 from fedcp_dist.engine import agreement, startup
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
-from fedcp_dist.state.client_store import BN_STAT_SUFFIXES, DiskClientStore, make_store
+from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
+from fedcp_dist.state.disk_store import DiskClientStore, make_store
 from fedcp_dist.comm.compress import Compressor
 from fedcp_dist.config import Config
 from fedcp_dist.engine.evaluation import EvalSums

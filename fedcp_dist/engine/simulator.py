@@ -17,7 +17,7 @@ from fedcp_dist.capabilities import PeerExchange, Probes, supports
 from fedcp_dist.engine import startup
 from fedcp_dist.comm.aggregate import ClientOrder, TrainSums, exchange_peers, reduce_sums
 from fedcp_dist.rundir.checkpoint import Checkpointer
-from fedcp_dist.state.client_store import memory_record
+from fedcp_dist.state.process_memory import memory_record
 from fedcp_dist.comm.compress import uplink_record
 from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure

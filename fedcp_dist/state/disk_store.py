@@ -1,0 +1,318 @@
+"""Client states on local disk (``client_state: disk``): one file per client, read ahead of use and
+written back in the background, the folder held by a lock; and :func:`make_store`, the run's
+choice of store (``client_state``: device, host, disk or auto).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import socket
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.fileio import atomic_torch_save
+from fedcp_dist.state.client_store import (ClientFiles, ClientStore, HostClientStore, State, banks_in_files, pack,
+                                           resolve_mode, unpack)
+from fedcp_dist.state.process_memory import state_bytes
+
+#: clients whose states the disk store reads ahead of the one being used
+PREFETCH_DEPTH = 2
+
+
+class DiskClientStore(ClientStore):
+    """Everything a client keeps on local disk, one file per client (``client_{id}.pt`` in
+    ``directory``), each written atomically (temporary name, rename): its state, its own BatchNorm
+    running statistics and its compression residual, in the checkpoint's layout (the last two under
+    ``__bn__/`` and ``__ef__/``). A client with nothing kept yet has no file: its state is the
+    method's initial one, made again when asked for (``init_client_state`` is the same every time).
+    In memory are only the entries in flight: those read ahead of their use (:meth:`prefetch`), the
+    last few used (``RECENT``) and those written back in the background; :meth:`flush` waits for
+    the writes. So a rank's memory does not grow with its number of clients.
+
+    The store holds ``directory`` for its life (an exclusive ``flock`` on its ``.lock`` file, which
+    names the holder's host and pid; :meth:`close` releases it): a second store on the same
+    directory is refused before it removes anything. The files found there at start are an earlier
+    attempt's and are removed (a resumed run takes its clients' states from the checkpoint). A file
+    that cannot be written or read is a :class:`~fedcp_dist.errors.RunFailure` naming it, and no
+    temporary file is left behind."""
+
+    #: entries of the clients used last, kept to serve activate/get/residual of one client by one read
+    RECENT = 4
+    #: the lock file in the store's directory
+    LOCK = ".lock"
+
+    def __init__(self, algo, global_state: State, bn_keys=(), directory: str = "", device="cpu", run: str = ""):
+        self.dir = Path(directory)
+        self.device = torch.device(device)
+        self._lock = lock_dir(self.dir, run)
+        try:
+            for old in self.dir.glob("*client_*.pt*"):  # states of an earlier attempt: checkpoints rule
+                old.unlink()
+        except OSError as exc:
+            self._lock.close()
+            raise UserError(f"client_state_dir {self.dir} cannot be cleared: {exc.strerror or exc}") from None
+        self.saved: set = set()  # clients with a file
+        self.changed: set = set()  # clients whose file was written since the last checkpoint
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state")
+        self._writing: Dict[int, tuple] = {}  # client -> (entry, future) until its file is written
+        self._older: list = []  # futures of writes overtaken by a later write of the same client
+        self._ahead: Dict[int, object] = {}  # client -> future of its read
+        self._recent: "OrderedDict[int, State]" = OrderedDict()
+        self._order: list = []
+        self._pos: Dict[int, int] = {}
+        #: global tensors with a row per client (FedAMP's and FedFomo's banks) mapped from files here
+        self.mapped_keys = tuple(getattr(algo, "bank_keys", ())) if banks_in_files("disk", self.device) else ()
+        self._mapped: Dict[str, torch.Tensor] = {}
+        super().__init__(algo, global_state, bn_keys)
+
+    def set_global(self, global_state: State) -> None:
+        """As :meth:`ClientStore.set_global`; the method's per-client banks (``bank_keys``) are kept
+        in files of this directory mapped into memory (``global_{key}.f32``): the page cache holds
+        what is used, the kernel may drop it, and the process's own memory does not grow with N."""
+        for key in self.mapped_keys:
+            if key in global_state and global_state[key] is not self._mapped.get(key):
+                global_state[key] = self._map(key, global_state[key])
+        super().set_global(global_state)
+
+    def _map(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        """``src`` copied into a file-backed tensor of the same shape (rows of zeros are not written:
+        the file is sparse). Rows are copied a few at a time, so ``src`` may itself be mapped."""
+        path = self.dir / f"global_{key}.f32"
+        self._mapped.pop(key, None)
+        with open(path, "wb") as f:
+            f.truncate(src.numel() * 4)
+        out = torch.from_file(str(path), shared=True, size=src.numel(), dtype=torch.float32).view(src.shape)
+        rows = src.reshape(src.shape[0], -1) if src.dim() else src.reshape(1, 1)
+        dst = out.reshape(rows.shape)
+        step = max(1, (4 << 20) // max(1, rows.shape[1] * 4))
+        for i in range(0, rows.shape[0], step):
+            chunk = rows[i:i + step]
+            if bool(chunk.any()):
+                dst[i:i + step] = chunk
+        self._mapped[key] = out
+        return out
+
+    def _path(self, cid: int) -> Path:
+        return self.dir / f"client_{cid:07d}.pt"
+
+    def _read(self, cid: int) -> State:
+        path = self._path(cid)
+        try:
+            return torch.load(path, map_location=self.device, weights_only=True)
+        except OSError as exc:
+            raise RunFailure(f"cannot read the client state file {path}: {exc.strerror or exc}") from None
+
+    def _write(self, cid: int, state: State) -> None:
+        """Client ``cid``'s file, written whole under a temporary name and renamed (not synced: the files
+        are this run's working space, not its record); on an error the temporary file is removed, an
+        earlier file stays as it was, and a RunFailure names the file."""
+        path = self._path(cid)
+        try:
+            atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, path, durable=False)
+        except OSError as exc:
+            raise RunFailure(f"cannot write the client state file {path}: {exc.strerror or exc}") from None
+
+    def prefetch(self, order) -> None:
+        """Clients are about to be used in this order: each use reads the next ones ahead.
+        The writes of the last use finish first, so that no state is trained on while it is written."""
+        self.flush()
+        self._order = [int(c) for c in order]
+        self._pos = {c: i for i, c in enumerate(self._order)}
+        for c in self._order[:PREFETCH_DEPTH]:
+            self._schedule(c)
+
+    def _schedule(self, cid: int) -> None:
+        if cid in self.saved and cid not in self._writing and cid not in self._ahead and cid not in self._recent:
+            self._ahead[cid] = self._io.submit(self._read, cid)
+
+    def _entry(self, cid: int) -> Optional[State]:
+        """Client ``cid``'s whole kept entry (prefixed as in a checkpoint); None when it has no file."""
+        if cid in self._writing:
+            return self._writing[cid][0]
+        if cid in self._recent:
+            self._recent.move_to_end(cid)
+            return self._recent[cid]
+        i = self._pos.get(cid)
+        if i is not None:
+            for c in self._order[i + 1:i + 1 + PREFETCH_DEPTH]:
+                self._schedule(c)
+        pending = self._ahead.pop(cid, None)
+        if pending is not None:
+            entry = pending.result()
+        elif cid in self.saved:
+            entry = self._read(cid)
+        else:
+            return None
+        self._recent[cid] = entry
+        while len(self._recent) > self.RECENT:
+            self._recent.popitem(last=False)
+        return entry
+
+    def _keep(self, cid: int, entry: State) -> None:
+        """Write ``entry`` back as client ``cid``'s file (in the background)."""
+        self._recent.pop(cid, None)
+        stale = self._ahead.pop(cid, None)
+        if stale is not None:
+            stale.result()
+        self._reap()
+        if cid in self._writing:
+            self._older.append(self._writing[cid][1])
+        self._writing[cid] = (entry, self._io.submit(self._write, cid, entry))
+        self.saved.add(cid)
+        self.changed.add(cid)
+
+    def activate(self, cid: int) -> Optional[State]:
+        if self.bn_keys:
+            own = unpack(self._entry(cid) or {})[0]
+            self.algo.set_global({**self.global_state, **own} if own else self.global_state)
+        return self.get(cid)
+
+    def get(self, cid: int) -> Optional[State]:
+        rest = unpack(self._entry(cid) or {})[2]
+        return rest if rest else self.algo.init_client_state(cid)
+
+    def peek(self, cid: int) -> Optional[State]:
+        return (unpack(self._entry(cid) or {})[2] or None) if cid in self.saved else None
+
+    def put(self, cid: int, state: Optional[State], upload: State, residual: Optional[State] = None) -> None:
+        if state is None and residual is None and not self.bn_keys:
+            return
+        bn, ef, rest = unpack(self._entry(cid) or {})
+        if self.bn_keys:  # a part not uploaded this round (a frozen CPN's) keeps its statistics
+            bn = {**bn, **{k: upload.pop(k) for k in self.bn_keys if k in upload}}
+        self._keep(cid, pack(state if state is not None else rest, bn, residual if residual is not None else ef))
+
+    def residual(self, cid: int) -> Optional[State]:
+        return unpack(self._entry(cid) or {})[1] or None
+
+    def _reap(self) -> None:
+        for c in [c for c, (_, f) in self._writing.items() if f.done()]:
+            self._writing.pop(c)[1].result()  # raises a failed write here
+        while self._older and self._older[0].done():
+            self._older.pop(0).result()
+
+    def flush(self) -> None:
+        """Wait for every write back; drop reads ahead that were not used. Every pending read and
+        write has ended when it returns or raises (the first failure)."""
+        pending = [*self._older, *(f for _, f in self._writing.values()), *self._ahead.values()]
+        self._older, self._writing, self._ahead = [], {}, {}
+        self._order, self._pos = [], {}
+        first = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as exc:  # the others still end before this one is raised
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Wait for the writes, then release the directory (also after a failed write, whose
+        error is raised once the lock is released)."""
+        if self._lock is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._io.shutdown(wait=True)
+            for tmp in self.dir.glob(".client_*.pt.tmp*"):  # none is being written any more
+                tmp.unlink(missing_ok=True)
+            self._lock.close()
+            self._lock = None
+
+    def held_bytes(self) -> int:
+        return (super().held_bytes() + sum(state_bytes(e) for e, _ in self._writing.values())
+                + sum(state_bytes(e) for e in self._recent.values()))
+
+    def state_dict(self) -> Dict[int, State]:
+        """As :meth:`ClientStore.state_dict`: the clients' files mapped into memory (read from disk
+        as they are used, not held at once); they are already in its layout. Checkpoints take the
+        files themselves (:meth:`checkpoint_part`)."""
+        self.flush()
+        self._recent.clear()
+        return {c: torch.load(self._path(c), map_location="cpu", weights_only=True, mmap=True) for c in self.saved}
+
+    def checkpoint_part(self) -> ClientFiles:
+        """The clients' files, once every write has ended, and those written since the last
+        checkpoint (or the one resumed from: :meth:`load_state_dict` writes states that are already
+        in it, so they do not count as changed): a checkpoint writes only those."""
+        self.flush()
+        changed = set(self.changed)
+        return ClientFiles({c: self._path(c) for c in sorted(self.saved)}, changed,
+                           lambda: self.changed.difference_update(changed))
+
+    def load_state_dict(self, states: Dict[int, State]) -> None:
+        """Write the checkpointed states as the clients' files (not counted as changed)."""
+        self._recent.clear()
+        for c, state in states.items():
+            if state:
+                self._write(c, dict(state))
+                self.saved.add(c)
+
+
+def lock_dir(directory: Path, run: str = ""):
+    """Create ``directory`` and take an exclusive, non-blocking ``flock`` on its lock file, which
+    then names the holder (host, pid and ``run``); returns the open lock file (closing it releases
+    the lock, and so does the process ending). A directory held by another process (or another
+    store of this one) is a one-line UserError naming it and its holder."""
+    path = directory / DiskClientStore.LOCK
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"client_state_dir {directory} cannot be written: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if not isinstance(exc, BlockingIOError):  # e.g. a file system without locks
+            f.close()
+            raise UserError(f"client_state_dir {directory} cannot be locked ({path}): {exc.strerror or exc}; "
+                            f"use a local disk") from None
+        f.seek(0)
+        holder = " ".join(f.read().split()) or "a process that did not say who it is"
+        f.close()
+        raise UserError(f"client_state_dir {directory} is in use by another run ({holder}); give each run its own "
+                        f"client_state_dir, or wait for that run to end") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"host {socket.gethostname()} pid {os.getpid()}" + (f" {run}" if run else "") + "\n")
+        f.flush()
+    except OSError as exc:
+        f.close()
+        raise UserError(f"client_state_dir {directory} cannot be written: {exc.strerror or exc}") from None
+    return f
+
+
+def run_state_dir(out_dir: str, client_state_dir: str, rank: int) -> Path:
+    """Rank ``rank``'s folder of a disk store: ``out_dir/client_state/rank_{r}``, or with
+    ``client_state_dir`` set, ``client_state_dir/{run}/rank_{r}`` where ``{run}`` is out_dir's name
+    and a hash of its absolute path. So runs that share a scratch disk never share a folder, and a
+    requeued run (the same out_dir) finds its own again."""
+    if not client_state_dir:
+        return Path(out_dir) / "client_state" / f"rank_{rank}"
+    resolved = Path(out_dir).resolve()
+    digest = hashlib.sha256(str(resolved).encode("utf-8")).hexdigest()[:16]
+    return Path(client_state_dir) / f"{resolved.name[:100]}-{digest}" / f"rank_{rank}"
+
+def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tuple[ClientStore, str]:
+    """The run's client-state store (``client_state``) and a few words for the start line."""
+    bn_keys = ClientStore.for_run(algo, global_state, cfg.aggregate_bn_stats).bn_keys
+    per_client = state_bytes(algo.init_client_state(int(owned[0]))) if len(owned) else 0
+    mode, why = resolve_mode(cfg.client_state, per_client, len(owned), cfg.client_state_budget_mb, device)
+    if mode == "disk":
+        store = DiskClientStore(algo, global_state, bn_keys, run_state_dir(cfg.out_dir, cfg.client_state_dir, rank),
+                                device, run=f"out_dir {Path(cfg.out_dir).resolve()} rank {rank}")
+        where = f"disk ({store.dir})"
+    elif mode == "host":
+        store, where = HostClientStore(algo, global_state, bn_keys, device), "host"
+    else:
+        store, where = ClientStore(algo, global_state, bn_keys), "device"
+    return store, f"client states: {where}" + (f" [{why}]" if why != "client_state" else "")
+
