@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +81,23 @@ def client_state_saves_fail(save, n: int):
         return save(obj, f, *args, **kwargs)
 
     return flaky
+
+
+def rank_envs(world_size: int = 2) -> list:
+    """The environments of ``world_size`` ranks started by hand, as mpirun's or srun's ranks meet
+    (torchrun's variables, no torchrun agent, so rank 0 holds the rendezvous store): a free port
+    on this host, one thread each, the venv first on PATH, no forced launcher."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    envs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+        env.pop("FEDCP_LAUNCHER", None)
+        envs.append(env)
+    return envs
 
 
 def run(config: str, overrides, wrap=None, echo=lambda *_: None) -> dict:

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,8 +29,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from conftest import BIN, REPO, run_cmd
-from helpers import assert_states_close, descendants, kill_job, load_run, start
+from conftest import REPO, run_cmd
+from helpers import assert_states_close, descendants, kill_job, load_run, rank_envs, start
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
@@ -368,12 +367,6 @@ def test_dead_rank_under_torchrun_with_nccl(digits6, tmp_path):
     assert SURVIVOR_LINE.search(out) or by_torchrun, out[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @two_gpus
 @nccl
 def test_dead_rank_without_a_launcher_with_nccl(digits6, tmp_path):
@@ -381,14 +374,11 @@ def test_dead_rank_without_a_launcher_with_nccl(digits6, tmp_path):
     is SIGKILLed, rank 0 must end on its own, non-zero, within collective_timeout plus a grace,
     and say why: its own error line naming rank 1, or NCCL's watchdog naming the collective that
     timed out after collective_timeout (the process group's timeout is the config's)."""
-    port = _free_port()
+    envs = rank_envs()
     procs = []
     try:
         for rank in (0, 1):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
-            env.pop("FEDCP_LAUNCHER", None)
+            env = envs[rank]
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "fedcp_dist.run",
                  *_args(digits6, tmp_path, "rounds=500", f"collective_timeout={DEAD_TIMEOUT}")],

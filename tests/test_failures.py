@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import h5py
 import pytest
 
 from conftest import BIN, REPO, run_cmd
-from helpers import descendants, documented, nonfinite_at, run
+from helpers import descendants, documented, nonfinite_at, rank_envs, run
 from helpers import kill_job as _kill_job
 from helpers import start as _start
 
@@ -46,12 +45,6 @@ def _wait_rounds(out: Path, proc, n, timeout=180):
         time.sleep(0.05)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- a rank dies -------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -61,12 +54,10 @@ def test_dead_rank_without_a_launcher_to_clean_up(digits6_16px, tmp_path, dies):
     SIGKILLed, the other must stop on its own in one line, naming the dead rank and the round.
     Rank 0 holds the job's rendezvous store there: when it dies, the store goes with it, and the
     survivor says so without torch's C++ stack trace of the lost connection."""
-    port = _free_port()
+    envs = rank_envs()
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+        env = envs[rank]
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path, "rounds=500", "collective_timeout=30")],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -345,12 +336,10 @@ def test_full_disk_on_rank_1_is_one_line_on_each_rank(digits6_16px, tmp_path):
     """Two ranks rendezvous by themselves; rank 1's client store meets a full disk in round 2. Rank 1
     says so in one line naming its file (no traceback), rank 0 stops naming rank 1, no temporary file
     is left and the checkpoint after round 1 is the newest."""
-    port = _free_port()
+    envs = rank_envs()
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+        env = envs[rank]
         procs.append(subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "helpers.py"), "full-disk:1:4",
              *_args(digits6_16px, tmp_path, "rounds=3", "client_state=disk", "checkpoint_every=1", "collective_timeout=60",

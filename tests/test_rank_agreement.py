@@ -11,8 +11,8 @@ import threading
 
 import torch
 
-from conftest import BIN, REPO
-from helpers import documented
+from conftest import REPO
+from helpers import documented, rank_envs
 from fedcp_dist.config import load_config
 from fedcp_dist.data.shards import read_info
 from fedcp_dist.engine import agreement
@@ -142,18 +142,11 @@ def test_an_out_dir_that_a_rank_does_not_see_stops_every_rank(tmp_path, monkeypa
 def test_one_rank_started_with_another_override_refuses_before_anything_is_written(digits6, tmp_path):
     """Two processes as mpirun or srun start them, rank 1 with another lr: both exit 2 in one line
     each, naming lr, and out_dir is never made."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    envs = rank_envs()
     out = tmp_path / "run"
     procs = []
     for rank, lr in ((0, "0.05"), (1, "0.1")):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
-        env.pop("FEDCP_LAUNCHER", None)
+        env = envs[rank]
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", f"data.path={digits6}",
              f"out_dir={out}", "threads=1", "rounds=1", f"lr={lr}"],
