@@ -6,7 +6,7 @@
         data.path=data/mnist_dir_n5000.h5 participation=0.01 threads=1 client_state=disk --eval
 
 It builds the run as ``fedcp-run`` does (``key=value`` overrides as there; ``out_dir`` defaults to a
-temporary folder, removed at the end), then trains rounds 2 … ``--rounds``+1 (round indices 1 …; none of them
+fresh folder under ``data/bench-runs``, the same on every rank, removed at the end), then trains rounds 2 … ``--rounds``+1 (round indices 1 …; none of them
 evaluates while ``eval_every`` > ``--rounds``), so that the figures are those of training rounds
 alone, whatever N: the run's own first round evaluates every client, which costs far more than a
 round's training at these client counts. ``--eval`` first runs round 1 with its evaluation of
@@ -20,10 +20,10 @@ the client states live.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import resource
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +38,13 @@ from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.engine.simulator import Simulator  # noqa: E402
 
 
+def _round_bench():
+    spec = importlib.util.spec_from_file_location("bench_round", REPO / "bench" / "round.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
@@ -45,11 +52,13 @@ def main(argv=None):
     p.add_argument("--eval", action="store_true", help="first run round 1 with its evaluation of every client")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="cohort-")
-    overrides = [f"out_dir={tmp}", "checkpoint_every=0", f"eval_every={a.rounds + 2}", *a.overrides]
+    overrides = ["checkpoint_every=0", f"eval_every={a.rounds + 2}", *a.overrides]
     cfg = load_config(a.config, overrides)
     t0 = time.perf_counter()
     rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)
+    tmp = None
+    if not any(o.startswith("out_dir=") for o in a.overrides):  # a fresh folder, the same on every rank
+        tmp = cfg.out_dir = _round_bench().shared_scratch(rt, "cohort-")
     try:
         sim = Simulator(cfg, rt, echo=lambda *_: None)
         startup = time.perf_counter() - t0
@@ -76,8 +85,11 @@ def main(argv=None):
             say(f"rank {r}: {int(n)} clients, start-up {s:.2f} s, peak RSS {m0:.0f} MiB after start-up, "
                 f"{m:.0f} MiB at the end; anonymous RSS after a round at most {an:.0f} MiB")
     finally:
+        if tmp is not None:
+            rt.barrier()
+            if rt.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
         rt.close()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -136,17 +135,19 @@ def main(argv=None):
 
     first = config([], "/nonexistent")
     rt = init_runtime(first.device, first.threads, first.collective_timeout, keep_freed=first.keep_freed_memory)
+    bench = _round_bench()
     runs = {"no DP": [], "DP": []}
     lines = {}
     for _ in range(args.repeats):
         for name, keys in (("no DP", []), ("DP", dp)):
-            out_dir = tempfile.mkdtemp(prefix="fedcp-bench-dp-") if rt.rank == 0 else "/nonexistent"
+            out_dir = bench.shared_scratch(rt, "fedcp-bench-dp-")
             sim = Simulator(config(keys, out_dir), rt, echo=lambda line, n=name: lines.setdefault(n, line))
             sim.run()
             runs[name].append(timed_means(sim.records, args.warmup))
             lines.setdefault(f"{name} path", sim.path)
             if name == "DP":
                 work = dp_work_seconds(sim)
+            rt.barrier()
             if rt.rank == 0:
                 shutil.rmtree(out_dir, ignore_errors=True)
     rt.close()
@@ -154,7 +155,6 @@ def main(argv=None):
         return
     means = {name: {k: float(np.mean([r[k] for r in rs])) for k in FIGURES} for name, rs in runs.items()}
     ratio = ratios(means["no DP"], means["DP"])
-    bench = _round_bench()
     rows = [("setting", f"{first.method} on {shard.name}, {rt.world_size} rank(s) × {rt.threads} thread(s), "
                         f"{rt.device}; rounds={first.rounds - args.warmup} timed after {args.warmup} warm-up, "
                         f"{args.repeats} repeats"),

@@ -55,6 +55,7 @@ import dataclasses
 import gzip
 import json
 import os
+import random
 import resource
 import shutil
 import sys
@@ -163,6 +164,17 @@ def make_mnist_shard(root: Path, out: Path) -> None:
     shutil.rmtree(raw.parents[1], ignore_errors=True)
 
 
+def shared_scratch(rt, prefix: str) -> str:
+    """A fresh run folder every rank names alike (ranks must share ``out_dir``; the engine checks it
+    at start-up): rank 0's random token, all-gathered, under ``data/bench-runs`` of the checkout,
+    which the ranks of a multi-node job see as they see the checkout itself. Rank 0 makes it."""
+    token = int(rt.all_gather(torch.tensor([random.getrandbits(62)], dtype=torch.int64, device=rt.device))[0, 0])
+    path = REPO / "data" / "bench-runs" / f"{prefix}{token:x}"
+    if rt.rank == 0:
+        path.mkdir(parents=True)
+    return str(path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shard", help="an existing partition (default: MNIST Dir(0.1), 20 clients, made once)")
@@ -218,7 +230,7 @@ def main(argv=None):
                 else [chosen])
     results, flops_per_train_sample, flops_per_test_sample = [], None, None
     for fused_on in variants:
-        out_dir = tempfile.mkdtemp(prefix="fedcp-bench-") if rt.rank == 0 else "/nonexistent"
+        out_dir = shared_scratch(rt, "fedcp-bench-")
         cfg = config(fused_on, out_dir)
         t_start = time.perf_counter()
         sim = Simulator(cfg, rt, echo=lambda *_: None)
@@ -229,14 +241,17 @@ def main(argv=None):
             print(f"rank {rt.rank}: {len(sim.owned)} of {sim.num_clients} clients, start-up {startup:.2f} s "
                   f"(loading the shard {sim.setup.load_seconds:.2f} s), {held:.1f} MiB of images held, peak RSS {rss:.0f} MiB",
                   flush=True)
+            rt.barrier()
+            if rt.rank == 0:
+                shutil.rmtree(out_dir, ignore_errors=True)
             rt.close()
-            shutil.rmtree(out_dir, ignore_errors=True)
             return
         if flops_per_train_sample is None:
-            flops_per_train_sample = train_flops_per_sample(sim, cfg)
-            flops_per_test_sample = eval_flops_per_sample(sim, cfg)
+            flops_per_train_sample, flops_per_test_sample = flops_per_sample(sim, cfg, rt)
         results.append(measure(sim, cfg, rt, args.warmup, flops_per_train_sample, flops_per_test_sample))
-        shutil.rmtree(out_dir, ignore_errors=True)
+        rt.barrier()  # every rank is done with the folder
+        if rt.rank == 0:
+            shutil.rmtree(out_dir, ignore_errors=True)
     rt.close()
     if rt.rank != 0:
         return
@@ -289,6 +304,15 @@ def bench_overrides(shard, overrides: list, fused_on: Optional[bool], fused_grou
     if fused_on is not None:
         out.append(f"fused={'true' if fused_on else 'false'}")
     return out + [f"fused_group={fused_group}"]
+
+
+def flops_per_sample(sim, cfg, rt) -> tuple:
+    """(FLOPs per trained sample, per evaluated test sample), counted on the first rank that holds
+    clients (a rank may hold none: a fused group's clients stay together) and given to every rank."""
+    mine = [train_flops_per_sample(sim, cfg), eval_flops_per_sample(sim, cfg)] if sim.owned else [-1.0, -1.0]
+    every = rt.all_gather(torch.tensor(mine, dtype=torch.float64, device=rt.device)).cpu()
+    first = next(r for r in range(every.shape[0]) if every[r, 0] >= 0)
+    return float(every[first, 0]), float(every[first, 1])
 
 
 def train_flops_per_sample(sim, cfg, batches: int = 8) -> float:
