@@ -9,9 +9,12 @@ that breaks it, so the checks can fail."""
 import ast
 import contextlib
 import importlib
+import importlib.util
 import io
 import re
 import shlex
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,9 +51,31 @@ def _help(target: str) -> str:
     return out.getvalue()
 
 
+#: the benchmark scripts, which pages show as ``python bench/NAME.py`` or under a launcher
+BENCH = sorted(f"bench/{f.name}" for f in (REPO / "bench").glob("*.py"))
+
+
+def _bench_help(script: str) -> str:
+    spec = importlib.util.spec_from_file_location(f"docs_{Path(script).stem}", REPO / script)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        mod.main(["--help"])
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def helps():
-    return {name: _help(target) for name, target in TOOLS.items()}
+    return {**{name: _help(target) for name, target in TOOLS.items()},
+            **{script: _bench_help(script) for script in BENCH}}
+
+
+def takes_overrides(tool: str, helps: dict) -> bool:
+    """Whether ``tool`` takes ``key=value`` config overrides: fedcp-run, and the benchmarks whose
+    usage ends in ``[overrides ...]``."""
+    return tool in OVERRIDES or tool == "fedcp-run" or "overrides ..." in helps.get(tool, "")
 
 
 def shell_commands(text: str) -> list:
@@ -91,6 +116,8 @@ def tool_of(words: list):
     for i, w in enumerate(words):
         if w in TOOLS:
             return w, i + 1
+        if re.fullmatch(r"(?:\./)?bench/\w+\.py", w):
+            return w.removeprefix("./"), i + 1
         if w == "-m" and i + 1 < len(words) and words[i + 1] in ("fedcp_dist.run", "fedcp_dist.cli.config_reference"):
             return words[i + 1], i + 2
     return None, 0
@@ -106,6 +133,8 @@ def command_problems(command: str, helps: dict, keys: set) -> list:
     tool, start = tool_of(words)
     if tool is None:
         return []
+    if tool.startswith("bench/") and tool not in helps:
+        return [f"no benchmark {tool} ({command})"]
     text = helps.get(tool) or helps.get({"fedcp_dist.run": "fedcp-run"}.get(tool, ""), "")
     if tool == "fedcp_dist.cli.config_reference":
         text = "--check --out"
@@ -116,7 +145,7 @@ def command_problems(command: str, helps: dict, keys: set) -> list:
         flag = w.split("=", 1)[0]
         if flag.startswith("--") and not re.search(re.escape(flag) + r"\b", text):
             problems.append(f"{tool} has no flag {flag} ({command})")
-        if (tool in OVERRIDES or tool == "fedcp-run") and re.fullmatch(r"[a-z_]+(\.[a-z_]+)?=.*", w) \
+        if takes_overrides(tool, helps) and re.fullmatch(r"[a-z_]+(\.[a-z_]+)?=.*", w) \
                 and w.split("=", 1)[0] not in keys:
             problems.append(f"no config key {w.split('=', 1)[0]!r} ({command})")
     return problems
@@ -148,6 +177,16 @@ def test_the_command_checker_finds_a_wrong_flag_and_a_wrong_key(helps, keys):
     problems = [p for c in shell_commands(page) for p in command_problems(c, helps, keys)]
     assert any("no_such_key" in p for p in problems) and any("--no-such-flag" in p for p in problems), problems
     assert not command_problems("fedcp-run --config configs/digits_fedcp.yaml rounds=5 data.path=x.h5", helps, keys)
+    # the benchmarks: their flags, the overrides of those that take them, and the script itself
+    bench = ("```sh\ntorchrun --nproc_per_node=2 bench/round.py --compare --no-such-flag rounds=1 no_such_key=2\n"
+             "python bench/nosuch.py --x\npython bench/kernels.py --split\n```\n")
+    problems = [p for c in shell_commands(bench) for p in command_problems(c, helps, keys)]
+    assert sorted(problems) == sorted([
+        "bench/round.py has no flag --no-such-flag (torchrun --nproc_per_node=2 bench/round.py --compare --no-such-flag "
+        "rounds=1 no_such_key=2)",
+        "no config key 'no_such_key' (torchrun --nproc_per_node=2 bench/round.py --compare --no-such-flag rounds=1 "
+        "no_such_key=2)",
+        "no benchmark bench/nosuch.py (python bench/nosuch.py --x)"]), problems
 
 
 def inline_keys(text: str) -> set:
