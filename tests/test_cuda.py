@@ -262,7 +262,6 @@ def test_a_slot_gets_the_same_bits_whatever_the_slots_beside_it():
     """What fused_join=auto rests on: on this GPU, in float32, a client trained in a fused step of 8,
     3 or 1 slots (so beside other clients, or alone, refilled and compacted differently) ends with
     the same bits, so a rank may train all its groups as one set of slots."""
-    from fedcp_dist.fused import memory as fused_memory
     from fedcp_dist.fused.groups import train_group
 
     algo, gs, items = _gpu_group(torch.float32)

@@ -2,12 +2,10 @@
 as YAML 1.1 leaves them, seeds torch or numpy cannot take) and launcher variables (malformed,
 inconsistent, left over from another job), each one line before any rank waits; a rendezvous that
 cannot complete ends within rendezvous_timeout, naming where it waited."""
-import dataclasses
 import math
 import os
 import socket
 import subprocess
-import sys
 import time
 import typing
 
@@ -16,7 +14,7 @@ import yaml
 
 from conftest import BIN, REPO, run_cmd
 from fedcp_dist.cli import config_reference
-from fedcp_dist.config import SEED_MAX, Config, components, load_config
+from fedcp_dist.config import SEED_MAX, components, load_config
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.options import accepts
 from fedcp_dist.runtime import detect_launcher, init_runtime

@@ -3,7 +3,6 @@ update non-finite in every round, the run is marked diverged in summary.json and
 status, exits 1 with one line, is not run again by a sweep and is shown apart by fedcp-report;
 a run in which only some updates were left out is a result like any other."""
 import json
-from pathlib import Path
 
 import pytest
 import yaml

@@ -10,7 +10,6 @@ after which the trajectories drift apart by more than rounding; the float32 chec
 well-conditioned settings, and the end-to-end run a relative tolerance.
 """
 import json
-import math
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ import yaml
 from conftest import REPO
 from fedcp_dist.rundir import directory as rundir
 from fedcp_dist.rundir.checkpoint import Checkpointer
-from fedcp_dist.cli import report
+from fedcp_dist.cli import report_runs
 from fedcp_dist.config import Config, flatten, unflatten
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir.directory import (
@@ -130,7 +130,7 @@ def test_metrics_tolerate_a_torn_last_line_only(tmp_path):
     text = "".join(json.dumps(r) + "\n" for r in rows)
     run.metrics.write_text(text + '{"round": 3, "evaluated_af')  # stopped mid-write
     assert run.read_metrics() == rows
-    assert report.Run(tmp_path, {}, {}, None, "").curve() == [(0, 0.5), (1, 0.75)]
+    assert report_runs.Run(tmp_path, {}, {}, None, "").curve() == [(0, 0.5), (1, 0.75)]
     run.metrics.write_text(text.replace("\n", "\n[1, 2]\n", 1) + json.dumps({"round": 3}) + "\n")
     with pytest.raises(UserError, match=r"metrics.jsonl: line 2 is not a JSON object; the file is damaged"):
         run.read_metrics()
@@ -255,8 +255,8 @@ def test_resume_sweep_drift_and_report_columns_use_the_one_list(tmp_path):
         point.run_dir.joinpath("config.yaml").write_text(yaml.safe_dump(nested))
         assert config_drift(sw, point) == ([] if key in NOT_DEFINING else [key]), key
         # report columns
-        runs = [report.Run(tmp_path, {}, flat, None, ""), report.Run(tmp_path, {}, changed, None, "")]
-        assert report._differing(runs) == ([] if key in NOT_DEFINING or key in report.ROW_KEYS else [key]), key
+        runs = [report_runs.Run(tmp_path, {}, flat, None, ""), report_runs.Run(tmp_path, {}, changed, None, "")]
+        assert report_runs._differing(runs) == ([] if key in NOT_DEFINING or key in report_runs.ROW_KEYS else [key]), key
         if key not in NOT_DEFINING:
             defining.append(key)
     assert "rounds" in defining and "eval_every" in defining and "lr" in defining and "data.path" in defining

@@ -46,7 +46,6 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from fedcp_dist.analysis.dlg_report import GRID_MAX_IMAGES, grid_rows, markdown_table, summarise  # noqa: F401
 from fedcp_dist.analysis.imaging import match_images, psnr, ssim
 from fedcp_dist.errors import UserError
 

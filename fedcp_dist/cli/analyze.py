@@ -209,7 +209,7 @@ def gradcam(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
 def privacy(args, run_dirs: list, labels: list, out: Path, clients: list) -> tuple:
     import json
 
-    from fedcp_dist.analysis import dlg, plots
+    from fedcp_dist.analysis import dlg, dlg_report, plots
     from fedcp_dist.fileio import atomic_write_bytes
 
     attacks = tuple(a.strip().lower() for a in args.attacks.split(",") if a.strip())
@@ -219,8 +219,8 @@ def privacy(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
     setup.check()
     results = dlg.attack_runs(list(zip(run_dirs, labels)), setup, args.data, args.device,
                               progress=not args.no_progress)
-    rows = dlg.summarise(results)
-    table = dlg.markdown_table(rows)
+    rows = dlg_report.summarise(results)
+    table = dlg_report.markdown_table(rows)
     protocol = (f"Each attacked client trains one round from the run's newest checkpoint with the method's own local "
                 f"training on {setup.samples} of its training images ({setup.local_steps} step(s) of {setup.batch_size}); "
                 f"the server ({setup.knowledge} knowledge) matches (sent − uploaded)/(η·S) with L-BFGS, {setup.steps} "
@@ -230,7 +230,7 @@ def privacy(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
     figures = {}
     for attack in attacks:
         name = f"dlg_{attack}.png"
-        plots.save(plots.dlg_grid(dlg.grid_rows(results, attack), f"{attack.upper().replace('IDLG', 'iDLG')} "
+        plots.save(plots.dlg_grid(dlg_report.grid_rows(results, attack), f"{attack.upper().replace('IDLG', 'iDLG')} "
                                   f"reconstructions"), out / name)
         figures[f"dlg_{attack}"] = {**_figure("dlg", f"DLG reconstructions ({attack})", name)["dlg"]}
     if setup.dp:

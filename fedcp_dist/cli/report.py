@@ -26,10 +26,8 @@ import sys
 from pathlib import Path
 
 from fedcp_dist.cli.report_plots import plot_against_keys, plot_curves, plot_selection
-from fedcp_dist.cli.report_runs import (  # noqa: F401 (the runs' and the table's names, for scripts and tests)
-    ROW_KEYS, Collection, Run, _differing, _label, collect, setting_keys,
-)
-from fedcp_dist.cli.report_table import Cell, Table, build_table, markdown, write_csv  # noqa: F401
+from fedcp_dist.cli.report_runs import _label, collect, setting_keys
+from fedcp_dist.cli.report_table import build_table, markdown, write_csv
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.fileio import atomic_write_bytes
 

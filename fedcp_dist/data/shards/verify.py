@@ -41,7 +41,7 @@ from typing import Optional
 import h5py
 import numpy as np
 
-from fedcp_dist.data.shards.layout import (ARRAY_DIGESTS, FORMAT_VERSION, SPLITS, TABLE_KIND, TEXT_KIND, TEXT_SPLITS,
+from fedcp_dist.data.shards.layout import (FORMAT_VERSION, SPLITS, TABLE_KIND, TEXT_KIND, TEXT_SPLITS,
                                            WRITE_SAMPLES, ShardInfo, training_attributes)
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes
