@@ -5,6 +5,7 @@
     python bench/kernels.py --input 3,32,32 --classes 100 --compile
     python bench/kernels.py --device cuda --slots 64 --compile       # on a GPU (CUDA graphs: see bench/gpu.sh)
     python bench/kernels.py --split                  # where the real step's operations spend their CPU time
+    python bench/kernels.py --linear-forms           # the per-client Linear's products written other ways
 
 A fused FedCP step (``fused: auto``) of ``--slots`` clients with ``--batch`` samples each runs, for
 every convolution and Linear layer of the model's feature extractor and for the CPN, the kernels
@@ -31,6 +32,10 @@ difference to launching them one by one is what graphs of the fused step could s
 ``--split`` (CPU) times every aten operation of the real step around its call, in CPU time, and
 sorts them by kind (products and convolutions, max-pooling, random draws, copies and fills, the
 rest): the operations beside the products are the step's non-kernel rest that a leaner step cuts.
+``--linear-forms`` (CPU) times the largest per-client Linear layer's products written other ways
+(another weight layout, one product per slot, a grouped 1×1 convolution, more rows a client; the
+backward with the cache flushed first, and interleaved slot by slot): what the per-client products,
+the step's least efficient kernels, could gain from a different formulation.
 The allocator keeps freed memory as the engine does on a CPU (``--keep-freed-memory``, the config key
 ``keep_freed_memory``). The figures go to ``--json`` (default bench/kernels.json).
 """
@@ -148,6 +153,92 @@ def linear_kernels(tag: str, n_in: int, n_out: int, k: int, b: int, frozen: bool
     out.append(Kernel(f"{tag}, personal backward + SGD step", "input grad + in-place update" if input_grad else
                       "in-place update", 2 * macs * (2 if input_grad else 1), backward))
     return out
+
+
+
+#: bytes written before each cold call of :func:`linear_forms`: past the last-level cache
+FLUSH_BYTES = 64 * 2**20
+
+
+@dataclass
+class Form:
+    """One way of computing a per-client Linear layer's product: ``run`` returns its result (the
+    forward's output, or the backward's input gradient after its in-place SGD step on ``w``)."""
+    name: str
+    flops: int
+    run: Callable[[], torch.Tensor]
+    cold: bool = False  # the last-level cache flushed before each call (as in the step: other layers ran between)
+
+
+def linear_forms(n_in: int, n_out: int, k: int, b: int, lr: float = LR) -> tuple:
+    """The per-client Linear layer's products written the ways they could be: the forward as the
+    step calls it (``baddbmm`` on a transposed view of each slot's (out, in) weight), with the weight
+    stored (in, out), as one product per slot, as a grouped 1×1 convolution, and with 64 rows a
+    client instead of ``b`` (what the small row count costs); the backward (input gradient, then
+    the SGD step in place) as the step calls it, hot and with the cache flushed before each call,
+    and per slot interleaved (input gradient then update of one slot's weight while it is in
+    cache), with step size ``lr``. Returns (forms, operands): the input ``x``, the output gradient
+    ``g``, the (k, out, in) weight ``w`` the backward forms update and the ``bias``."""
+    x, g = torch.randn(k, b, n_in), torch.randn(k, b, n_out)
+    w = torch.randn(k, n_out, n_in) * 0.02
+    bias = torch.randn(k, n_out)
+    w_in_out = w.transpose(1, 2).contiguous()
+    x_conv = x.transpose(0, 1).reshape(b, k * n_in, 1, 1).contiguous()
+    w_conv = w.reshape(k * n_out, n_in, 1, 1)
+    x64 = torch.randn(k, 64, n_in)
+    macs = n_in * n_out * k * b
+
+    def per_slot_forward():
+        return torch.stack([torch.addmm(bias[j], x[j], w[j].t()) for j in range(k)])
+
+    def conv_forward():
+        return F.conv2d(x_conv, w_conv, bias.reshape(-1), groups=k).reshape(b, k, n_out).transpose(0, 1)
+
+    def backward():
+        gx = torch.bmm(g, w)
+        w.baddbmm_(g.transpose(1, 2), x, alpha=-lr)
+        return gx
+
+    def backward_per_slot():
+        gx = torch.empty(k, b, n_in)
+        for j in range(k):
+            torch.mm(g[j], w[j], out=gx[j])
+            w[j].addmm_(g[j].t(), x[j], alpha=-lr)
+        return gx
+
+    forms = [
+        Form("forward, as the step: baddbmm, (out, in) weight", 2 * macs,
+             lambda: torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))),
+        Form("forward, weight stored (in, out)", 2 * macs, lambda: torch.baddbmm(bias.unsqueeze(1), x, w_in_out)),
+        Form("forward, one addmm per slot", 2 * macs, per_slot_forward),
+        Form("forward, grouped 1×1 convolution", 2 * macs, conv_forward),
+        Form(f"forward with 64 rows a client (not {b})", 2 * macs * 64 // b,
+             lambda: torch.baddbmm(bias.unsqueeze(1), x64, w.transpose(1, 2))),
+        Form("backward + SGD step, as the step (hot cache)", 4 * macs, backward),
+        Form("backward + SGD step, as the step (cold cache)", 4 * macs, backward, cold=True),
+        Form("backward + SGD step, per slot interleaved (cold)", 4 * macs, backward_per_slot, cold=True),
+    ]
+    return forms, {"x": x, "g": g, "w": w, "bias": bias}
+
+
+def time_form(form: Form, calls: int, repeats: int) -> float:
+    """Best mean CPU seconds per call of ``form`` (a flush of :data:`FLUSH_BYTES` before each
+    call of a cold form, not timed)."""
+    if not form.cold:
+        return time_call(form.run, calls, repeats, clock=time.process_time)
+    src = torch.ones(FLUSH_BYTES // 4)
+    dst = torch.empty_like(src)
+    form.run()
+    best = float("inf")
+    for _ in range(repeats):
+        spent = 0.0
+        for _ in range(calls):
+            dst.copy_(src)
+            t0 = time.process_time()
+            form.run()
+            spent += time.process_time() - t0
+        best = min(best, spent / calls)
+    return best
 
 
 def step_kernels(model: nn.Module, input_shape, k: int, b: int) -> List[Kernel]:
@@ -350,6 +441,8 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the largest Linear layer")
     p.add_argument("--split", action="store_true",
                    help="also time every aten operation of the real step (CPU only): where the rest beyond the kernels goes")
+    p.add_argument("--linear-forms", action="store_true",
+                   help="also time the largest per-client Linear layer's products written other ways (CPU only)")
     p.add_argument("--keep-freed-memory", default="auto", choices=["auto", "true", "false"],
                    help="the allocator setting, as the engine's config key keep_freed_memory (default auto: on)")
     p.add_argument("--json", default=str(REPO / "bench" / "kernels.json"))
@@ -373,6 +466,8 @@ def main(argv=None):
         p.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         p.error(f"--device {args.device}: not available here (cpu, or cuda with a visible GPU)")
+    if args.linear_forms and device.type != "cpu":
+        p.error("--linear-forms flushes the CPU's cache and times in CPU time: CPU only")
     if args.split and device.type != "cpu":
         p.error("--split times operations as they return: CPU only (on a GPU use torch.profiler)")
     global SYNC
@@ -431,6 +526,20 @@ def main(argv=None):
            "kernels": [asdict(r) for r in rows], **summary}
     if split is not None:
         out["split"] = split
+    if args.linear_forms:
+        lin = [m for m in model.features.modules() if isinstance(m, nn.Linear)]
+        big = max(lin, key=lambda m: m.in_features * m.out_features)
+        forms, _ = linear_forms(big.in_features, big.out_features, k, b)
+        out["linear_forms"] = []
+        print(f"Linear {big.in_features}→{big.out_features} of {k} clients × B = {b}, written other ways "
+              f"(CPU ms a call, best of {args.repeats} × {args.calls}):")
+        fw = max(len(f.name) for f in forms)
+        for form in forms:
+            sec = time_form(form, args.calls, args.repeats)
+            rate = form.flops / sec / 1e9
+            out["linear_forms"].append({"name": form.name, "mflop": form.flops / 1e6, "ms": 1e3 * sec, "gflops": rate,
+                                        "fraction_of_peak": rate / peak, "cold": form.cold})
+            print(f"  {form.name:{fw}}  {form.flops / 1e6:8.1f}  {1e3 * sec:7.3f}  {rate:8.1f}  {100 * rate / peak:6.1f} %")
     if args.compile:
         lin = [m for m in model.features.modules() if isinstance(m, nn.Linear)]
         big = max(lin, key=lambda m: m.in_features * m.out_features)

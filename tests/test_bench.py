@@ -221,7 +221,7 @@ def test_kernel_bench_summary_and_json(tmp_path):
 
     out = tmp_path / "k.json"
     r = run_cmd([sys.executable, "bench/kernels.py", "--slots", "2", "--calls", "1", "--repeats", "1", "--steps", "2",
-                 "--split", "--json", str(out)], timeout=300)
+                 "--split", "--linear-forms", "--json", str(out)], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     peak = max(res["matmul_peak_gflops"])
@@ -235,6 +235,13 @@ def test_kernel_bench_summary_and_json(tmp_path):
     assert res["real_step_gflops"] == pytest.approx(res["step_gflop"] / res["real_step_seconds"], rel=1e-9)
     assert res["real_over_kernels"] == pytest.approx(res["real_step_seconds"] / res["kernel_seconds"], rel=1e-9)
     assert "all kernels of one step" in r.stdout and "the real fused step" in r.stdout
+    # --linear-forms: the largest Linear (1024→512) of the 2 slots, eight forms, figures from their times
+    forms = res["linear_forms"]
+    assert len(forms) == 8 and sum(f["cold"] for f in forms) == 2
+    assert forms[0]["mflop"] == pytest.approx(2 * 2 * 10 * 1024 * 512 / 1e6)
+    for f in forms:
+        assert f["gflops"] == pytest.approx(f["mflop"] / f["ms"], rel=1e-9)
+        assert f["fraction_of_peak"] == pytest.approx(f["gflops"] / peak, rel=1e-9)
     # --split: every traced operation in one kind; the rest is what is not a product or convolution
     sp = res["split"]
     kinds = [kind for kind, _ in kb.OP_KINDS] + [kb.OTHER_OPS]
@@ -256,6 +263,34 @@ def test_kernel_bench_sorts_operations_by_kind():
     assert kb.op_kind("aten.exponential_.default") == "random draws (Gumbel noise)"
     assert kb.op_kind("aten.fill_.Scalar") == "copies, fills and gathers"
     assert kb.op_kind("aten.mul.Tensor") == kb.op_kind("aten.sum.dim_IntList") == kb.OTHER_OPS
+
+
+
+def test_kernel_bench_linear_forms_compute_the_products_of_the_step():
+    """--linear-forms: every forward form gives the step's x·Wᵀ + b, every backward form the input
+    gradient g·W and the SGD update W − η·gᵀx; a cold form flushes before each untimed-warm call."""
+    kb = _load_kernels()
+    torch.manual_seed(3)
+    k, b, n_in, n_out, lr = 3, 4, 6, 5, 0.1
+    forms, t = kb.linear_forms(n_in, n_out, k, b, lr=lr)
+    x, g, w, bias = t["x"], t["g"], t["w"], t["bias"]
+    names = [f.name for f in forms]
+    assert len(names) == len(set(names)) == 8 and [f.cold for f in forms].count(True) == 2
+    fwd = [f for f in forms if f.name.startswith("forward")]
+    ref = torch.stack([x[j] @ w[j].t() + bias[j] for j in range(k)])
+    for f in fwd[:4]:
+        assert f.flops == 2 * k * b * n_in * n_out and torch.allclose(f.run(), ref, rtol=1e-5, atol=1e-6), f.name
+    assert fwd[4].run().shape == (k, 64, n_out) and fwd[4].flops == fwd[0].flops * 64 // b
+    for f in (f for f in forms if f.name.startswith("backward")):
+        before = w.clone()
+        gx = f.run()
+        assert f.flops == 2 * fwd[0].flops
+        assert torch.allclose(gx, torch.stack([g[j] @ before[j] for j in range(k)]), rtol=1e-5, atol=1e-6), f.name
+        step = torch.stack([g[j].t() @ x[j] for j in range(k)])
+        assert torch.allclose(w, before - lr * step, rtol=1e-5, atol=1e-6), f.name
+    calls = []
+    form = kb.Form("x", 1, lambda: calls.append(1), cold=True)
+    assert kb.time_form(form, calls=2, repeats=3) >= 0 and len(calls) == 1 + 2 * 3
 
 
 def test_kernel_bench_refuses_bad_arguments(capsys):
