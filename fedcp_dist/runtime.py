@@ -391,6 +391,21 @@ def cuda_backend(local_ranks: int, gpus: int) -> tuple:
     return "nccl", ""
 
 
+def process_group_failure(rank: int, backend: str, exc: BaseException, env: Mapping[str, str] = os.environ) -> str:
+    """One line for a process group that could not be opened after the ranks met: the backend's own
+    reason (its first line, without the C++ source location) and the setting that most often causes it."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    reason = re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", first).strip()[:200]
+    hints = []
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        if env.get(var):
+            hints.append(f"{var}={env[var]} names the network interface to use: check that it exists on every node")
+    if "Too many open files" in first:
+        hints.append("the open-file limit (ulimit -n) is too low for the ranks' connections: raise it")
+    hint = "; ".join(hints) or "a network the ranks cannot reach each other on, or a firewall between nodes"
+    return f"rank {rank}: the ranks met but could not open their {backend} process group ({reason}): {hint}"
+
+
 def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ,
                  keep_freed: object = "auto", rendezvous_timeout: float = 120.0) -> Runtime:
     """Detect the launcher, pin this rank's device and open the process group (the ranks meeting
@@ -431,6 +446,9 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         )
         if backend == "nccl":
             kwargs["device_id"] = dev
-        dist.init_process_group(**kwargs)
+        try:
+            dist.init_process_group(**kwargs)
+        except (RuntimeError, ValueError, OSError) as exc:  # gloo's and NCCL's errors are RuntimeErrors
+            raise RunFailure(process_group_failure(ep.rank, backend, exc, env)) from None
         rt.backend = backend
     return rt

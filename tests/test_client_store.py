@@ -9,6 +9,7 @@ import torch
 
 from conftest import run_cmd
 from helpers import PreemptAt, run
+from fedcp_dist.errors import RunFailure
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.state.client_store import ClientStore, resolve_mode
 from fedcp_dist.state.disk_store import DiskClientStore
@@ -137,6 +138,28 @@ def test_disk_store_reads_ahead_and_writes_back(tmp_path):
     again.load_state_dict(sd)
     assert again.get(2)["w"].tolist() == [20.0] * 3 and again.peek(5) is None
     again.close()
+
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_disk_store_names_a_damaged_client_file_in_one_line(tmp_path, damage):
+    """A client's file cut short or overwritten (another process, a failing disk): reading it is a
+    RunFailure naming the file and the way back (the newest checkpoint), not torch's zip reader's
+    traceback."""
+    store = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s"))
+    store.put(3, {"w": torch.full((3,), 3.0)}, {})
+    store.flush()
+    path = tmp_path / "s" / "client_0000003.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[:100] if damage == "cut" else b"\x00garbage" * 50)
+    store._recent.clear()
+    with pytest.raises(RunFailure) as exc:
+        store.get(3)
+    msg = str(exc.value)
+    assert msg.startswith(f"cannot read the client state file {path}: it is damaged (") and "\n" not in msg
+    assert msg.endswith("the run's newest checkpoint holds every client's state: run the same command again to "
+                        "resume from it")
+    store.close()
 
 
 def test_disk_store_writes_a_clients_state_and_residual_in_one_file_write(tmp_path):

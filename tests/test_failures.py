@@ -252,6 +252,28 @@ def test_a_write_that_fails_inside_torch_save_is_one_line(digits6_16px, tmp_path
                              "as its own error): tested with a real file size limit, `File too large`")
 
 
+
+def test_a_disk_store_bank_without_room_is_one_line_before_training(digits6_16px, tmp_path):
+    """FedFomo's per-client bank in the disk store is a file mapped into memory: its blocks are
+    reserved before training (a write into a mapped page the file system cannot back would kill
+    the process with SIGBUS), so a disk without room for it is one line naming the file, the file
+    is not left behind, and no round is recorded."""
+    store = tmp_path / "store"
+    r = subprocess.run([sys.executable, "-m", "fedcp_dist.run",
+                        *_args(digits6_16px, tmp_path / "run", "rounds=1", "method=fedfomo", "client_state=disk",
+                               f"client_state_dir={store}")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=_file_size_limit(64 << 10),
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    m = re.fullmatch(r"error: cannot reserve [\d.]+ MiB for fedfomo's per-client bank in (\S*/global_bank\.f32) "
+                     r"\(File too large\): the disk client store needs the room for it \(client_state_dir chooses the "
+                     r"folder\)", lines[0])
+    assert m, lines[0]
+    assert Path(m.group(1)).parent.is_dir() and not Path(m.group(1)).exists()
+    assert _lines(tmp_path / "run") == []
+
+
 def _one_error_line(capsys, exc, code: int) -> str:
     err = capsys.readouterr().err
     assert exc.value.code == code and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err

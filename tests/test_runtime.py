@@ -163,3 +163,44 @@ def test_keep_freed_memory_keeps_a_freed_block_in_the_process():
         out[setting] = [float(v) for v in returned]
     assert all(v >= 63 for v in out["false"])  # each 64 MiB block went back to the system
     assert all(v <= 1 for v in out["true"])  # and stayed with keep_freed_memory
+
+
+def test_a_process_group_that_cannot_open_is_one_line_per_rank(digits6, tmp_path):
+    """Two ranks that meet (the rendezvous store answers) but cannot open gloo's group, here a
+    network interface that does not exist (GLOO_SOCKET_IFNAME, a common cluster setting): each rank
+    stops in one line naming the backend's reason and the variable, exit 1, nothing written."""
+    import sys
+
+    from conftest import REPO
+    from helpers import rank_envs
+
+    procs = [subprocess.Popen([sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml",
+                               f"data.path={digits6}", f"out_dir={tmp_path / 'run'}", "rounds=1", "threads=1"],
+                              cwd=REPO, env=dict(env, GLOO_SOCKET_IFNAME="nonexist0"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in rank_envs()]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1], errs
+    for rank, err in enumerate(errs):
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert "Traceback" not in err and lines == [
+            f"error: rank {rank}: the ranks met but could not open their gloo process group (ifa != nullptr. Unable to "
+            "find address for: nonexist0): GLOO_SOCKET_IFNAME=nonexist0 names the network interface to use: check that "
+            "it exists on every node"], err[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_process_group_failure_hints():
+    from fedcp_dist.runtime import process_group_failure
+
+    exc = RuntimeError("[enforce fail at ../gloo/transport/tcp/device.cc:189] rv != -1. Too many open files\nstack")
+    assert process_group_failure(1, "gloo", exc, {}) == (
+        "rank 1: the ranks met but could not open their gloo process group (rv != -1. Too many open files): the "
+        "open-file limit (ulimit -n) is too low for the ranks' connections: raise it")
+    assert process_group_failure(0, "nccl", RuntimeError("NCCL error: unhandled system error"), {}) == (
+        "rank 0: the ranks met but could not open their nccl process group (NCCL error: unhandled system error): a "
+        "network the ranks cannot reach each other on, or a firewall between nodes")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import pickle
 import socket
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -81,12 +82,23 @@ class DiskClientStore(ClientStore):
         super().set_global(global_state)
 
     def _map(self, key: str, src: torch.Tensor) -> torch.Tensor:
-        """``src`` copied into a file-backed tensor of the same shape (rows of zeros are not written:
-        the file is sparse). Rows are copied a few at a time, so ``src`` may itself be mapped."""
+        """``src`` copied into a file-backed tensor of the same shape (rows of zeros are not written).
+        The file's blocks are reserved first (``posix_fallocate``): a store in memory pages the
+        file system cannot back would end the process with SIGBUS at the first write there, so a
+        disk too small is a one-line error here, before training. Rows are copied a few at a time,
+        so ``src`` may itself be mapped."""
         path = self.dir / f"global_{key}.f32"
         self._mapped.pop(key, None)
-        with open(path, "wb") as f:
-            f.truncate(src.numel() * 4)
+        size = src.numel() * 4
+        try:
+            with open(path, "wb") as f:
+                if size:
+                    os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise RunFailure(f"cannot reserve {size / 2**20:.1f} MiB for {self.algo.name}'s per-client {key} in {path} "
+                             f"({exc.strerror or exc}): the disk client store needs the room for it (client_state_dir "
+                             f"chooses the folder)") from None
         out = torch.from_file(str(path), shared=True, size=src.numel(), dtype=torch.float32).view(src.shape)
         rows = src.reshape(src.shape[0], -1) if src.dim() else src.reshape(1, 1)
         dst = out.reshape(rows.shape)
@@ -107,6 +119,10 @@ class DiskClientStore(ClientStore):
             return torch.load(path, map_location=self.device, weights_only=True)
         except OSError as exc:
             raise RunFailure(f"cannot read the client state file {path}: {exc.strerror or exc}") from None
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # torch's reader on a cut or garbled file
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            raise RunFailure(f"cannot read the client state file {path}: it is damaged ({first}); the run's newest "
+                             f"checkpoint holds every client's state: run the same command again to resume from it") from None
 
     def _write(self, cid: int, state: State) -> None:
         """Client ``cid``'s file, written whole under a temporary name and renamed (not synced: the files
