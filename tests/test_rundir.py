@@ -69,6 +69,58 @@ def test_overwrite_removes_the_run_and_nothing_else(tmp_path):
     assert left == [".lock", "logs", "logs/a.log", "notes.txt"]
 
 
+
+def test_overwrite_removes_a_folder_in_a_run_files_place(tmp_path):
+    out = tmp_path / "run"
+    _fill(out, checkpoint=True)
+    (out / "summary.json").unlink()
+    (out / "summary.json").mkdir()
+    (out / "summary.json" / "x").write_text("x")
+    prepare_out_dir(out, overwrite=True, resume="auto").close()
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".lock", "logs", "logs/a.log", "notes.txt"]
+
+
+def test_overwrite_that_cannot_remove_a_file_stops_in_one_line_naming_it(tmp_path, monkeypatch):
+    """An immutable metrics.jsonl or checkpoint file (chattr +i), or one without permission: the
+    start stops naming it and the lock is released, instead of a traceback, or of a fresh run
+    starting beside a checkpoint it then calls damaged."""
+    import os
+
+    out = tmp_path / "run"
+    _fill(out, checkpoint=True)
+    real_unlink = os.unlink
+
+    def refuse(path, *a, **kw):
+        if os.path.basename(str(path)) in ("COMPLETE", "metrics.jsonl"):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with pytest.raises(UserError) as exc:
+        prepare_out_dir(out, overwrite=True, resume="auto")
+    assert str(exc.value) == (f"overwrite=true could not remove {out / 'checkpoints' / 'round_0000002' / 'COMPLETE'} "
+                              "(and 3 more): Operation not permitted; remove it by hand (an immutable file needs "
+                              "chattr -i) or choose another out_dir")
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    prepare_out_dir(out, overwrite=True, resume="auto").close()  # the lock was released; now it clears
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_an_out_dir_without_file_locks_is_named_so(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(UserError) as exc:
+        prepare_out_dir(tmp_path / "run", overwrite=False, resume="auto")
+    assert str(exc.value) == (f"out_dir {tmp_path / 'run'} cannot be locked (No locks available): its file system has "
+                              "no file locks; choose an out_dir on one that has (a run's lock keeps two runs out of one "
+                              "folder)")
+
+
 def test_a_finished_run_is_refused_and_left_as_it_was(tmp_path):
     out = tmp_path / "run"
     _fill(out)

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import IO, Any, Optional
 
@@ -293,6 +294,42 @@ def read_jsonl(path) -> list:
 # ----------------------------------------------------------------------------- the lock and the rules
 
 
+def clear_run(out: Path, run: "RunDir") -> None:
+    """What ``overwrite=true`` removes: ``checkpoints/``, ``tensorboard/`` and the run files. What
+    cannot be removed (an immutable file, a folder in a file's place, no permission) stops the start
+    in one line naming it, so that a fresh run never starts beside an old run's leftovers."""
+    failed = []
+
+    def note(_func, path, exc):
+        failed.append((path, exc[1] if isinstance(exc, tuple) else exc))
+
+    for folder in (run.checkpoints, out / TENSORBOARD):
+        if folder.is_symlink() or folder.is_file():
+            try:
+                folder.unlink()
+            except OSError as exc:
+                failed.append((folder, exc))
+        elif folder.exists():
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(folder, onexc=note)
+            else:
+                shutil.rmtree(folder, onerror=note)
+    for name in RUN_FILES:
+        path = out / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            failed.append((path, exc))
+    if failed:
+        path, exc = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise UserError(f"overwrite=true could not remove {path}{more}: {getattr(exc, 'strerror', None) or exc}; "
+                        f"remove it by hand (an immutable file needs chattr -i) or choose another out_dir")
+
+
 def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
     """Rank 0, before anything is written: lock ``out_dir``, then refuse, clear or leave it.
 
@@ -313,13 +350,13 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             raise UserError(f"out_dir {out} is in use by another run (lock {run.lock} is held)") from None
+        except OSError as exc:  # ENOLCK, ENOSYS: a file system without locks (NFS without lockd, Lustre -o noflock)
+            raise UserError(f"out_dir {out} cannot be locked ({exc.strerror}): its file system has no file locks; "
+                            f"choose an out_dir on one that has (a run's lock keeps two runs out of one folder)") from None
         if overwrite:
-            shutil.rmtree(run.checkpoints, ignore_errors=True)
-            shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
-            for name in RUN_FILES:
-                (out / name).unlink(missing_ok=True)
+            clear_run(out, run)
             return lock
         if run.summary.exists():
             what = "a run that diverged (it learned nothing; " if run.status() == DIVERGED else "a finished run ("
