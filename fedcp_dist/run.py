@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from fedcp_dist.errors import ArgumentParser, Preempted, UserError, cli_main
+from fedcp_dist.errors import ArgumentParser, Preempted, UserError, check_address_space, cli_main
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import StopSignals, write_status
 
@@ -141,6 +141,7 @@ def main(argv=None):
 
 
 def _main(args, stop: StopSignals) -> None:
+    check_address_space()  # before torch loads: under too low a limit some of its libraries abort the process
     from fedcp_dist.config import dump_config, load_config
 
     if args.print_config:

@@ -258,3 +258,34 @@ def test_under_an_address_space_cap_a_run_is_refused_in_one_line_or_runs(digits6
     just_above = _capped(now + need + 16, digits6_16px, tmp_path / "above")
     assert just_above.returncode == 0, just_above.stderr[-2000:]
     assert json.loads((tmp_path / "above" / "summary.json").read_text())["rounds"] == 1
+
+
+def test_an_address_space_limit_too_low_to_load_torch_is_one_line_before_torch_loads(digits6_16px, tmp_path):
+    """Under 3.25 GiB of address space the imports of torch's libraries abort or hang (measured);
+    the run checks the limit before it imports them: one line, exit 2, nothing written."""
+    from fedcp_dist import errors
+
+    r = _capped(2048, digits6_16px, tmp_path / "run")
+    assert r.returncode == 2 and r.stderr == (
+        "error: the address-space limit (ulimit -v) is 2,048 MiB; loading torch and its libraries needs more than "
+        f"{errors.ADDRESS_SPACE_FLOOR / GiB:g} GiB of address space before anything is trained (address space, not "
+        "memory): raise or unset the limit (SLURM's VSizeFactor, SGE's h_vmem set it)\n"), r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_import_under_an_address_space_limit_is_one_line(monkeypatch, capsys):
+    from fedcp_dist import errors
+
+    @errors.cli_main
+    def tool():
+        raise ImportError("libtorch_cpu.so: failed to map segment from shared object")
+
+    monkeypatch.setattr(errors, "address_space_limit", lambda: 3400 * MiB)
+    with pytest.raises(SystemExit) as exc:
+        tool()
+    assert exc.value.code == 1 and capsys.readouterr().err == (
+        "error: ImportError under an address-space limit of 3,400 MiB (ulimit -v): libtorch_cpu.so: failed to map "
+        "segment from shared object; raise or unset the limit (it counts the libraries torch maps, not memory used)\n")
+    monkeypatch.setattr(errors, "address_space_limit", lambda: None)  # no limit: a real import error, as it is
+    with pytest.raises(ImportError):
+        tool()
