@@ -36,8 +36,20 @@ fedcp_launch() {
     printf -v shown ' %q' "${run[@]}" "$@"
     echo "fedcp: job ${SLURM_JOB_ID:-?} attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on ${SLURM_JOB_NODELIST:-?}" \
          "(${nodes} node(s), ${gpus} GPU(s) per node):$shown"
-    # srun returns the highest exit status of its tasks: 75 when every rank checkpointed and stopped
-    srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@"
+    # srun returns the highest exit status of its tasks: 75 when every rank checkpointed and stopped.
+    # But --kill-on-bad-exit counts 75 as bad too: the first rank out after the checkpoint gets the
+    # others killed while they are still closing (srun then returns 143). Rank 0 writes `preempted`
+    # to FEDCP_STATUS_FILE only once the checkpoint is complete, so that file says 75 whatever srun says.
+    local status_file="${SLURM_SUBMIT_DIR:-.}/.fedcp-status-${SLURM_JOB_ID:-0}-${SLURM_RESTART_COUNT:-0}"
+    rm -f "$status_file"
+    local rc=0
+    FEDCP_STATUS_FILE=$status_file srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@" || rc=$?
+    if [ "$rc" != 0 ] && [ "$rc" != 75 ] && [ "$(cat "$status_file" 2>/dev/null)" = preempted ]; then
+        echo "fedcp: srun ended with status $rc after rank 0 checkpointed and stopped: treated as 75"
+        rc=75
+    fi
+    rm -f "$status_file"
+    return "$rc"
 }
 
 fedcp_finish() {

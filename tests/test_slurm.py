@@ -202,6 +202,33 @@ def test_exit_75_requeues_the_job(cluster, tmp_path):
     assert f"requeueing job {j1}" in logs and f"requeueing job {j2}_0" in logs
 
 
+
+RANKS_STUB = """#!/usr/bin/env bash
+# two ranks of a preempted run: rank 0 checkpointed (writes `preempted`) and exits 75 at once, rank 1
+# is still closing when srun's --kill-on-bad-exit kills it; the next attempt finishes (exit 0)
+marker=$1
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then echo "attempt 2 rank $SLURM_PROCID" >>"$marker"; exit 0; fi
+if [ "$SLURM_PROCID" = 0 ]; then echo preempted >"$FEDCP_STATUS_FILE"; exit 75; fi
+sleep 60
+"""
+
+
+def test_a_rank_killed_after_rank_0_checkpointed_still_requeues(cluster, tmp_path):
+    """sbatch -n 2: rank 0 exits 75 first and srun's --kill-on-bad-exit kills rank 1 (srun returns
+    143, not 75); rank 0's status file says the checkpoint is complete, so the job requeues and the
+    second attempt runs both ranks (it ended FAILED, never requeued, before)."""
+    stub = tmp_path / "ranks.sh"
+    stub.write_text(RANKS_STUB)
+    marker = tmp_path / "marker"
+    job, name = submit(tmp_path, "-n", "2", TRAIN, "a.yaml", env={"FEDCP_RUN_CMD": f"bash {stub} {marker}"})
+    (record,) = wait(job, name, timeout=150)
+    log = _logs(tmp_path)
+    assert (_field(record, "JobState"), _field(record, "Restarts")) == ("COMPLETED", "1"), log
+    assert sorted(marker.read_text().splitlines()) == ["attempt 2 rank 0", "attempt 2 rank 1"]
+    assert "after rank 0 checkpointed and stopped: treated as 75" in log and f"requeueing job {job}" in log
+    assert not list(tmp_path.glob(".fedcp-status-*"))
+
+
 def test_other_exit_status_passes_through(cluster, tmp_path):
     stub = tmp_path / "stub.sh"
     stub.write_text(STUB)
