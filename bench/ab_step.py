@@ -159,4 +159,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    main()
+    from fedcp_dist.errors import cli_main  # bad input: one line, no traceback
+    cli_main(main)()

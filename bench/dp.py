@@ -179,4 +179,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from fedcp_dist.errors import cli_main  # bad input: one line, no traceback
+    cli_main(main)(sys.argv[1:])

@@ -169,4 +169,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fedcp_dist.errors import cli_main  # bad input: one line, no traceback
+    sys.exit(cli_main(main)())

@@ -122,4 +122,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from fedcp_dist.errors import cli_main  # bad input: one line, no traceback
+    cli_main(main)()

@@ -502,4 +502,5 @@ def print_table(res: dict, warmup: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from fedcp_dist.errors import cli_main  # bad input: one line, no traceback
+    cli_main(main)()

@@ -22,10 +22,20 @@ from pathlib import Path
 
 def round_records(run_dir: Path) -> list:
     """The run's round records, one per round (a resumed run's repeated rounds: the last kept)."""
+    from fedcp_dist.errors import UserError
+
     by_round = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    path = run_dir / "metrics.jsonl"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{path} cannot be read ({exc.strerror}): give the folder of a run (its out_dir)") from None
+    for line in text.splitlines():
         if line.strip():
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a stop: the rounds before it still count
             if rec.get("kind") == "round":
                 by_round[rec["round"]] = rec
     return [by_round[r] for r in sorted(by_round)]
@@ -99,4 +109,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fedcp_dist.errors import cli_main  # bad input: one line, no traceback
+    sys.exit(cli_main(main)())

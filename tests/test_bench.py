@@ -355,3 +355,14 @@ def test_ab_step_refuses_what_is_not_a_tree(tmp_path, capsys):
     assert e.value.code == 2 and "not a source tree" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.main([str(REPO), str(REPO), "--amp", "fp16"])
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["bench/soak.py", "no/such/run"], "error: no/such/run/metrics.jsonl cannot be read (No such file or directory): "
+                                       "give the folder of a run (its out_dir)"),
+    (["bench/cohort.py", "--config", "configs/digits_fedcp.yaml", "data.path=no/such.h5"],
+     "error: config key 'data.path': no such file: no/such.h5"),
+])
+def test_a_benchmark_given_bad_input_says_so_in_one_line(argv, line):
+    r = run_cmd([sys.executable, *argv], timeout=120)
+    assert (r.returncode, r.stderr) == (2, line + "\n"), r.stderr[-2000:]

@@ -673,3 +673,25 @@ def test_round_ticks_follow_the_evaluation_spacing():
     report_plots.round_ticks(ax, list(range(0, 201, 5)))  # every 5 rounds to 200: every 25, a multiple of 5
     assert [t for t in ax.get_xticks() if 0 <= t <= 200] == list(range(0, 201, 25))
     plt.close(fig)
+
+
+def test_dry_run_shows_the_launcher_it_runs(digits6, tmp_path, capsys, monkeypatch):
+    """--dry-run's command is the one the local executor runs: torchrun and its flags for nproc > 1
+    (they followed `python` before, a command that does not run), the interpreter for 1."""
+    import os
+    import shlex
+    import sys
+
+    from fedcp_dist.cli import sweep as sweep_cli
+
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for nproc, first in ((2, "torchrun"), (1, "python")):
+        path = write_sweep(tmp_path, executor={"kind": "local", "nproc": nproc},
+                           overrides={"rounds": 2, "data.path": str(digits6)})
+        sweep_cli.main([str(path), "--dry-run"])
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[1/2]")]
+        words = shlex.split(lines[0])
+        at = words.index("-m") - (3 if nproc == 2 else 1)
+        assert words[at] == first, lines
+        assert words[at + 1:at + 5] == (["--standalone", "--nproc_per_node=2", "-m", "fedcp_dist.run"] if nproc == 2
+                                        else ["-m", "fedcp_dist.run", "--config", words[at + 4]]), words

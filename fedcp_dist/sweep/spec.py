@@ -161,8 +161,12 @@ class Sweep:
                 k, v = w.split("=", 1)
                 w = f"{k}={display_path(Path(v))}"
             words.append(w)
-        if shutil.which("python") == sys.executable:
-            words[0] = "python"
+        # the interpreter or torchrun beside it, by the short name that finds the same file on PATH
+        first = self.command(point)[0]
+        for short in ("python", "torchrun"):
+            found = shutil.which(short)
+            if found and os.path.abspath(found) == os.path.abspath(first) and Path(first).name.startswith(short):
+                words[0] = short
         return shlex.join(words)
 
     def point_line(self, k: int, point: Point, status: str) -> str:
