@@ -157,6 +157,10 @@ def _main(args, stop: StopSignals) -> None:
         cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
         n = n or auto_ranks(cfg.device)
         if n > 1:
+            from fedcp_dist.data.shards import read_info
+            from fedcp_dist.engine.startup import check_shard
+
+            check_shard(cfg, read_info(cfg.data.path, label_counts=False))  # and so is a config the shard does not fit
             cmd, env = local_ranks_command(n, args.config, args.overrides)
             if stop.signum is not None:  # asked to stop before the ranks were started: nothing ran
                 write_status("preempted")

@@ -279,10 +279,15 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
     monkeypatch.setattr(os, "execve", execve)
     shard = f"data.path={digits6}"
     for argv, word in ((["--ranks", "0", shard], "--ranks"), (["--ranks", "2", shard, "lam=-2"], "'lam'"),
-                       (["--ranks", "x", "data.path=none.h5"], "--ranks")):
+                       (["--ranks", "x", "data.path=none.h5"], "--ranks"),
+                       # a config the shard does not fit: refused here, not by each rank behind torchrun
+                       (["--ranks", "2", shard, "data.source=mnist"], f"error: config key 'data.source' is 'mnist' but "
+                                                                      f"{digits6} holds 'digits'\n"),
+                       (["--ranks", "2", shard, "data.num_clients=7"], "'data.num_clients' is 7 but")):
         with pytest.raises(SystemExit) as exc:
             main(["--config", "configs/digits_fedcp.yaml", *argv])
-        assert exc.value.code == 2 and word in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and word in err and err.count("\n") == 1, err
     with pytest.raises(Started):
         main(["--ranks", "2", "--config", "configs/digits_fedcp.yaml", shard, "rounds=1"])
     assert len(started) == 1 and started[0][0] == sys.executable and "--nproc_per_node=2" in started[0][1]
