@@ -121,7 +121,7 @@ def local_ranks_command(n: int, config: Optional[str], overrides: Sequence[str],
     if detect_launcher(env) != "single":
         raise UserError("--ranks starts the ranks itself: under torchrun, mpirun or srun leave it out "
                         "(the launcher sets how many)")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+    argv = [sys.executable, "-m", "fedcp_dist.cli.ranks", "--standalone", f"--nproc_per_node={n}",
             "-m", "fedcp_dist.run", *(["--config", config] if config else []), *overrides]
     out = run_env(env)
     out.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // n)))
@@ -167,7 +167,7 @@ def _main(args, stop: StopSignals) -> None:
                 raise Preempted("stopped before the ranks were started")
             sys.stdout.flush()
             sys.stderr.flush()
-            os.execve(cmd[0], cmd, env)  # torchrun in this process's place: signals and exit status are its
+            os.execve(cmd[0], cmd, env)  # torchrun in this process's place (fedcp_dist.cli.ranks: its ending said as a run's)
     run_config(args.config, args.overrides, stop=stop)
 
 

@@ -252,7 +252,7 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
     from fedcp_dist.sweep.local import SHUTDOWN_TIMEOUT_S
 
     cmd, env = run_mod.local_ranks_command(2, "configs/digits_fedcp.yaml", ["rounds=3", "lam=1"], env={"PATH": "/bin"})
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+    assert cmd == [sys.executable, "-m", "fedcp_dist.cli.ranks", "--standalone", "--nproc_per_node=2", "-m",
                    "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", "rounds=3", "lam=1"]
     assert env == {"PATH": "/bin", "OMP_NUM_THREADS": str(max(1, _cpu_count() // 2)),
                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}
@@ -312,3 +312,29 @@ def test_unflatten_inverts_flatten():
     flat = {"data.path": "x.h5", "data.clients": [1, 2], "lr": 0.5}
     assert unflatten(flat) == {"data": {"path": "x.h5", "clients": [1, 2]}, "lr": 0.5}
     assert flatten(unflatten(flat)) == flat
+
+
+def test_ranks_ending_is_said_as_a_runs():
+    """fedcp-run --ranks (fedcp_dist/cli/ranks.py): failed ranks that agree give their status and one
+    line; ranks that differ, or a signal, exit 1 naming each; a signalled torchrun exits 75 when rank 0
+    reported its checkpoint, else 128 + the signal."""
+    from fedcp_dist.cli import ranks
+
+    assert ranks.failure_line({0: 2, 1: 2}, {}) == (
+        2, "fedcp-run --ranks: ranks 0, 1 exited with status 2 (their own lines are above)")
+    assert ranks.failure_line({1: 75}, {}) == (75, "fedcp-run --ranks: rank 1 stopped after their checkpoint (their "
+                                                   "own lines are above)")
+    assert ranks.failure_line({0: 1, 1: -9}, {1: "SIGKILL"}) == (
+        1, "fedcp-run --ranks: ranks failed (rank 0: status 1; rank 1: SIGKILL); their own lines, if any, are above")
+
+def test_a_signalled_ranks_launch_exits_75_only_after_a_reported_checkpoint(tmp_path):
+    import signal as sig
+
+    from fedcp_dist.cli import ranks
+
+    status = tmp_path / "status"
+    assert ranks.stopped_status(str(status), sig.SIGTERM) == 128 + sig.SIGTERM  # no file
+    status.write_text("preempted\n")
+    assert ranks.stopped_status(str(status), sig.SIGTERM) == 75
+    status.write_text("")
+    assert ranks.stopped_status(str(status), sig.SIGINT) == 128 + sig.SIGINT

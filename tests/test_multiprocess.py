@@ -68,6 +68,41 @@ def test_fedcp_run_ranks_matches_single_rank(single, digits6_16px, tmp_path):
     assert "launcher=torchrun world_size=2" in r.stdout
     _check_same(single, got, "fedcp-run --ranks 2")
 
+def test_fedcp_run_ranks_ends_as_a_run_does(digits6_16px, tmp_path):
+    """``fedcp-run --ranks 2`` (torchrun behind fedcp_dist/cli/ranks.py) ends as one process would:
+    ranks refusing alike exit 2 with one line each and one line for the launch, no traceback; a
+    SIGTERM checkpoints and exits 75 (torchrun exited 1 either way, the first with its traceback)."""
+    import signal
+    import subprocess
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    (tmp_path / "file").write_text("x")
+    r = run_cmd([str(BIN / "fedcp-run"), "--ranks", "2", "--config", "configs/digits_fedcp.yaml",
+                 f"data.path={digits6_16px}", f"out_dir={tmp_path / 'file' / 'run'}", "rounds=1", "threads=1"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == "fedcp-run --ranks: ranks 0, 1 exited with status 2 (their own lines are above)"
+    assert f"error: out_dir {tmp_path / 'file' / 'run'} cannot be written: Not a directory" in r.stderr
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([str(BIN / "fedcp-run"), "--ranks", "2", "--config", "configs/digits_fedcp.yaml",
+                          f"data.path={digits6_16px}", f"out_dir={out}", "rounds=200", "threads=1"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)  # the process is torchrun now (exec'd in fedcp-run's place)
+        _, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 75 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "fedcp-run --ranks: got SIGTERM; the ranks stopped after their checkpoint"
+    assert any((d / "COMPLETE").exists() for d in (out / "checkpoints").iterdir())
+
+
 def test_mpirun_matches_single_rank(single, digits6_16px, tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
     if mpirun is None:

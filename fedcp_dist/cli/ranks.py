@@ -1,0 +1,89 @@
+"""What ``fedcp-run --ranks N`` becomes: torchrun in this process, with its ending said as a run's.
+
+    python -m fedcp_dist.cli.ranks --standalone --nproc_per_node=2 -m fedcp_dist.run --config ...
+
+The same arguments and behaviour as ``python -m torch.distributed.run``, except how it ends when
+ranks fail or it is signalled. torchrun reports a failed rank with a Python traceback of its own
+(``ChildFailedError``, a table of every rank) and exits 1 whatever the ranks said; the ranks have
+already printed their own one-line errors by then. Here:
+
+* every failed rank exited with the same status (2 for a refused config, 1 for a failed run, 75
+  for a checkpointed stop): that status, and one line naming the ranks;
+* ranks that failed differently (or a signal ended one): exit 1, and one line listing each rank's
+  status or signal;
+* torchrun itself signalled (SIGTERM from a scheduler, Ctrl-C): it stops the ranks, which
+  checkpoint first when their round ends in time; then 75 when rank 0 said so in the status file
+  (``FEDCP_STATUS_FILE``, set here to a file of its own when the caller has not), else 128 + the
+  signal's number, as a shell reports a process a signal ended.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from typing import Dict, Optional
+
+from fedcp_dist.errors import EXIT_REQUEUE
+
+
+def failure_line(codes: Dict[int, int], signals: Dict[int, str]) -> tuple:
+    """(exit status, one line) for ranks that failed: rank -> exit status (negative: ended by a
+    signal, named in ``signals``)."""
+    ranks = sorted(codes)
+    names = ", ".join(map(str, ranks))
+    statuses = {codes[r] for r in ranks}
+    if len(statuses) == 1 and next(iter(statuses)) > 0:
+        code = next(iter(statuses))
+        what = {EXIT_REQUEUE: "stopped after their checkpoint"}.get(code, f"exited with status {code}")
+        return code, f"fedcp-run --ranks: rank{'s' if len(ranks) > 1 else ''} {names} {what} (their own lines are above)"
+    parts = [f"rank {r}: {signals.get(r) or 'a signal'}" if codes[r] < 0 else f"rank {r}: status {codes[r]}"
+             for r in ranks]
+    return 1, f"fedcp-run --ranks: ranks failed ({'; '.join(parts)}); their own lines, if any, are above"
+
+
+def stopped_status(status_file: Optional[str], signum: int) -> int:
+    """The exit status after torchrun was signalled: 75 when rank 0 wrote ``preempted``."""
+    try:
+        with open(status_file or "", encoding="utf-8") as f:
+            if f.read().strip() == "preempted":
+                return EXIT_REQUEUE
+    except OSError:
+        pass
+    return 128 + signum
+
+
+def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    own = None
+    if not os.environ.get("FEDCP_STATUS_FILE"):
+        fd, own = tempfile.mkstemp(prefix="fedcp-ranks-status-")
+        os.close(fd)
+        os.environ["FEDCP_STATUS_FILE"] = own  # the ranks inherit it
+    try:
+        torchrun(sys.argv[1:] if argv is None else argv)
+        return 0
+    except ChildFailedError as exc:
+        codes = {int(r): int(f.exitcode) for r, f in exc.failures.items()}
+        signals = {int(r): f.signal_name() for r, f in exc.failures.items() if f.exitcode < 0}
+        code, line = failure_line(codes, signals)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:
+        code = stopped_status(os.environ["FEDCP_STATUS_FILE"], int(exc.sigval))
+        said = "stopped after their checkpoint" if code == EXIT_REQUEUE else "stopped (no checkpoint was reported)"
+        print(f"fedcp-run --ranks: got {signal.Signals(exc.sigval).name}; the ranks {said}", file=sys.stderr, flush=True)
+        return code
+    finally:
+        if own:
+            try:
+                os.unlink(own)
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
