@@ -523,3 +523,25 @@ def test_data_md_promises_what_resume_does():
         "kept beside the shard in `<shard>.digest.json`",
     ):
         assert promise in text, promise
+
+
+def test_a_shard_another_process_has_open_for_writing_is_named_locked(digits6, tmp_path):
+    """HDF5's file lock (another process holds the shard open with "r+"): the run says the file is
+    locked, not that it may be truncated or corrupt."""
+    import subprocess
+    import sys
+
+    shard = tmp_path / "shard.h5"
+    shutil.copy(digits6, shard)
+    holder = subprocess.Popen([sys.executable, "-c", f"import h5py, sys, time; f = h5py.File({str(shard)!r}, 'r+'); "
+                               "print('open', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(UserError) as exc:
+            read_info(shard)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(exc.value).startswith(f"shard file {shard} is locked by another process that has it open for writing "
+                                     "(HDF5: ") and str(exc.value).endswith("); let that process finish, or read a copy")
+    assert read_info(shard).num_clients == 6  # the lock went with the process

@@ -121,6 +121,32 @@ def test_an_out_dir_without_file_locks_is_named_so(tmp_path, monkeypatch):
                               "folder)")
 
 
+
+def test_a_checkpoints_file_in_the_folders_place_is_refused_at_start(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("x")
+    with pytest.raises(UserError) as exc:
+        prepare_out_dir(out, overwrite=False, resume="auto")
+    assert str(exc.value) == (f"{out / 'checkpoints'} is not a folder: the run keeps its checkpoints there; move it "
+                              "away or pass overwrite=true")
+    prepare_out_dir(out, overwrite=True, resume="auto").close()
+    assert not (out / "checkpoints").exists()
+
+
+def test_report_names_a_damaged_summary_as_damaged(tmp_path):
+    out = tmp_path / "run"
+    _fill(out)
+    (out / "config.yaml").write_text("method: fedcp\nseed: 1\n")
+    for damaged in ("{not json", "[1, 2]"):
+        (out / "summary.json").write_text(damaged)
+        (run,) = report_runs.collect(str(out)).runs
+        assert run.why == "summary.json is damaged (not a JSON object)", run.why
+    (out / "summary.json").unlink()
+    (run,) = report_runs.collect(str(out)).runs
+    assert run.why == "no summary.json: unfinished or failed"
+
+
 def test_a_finished_run_is_refused_and_left_as_it_was(tmp_path):
     out = tmp_path / "run"
     _fill(out)

@@ -695,3 +695,13 @@ def test_dry_run_shows_the_launcher_it_runs(digits6, tmp_path, capsys, monkeypat
         assert words[at] == first, lines
         assert words[at + 1:at + 5] == (["--standalone", "--nproc_per_node=2", "-m", "fedcp_dist.run"] if nproc == 2
                                         else ["-m", "fedcp_dist.run", "--config", words[at + 4]]), words
+
+
+def test_a_run_whose_summary_gives_nan_is_missing_with_the_reason(tmp_path):
+    fake_run(tmp_path / "runs" / "a", "fedcp", 1, 0.1, 0.9)
+    fake_run(tmp_path / "runs" / "b", "fedcp", 2, 0.1, 0.8)
+    (tmp_path / "runs" / "b" / "summary.json").write_text(json.dumps({"method": "fedcp", "best_acc": float("nan"),
+                                                                      "rounds": 4}))
+    col = report.collect(tmp_path / "runs")
+    table = report.build_table(col, report.setting_keys(col, None), "best_acc")
+    assert [(r.seed, r.why) for r in table.missing] == [(2, "summary.json gives 'best_acc' as nan")]

@@ -250,7 +250,7 @@ def collect(root) -> Collection:
         config, summary = _read(path)
         why = ""
         if summary is None:
-            why = "not started" if not path.exists() else f"no {SUMMARY}: unfinished or failed"
+            why = "not started" if not path.exists() else _no_summary(path)
         elif summary.get("status") == DIVERGED:
             why = DIVERGED_WHY
         runs.append(Run(path, params, config, summary, "", why, name))
@@ -260,12 +260,19 @@ def collect(root) -> Collection:
             continue
         seen.add(path)
         config, summary = _read(path)
-        why = (f"no {SUMMARY}: unfinished or failed" if summary is None
+        why = (_no_summary(path) if summary is None
                else DIVERGED_WHY if summary.get("status") == DIVERGED else "")
         runs.append(Run(path, {}, config, summary, "", why))
     if not runs:
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
     return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded)
+
+
+def _no_summary(path: Path) -> str:
+    """Why a run folder has no summary to report: none written yet, or one that is damaged."""
+    if (path / SUMMARY).exists():
+        return f"{SUMMARY} is damaged (not a JSON object)"
+    return f"no {SUMMARY}: unfinished or failed"
 
 
 def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:

@@ -164,6 +164,8 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
             continue
         if r.finished and not isinstance(value, (int, float)):
             r.why = f"{SUMMARY} has no numeric '{metric}'"
+        elif r.finished and not (math.isfinite(value) or (metric in INFINITE_OK and math.isinf(value))):
+            r.why = f"{SUMMARY} gives '{metric}' as {value}"
         if r.finished and isinstance(value, (int, float)) and (math.isfinite(value) or
                                                                 (metric in INFINITE_OK and math.isinf(value))):
             cell.values.append(scale * float(value))

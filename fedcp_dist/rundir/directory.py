@@ -355,6 +355,9 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
         except OSError as exc:  # ENOLCK, ENOSYS: a file system without locks (NFS without lockd, Lustre -o noflock)
             raise UserError(f"out_dir {out} cannot be locked ({exc.strerror}): its file system has no file locks; "
                             f"choose an out_dir on one that has (a run's lock keeps two runs out of one folder)") from None
+        if run.checkpoints.exists() and not run.checkpoints.is_dir() and not overwrite:
+            raise UserError(f"{run.checkpoints} is not a folder: the run keeps its checkpoints there; move it away "
+                            f"or pass overwrite=true")
         if overwrite:
             clear_run(out, run)
             return lock

@@ -27,8 +27,12 @@ def _open(path) -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError as exc:
+        said = " ".join(str(exc).split())
+        if "unable to lock file" in said:  # another process holds it open for writing
+            raise UserError(f"shard file {path} is locked by another process that has it open for writing (HDF5: "
+                            f"{said}); let that process finish, or read a copy") from None
         raise UserError(f"shard file {path} is not a readable HDF5 file "
-                        f"(truncated or corrupt?): {' '.join(str(exc).split())}") from None
+                        f"(truncated or corrupt?): {said}") from None
 
 
 def _check_version(f: h5py.File, path) -> int:
