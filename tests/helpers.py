@@ -100,6 +100,24 @@ def rank_envs(world_size: int = 2) -> list:
     return envs
 
 
+def run_hand_ranks(commands: list, envs: list, timeout: float = 180) -> list:
+    """Start one process per (command, environment) (ranks started by hand, see :func:`rank_envs`)
+    in the repository, wait for all of them (killing what is left when waiting fails) and return
+    each one's (returncode, stdout, stderr)."""
+    from conftest import REPO
+
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd, env in zip(commands, envs)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
 def run(config: str, overrides, wrap=None, echo=lambda *_: None) -> dict:
     """One run in this process (one rank), as ``fedcp-run`` would do it; returns its summary."""
     cfg = load_config(config, list(overrides))

@@ -153,25 +153,16 @@ def test_bench_on_two_ranks_started_by_hand_shares_one_run_folder(digits6, tmp_p
     processes): the ranks name one run folder, as the engine's start-up check demands; the six
     clients are one fused group, so rank 1 holds none and takes its FLOP count from rank 0; the
     table counts every step on rank 0, and the folder is gone afterwards."""
-    import subprocess
     from fedcp_dist.data.shards import read_info
-    from helpers import rank_envs
+    from helpers import rank_envs, run_hand_ranks
 
     runs = REPO / "data" / "bench-runs"
     before = set(runs.iterdir()) if runs.exists() else set()
     out = tmp_path / "bench.json"
-    procs = [subprocess.Popen([sys.executable, "bench/round.py", "--shard", str(digits6), "--config",
-                               "configs/digits_fedcp.yaml", "--fused", "--warmup", "0", "--json", str(out),
-                               "rounds=1", "threads=1"],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for env in rank_envs()]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    cmd = [sys.executable, "bench/round.py", "--shard", str(digits6), "--config", "configs/digits_fedcp.yaml",
+           "--fused", "--warmup", "0", "--json", str(out), "rounds=1", "threads=1"]
+    done = run_hand_ranks([cmd, cmd], rank_envs(), timeout=300)
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
     res = json.loads(out.read_text())  # one variant: its figures alone
     counts = read_info(digits6).train_counts
     steps = sum((int(n) // 10 if n >= 10 else 1) if n else 0 for n in counts)

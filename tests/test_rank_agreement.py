@@ -5,14 +5,12 @@ refusal as a user sees it."""
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 import threading
 
 import torch
 
-from conftest import REPO
-from helpers import documented, rank_envs
+from helpers import documented, rank_envs, run_hand_ranks
 from fedcp_dist.config import load_config
 from fedcp_dist.data.shards import read_info
 from fedcp_dist.engine import agreement
@@ -142,22 +140,12 @@ def test_an_out_dir_that_a_rank_does_not_see_stops_every_rank(tmp_path, monkeypa
 def test_one_rank_started_with_another_override_refuses_before_anything_is_written(digits6, tmp_path):
     """Two processes as mpirun or srun start them, rank 1 with another lr: both exit 2 in one line
     each, naming lr, and out_dir is never made."""
-    envs = rank_envs()
     out = tmp_path / "run"
-    procs = []
-    for rank, lr in ((0, "0.05"), (1, "0.1")):
-        env = envs[rank]
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", f"data.path={digits6}",
-             f"out_dir={out}", "threads=1", "rounds=1", f"lr={lr}"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        errs = [p.communicate(timeout=180)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    cmds = [[sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", f"data.path={digits6}",
+             f"out_dir={out}", "threads=1", "rounds=1", f"lr={lr}"] for lr in ("0.05", "0.1")]
+    done = run_hand_ranks(cmds, rank_envs())
+    errs = [err for _, _, err in done]
+    assert [rc for rc, _, _ in done] == [2, 2], errs
     for rank, err in enumerate(errs):
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "Traceback" not in err, err[-2000:]

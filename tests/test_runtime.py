@@ -171,20 +171,13 @@ def test_a_process_group_that_cannot_open_is_one_line_per_rank(digits6, tmp_path
     stops in one line naming the backend's reason and the variable, exit 1, nothing written."""
     import sys
 
-    from conftest import REPO
-    from helpers import rank_envs
+    from helpers import rank_envs, run_hand_ranks
 
-    procs = [subprocess.Popen([sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml",
-                               f"data.path={digits6}", f"out_dir={tmp_path / 'run'}", "rounds=1", "threads=1"],
-                              cwd=REPO, env=dict(env, GLOO_SOCKET_IFNAME="nonexist0"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env in rank_envs()]
-    try:
-        errs = [p.communicate(timeout=180)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [1, 1], errs
+    cmd = [sys.executable, "-m", "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", f"data.path={digits6}",
+           f"out_dir={tmp_path / 'run'}", "rounds=1", "threads=1"]
+    done = run_hand_ranks([cmd, cmd], [dict(env, GLOO_SOCKET_IFNAME="nonexist0") for env in rank_envs()])
+    errs = [err for _, _, err in done]
+    assert [rc for rc, _, _ in done] == [1, 1], errs
     for rank, err in enumerate(errs):
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert "Traceback" not in err and lines == [
