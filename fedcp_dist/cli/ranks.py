@@ -60,9 +60,12 @@ def main(argv=None) -> int:
 
     own = None
     if not os.environ.get("FEDCP_STATUS_FILE"):
-        fd, own = tempfile.mkstemp(prefix="fedcp-ranks-status-")
-        os.close(fd)
-        os.environ["FEDCP_STATUS_FILE"] = own  # the ranks inherit it
+        try:
+            fd, own = tempfile.mkstemp(prefix="fedcp-ranks-status-")
+            os.close(fd)
+            os.environ["FEDCP_STATUS_FILE"] = own  # the ranks inherit it
+        except OSError:  # no writable temporary folder: a signalled launch then exits 128 + the signal
+            own = None
     try:
         torchrun(sys.argv[1:] if argv is None else argv)
         return 0
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
-        code = stopped_status(os.environ["FEDCP_STATUS_FILE"], int(exc.sigval))
+        code = stopped_status(os.environ.get("FEDCP_STATUS_FILE"), int(exc.sigval))
         said = "stopped after their checkpoint" if code == EXIT_REQUEUE else "stopped (no checkpoint was reported)"
         print(f"fedcp-run --ranks: got {signal.Signals(exc.sigval).name}; the ranks {said}", file=sys.stderr, flush=True)
         return code
