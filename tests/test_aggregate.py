@@ -90,7 +90,7 @@ def test_round_record_by_hand():
     # no sample trained on (an empty cohort): no loss, not a loss of 0
     assert "acc" not in rec and "cohort" not in rec and rec["train_loss"] is None
     assert list(rec)[7:9] == ["allreduce_bytes", "peer_exchange_seconds"]
-    from fedcp_dist.rundir.directory import progress_line
+    from fedcp_dist.rundir.present import progress_line
     from fedcp_dist.rundir.loggers import record_scalars
 
     e = {"evaluated_after": 0, "acc": 0.5, "acc_client_mean": 0.5, "auc": 0.5, "test_loss": 1.0}

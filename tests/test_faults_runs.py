@@ -12,7 +12,8 @@ from fedcp_dist.cli import report
 from fedcp_dist.cli import sweep as sweep_cli
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.engine.round_record import learned_nothing
-from fedcp_dist.rundir.directory import DIVERGED, FINISHED, RunDir, prepare_out_dir
+from fedcp_dist.rundir.directory import DIVERGED, FINISHED, RunDir
+from fedcp_dist.rundir.out_dir import prepare_out_dir
 from helpers import documented, nonfinite_at, run
 
 CONFIG = str(REPO / "configs" / "digits_fedavg.yaml")

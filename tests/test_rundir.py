@@ -13,9 +13,9 @@ from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.cli import report_runs
 from fedcp_dist.config import Config, flatten, unflatten
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir.directory import (
-    NOT_DEFINING, RESUMABLE_CHANGES, RunDir, RunWriter, check_resume_config, format_value, prepare_out_dir,
-)
+from fedcp_dist.rundir.directory import NOT_DEFINING, RESUMABLE_CHANGES, RunDir, RunWriter, check_resume_config
+from fedcp_dist.rundir.out_dir import prepare_out_dir
+from fedcp_dist.rundir.present import format_value
 from fedcp_dist.run import run_config
 from fedcp_dist.sweep import config_drift, load_sweep
 from fedcp_dist.sweep.spec import point_config

@@ -13,7 +13,8 @@ from fedcp_dist.analysis.records import loss_by_round, pir_by_round, read_probes
 from fedcp_dist.config import load_config
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.algorithms.fedcp.probing import PolicyProbeLayout
-from fedcp_dist.rundir.directory import RunWriter, prepare_out_dir
+from fedcp_dist.rundir.directory import RunWriter
+from fedcp_dist.rundir.out_dir import prepare_out_dir
 from helpers import nonfinite_at, quarters_shard, run
 
 CONFIG = str(REPO / "configs" / "digits_fedcp.yaml")

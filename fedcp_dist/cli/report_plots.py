@@ -15,7 +15,8 @@ from fedcp_dist.analysis.plots import save as _save
 from fedcp_dist.analysis.plots import series_styles
 from fedcp_dist.cli.report_runs import Run, _label, _numeric, _sort_key
 from fedcp_dist.cli.report_table import Table, _is_percent
-from fedcp_dist.rundir.directory import RunDir, format_value
+from fedcp_dist.rundir.directory import RunDir
+from fedcp_dist.rundir.present import format_value
 
 
 # ----------------------------------------------------------------------------- plots

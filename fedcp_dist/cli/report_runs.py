@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from fedcp_dist.analysis.records import read_probes, weighted_mean
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir.directory import ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir, format_value
+from fedcp_dist.rundir.directory import ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir
+from fedcp_dist.rundir.present import format_value
 from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
 #: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not

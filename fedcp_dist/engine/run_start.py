@@ -36,7 +36,8 @@ from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.engine.preflight import preflight
 from fedcp_dist.engine.probes import RoundProbes
-from fedcp_dist.rundir.directory import RunWriter, prepare_out_dir
+from fedcp_dist.rundir.directory import RunWriter
+from fedcp_dist.rundir.out_dir import prepare_out_dir
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.engine.training import CohortTrainer
 

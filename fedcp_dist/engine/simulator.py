@@ -28,7 +28,8 @@ from fedcp_dist.rundir.preemption import StopSignals, interrupt_after
 from fedcp_dist.comm.privacy import PrivacySums
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.engine.round_record import evaluation_record, learned_nothing, round_record, summary_json
-from fedcp_dist.rundir.directory import DIVERGED, SUMMARY, progress_line, result_table
+from fedcp_dist.rundir.directory import DIVERGED, SUMMARY
+from fedcp_dist.rundir.present import progress_line, result_table
 from fedcp_dist.engine.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.comm.selection import draw_cohort, gather_client_vectors

@@ -1,4 +1,5 @@
-"""The run directory (``out_dir``): its file names, its writer, its lock and rules, and how to read it.
+"""The run directory (``out_dir``): its file names, its writer, the resume rules, and how to read it
+(the lock and the overwrite rules: :mod:`fedcp_dist.rundir.out_dir`; the printed lines: :mod:`fedcp_dist.rundir.present`).
 
 One run writes one directory; rank 0 alone writes it::
 
@@ -19,15 +20,11 @@ runs).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import math
 import os
 import re
-import shutil
-import sys
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 import yaml
@@ -291,89 +288,6 @@ def read_jsonl(path) -> list:
     return out
 
 
-# ----------------------------------------------------------------------------- the lock and the rules
-
-
-def clear_run(out: Path, run: "RunDir") -> None:
-    """What ``overwrite=true`` removes: ``checkpoints/``, ``tensorboard/`` and the run files. What
-    cannot be removed (an immutable file, a folder in a file's place, no permission) stops the start
-    in one line naming it, so that a fresh run never starts beside an old run's leftovers."""
-    failed = []
-
-    def note(_func, path, exc):
-        failed.append((path, exc[1] if isinstance(exc, tuple) else exc))
-
-    for folder in (run.checkpoints, out / TENSORBOARD):
-        if folder.is_symlink() or folder.is_file():
-            try:
-                folder.unlink()
-            except OSError as exc:
-                failed.append((folder, exc))
-        elif folder.exists():
-            if sys.version_info >= (3, 12):
-                shutil.rmtree(folder, onexc=note)
-            else:
-                shutil.rmtree(folder, onerror=note)
-    for name in RUN_FILES:
-        path = out / name
-        try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
-        except OSError as exc:
-            failed.append((path, exc))
-    if failed:
-        path, exc = failed[0]
-        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-        raise UserError(f"overwrite=true could not remove {path}{more}: {getattr(exc, 'strerror', None) or exc}; "
-                        f"remove it by hand (an immutable file needs chattr -i) or choose another out_dir")
-
-
-def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
-    """Rank 0, before anything is written: lock ``out_dir``, then refuse, clear or leave it.
-
-    Creates ``out_dir`` and takes an exclusive, non-blocking ``flock`` on ``out_dir/.lock``; the
-    returned open file holds it, and closing it releases it (so does the process ending). Then:
-    ``overwrite`` removes ``checkpoints/``, ``tensorboard/`` and the run files (RUN_FILES) and nothing else;
-    otherwise a finished run (summary.json) is refused, and with ``resume='never'`` so is an
-    unfinished one (a complete checkpoint or metrics.jsonl). Every refusal is a UserError, and the
-    lock is released before it is raised.
-    """
-    run = RunDir(out_dir)
-    out = run.path
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = open(run.lock, "a+")
-    except OSError as exc:
-        raise UserError(f"out_dir {out} cannot be written: {exc.strerror}") from None
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"out_dir {out} is in use by another run (lock {run.lock} is held)") from None
-        except OSError as exc:  # ENOLCK, ENOSYS: a file system without locks (NFS without lockd, Lustre -o noflock)
-            raise UserError(f"out_dir {out} cannot be locked ({exc.strerror}): its file system has no file locks; "
-                            f"choose an out_dir on one that has (a run's lock keeps two runs out of one folder)") from None
-        if run.checkpoints.exists() and not run.checkpoints.is_dir() and not overwrite:
-            raise UserError(f"{run.checkpoints} is not a folder: the run keeps its checkpoints there; move it away "
-                            f"or pass overwrite=true")
-        if overwrite:
-            clear_run(out, run)
-            return lock
-        if run.summary.exists():
-            what = "a run that diverged (it learned nothing; " if run.status() == DIVERGED else "a finished run ("
-            if run.read_summary() is None:
-                what = "a finished run whose summary is damaged (not a JSON object: "
-            raise UserError(f"out_dir {out} holds {what}{SUMMARY}); choose another out_dir or pass overwrite=true")
-        if resume == "never" and (run.has_checkpoint() or run.metrics.exists()):
-            raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")
-    except BaseException:
-        lock.close()
-        raise
-    return lock
-
-
 # ----------------------------------------------------------------------------- writing (rank 0)
 
 
@@ -502,69 +416,3 @@ class RunWriter:
             if f is not None:
                 f.close()
         self._metrics = self._analysis = None
-
-
-# ----------------------------------------------------------------------------- presenting
-
-
-def format_value(value: Any) -> str:
-    """A config value as a run directory name and a report label show it.
-
-    Exact and stable, since sweep directory and shard names are made of it: floats as Python's
-    shortest round-trip form (``0.1``, ``1e-05``, ``1.0``), lists joined by ``-`` (``0.1-0.2``;
-    ``empty``), booleans and null as YAML writes them.
-    """
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "-".join(format_value(v) for v in value) or "empty"
-    if value is None:
-        return "null"
-    return str(value)
-
-
-def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
-    """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
-    loss = record.get("train_loss") if record else None
-    tail = (f"  {record['seconds']:.2f} s/round  train loss " + (f"{loss:.4f}" if loss is not None else "n/a (no client trained)")
-            if record else "  (final)")
-    if record and "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
-        eps = record["dp_epsilon"]
-        tail += f"  ε after round {record['round']}: " + (f"{eps:.3g}" if math.isfinite(eps) else "∞")
-        tail += " (noise of a larger cohort: no guarantee here)" if record.get("dp_guarantee") is False else ""
-    return (f"[eval after {e['evaluated_after']:>4}/{rounds} rounds] acc {e['acc']:.4f}  client-mean "
-            f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
-            + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else "")
-            + tail)
-
-
-def result_table(s: dict) -> str:
-    """The table a finished run prints: method, data, ranks, accuracies and time per round."""
-    rows = [
-        ("method", s["method"]),
-        ("data", f"{s['source']}, {s['num_clients']} clients"),
-        ("ranks", f"{s['world_size']} ({s['launcher']}, {s['device']})"),
-        ("rounds", s["rounds"]),
-        *([("status", "DIVERGED: no round aggregated a finite update; the untrained model's accuracies")]
-          if s.get("status") == DIVERGED else []),
-        ("best accuracy", f"{100 * s['best_acc']:.2f} %  (after {s['best_after_rounds']} rounds)"),
-        ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
-        ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),
-        ("final micro AUC", f"{s['final_auc']:.4f}"),
-        *([("final balanced accuracy", f"{100 * s['final_balanced_acc']:.2f} %"),
-           ("final positive-class recall", f"{100 * s['final_pos_recall']:.2f} %")]
-          if "final_balanced_acc" in s else []),
-        ("seconds per round", f"{s['seconds_per_round']:.3f}"),
-    ]
-    if "dp_epsilon" in s:  # dp=central: the budget spent, and whether it is this run's guarantee
-        eps = s["dp_epsilon"]
-        rows.append(("DP (ε, δ)", f"({eps:.4g}, {s['dp_delta']:g})" if math.isfinite(eps) else
-                     f"(∞, {s['dp_delta']:g}): no noise"))
-        if "dp_noise_cohort_size" in s:
-            rows.append(("DP guarantee", "none for this run (noise of a cohort of "
-                                         f"{s['dp_noise_cohort_size']:g})"))
-    width = max(len(k) for k, _ in rows)
-    line = "-" * (width + 32)
-    return "\n".join([line, *[f"{k:<{width}}  {v}" for k, v in rows], line])

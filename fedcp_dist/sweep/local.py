@@ -67,7 +67,7 @@ def pump(proc: subprocess.Popen, sink, tail: collections.deque) -> None:
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR2")
 #: seconds between two looks at the lock of a point that another process runs
 LOCK_POLL_S = 1.0
-#: what fedcp-run says when another run holds its out_dir (:func:`fedcp_dist.rundir.directory.prepare_out_dir`)
+#: what fedcp-run says when another run holds its out_dir (:func:`fedcp_dist.rundir.out_dir.prepare_out_dir`)
 IN_USE = "is in use by another run"
 
 

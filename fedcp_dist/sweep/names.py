@@ -19,7 +19,7 @@ import yaml
 
 from fedcp_dist.data.make import PartitionSpec
 from fedcp_dist.data.sources import TEXT_SOURCES
-from fedcp_dist.rundir.directory import format_value
+from fedcp_dist.rundir.present import format_value
 
 #: partition keys that say where the source data is, not how it is split (never in a shard's name)
 PARTITION_LOCATION_KEYS = ("root", "download")

@@ -1,0 +1,71 @@
+"""How a run and its values are shown: the names of config values in folder names and report
+labels, the progress line of an evaluation, the table a finished run prints."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from fedcp_dist.rundir.directory import DIVERGED
+
+
+def format_value(value: Any) -> str:
+    """A config value as a run directory name and a report label show it.
+
+    Exact and stable, since sweep directory and shard names are made of it: floats as Python's
+    shortest round-trip form (``0.1``, ``1e-05``, ``1.0``), lists joined by ``-`` (``0.1-0.2``;
+    ``empty``), booleans and null as YAML writes them.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "-".join(format_value(v) for v in value) or "empty"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
+    """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
+    loss = record.get("train_loss") if record else None
+    tail = (f"  {record['seconds']:.2f} s/round  train loss " + (f"{loss:.4f}" if loss is not None else "n/a (no client trained)")
+            if record else "  (final)")
+    if record and "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
+        eps = record["dp_epsilon"]
+        tail += f"  ε after round {record['round']}: " + (f"{eps:.3g}" if math.isfinite(eps) else "∞")
+        tail += " (noise of a larger cohort: no guarantee here)" if record.get("dp_guarantee") is False else ""
+    return (f"[eval after {e['evaluated_after']:>4}/{rounds} rounds] acc {e['acc']:.4f}  client-mean "
+            f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
+            + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else "")
+            + tail)
+
+
+def result_table(s: dict) -> str:
+    """The table a finished run prints: method, data, ranks, accuracies and time per round."""
+    rows = [
+        ("method", s["method"]),
+        ("data", f"{s['source']}, {s['num_clients']} clients"),
+        ("ranks", f"{s['world_size']} ({s['launcher']}, {s['device']})"),
+        ("rounds", s["rounds"]),
+        *([("status", "DIVERGED: no round aggregated a finite update; the untrained model's accuracies")]
+          if s.get("status") == DIVERGED else []),
+        ("best accuracy", f"{100 * s['best_acc']:.2f} %  (after {s['best_after_rounds']} rounds)"),
+        ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
+        ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),
+        ("final micro AUC", f"{s['final_auc']:.4f}"),
+        *([("final balanced accuracy", f"{100 * s['final_balanced_acc']:.2f} %"),
+           ("final positive-class recall", f"{100 * s['final_pos_recall']:.2f} %")]
+          if "final_balanced_acc" in s else []),
+        ("seconds per round", f"{s['seconds_per_round']:.3f}"),
+    ]
+    if "dp_epsilon" in s:  # dp=central: the budget spent, and whether it is this run's guarantee
+        eps = s["dp_epsilon"]
+        rows.append(("DP (ε, δ)", f"({eps:.4g}, {s['dp_delta']:g})" if math.isfinite(eps) else
+                     f"(∞, {s['dp_delta']:g}): no noise"))
+        if "dp_noise_cohort_size" in s:
+            rows.append(("DP guarantee", "none for this run (noise of a cohort of "
+                                         f"{s['dp_noise_cohort_size']:g})"))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 32)
+    return "\n".join([line, *[f"{k:<{width}}  {v}" for k, v in rows], line])
