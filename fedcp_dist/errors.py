@@ -31,6 +31,12 @@ class UserError(Exception):
     """
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (a library's C++ errors add a stack below it), at
+    most ``limit`` characters; its type's name when it has no message."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
 #: the address-space limit under which loading torch and its libraries fails in ways no handler
 #: can turn into a line: measured with a CUDA build of torch 2.14.1 (numpy, OpenBLAS, SciPy), up to
 #: 2.9 GiB the process aborts (std::bad_alloc, OpenBLAS's allocation error) and at 3.0 GiB numpy's
@@ -91,7 +97,7 @@ def cli_main(func):
             limit = address_space_limit()
             if limit is None:
                 raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            first = first_line(exc)
             print(f"error: {type(exc).__name__} under an address-space limit of {limit / 2**20:,.0f} MiB (ulimit -v): "
                   f"{first}; raise or unset the limit (it counts the libraries torch maps, not memory used)",
                   file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch.distributed as dist
 
-from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.errors import RunFailure, UserError, first_line
 
 #: the variables torchrun gives each worker that make an env:// rendezvous
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -142,7 +142,7 @@ def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
         store, _, _ = next(dist.rendezvous(ep.init_method, rank=ep.rank, world_size=ep.world_size,
                                            timeout=datetime.timedelta(seconds=left)))
     except (RuntimeError, ValueError, OSError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc)
         raise RunFailure(f"rank {ep.rank}: the {ep.world_size} ranks of the job did not meet at {where} within "
                          f"rendezvous_timeout={timeout_s:g} s ({first}); launcher {launcher} read from "
                          f"{seen(env, names)}: a rank that did not start, a wrong address or port, or variables left "

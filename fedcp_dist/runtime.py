@@ -42,7 +42,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.errors import RunFailure, UserError, first_line
 from fedcp_dist.launch_env import SLURM_VARS, TORCHRUN_VARS, check_launcher_env, rendezvous
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
@@ -240,7 +240,7 @@ class Runtime:
             # the launcher died and took the job's store with it: that is why the peer is gone
             raise RunFailure(f"rank {self.rank}, {self.phase}: its launcher (pid {self.launcher_pid}) is gone; stopping "
                              f"(the last complete checkpoint is kept)") from None
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc)
         missing = self._silent_ranks()
         if missing:
             who = f"rank(s) {', '.join(map(str, missing))} stopped answering"
@@ -394,7 +394,7 @@ def cuda_backend(local_ranks: int, gpus: int) -> tuple:
 def process_group_failure(rank: int, backend: str, exc: BaseException, env: Mapping[str, str] = os.environ) -> str:
     """One line for a process group that could not be opened after the ranks met: the backend's own
     reason (its first line, without the C++ source location) and the setting that most often causes it."""
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = first_line(exc, limit=10**6)  # the reason is cut below, once its source location is dropped
     reason = re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", first).strip()[:200]
     hints = []
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):

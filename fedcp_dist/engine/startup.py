@@ -21,7 +21,7 @@ from fedcp_dist.data.shards import ShardInfo, ShardReader, load_clients, read_in
 from fedcp_dist.data.shards.read import layout_digest_of
 from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
-from fedcp_dist.errors import UserError
+from fedcp_dist.errors import UserError, first_line
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.models import MODEL_KINDS, build_model, model_options
 from fedcp_dist.state.placement import (client_subset, eval_sample, form_groups, imbalance, max_cohort_size, place_clients,
@@ -170,7 +170,7 @@ def model_for_shard(cfg, info: ShardInfo) -> torch.nn.Module:
             model.eval()
             out = model(x)
     except (RuntimeError, ValueError, IndexError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc)
         raise UserError(f"config key 'model': {cfg.model!r} cannot take {what}: {first}") from None
     finally:
         model.train(was_training)

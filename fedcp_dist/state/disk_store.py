@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from fedcp_dist.errors import RunFailure, UserError
+from fedcp_dist.errors import RunFailure, UserError, first_line
 from fedcp_dist.fileio import atomic_torch_save
 from fedcp_dist.state.client_store import (ClientFiles, ClientStore, HostClientStore, State, banks_in_files, pack,
                                            resolve_mode, unpack)
@@ -120,7 +120,7 @@ class DiskClientStore(ClientStore):
         except OSError as exc:
             raise RunFailure(f"cannot read the client state file {path}: {exc.strerror or exc}") from None
         except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # torch's reader on a cut or garbled file
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            first = first_line(exc, 160)
             raise RunFailure(f"cannot read the client state file {path}: it is damaged ({first}); the run's newest "
                              f"checkpoint holds every client's state: run the same command again to resume from it") from None
 
