@@ -58,8 +58,8 @@ class Output(Component):
     options = (
         Option("out_dir", "runs/default", "run directory (rank 0 writes config.yaml, metrics.jsonl, summary.json, "
                "final_global.pt)", described("a path", lambda v: None if v else "must not be empty")),
-        Option("overwrite", False, "start afresh in an out_dir that holds a run (its checkpoints are removed); "
-               "otherwise refused"),
+        Option("overwrite", False, "start afresh in an out_dir that holds a run (its checkpoints, run files and the "
+               "reports fedcp-report and fedcp-analyze wrote there are removed; other files are kept); otherwise refused"),
         Option("resume", "auto", "auto: continue from the newest complete checkpoint in out_dir; never: refuse an "
                "out_dir with one", one_of("auto", "never")),
         Option("checkpoint_every", 50, "checkpoint every this many rounds (0: only on a preemption signal)", at_least(0)),

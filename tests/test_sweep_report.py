@@ -383,6 +383,24 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     assert "not a directory" in cli_error(capsys, report.main, [str(tmp_path / "none")])
 
 
+def test_overwrite_removes_the_old_runs_reports_and_keeps_the_users_files(tmp_path, capsys):
+    """fedcp-report and fedcp-analyze write into the run's folder by default: a fresh run with
+    overwrite=true must not sit beside a report of the run it removed (DERIVED names them)."""
+    from fedcp_dist.rundir.out_dir import prepare_out_dir
+
+    run = tmp_path / "run"
+    fake_run(run, "fedcp", 1, 5.0, 0.9)
+    report.main([str(run), "--selection"])
+    (run / "analysis").mkdir()
+    (run / "analysis" / "report.md").write_text("old analysis")
+    (run / "notes.md").write_text("mine")
+    (run / "my_plot.png").write_bytes(b"mine")
+    made = {p.name for p in run.iterdir()}
+    assert {"report.md", "report.csv", "acc_vs_round.png"} <= made
+    prepare_out_dir(run, overwrite=True, resume="auto").close()
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "my_plot.png", "notes.md"]
+
+
 def test_report_shows_dp_epsilon_infinite_and_absent(tmp_path):
     """dp_epsilon: a number where noise was added, ∞ without noise, n/a for runs without DP."""
     for lam, eps in ((0.1, 2.5), (1.0, float("inf"))):

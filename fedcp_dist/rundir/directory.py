@@ -53,6 +53,10 @@ TENSORBOARD = "tensorboard"
 LOCK = ".lock"
 #: the files of a run that ``overwrite=true`` removes (with ``checkpoints/`` and ``tensorboard/``)
 RUN_FILES = (METRICS, ANALYSIS, SUMMARY, FINAL_GLOBAL, CONFIG)
+#: what ``fedcp-report DIR`` and ``fedcp-analyze DIR`` write into a run's folder by default: read
+#: from the run's results, so ``overwrite=true`` removes them with the run (a report of the old run
+#: beside the new one would describe results that are gone). Globs, relative to the run folder.
+DERIVED = ("report.md", "report.csv", "acc_vs_*.png", "selection_counts.png", "analysis")
 
 FINISHED, UNFINISHED, PENDING = "finished", "unfinished", "pending"
 #: a run that ran every round but learned nothing: every client's update was non-finite in every

@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import IO
 
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir.directory import DIVERGED, RUN_FILES, SUMMARY, TENSORBOARD, RunDir
+from fedcp_dist.rundir.directory import DERIVED, DIVERGED, RUN_FILES, SUMMARY, TENSORBOARD, RunDir
 
 
 def clear_run(out: Path, run: "RunDir") -> None:
-    """What ``overwrite=true`` removes: ``checkpoints/``, ``tensorboard/`` and the run files. What
+    """What ``overwrite=true`` removes: ``checkpoints/``, ``tensorboard/``, the run files and what
+    fedcp-report and fedcp-analyze wrote there from them (DERIVED). What
     cannot be removed (an immutable file, a folder in a file's place, no permission) stops the start
     in one line naming it, so that a fresh run never starts beside an old run's leftovers."""
     failed = []
@@ -32,8 +33,8 @@ def clear_run(out: Path, run: "RunDir") -> None:
                 shutil.rmtree(folder, onexc=note)
             else:
                 shutil.rmtree(folder, onerror=note)
-    for name in RUN_FILES:
-        path = out / name
+    derived = sorted(p for pattern in DERIVED for p in out.glob(pattern))
+    for path in [out / name for name in RUN_FILES] + derived:
         try:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -53,7 +54,8 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
 
     Creates ``out_dir`` and takes an exclusive, non-blocking ``flock`` on ``out_dir/.lock``; the
     returned open file holds it, and closing it releases it (so does the process ending). Then:
-    ``overwrite`` removes ``checkpoints/``, ``tensorboard/`` and the run files (RUN_FILES) and nothing else;
+    ``overwrite`` removes ``checkpoints/``, ``tensorboard/``, the run files (RUN_FILES) and the reports
+    made from them (DERIVED) and nothing else;
     otherwise a finished run (summary.json) is refused, and with ``resume='never'`` so is an
     unfinished one (a complete checkpoint or metrics.jsonl). Every refusal is a UserError, and the
     lock is released before it is raised.
