@@ -355,3 +355,28 @@ def test_resume_refuses_tensors_of_another_shape(tmp_path):
     algo.init_client_state = lambda c: {"h": torch.zeros(5)}
     with pytest.raises(UserError, match=r"client 0's tensor 'h' has shape \[4\] but this run's is \[5\]"):
         ck.resume(store, cfg, [0], "cpu", echo=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_a_resume_under_another_thread_count_says_when_it_changes_the_rounding(tmp_path):
+    """The sequential path's kernels round by their thread count: resumed with threads=2 after
+    rounds on one thread, the run says it goes on equal up to rounding. The fused default trains
+    each group on one thread however many the rank has: the same resume is bit for bit, and silent."""
+    from helpers import run
+
+    shard, out = _digits(tmp_path / "d.h5", seed=1), tmp_path / "seq"
+    args = [f"data.path={shard}", f"out_dir={out}", "rounds=2", "checkpoint_every=1", "eval_every=2", "fused=false"]
+    run("configs/digits_fedcp.yaml", [*args, "threads=1"])
+    (out / "summary.json").unlink()  # as if stopped after its last checkpoint
+    said = []
+    run("configs/digits_fedcp.yaml", [*args, "rounds=3", "threads=2"], echo=said.append)
+    notes = [line for line in said if line.startswith("note: the rounds done")]
+    cpu = torch.backends.cpu.get_cpu_capability()
+    assert notes == [f"note: the rounds done were computed on cpu ({cpu}), sequential, 1 thread a computation, "
+                     f"the rest on cpu ({cpu}), sequential, 2 threads a computation: the run goes on equal to an "
+                     f"uninterrupted one up to floating-point rounding, not bit for bit"], said
+    said = _two_rounds_then(shard, tmp_path / "fused", "threads=2")
+    assert any("resuming from" in line for line in said) and not any(line.startswith("note:") for line in said), said
+    meta = json.loads(torch.load(tmp_path / "fused" / "checkpoints" / "round_0000003" / "global.pt",
+                                 weights_only=True)["meta_json"])
+    assert meta["arithmetic"] == f"cpu ({cpu}), fused groups of 4, 1 thread a computation"

@@ -67,6 +67,9 @@ class RunParts:
     start_round: int = 0
     records: List[dict] = field(default_factory=list)
     round_seconds: List[float] = field(default_factory=list)
+    #: what sets the training's rounding beside the config (:func:`startup.arithmetic`): checkpoints
+    #: record it, and a resume under another says the run goes on equal up to rounding
+    arithmetic: str = ""
 
 
 def run_data_record(cfg: Config, setup: startup.Setup) -> Optional[dict]:
@@ -154,7 +157,8 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     memory = startup.agree_on(rt, lambda: preflight(cfg, rt, s, algo, store, agg, compressor, groups))
     made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger, layout.scalars if layout else None)
     parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], idle,
-                     memory=memory or "", dp=dp)
+                     memory=memory or "", dp=dp,
+                     arithmetic=startup.arithmetic(cfg, rt, fused and s.groups is not None, s.num_clients))
 
     def maybe_resume() -> None:
         # a disk store takes the states one by one from the checkpoint mapped into memory
@@ -165,6 +169,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
             parts.start_round, parts.records, parts.round_seconds, meta = done
             if dp is not None:  # the clip norm adaptive clipping reached; ε follows from the rounds done
                 dp.load_state_dict(meta.get("privacy"))
+            note = startup.arithmetic_note(meta.get("arithmetic"), parts.arithmetic)
+            if note:
+                echo(note)
 
     startup.agree_on(rt, maybe_resume)
     # analysis.jsonl: the lines of the rounds done kept, the rest computed again

@@ -56,6 +56,8 @@ class Simulator:
         self.dp = p.dp
         self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
         self.idle_keys, self.memory = p.idle_keys, p.memory
+        #: what set the rounding of this run's training (:func:`startup.arithmetic`), for the checkpoints
+        self.arithmetic = p.arithmetic
         #: the clients every evaluation evaluates (eval_clients), and this rank's of them
         self.eval_ids = p.setup.eval_ids
         self.eval_owned = p.setup.owned_eval(rt.rank)
@@ -78,7 +80,7 @@ class Simulator:
     def _save_checkpoint(self, rounds_done: int) -> None:
         self.rt.phase = f"checkpoint after round {rounds_done}"
         meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict(),
-                "data": run_data_record(self.cfg, self.setup)}
+                "data": run_data_record(self.cfg, self.setup), "arithmetic": self.arithmetic}
         if self.dp is not None:
             meta["privacy"] = self.dp.state_dict()
         self.ckpt.save(rounds_done, self.global_state, self.store.checkpoint_part(), meta,

@@ -12,9 +12,10 @@ import torch
 
 from fedcp_dist.fused import slots as fused
 from fedcp_dist.engine import preflight
+from fedcp_dist.engine.agreement import digest64
 from fedcp_dist.algorithms import Algorithm, make_algorithm
 from fedcp_dist.capabilities import PeerExchange, supports
-from fedcp_dist.fused.groups import group_size as fused_group_size, workers_for
+from fedcp_dist.fused.groups import group_size as fused_group_size, one_thread_each, workers_for
 from fedcp_dist.state.client_store import banks_in_files
 from fedcp_dist.data.resident import OnDemandData, ResidentData, to_device
 from fedcp_dist.data.shards import ShardInfo, ShardReader, load_clients, read_info
@@ -304,6 +305,39 @@ def training_path(cfg, algo, per_client_bn: bool) -> Tuple[bool, str]:
         groups += (f", one at a time with {threads} threads (fused_workers=1: the same trajectory on ranks "
                    f"of {threads} threads only)")
     return True, f"fused ({setting}, {groups})"
+
+
+def arithmetic(cfg, rt, fused: bool, num_clients: int) -> str:
+    """What sets the rounding of this run's training beside its config: the device (a CPU's vector
+    instruction set, a GPU's model), the path, a fused group's size and the intra-op threads one
+    computation runs on. Two runs alike in these and in the config compute the same bits; a run
+    resumed under another (a requeue onto other nodes, another ``threads``) goes on equal up to
+    floating-point rounding, which the resume says (:func:`arithmetic_note`). Gathered over the
+    ranks: ranks that differ are said so (a client's bits then follow the rank it trains on)."""
+    device = torch.device(rt.device)
+    if device.type == "cuda":
+        what = f"cuda ({torch.cuda.get_device_name(device)})"
+    else:
+        what = f"{device.type} ({torch.backends.cpu.get_cpu_capability()})"
+    threads = torch.get_num_threads()
+    if fused:
+        what += f", fused groups of {fused_group_size(cfg, device, num_clients)}"
+        threads = 1 if one_thread_each(cfg, device, threads) else threads
+    else:
+        what += ", sequential"
+    if device.type == "cpu":
+        what += f", {threads} thread{'s' if threads > 1 else ''} a computation"
+    ranks = rt.all_gather(torch.tensor([digest64(what.encode())], dtype=torch.int64, device=rt.device)).cpu()
+    return what if bool((ranks == ranks[0]).all()) else what + " on rank 0, otherwise on other ranks"
+
+
+def arithmetic_note(before: Optional[str], now: str) -> str:
+    """The resume's note when the checkpointed rounds were computed under another :func:`arithmetic`
+    ("": the same, or a checkpoint from before it was recorded)."""
+    if not before or before == now:
+        return ""
+    return (f"note: the rounds done were computed on {before}, the rest on {now}: the run goes on equal to an "
+            f"uninterrupted one up to floating-point rounding, not bit for bit")
 
 
 def start_line(cfg, rt, setup: Setup, path: str, store_line: str, note: str = "", idle=()) -> str:
