@@ -401,6 +401,29 @@ def test_overwrite_removes_the_old_runs_reports_and_keeps_the_users_files(tmp_pa
     assert sorted(p.name for p in run.iterdir()) == [".lock", "my_plot.png", "notes.md"]
 
 
+def test_a_run_resumed_under_another_eval_every_is_not_filed_under_its_last_value(tmp_path, capsys):
+    """eval_every may change on resume; config.yaml then holds the last value only. A run whose
+    round records were evaluated on another schedule must not be averaged with the runs evaluated
+    every eval_every rounds throughout (its best_acc is over other rounds)."""
+    def run(name, evaluated, best):
+        folder = tmp_path / "runs" / name
+        folder.mkdir(parents=True)
+        cfg = Config(method="fedcp", seed=1, rounds=4, eval_every=2, out_dir=str(folder))
+        cfg.data.path = "data/x.h5"
+        (folder / "config.yaml").write_text(dump_config(cfg))
+        lines = [{"kind": "round", "round": r, **({"evaluated_after": r - 1, "acc": 0.5} if r in evaluated else {})}
+                 for r in range(1, 5)] + [{"kind": "final_eval", "round": 4, "evaluated_after": 4, "acc": best}]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (folder / "summary.json").write_text(json.dumps({"method": "fedcp", "best_acc": best, "rounds": 4}))
+
+    run("every2", {1, 3}, 0.90)
+    run("every1_then_2", {1, 2, 3}, 0.80)  # eval_every=1 for two rounds, then resumed with 2
+    report.main([str(tmp_path / "runs"), "--no-plots"])
+    md = (tmp_path / "runs" / "report.md").read_text()
+    assert "| method | eval_every=2 | eval_every=changed (now 2) |" in md, md
+    assert "| fedcp | 90.00 ± 0.00 | 80.00 ± 0.00 |" in md, md
+
+
 def test_report_shows_dp_epsilon_infinite_and_absent(tmp_path):
     """dp_epsilon: a number where noise was added, ∞ without noise, n/a for runs without DP."""
     for lam, eps in ((0.1, 2.5), (1.0, float("inf"))):

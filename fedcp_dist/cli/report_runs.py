@@ -144,9 +144,33 @@ class Run:
 
 
 def _read(path: Path) -> tuple:
-    """(flat config, summary) of the run in ``path``; {} and None for what it lacks."""
+    """(flat config, summary) of the run in ``path``; {} and None for what it lacks. A run resumed
+    under another ``eval_every`` (a key a resume may change) has config.yaml's last value only:
+    its value is then :func:`_eval_every_as_run`'s, so that it is not reported beside the runs
+    evaluated on that schedule throughout."""
     run = RunDir(path)
-    return run.read_config() or {}, run.read_summary()
+    config = run.read_config() or {}
+    changed = _eval_every_as_run(run, config.get("eval_every"))
+    if changed:
+        config["eval_every"] = changed
+    return config, run.read_summary()
+
+
+def _eval_every_as_run(run: RunDir, every) -> str:
+    """"" when the run's round records were evaluated on ``every``'s schedule (round r evaluated
+    before training when (r − 1) mod every = 0), else what to report for it: ``"changed (now E)"``."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1 or not run.metrics.is_file():
+        return ""
+    try:
+        records = run.read_metrics()
+    except UserError:
+        return ""
+    for r in records:
+        if r.get("kind", "round") != "round" or not isinstance(r.get("round"), int):
+            continue
+        if ("evaluated_after" in r) != ((r["round"] - 1) % every == 0):
+            return f"changed (now {every})"
+    return ""
 
 
 def _label(params: dict, keys) -> str:
