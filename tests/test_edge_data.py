@@ -303,6 +303,9 @@ def write_bytes(path, data: bytes):
     (b"a,b,label\n1,2,0\n3,,1\n5,6,0\n", [], ["line 3", "column 'b' is empty", "--drop-cols"]),
     (b"a,b,label\n1,2,0\n3,4\n5,6,0\n", [], ["line 3", "2 fields, the header has 3"]),
     (b"a,b,label\n1,2,0\n3,4,1,9\n", [], ["line 3", "4 fields, the header has 3"]),
+    # finite, but inf as a float32 feature (the shard was written with inf and NaN mean/std)
+    (b"a,b,label\n1,2,0\n3,1e39,1\n", [], ["line 3", "column 'b' holds '1e39', outside float32's range"]),
+    (b"a,b,label\n1,2,0\n-4e38,4,1\n", [], ["line 3", "column 'a' holds '-4e38', outside float32's range"]),
     (b"a,b,label,\n1,2,0,\n3,4,1,\n", [], ["line 1", "column 4 of the header has no name"]),
     (b"a,b,label,site\n1,2,0,x\n3,4,1,\n5,6,0,y\n", ["--partition", "column", "--client-col", "site"],
      ["line 3", "the client column 'site' is empty"]),

@@ -162,6 +162,17 @@ def counts_disagree(path):
     return ["'test_label_counts' does not add up to the client sizes of 'test_offsets'"]
 
 
+def normalisation(mean, std, fragment):
+    """mean/std attributes edited (an old shard without a fingerprint, or h5py by hand): used
+    as they are, they broke the first convolution, blamed the clients for a non-finite loss, or
+    trained silently on scaled inputs (a negative std)."""
+    def mutate(path):
+        with h5py.File(path, "a") as f:
+            f.attrs["mean"], f.attrs["std"] = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+        return [fragment]
+    return mutate
+
+
 IMAGE_FAULTS = [
     # structural damage (refused before array digests and value checks existed)
     pytest.param(missing_file, id="missing-file"),
@@ -178,6 +189,11 @@ IMAGE_FAULTS = [
     pytest.param(images_as_float(nan=False), id="images-as-float-0-255"),
     pytest.param(images_as_float(nan=True), id="images-as-float-with-nan"),
     pytest.param(labels_as(np.float64), id="labels-as-float"),
+    pytest.param(normalisation([0.5] * 3, [0.5] * 3, "attribute 'mean' holds 3 value(s) for 1 channel(s)"),
+                 id="mean-per-channel-count"),
+    pytest.param(normalisation([0.5], [0.0], "attribute 'std' holds 0.0: every value must be > 0"), id="std-zero"),
+    pytest.param(normalisation([0.5], [-0.5], "attribute 'std' holds -0.5: every value must be > 0"), id="std-negative"),
+    pytest.param(normalisation([np.nan], [0.5], "attribute 'mean' holds nan: every value must be finite"), id="mean-nan"),
     # in-place edits that keep every count
     pytest.param(permuted_labels(drop_digests=False), id="labels-permuted-in-place"),
     pytest.param(permuted_labels(drop_digests=True), id="labels-permuted-in-place-fingerprint-only"),
@@ -222,6 +238,22 @@ def test_the_failure_table_quotes_what_a_bad_shard_gets(digits6_16px, tmp_path, 
     assert "config key 'data.input_shape' is [3, 32, 32] but" in err and "holds inputs of shape [1, 16, 16]" in err
     err = _refused(capsys, _args(digits6_16px, tmp_path / "n", "data.num_clients=20"), [])
     assert "config key 'data.num_clients' is 20 but" in err and "holds 6 clients" in err
+
+
+@pytest.mark.parametrize("mean, std, fragment", [
+    ([0.5] * 3, [0.5] * 3, "'mean' holds 3 value(s) for 1 channel(s): one per channel"),
+    ([], [], "'mean' holds 0 value(s) for 1 channel(s)"),
+    ([0.5], [np.inf], "'std' holds inf: every value must be finite"),
+    ([0.5], [0.0], "'std' holds 0.0: every value must be > 0"),
+])
+def test_write_shard_refuses_a_normalisation_the_inputs_cannot_take(mean, std, fragment, tmp_path):
+    rng = np.random.default_rng(0)
+    clients = [(rng.integers(0, 256, (4, 1, 8, 8), dtype=np.uint8), rng.integers(0, 10, 4),
+                rng.integers(0, 256, (2, 1, 8, 8), dtype=np.uint8), rng.integers(0, 10, 2))]
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        write_shard(tmp_path / "s.h5", clients, source="mine", num_classes=10, input_shape=(1, 8, 8), mean=mean,
+                    std=std, partition="x", partition_params={}, seed=0)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_unchanged_shard_passes_every_check(digits6_16px, tmp_path):

@@ -43,6 +43,8 @@ DECODE_BLOCK = 512
 CSV_BLOCK = 8192
 #: most feature columns of a table: its mean and std are shard attributes (HDF5: 64 KiB each)
 MAX_FEATURES = 4096
+#: the largest magnitude a float32 feature holds (a larger finite CSV value would be stored as inf)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 #: greyscale Pillow modes: the first image in one of these makes the default channels 1
 _GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 #: the natural partitions and the source that has each
@@ -334,6 +336,10 @@ def read_csv_table(path, label_col: str, client_col: Optional[str] = None, drop_
                         raise UserError(f"{path} line {line}: column '{header[i]}' holds "
                                         f"{cell[:30]!r}, not a finite number (drop the column "
                                         f"with --drop-cols)")
+                    if abs(v) > FLOAT32_MAX:  # a finite number that float32 features would hold as inf
+                        raise UserError(f"{path} line {line}: column '{header[i]}' holds {cell[:30]!r}, outside "
+                                        f"float32's range (±3.4e38) that the features are stored in; rescale the "
+                                        f"column or drop it with --drop-cols")
                     block[fill, j] = v
                 label = row[li].strip()
                 if not label:

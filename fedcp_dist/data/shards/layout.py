@@ -106,6 +106,25 @@ class Rows:
         return self.base[self.index[item]]
 
 
+def normalisation_problem(kind: str, input_shape, mean, std) -> str:
+    """What is wrong with a shard's ``mean`` / ``std`` ("" when nothing): an image shard holds one
+    value of each per channel (input_shape[0]), a table shard one per feature, each finite and the
+    std > 0 (the inputs are divided by it); a text shard's are not read."""
+    if kind == TEXT_KIND:
+        return ""
+    shape = tuple(int(d) for d in input_shape)
+    what, n = ("channel", shape[0]) if kind != TABLE_KIND and len(shape) == 3 else ("feature", shape[0] if shape else 0)
+    for name, values in (("mean", mean), ("std", std)):
+        v = np.asarray(values, dtype=np.float64).ravel()
+        if v.size != n:
+            return f"'{name}' holds {v.size} value(s) for {n} {what}(s): one per {what}"
+        if not np.isfinite(v).all():
+            return f"'{name}' holds {v[~np.isfinite(v)][0]}: every value must be finite"
+        if name == "std" and (v <= 0).any():
+            return f"'std' holds {v[v <= 0][0]}: every value must be > 0 (the inputs are divided by it)"
+    return ""
+
+
 def training_attributes(kind: str, num_classes: int, input_shape, mean, std, vocab, columns) -> dict:
     """The attributes that shape training, as the content fingerprint and digests hash them."""
     return {"kind": kind, "num_classes": int(num_classes), "input_shape": [int(d) for d in input_shape],

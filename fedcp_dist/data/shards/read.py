@@ -13,7 +13,8 @@ import numpy as np
 from fedcp_dist.data.shards.layout import (_COUNT_ATTRS, _REQUIRED_ATTRS, ARRAY_DIGESTS, FINGERPRINT, FORMAT_VERSION,
                                            IMAGE_FORMAT_VERSION, KIND, KINDS, READABLE_VERSIONS, SPLITS,
                                            TABLE_KIND, TEXT_FORMAT_VERSION, TEXT_KIND, TEXT_SPLITS,
-                                           WRITE_SAMPLES, ShardInfo, layout_digest, layout_hash)
+                                           WRITE_SAMPLES, ShardInfo, layout_digest, layout_hash,
+                                           normalisation_problem)
 from fedcp_dist.data.shards.verify import finite_rows, labels_in_range
 from fedcp_dist.errors import UserError
 
@@ -287,11 +288,12 @@ def read_info(path, label_counts: bool = True) -> ShardInfo:
             raise UserError(f"shard file {path}: a table shard's 'input_shape' must be [features] "
                             f"with one 'mean' and 'std' per feature, found "
                             f"{list(info.input_shape)}, {len(info.mean)} and {len(info.std)}")
-        if min(info.std) <= 0:
-            raise UserError(f"shard file {path}: attribute 'std' must be > 0 for every feature")
     elif len(info.input_shape) != 3:
         raise UserError(f"shard file {path}: an image shard's 'input_shape' must be [C, H, W], "
                         f"found {list(info.input_shape)}")
+    problem = normalisation_problem(kind, info.input_shape, info.mean, info.std)
+    if problem:
+        raise UserError(f"shard file {path}: attribute {problem}")
     return info
 
 

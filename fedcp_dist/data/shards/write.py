@@ -14,7 +14,8 @@ import numpy as np
 
 from fedcp_dist.data.shards.layout import (ARRAY_DIGESTS, ATTRIBUTE_BYTES, CHUNK_SAMPLES, FINGERPRINT,
                                            FORMAT_VERSION, GROUP_VERSIONS, KIND, KINDS, SPLITS, TABLE_KIND,
-                                           TEXT_KIND, TEXT_SPLITS, WRITE_SAMPLES, Rows, training_attributes)
+                                           TEXT_KIND, TEXT_SPLITS, WRITE_SAMPLES, Rows, normalisation_problem,
+                                           training_attributes)
 from fedcp_dist.data.shards.verify import ATTRIBUTES, ArrayHash, attributes_digest, offsets_digest
 from fedcp_dist.fileio import atomic_path
 
@@ -309,6 +310,9 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
             raise ValueError(f"{len(columns)} column names for {input_shape[0]} features")
     elif columns is not None:
         raise ValueError("only a table shard has feature column names")
+    problem = normalisation_problem(kind, input_shape, mean, std)
+    if problem:
+        raise ValueError(f"shard attribute {problem}")
     if kind == TEXT_KIND:
         if vocab is None or len(vocab) < 2:
             raise ValueError("a text shard needs its vocabulary (at least <pad> and <unk>)")
