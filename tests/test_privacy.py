@@ -174,6 +174,36 @@ def test_adaptive_clip_update_hand_computed():
     assert other.clip == dp.clip
 
 
+@pytest.mark.parametrize("unclipped, lr, to", [
+    (-0.5 * 4, 1e6, "inf"),  # b̃ = 0 < γ: a step of exp(5e5) overflows float64
+    (1e6, 0.2, "0"),  # b̃ far above 1 (count noise of 1e6 clients): C underflows to 0
+])
+def test_an_adaptive_clip_update_out_of_float_range_stops_in_one_line(unclipped, lr, to):
+    """The geometric update C·exp(−η_C(b̃ − γ)) ended in math.exp's OverflowError traceback after a
+    round had trained, or drove C (and the noise σ·C) to where the clients were blamed for the
+    non-finite model. The run now stops naming the update and the keys that drive it."""
+    cfg = dp_config(dp_clip="adaptive", dp_clip_init=0.5, dp_noise_multiplier=0.0, dp_clip_lr=lr, num_clients=4)
+    dp = CentralDP(cfg, plan_run(cfg, 4))
+    with pytest.raises(UserError) as exc:
+        dp.end_round(2, PrivacySums(unclipped_minus_half=unclipped))
+    assert str(exc.value).startswith(f"dp_clip=adaptive: round 3's update would take the clip norm C from 0.5 to {to} ")
+    assert str(exc.value).endswith("lower dp_clip_lr or dp_clip_count_stddev")
+    assert dp.clip == 0.5  # left as it was (the last checkpoint's C)
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({"dp_clip": 1e300}, "dp_clip"),
+    ({"dp_clip": "adaptive", "dp_clip_init": 1e35}, "dp_clip_init"),
+    ({"dp_noise_multiplier": 1e300}, "dp_noise_multiplier"),
+])
+def test_a_noise_no_float_holds_is_refused_before_start(kw, key):
+    cfg = dp_config(num_clients=4, **kw)
+    with pytest.raises(UserError, match=f"^config key '{key}': "):
+        CentralDP(cfg, plan_run(cfg, 4))
+    assert "a large dp_clip or σ can wreck it" in CentralDP(dp_config(num_clients=4), plan_run(
+        dp_config(num_clients=4), 4)).nonfinite_hint()
+
+
 # ---------------------------------------------------------------- the accountant against the library
 
 @pytest.mark.parametrize("kind", ["fixed", "poisson"])

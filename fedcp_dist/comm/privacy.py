@@ -49,6 +49,11 @@ from fedcp_dist.state.placement import STREAM_DP_COUNT, STREAM_DP_NOISE, cohort_
 #: the default count noise: this share of the (noise) cohort, as TensorFlow Federated's adaptive
 #: clipping takes it, and never below σ (then z_Δ ≤ σ/√(3/4))
 COUNT_STDDEV_SHARE = 0.05
+#: the largest noise standard deviation a float32 sum takes: draws of up to ~10 standard deviations
+#: (over 10⁹ values) and the sum itself stay finite below float32's 3.4e38 by a wide margin
+NOISE_STD_MAX = 1e30
+#: the largest argument of math.exp that stays finite in float64
+EXP_MAX = 709.0
 
 State = Dict[str, torch.Tensor]
 
@@ -184,9 +189,17 @@ class CentralDP:
         self.adaptive = cfg.dp_clip == ADAPTIVE
         self.clip = float(cfg.dp_clip_init if self.adaptive else cfg.dp_clip)
         self.quantile, self.clip_lr = float(cfg.dp_clip_quantile), float(cfg.dp_clip_lr)
-        self.accountant = Accountant(plan.sampling, round_event(plan.sampling, plan.update_multiplier,
-                                                                plan.count_stddev if self.adaptive else None),
-                                     plan.delta)
+        try:
+            self.accountant = Accountant(plan.sampling, round_event(plan.sampling, plan.update_multiplier,
+                                                                    plan.count_stddev if self.adaptive else None),
+                                         plan.delta)
+        except OverflowError:
+            raise UserError(f"config key 'dp_noise_multiplier': σ = {plan.sigma:g} overflows the privacy accountant "
+                            f"(dp-accounting); choose a σ a run could use (ε is ~0 long before)") from None
+        if not self._noise_fits(self.clip):
+            key = "dp_clip_init" if self.adaptive else "dp_clip"
+            raise UserError(f"config key '{key}': the noise's standard deviation σ·C = {self.noise_std():g} per value "
+                            f"would overflow the float32 sum it is added to; choose a smaller C")
         #: this rank's Σ(b_i − ½) of the round
         self.local = PrivacySums()
 
@@ -222,6 +235,16 @@ class CentralDP:
         """The standard deviation of the noise on each value of the round's sum."""
         return self.plan.update_multiplier * self.clip * self.plan.scale
 
+    def _noise_fits(self, clip: float) -> bool:
+        """Whether noise of σ·``clip`` (scaled) stays far inside float32, the sum's dtype."""
+        return math.isfinite(clip) and self.plan.update_multiplier * clip * self.plan.scale < NOISE_STD_MAX
+
+    def nonfinite_hint(self) -> str:
+        """What a non-finite round's message adds under DP: the noise the global model takes each round."""
+        moved = ", C as adaptive clipping moved it" if self.adaptive else ""
+        return (f"; dp=central noises the global model every round (standard deviation σ·C = {self.noise_std():g} per "
+                f"value now{moved}): a large dp_clip or σ can wreck it")
+
     def privatizer(self, t: int):
         """For :meth:`fedcp_dist.comm.aggregate.FlatAggregator.reduce`: noises the all-reduced sum of
         round t in place and returns the fixed denominator."""
@@ -239,7 +262,13 @@ class CentralDP:
             noise = float(np.random.default_rng(stream_seed(self.seed, STREAM_DP_COUNT, t)).normal()) * std
             b = (sums.unclipped_minus_half + noise) / self.plan.denominator + 0.5
             record["dp_unclipped_fraction"] = b
-            self.clip = self.clip * math.exp(-self.clip_lr * (b - self.quantile))
+            step = -self.clip_lr * (b - self.quantile)
+            new = self.clip * math.exp(step) if step < EXP_MAX else math.inf
+            if not (new > 0 and self._noise_fits(new)):  # a geometric step that left float range
+                raise UserError(f"dp_clip=adaptive: round {t + 1}'s update would take the clip norm C from "
+                                f"{self.clip:g} to {new:g} (noised unclipped fraction b̃ = {b:.4g}, target "
+                                f"{self.quantile:g}, η_C = {self.clip_lr:g}); lower dp_clip_lr or dp_clip_count_stddev")
+            self.clip = new
         if self.plan.simulated_cohort:
             record["dp_guarantee"] = False
         return record

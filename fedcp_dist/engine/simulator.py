@@ -205,7 +205,7 @@ class Simulator:
             base=self.global_state if self.compressor.enabled or dp else None, orders=(train_order, ev_order),
             privatize=dp.privatizer(t) if dp else None)
         if train.nonfinite_clients > 0 and cfg.on_nonfinite == "error":
-            raise RunFailure(train.nonfinite_message(t))
+            raise RunFailure(train.nonfinite_message(t) + (dp.nonfinite_hint() if dp else ""))
         if total > 0 or dp:  # with DP the noised mean is released whoever trained
             self.store.set_global(self.algo.server_update(self.global_state, mean))
         if self.exchange is not None:
