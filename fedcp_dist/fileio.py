@@ -97,3 +97,17 @@ class AppendFile:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def folder_above_problem(path) -> str:
+    """Why ``path`` cannot be made ("" when it can, as far as can be told before writing): the
+    nearest existing folder above it is a file, or cannot be written in. Missing folders between
+    are made by the writer."""
+    above = Path(path).resolve().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        return f"{above} is a file, not a folder"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"cannot write in {above}"
+    return ""

@@ -241,6 +241,14 @@ def test_fmnist_idx_files(tmp_path, capsys):
     expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "root",
                                "--num-clients", 2, "--out", tmp_path / "y.h5"],
                       str(labels), "is missing")
+    # each file whole and consistent, but the training images of another size (a file of another set)
+    make_fmnist(tmp_path / "other")
+    raw = tmp_path / "other" / "FashionMNIST" / "raw"
+    (raw / "train-images-idx3-ubyte").write_bytes(idx_ubyte(np.zeros((16, 14, 56), np.uint8)))
+    expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "other", "--num-clients", 2,
+                               "--out", tmp_path / "z.h5"],
+                      f"the idx-ubyte files in {raw} hold training images of 1x14x56 but test images of 1x28x28")
+    assert not (tmp_path / "z.h5").exists()
 
 
 # ============================================================================= Tiny-ImageNet

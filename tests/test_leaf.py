@@ -169,6 +169,12 @@ def test_leaf_refuses_options_of_other_sources(tmp_path, capsys):
     expect_user_error(capsys, ["--source", "leaf", "--root", tmp_path, "--out", tmp_path / "o.h5"],
                       "holds no train/ and test/ folders")
     expect_user_error(capsys, ["--source", "leaf", "--out", tmp_path / "o.h5"], "--source leaf needs --root DIR")
+    empty = tmp_path / "empty"
+    for split in ("train", "test"):  # LEAF's layout, every file listing no user: a traceback from HDF5 before
+        (empty / split).mkdir(parents=True)
+        (empty / split / "a.json").write_text('{"users": [], "num_samples": [], "user_data": {}}')
+    expect_user_error(capsys, ["--source", "leaf", "--root", empty, "--out", tmp_path / "o.h5"],
+                      f"LEAF's files under {empty / 'train'} list no users: there is no client to make")
     assert not (tmp_path / "o.h5").exists()
 
 

@@ -329,3 +329,21 @@ def test_missing_torchvision_source(tmp_path):
         load_source("mnist", root=tmp_path)
     with pytest.raises(UserError, match=r"'cifar10'.*--download"):
         load_source("cifar10", root=tmp_path)
+
+
+def test_partition_arguments_refused_before_any_work(tmp_path, capsys):
+    """Found by a probe: an --out under a file failed with os.makedirs' traceback after the source
+    was partitioned, --beta inf gave NaN Dirichlet draws and a degenerate shard (and a non-JSON
+    Infinity in its partition_params), and --to-npz naming --out failed after the shard was written."""
+    from helpers import expect_user_error
+
+    (tmp_path / "file").write_text("x")
+    base = ["--source", "digits", "--partition", "dir", "--num-clients", 3]
+    expect_user_error(capsys, [*base, "--out", tmp_path / "file" / "x.h5"],
+                      f"--out {tmp_path / 'file' / 'x.h5'}: {tmp_path / 'file'} is a file, not a folder")
+    expect_user_error(capsys, [*base, "--beta", "inf", "--out", tmp_path / "b.h5"],
+                      "--beta must be a finite number > 0, got inf")
+    expect_user_error(capsys, [*base, "--out", tmp_path / "n.h5", "--to-npz", tmp_path / "n.h5"],
+                      "--to-npz", "and --out", "overlap")
+    expect_user_error(capsys, [*base, "--out", tmp_path / "n.h5", "--to-npz", tmp_path / "n.h5" / "npz"], "overlap")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

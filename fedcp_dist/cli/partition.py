@@ -322,6 +322,11 @@ def _check_export_args(args) -> None:
     elif args.out is None:
         raise UserError("--to-npz DIR needs the shard to export: --shard FILE, or --out FILE of the shard "
                         "this command makes")
+    if args.out is not None:
+        out, npz = Path(args.out).resolve(), Path(args.to_npz).resolve()
+        if out == npz or out in npz.parents or npz in out.parents:
+            raise UserError(f"--to-npz {args.to_npz} and --out {args.out} overlap: the export is a folder of its own "
+                            f"beside the shard; name another")
     check_export_target(args.to_npz, args.force)  # before a shard is made, not after it
 
 

@@ -207,6 +207,8 @@ def read_leaf(root, task: Optional[str] = None) -> LeafData:
     train_dir, test_dir = leaf_folders(root)
     task, train, train_at = _read_split(train_dir, "train", task)
     _, test, test_at = _read_split(test_dir, "test", task)
+    if not train:
+        raise UserError(f"LEAF's files under {train_dir} list no users: there is no client to make")
     for user in test:
         if user not in train:
             raise UserError(f"{test_at[user]}: user {user!r} has no training samples (in no file of {train_dir}); "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import typing
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 from fedcp_dist.data.text import (DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE,
                                   TEXT_PIPELINES)
 from fedcp_dist.errors import UserError
+from fedcp_dist.fileio import folder_above_problem
 from fedcp_dist.options import SEED_MAX, type_ok
 
 SCHEMES = ("dir", "pat", "iid", "folders", "column")
@@ -145,8 +147,8 @@ class PartitionSpec:
             raise UserError("--num-clients is required")
         if self.num_clients is not None and self.num_clients < 1:
             raise UserError(f"--num-clients must be >= 1, got {self.num_clients}")
-        if not self.beta > 0:
-            raise UserError(f"--beta must be > 0, got {self.beta}")
+        if not (math.isfinite(self.beta) and self.beta > 0):  # inf: NaN Dirichlet draws, a degenerate partition
+            raise UserError(f"--beta must be a finite number > 0, got {self.beta}")
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_tries < 1:
@@ -299,6 +301,9 @@ def check_out(out, force: bool) -> Path:
         raise UserError(f"--out {out} is a directory; give a file name")
     if out.exists() and not force:
         raise UserError(f"--out {out} already exists; pass --force to overwrite it")
+    problem = folder_above_problem(out)
+    if problem:
+        raise UserError(f"--out {out}: {problem}")
     return out
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from fedcp_dist.data.shards import KIND, TABLE_KIND, TEXT_KIND, load_clients, read_info
 from fedcp_dist.errors import UserError
+from fedcp_dist.fileio import folder_above_problem
 
 #: clients read from the shard at once
 CLIENTS_PER_READ = 64
@@ -99,13 +100,9 @@ def check_export_target(out, force: bool) -> None:
         raise UserError(f"--to-npz: {out} exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise UserError(f"--to-npz: {out} is not a directory")
-    above = out.resolve().parent
-    while not above.exists():
-        above = above.parent
-    if not above.is_dir():
-        raise UserError(f"--to-npz: {above} is a file, not a folder")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise UserError(f"--to-npz: cannot write in {above}")
+    problem = folder_above_problem(out)
+    if problem:
+        raise UserError(f"--to-npz: {problem}")
 
 
 def export_npz(shard, out_dir, *, force: bool = False, say: Callable[[str], None] = print) -> Path:

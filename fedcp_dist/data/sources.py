@@ -127,6 +127,11 @@ def _torchvision_loader(name: str, class_name: str, num_classes: int) -> Callabl
                 raise UserError(f"source '{name}': the idx-ubyte files in {raw} hold {len(x)} "
                                 f"images but {len(y)} labels")
             parts.append((x, y))
+        (train_x, _), (test_x, _) = parts
+        if train_x.shape[1:] != test_x.shape[1:]:
+            raise UserError(f"source '{name}': the idx-ubyte files in {raw} hold training images of "
+                            f"{'x'.join(map(str, train_x.shape[1:]))} but test images of "
+                            f"{'x'.join(map(str, test_x.shape[1:]))} (a file of another data set?)")
         x = np.concatenate([p[0] for p in parts])
         y = np.concatenate([p[1] for p in parts])
         return _make_source(name, x, y, num_classes)
