@@ -15,8 +15,10 @@ import copy
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import os
+import re
 import typing
 from dataclasses import field
 from typing import Any, Optional, Union
@@ -294,16 +296,34 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, prefix=f"{full}.")
             continue
+        hint = ""
+        if isinstance(value, FromText):  # a command-line override: a text key takes its text as typed
+            text, value = value.text, value.value
+            if type_ok(text, tp) and isinstance(value, (bool, int, float)):
+                value = text  # out_dir=2024, client_state_dir=0755 (YAML: an int, an octal int)
+            elif value is None or isinstance(value, (bool, int, float)):
+                hint = f" (YAML reads {text!r} as {value!r}; quote it, {full}='\"{text}\"', for the text)"
         value = as_number(value, tp)
         if not type_ok(value, tp):
-            raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}")
+            raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}{hint}")
         if tp is float:
             value = float(value)
         setattr(obj, key, value)
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """``["lr=0.1", "data.path=x.h5"]`` → nested dict; values are parsed as YAML scalars."""
+@dataclasses.dataclass(frozen=True)
+class FromText:
+    """A command-line override's value: YAML's reading of it and the text it was read from (a key
+    that takes text is given the text itself: ``out_dir=2024`` names a folder, not a number)."""
+
+    value: Any
+    text: str
+
+
+def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
+    """``["lr=0.1", "data.path=x.h5"]`` → nested dict; values are read as YAML scalars (with
+    ``keep_text``, as :class:`FromText`, for :func:`load_config`). A ``#`` that YAML would read as a
+    comment (and drop) is refused: quote the value."""
     out: dict = {}
     for item in items:
         if "=" not in item:
@@ -320,13 +340,16 @@ def parse_overrides(items: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             raise UserError(f"override {item!r}: value is not valid YAML") from None
+        if re.search(r"(^|\s)#", raw) and "#" not in json.dumps(value, default=str):
+            raise UserError(f"override {item!r}: YAML reads the ' #…' as a comment and would drop it; remove it, or "
+                            f"quote the value to keep it as text: {key}='\"{raw.strip()}\"'")
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise UserError(f"override {item!r} conflicts with another override of '{part}'")
-        node[parts[-1]] = value
+        node[parts[-1]] = FromText(value, raw.strip()) if keep_text else value
     return out
 
 
@@ -425,7 +448,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     elif path is not None:
         _apply(cfg, read_yaml_mapping(path))
     if overrides:
-        _apply(cfg, parse_overrides(overrides))
+        _apply(cfg, parse_overrides(overrides, keep_text=True))
     if validate:
         cfg.validate()
     return cfg

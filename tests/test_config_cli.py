@@ -27,6 +27,26 @@ def test_parse_overrides_nested():
     assert parse_overrides(["a=1", "data.path=x.h5", "b=true"]) == {"a": 1, "data": {"path": "x.h5"}, "b": True}
 
 
+def test_a_text_key_takes_its_override_as_typed_and_a_comment_is_never_dropped(tmp_path):
+    """YAML read `out_dir=2024` as a number and `client_state_dir=0755` as an octal one (refused
+    as not text), and dropped ` #b` of `out_dir=runs/a #b` silently (the run went to runs/a)."""
+    cfg = load_config("configs/digits_fedcp.yaml", ["out_dir=2024", "client_state=disk", "client_state_dir=0755",
+                                                    "rounds=12", "lr=1e-2", 'method="fedavg"'], validate=False)
+    assert (cfg.out_dir, cfg.client_state_dir, cfg.rounds, cfg.lr, cfg.method) == ("2024", "0755", 12, 0.01, "fedavg")
+    assert load_config("configs/digits_fedcp.yaml", ['out_dir="runs/a #b"'], validate=False).out_dir == "runs/a #b"
+    assert load_config("configs/digits_fedcp.yaml", ["out_dir=runs/a#b"], validate=False).out_dir == "runs/a#b"
+    for item in ("out_dir=runs/a #b", "lr=0.1 # tuned"):
+        with pytest.raises(UserError) as exc:
+            load_config("configs/digits_fedcp.yaml", [item], validate=False)
+        key, raw = item.split("=", 1)
+        assert str(exc.value) == (f"override {item!r}: YAML reads the ' #…' as a comment and would drop it; remove "
+                                  f"it, or quote the value to keep it as text: {key}='\"{raw}\"'")
+    with pytest.raises(UserError) as exc:
+        load_config("configs/digits_fedcp.yaml", ["data.path=~"], validate=False)
+    assert str(exc.value) == ("config key 'data.path': expected str, got None (YAML reads '~' as None; quote it, "
+                              "data.path='\"~\"', for the text)")
+
+
 def test_a_shard_path_that_is_a_broken_link_names_its_target(tmp_path):
     link = tmp_path / "d.h5"
     link.symlink_to(tmp_path / "gone" / "d.h5")

@@ -99,7 +99,7 @@ def test_grid_expansion_and_stable_names(tmp_path, digits6):
     ({"executor": {"slurm": {"gpus": 1}}}, "executor.slurm.gpus"),
     ({"partition": {"betaa": 0.1, "num_clients": 6}}, "partition.betaa"),
     ({"partition": {"beta": "x", "num_clients": 6}}, "partition.beta"),
-    ({"partition": {"beta": 0, "num_clients": 6}}, "--beta must be > 0"),  # refused before anything is made
+    ({"partition": {"beta": 0, "num_clients": 6}}, "--beta must be a finite number > 0"),  # refused before anything is made
     ({"base": "configs/none.yaml"}, "'base'"),
     ({"name": "a/b"}, "'name'"),
 ])
@@ -224,7 +224,7 @@ def test_make_shard_is_the_partition_command_as_a_function(tmp_path, capsys):
         make_shard(spec, out)
     make_shard(PartitionSpec(num_clients=5), out, force=True, say=lambda *_: None)
     assert read_info(out).num_clients == 5
-    with pytest.raises(UserError, match="--beta must be > 0, got 0.0"):
+    with pytest.raises(UserError, match="--beta must be a finite number > 0, got 0.0"):
         make_shard(PartitionSpec(num_clients=4, beta=0), tmp_path / "c.h5")
     with pytest.raises(UserError, match="--num-clients is required"):
         make_shard(PartitionSpec(), tmp_path / "c.h5")
