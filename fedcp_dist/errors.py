@@ -17,6 +17,14 @@ class Preempted(Exception):
     """Raised on every rank after the checkpoint that a preemption signal asked for is complete."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM) that a command ends on: "interrupted", exit 128 + its number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
+
+
 class RunFailure(Exception):
     """The run cannot go on (a rank died, a non-finite update, a full disk): one line, exit 1.
 
@@ -81,9 +89,9 @@ def cli_main(func):
         except Preempted as exc:
             print(f"preempted: {exc}", file=sys.stderr, flush=True)
             sys.exit(EXIT_REQUEUE)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             print("interrupted", file=sys.stderr, flush=True)
-            sys.exit(130)
+            sys.exit(128 + exc.signum if isinstance(exc, Interrupted) else 130)
         except BrokenPipeError:
             # the reader closed the pipe (head, less): stop quietly, and keep the interpreter's
             # final flush of stdout from raising the same error again

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
+from fedcp_dist import interrupts
+
 
 @contextlib.contextmanager
 def atomic_path(path, durable: bool = True) -> Iterator[Path]:
@@ -18,6 +20,7 @@ def atomic_path(path, durable: bool = True) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        interrupts.check()  # a stop signal swallowed while the file was written: not published
         if durable:
             fd = os.open(tmp, os.O_RDONLY)
             try:

@@ -28,11 +28,13 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from fedcp_dist import interrupts
 from fedcp_dist.data.make import PartitionSpec, check_out, make_shard, say_written, text_options, with_progress
 from fedcp_dist.data.npz_export import check_export_target, export_npz
 from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE, TEXT_PIPELINES
@@ -332,7 +334,13 @@ def _check_export_args(args) -> None:
 
 @cli_main
 def main(argv=None) -> None:
-    """Entry point of ``fedcp-partition``."""
+    """Entry point of ``fedcp-partition``. Ctrl-C and SIGTERM stop it (exit 130, 143) with no file
+    written, wherever in a shard's writing they come (:mod:`fedcp_dist.interrupts`)."""
+    with interrupts.stops_on(signal.SIGINT, signal.SIGTERM):
+        _main(argv)
+
+
+def _main(argv) -> None:
     args = _build_parser().parse_args(argv)
     _check_export_args(args)
     if args.describe and args.from_npz:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
+from fedcp_dist import interrupts
 from fedcp_dist.errors import EXIT_REQUEUE, Preempted
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, UNFINISHED, RunDir
@@ -116,6 +117,8 @@ class SweepStop:
         self.signum: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
         self.point = ""
+        #: whether the stop was passed on to a point (a further signal then kills it)
+        self.forwarded = False
         self._previous: dict = {}
 
     @property
@@ -123,22 +126,39 @@ class SweepStop:
         return signal.Signals(self.signum).name if self.signum else ""
 
     def _handle(self, signum, frame) -> None:
-        first = self.signum is None
         self.signum = self.signum or signum
         running = self.proc is not None and self.proc.poll() is None
         if not running:
-            raise Preempted(f"sweep {self.sweep} stopped by {signal.Signals(signum).name}; run it again to resume "
+            # recorded too: raised where Python drops it (an at-fork hook of Popen, a finalizer
+            # while a shard is written), it is raised again at the next check, or passed on to the
+            # point just started (:meth:`started`)
+            exc = Preempted(f"sweep {self.sweep} stopped by {signal.Signals(signum).name}; run it again to resume "
                             f"its points")
-        if first:
-            print(f"got {signal.Signals(signum).name}: asking {self.point} to checkpoint after its round and stop "
-                  f"(a second signal stops it at once)", file=sys.stderr, flush=True)
-            self.proc.send_signal(signal.SIGTERM)
+            interrupts.request(exc)
+            raise exc
+        if not self.forwarded:
+            self._forward()
         else:
             print(f"got {signal.Signals(signum).name} again: stopping {self.point} at once (it resumes from its "
                   f"last complete checkpoint)", file=sys.stderr, flush=True)
             self.proc.kill()
 
+    def _forward(self) -> None:
+        self.forwarded = True
+        print(f"got {self.name}: asking {self.point} to checkpoint after its round and stop "
+              f"(a second signal stops it at once)", file=sys.stderr, flush=True)
+        self.proc.send_signal(signal.SIGTERM)
+
+    def started(self) -> None:
+        """After a point's process started: a stop signal that came while it was being started
+        (its Preempted dropped inside Popen) is passed on to it now."""
+        if self.signum is not None and not self.forwarded and self.proc is not None:
+            interrupts.clear()
+            self._forward()
+
     def __enter__(self) -> "SweepStop":
+        self._listening = interrupts.listening()
+        self._listening.__enter__()
         for name in STOP_SIGNALS:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -148,6 +168,7 @@ class SweepStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        self._listening.__exit__(None, None, None)
 
 
 def _attempt_output(log_path: Path, offset: int) -> list:
@@ -180,6 +201,7 @@ def _launch(sweep: Sweep, k: int, p, stop: SweepStop, logs: Path) -> tuple:
         # a session of its own: a Ctrl-C in the terminal reaches the sweep, which passes it on
         stop.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env(), start_new_session=True,
                                      preexec_fn=_parent_death_signal())
+        stop.started()
         try:
             rc = stop.proc.wait()
         finally:

@@ -17,6 +17,7 @@ from fedcp_dist.data.shards.layout import (ARRAY_DIGESTS, ATTRIBUTE_BYTES, CHUNK
                                            TEXT_KIND, TEXT_SPLITS, WRITE_SAMPLES, Rows, normalisation_problem,
                                            training_attributes)
 from fedcp_dist.data.shards.verify import ATTRIBUTES, ArrayHash, attributes_digest, offsets_digest
+from fedcp_dist import interrupts
 from fedcp_dist.fileio import atomic_path
 
 
@@ -335,6 +336,7 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         x_dtype = {KIND: np.uint8, TEXT_KIND: np.int32, TABLE_KIND: np.float32}[kind]
         fingerprint = _Fingerprint(body.names, x_dtype, input_shape)
         for i, arrays in enumerate(clients):
+            interrupts.check()  # a stop signal swallowed in one of h5py's finalizers is raised here
             checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
             body.add(i, checked, counts.add(checked[1], checked[3]))
             for name, arr in zip(body.names, checked):
