@@ -299,7 +299,7 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
         hint = ""
         if isinstance(value, FromText):  # a command-line override: a text key takes its text as typed
             text, value = value.text, value.value
-            if type_ok(text, tp) and isinstance(value, (bool, int, float)):
+            if not type_ok(value, tp) and type_ok(text, tp) and isinstance(value, (bool, int, float)):
                 value = text  # out_dir=2024, client_state_dir=0755 (YAML: an int, an octal int)
             elif value is None or isinstance(value, (bool, int, float)):
                 hint = f" (YAML reads {text!r} as {value!r}; quote it, {full}='\"{text}\"', for the text)"

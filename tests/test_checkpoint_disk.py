@@ -268,6 +268,21 @@ def test_disk_checkpoints_carry_unchanged_clients_and_resume_exactly(whole, digi
     assert all(torch.equal(s[c][k], sw[c][k]) for c in sw for k in sw[c])
 
 
+@pytest.mark.parametrize("where", [["client_state_dir={scratch}"], ["client_state=device"]])
+def test_a_requeue_may_keep_the_states_elsewhere_and_resumes_exactly(whole, digits20_16px, tmp_path, where):
+    """client_state_dir (a node-local scratch folder, another on the node a requeue lands on) and
+    client_state itself (a node with less memory) were refused on resume; the states are the
+    checkpoint's either way, so the run goes on bit for bit."""
+    args = _stopped_after_round_3(digits20_16px, tmp_path / "run")
+    said = []
+    run("configs/digits_ditto.yaml", args + [w.format(scratch=tmp_path / "scratch") for w in where], echo=said.append)
+    assert any("(3 rounds done)" in line for line in said) and not any(line.startswith("note:") for line in said)
+    assert _records(tmp_path / "run") == _records(whole)
+    a, b = (torch.load(d / "final_global.pt", weights_only=True) for d in (whole, tmp_path / "run"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "scratch").is_dir() == ("client_state_dir" in where[0])
+
+
 @pytest.mark.slow
 def test_a_disk_checkpoint_resumes_on_two_ranks(whole, digits20_16px, tmp_path):
     """The stopped run resumed on 2 ranks (each takes its clients' files by id): the same final

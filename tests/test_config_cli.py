@@ -33,6 +33,9 @@ def test_a_text_key_takes_its_override_as_typed_and_a_comment_is_never_dropped(t
     cfg = load_config("configs/digits_fedcp.yaml", ["out_dir=2024", "client_state=disk", "client_state_dir=0755",
                                                     "rounds=12", "lr=1e-2", 'method="fedavg"'], validate=False)
     assert (cfg.out_dir, cfg.client_state_dir, cfg.rounds, cfg.lr, cfg.method) == ("2024", "0755", 12, 0.01, "fedavg")
+    # a key that takes text or another type keeps YAML's reading where that type takes it
+    cfg = load_config("configs/digits_fedcp.yaml", ["fused=false", "fused_group=8"], validate=False)
+    assert cfg.fused is False and cfg.fused_group == 8
     assert load_config("configs/digits_fedcp.yaml", ['out_dir="runs/a #b"'], validate=False).out_dir == "runs/a #b"
     assert load_config("configs/digits_fedcp.yaml", ["out_dir=runs/a#b"], validate=False).out_dir == "runs/a#b"
     for item in ("out_dir=runs/a #b", "lr=0.1 # tuned"):

@@ -97,6 +97,11 @@ NOT_DEFINING: dict = {
     "placement": "which rank trains which client",
     "eval_batch_size": "how many test samples one forward pass takes",
     "peer_memory_mb": "a memory budget that refuses a run, never changes one",
+    # where the client states are kept between rounds: the same states, bit for bit, in memory or
+    # in files (a requeue onto a node with another scratch folder or less memory resumes)
+    "client_state": "where a rank keeps its clients' states (device, host or files)",
+    "client_state_dir": "the folder of a rank's state files (a node-local scratch disk)",
+    "client_state_budget_mb": "the memory client_state=auto lets a rank's states take",
     # probes: what is recorded besides the run (analysis.jsonl); the run's results are the same with them
     "analysis": "whether the probes write analysis.jsonl",
     "analysis_every": "how often the training probes are taken",
