@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import os
 import sys
 
@@ -119,6 +120,58 @@ def cli_main(func):
             sys.exit(130)
 
     return wrapper
+
+
+class StdoutThatMayGo(io.TextIOBase):
+    """``sys.stdout`` of a training run: when it can no longer be written (its reader went away,
+    ``| head -1``; a full device, ``>/dev/full``), the run goes on without it, saying so once on
+    stderr, instead of dying at its next progress line (its results are in out_dir, not on stdout)."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self._stream, self.gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self._stream.write(text)
+            except OSError as exc:
+                self._lost(exc)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except OSError as exc:
+                self._lost(exc)
+
+    def _lost(self, exc: OSError) -> None:
+        self.gone = True
+        try:  # the interpreter's last flush of the real stream must not fail again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        try:
+            print(f"note: stdout cannot be written ({exc.strerror or exc}); the run goes on without it (its "
+                  f"progress is in metrics.jsonl)", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return not self.gone and self._stream.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self):
+        return self._stream.encoding
 
 
 def _after_interrupt(exc: BaseException) -> bool:

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from fedcp_dist.errors import ArgumentParser, Preempted, UserError, check_address_space, cli_main
+from fedcp_dist.errors import ArgumentParser, Preempted, StdoutThatMayGo, UserError, check_address_space, cli_main
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import StopSignals, write_status
 
@@ -133,6 +133,8 @@ def main(argv=None):
     # listening at once: reading the config, starting the runtime, loading the shard and verifying a
     # checkpoint can take minutes, and a preemption then must end in the requeue status too
     quiet_openmp()
+    if sys.stdout is not None and not isinstance(sys.stdout, StdoutThatMayGo):
+        sys.stdout = StdoutThatMayGo(sys.stdout)  # a reader gone (| head) does not end the training
     with StopSignals() as stop:
         fault_point("startup")  # the fault tests' hook
         _main(build_parser().parse_args(argv), stop)

@@ -270,3 +270,29 @@ def test_two_ranks_started_apart_by_hand_meet_and_run(digits6_16px, tmp_path):
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0 and second.returncode == 0, err + second.stderr
     assert "launcher=torchrun world_size=2" in out and "Traceback" not in err + second.stderr
+
+
+# ----------------------------------------------------------------------------- stdout that goes away
+
+
+@pytest.mark.parametrize("where", ["closed pipe", "/dev/full"])
+def test_a_run_whose_stdout_cannot_be_written_trains_to_its_end(where, digits6_16px, tmp_path):
+    """`fedcp-run … | head -1` died at its next progress line (`error: rank 0, round 1: Broken pipe`,
+    exit 1, the round lost), `>/dev/full` at start-up as if out_dir's disk were full: the run now
+    goes on without stdout, saying so once on stderr."""
+    args = [str(BIN / "fedcp-run"), "--config", CONFIG, f"data.path={digits6_16px}", f"out_dir={tmp_path / 'run'}",
+            "rounds=2", "eval_every=1", "threads=1"]
+    if where == "/dev/full":
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300)
+        rc, err, reason = proc.returncode, proc.stderr, "No space left on device"
+    else:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        proc.stdout.readline()  # the start line, then the reader goes away
+        proc.stdout.close()
+        err = proc.stderr.read()
+        rc, reason = proc.wait(timeout=300), "Broken pipe"
+    assert rc == 0, err
+    assert err.strip().splitlines() == [f"note: stdout cannot be written ({reason}); the run goes on without it (its "
+                                        f"progress is in metrics.jsonl)"], err
+    assert (tmp_path / "run" / "summary.json").is_file()
