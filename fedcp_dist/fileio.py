@@ -2,22 +2,34 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import os
+import socket
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from fedcp_dist import interrupts
 
+#: this host's name, in temporary file names: a leftover is removed only by a process of its host
+_HOST = socket.gethostname().replace("/", "_") or "host"
+
 
 @contextlib.contextmanager
-def atomic_path(path, durable: bool = True) -> Iterator[Path]:
+def atomic_path(path, durable: bool = True, replace: bool = True, orphans: bool = False) -> Iterator[Path]:
     """Yield a temporary name beside ``path`` to write the file under; when the block ends without
-    error the file is synced to disk (``durable``) and renamed over ``path``.
+    error the file is synced to disk (``durable``) and renamed over ``path``. With ``replace``
+    false a ``path`` that appeared meanwhile (another process wrote it) is not replaced: the
+    temporary file is linked to ``path``, which fails when it exists (FileExistsError).
 
-    On any error the temporary file is removed and an existing ``path`` is left as it was.
+    On any error the temporary file is removed and an existing ``path`` is left as it was. With
+    ``orphans`` (a large file written rarely, such as a shard), the temporary files that killed
+    writers of this host left beside ``path`` are removed first.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}")
+    if orphans:
+        _remove_orphans(path)
     try:
         yield tmp
         interrupts.check()  # a stop signal swallowed while the file was written: not published
@@ -27,10 +39,57 @@ def atomic_path(path, durable: bool = True) -> Iterator[Path]:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _publish_new(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _publish_new(tmp: Path, path: Path) -> None:
+    """``tmp`` renamed to ``path`` unless ``path`` exists (FileExistsError): a hard link, which
+    never replaces; where the file system has none, a check then a rename (a narrow race)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some FUSE and object-store mounts)
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove the ``.NAME.tmp-HOST-PID`` files beside ``path`` that a process of this host left and
+    that no longer runs (a writer killed by SIGKILL or the OOM killer cannot remove its own; at a
+    million clients a shard's is GBs). Another host's are left: its writer may still be at work on
+    a shared file system."""
+    prefix = f".{path.name}.tmp-{_HOST}-"
+    try:
+        entries = list(path.parent.glob(f"{glob.escape(prefix)}*"))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                entry.unlink()
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:

@@ -288,7 +288,7 @@ def _from_npz(args) -> None:
     write_shard(out, with_progress(clients, n), source=args.source or "npz",
                 num_classes=num_classes, input_shape=shape, mean=(0.5,) * channels,
                 std=(0.5,) * channels, partition="npz",
-                partition_params={"dir": str(folder.resolve())}, seed=-1)
+                partition_params={"dir": str(folder.resolve())}, seed=-1, replace=args.force)
     say_written(out, _say)
 
 

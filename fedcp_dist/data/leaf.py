@@ -221,9 +221,10 @@ def read_leaf(root, task: Optional[str] = None) -> LeafData:
 
 
 def write_leaf_shard(root, out: Path, task: Optional[str], names_chars: int, say: Callable[[str], None],
-                     num_clients: Optional[int] = None) -> None:
+                     num_clients: Optional[int] = None, replace: bool = True) -> None:
     """Read LEAF's files under ``root`` and write the shard ``out`` (one client per user);
-    ``num_clients``, when given, must be the number of users."""
+    ``num_clients``, when given, must be the number of users (``replace``: see
+    :func:`~fedcp_dist.data.shards.write_shard`)."""
     from fedcp_dist.data.shards import write_shard
 
     say(f"reading LEAF files under {root}" + (f" ({task})" if task else ""))
@@ -253,8 +254,8 @@ def write_leaf_shard(root, out: Path, task: Optional[str], names_chars: int, say
     if data.task == "femnist":
         write_shard(out, rows, source="femnist", num_classes=FEMNIST_CLASSES,
                     input_shape=FEMNIST_SHAPE, mean=(NORM_MEAN,), std=(NORM_STD,), partition="leaf",
-                    partition_params=params, seed=-1)
+                    partition_params=params, seed=-1, replace=replace)
     else:
         write_shard(out, rows, source="shakespeare", num_classes=len(ALPHABET),
                     input_shape=(data.seq_len,), mean=(), std=(), partition="leaf", partition_params=params, seed=-1,
-                    kind="text", vocab=list(ALPHABET))
+                    kind="text", vocab=list(ALPHABET), replace=replace)

@@ -386,7 +386,7 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
     write_shard(out, with_progress(clients, len(shares)), source=src.name,
                 num_classes=src.num_classes, input_shape=src.input_shape, mean=mean,
                 std=std, partition=spec.partition, partition_params=params, seed=spec.seed,
-                kind=src.kind, vocab=src.vocab, columns=src.feature_names)
+                kind=src.kind, vocab=src.vocab, columns=src.feature_names, replace=force)
     say_written(out, say)
     return out
 
@@ -399,9 +399,9 @@ def _make_own_clients(spec: PartitionSpec, out, force: bool, say) -> Path:
     text_options(spec.max_len, spec.vocab_size, spec.min_freq, "image", spec.source, spec.text_pipeline)
     out = check_out(out, force)
     if spec.source == "leaf":
-        write_leaf_shard(spec.root, out, spec.leaf_task, CLIENT_NAMES_CHARS, say, spec.num_clients)
+        write_leaf_shard(spec.root, out, spec.leaf_task, CLIENT_NAMES_CHARS, say, spec.num_clients, replace=force)
     else:
-        write_synthetic_shard(spec.synthetic(), out, say)
+        write_synthetic_shard(spec.synthetic(), out, say, replace=force)
     say_written(out, say)
     return out
 

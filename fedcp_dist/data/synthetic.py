@@ -165,8 +165,9 @@ def synthetic_clients(spec: SyntheticSpec) -> Iterator[tuple]:
         yield x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
 
-def write_synthetic_shard(spec: SyntheticSpec, out, say) -> None:
-    """Generate ``spec``'s clients into the shard ``out``, one client at a time."""
+def write_synthetic_shard(spec: SyntheticSpec, out, say, replace: bool = True) -> None:
+    """Generate ``spec``'s clients into the shard ``out``, one client at a time (``replace``: see
+    :func:`~fedcp_dist.data.shards.write_shard`)."""
     from fedcp_dist.data.shards import write_shard
 
     spec.check()
@@ -178,4 +179,4 @@ def write_synthetic_shard(spec: SyntheticSpec, out, say) -> None:
                          unit="client"), source="synthetic",
                 num_classes=NUM_CLASSES, input_shape=(DIMENSION,), mean=(0.0,) * DIMENSION, std=(1.0,) * DIMENSION,
                 partition="synthetic", partition_params=spec.params(), seed=spec.seed, kind="table",
-                columns=[f"x{j}" for j in range(DIMENSION)])
+                columns=[f"x{j}" for j in range(DIMENSION)], replace=replace)

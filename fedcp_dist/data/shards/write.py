@@ -19,6 +19,7 @@ from fedcp_dist.data.shards.layout import (ARRAY_DIGESTS, ATTRIBUTE_BYTES, CHUNK
 from fedcp_dist.data.shards.verify import ATTRIBUTES, ArrayHash, attributes_digest, offsets_digest
 from fedcp_dist import interrupts
 from fedcp_dist.fileio import atomic_path
+from fedcp_dist.errors import UserError
 
 
 class _Fingerprint:
@@ -284,7 +285,7 @@ class _GroupWriter:
 def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input_shape,
                 mean, std, partition: str, partition_params: dict, seed: int,
                 kind: str = KIND, vocab=None, format_version: int = FORMAT_VERSION,
-                columns=None) -> None:
+                columns=None, replace: bool = True) -> None:
     """Write ``clients`` to ``path``.
 
     Images: each client is ``(train_x, train_y, test_x, test_y)``.  Text (``kind="text"``, with
@@ -296,7 +297,8 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
     the feature names.
 
     The file appears at ``path`` only once it is complete; on any failure the temporary file is
-    removed and whatever was at ``path`` before is left as it was.
+    removed and whatever was at ``path`` before is left as it was. Without ``replace`` a file that
+    another process wrote at ``path`` meanwhile is kept, and this one refused (a UserError).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -327,7 +329,18 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
     num_classes = int(num_classes)
     ids = _IdRange(len(vocab)) if kind == TEXT_KIND else None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+    try:
+        _write(path, clients, source, num_classes, input_shape, mean, std, partition, partition_params, seed, kind,
+               vocab, format_version, columns, ids, replace)
+    except FileExistsError:
+        raise UserError(f"{path} was written by another process while this one wrote it (a second fedcp-partition "
+                        f"to the same --out?); it is left as that process wrote it: use it, or pass --force to "
+                        f"replace it") from None
+
+
+def _write(path, clients, source, num_classes, input_shape, mean, std, partition, partition_params, seed, kind,
+           vocab, format_version, columns, ids, replace) -> None:
+    with atomic_path(path, replace=replace, orphans=True) as tmp, h5py.File(tmp, "w") as f:
         if format_version == FORMAT_VERSION:
             body = _SplitWriter(f, kind, input_shape, num_classes)
         else:
