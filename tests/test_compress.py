@@ -125,7 +125,10 @@ def test_round_and_run_byte_accounting():
     # b sent by one client only: 3 · 15 + 12 compressed, 3 · 40 + 24 dense
     assert c.round_bytes({"a": 3, "b": 1}, participants=3) == {
         "uplink_bytes": 57, "uplink_bytes_dense": 144, "downlink_bytes": 192, "downlink_bytes_dense": 192}
-    assert byte_totals([r, r, {"kind": "round"}]) == {k: 2 * v for k, v in r.items()}
+    assert byte_totals([r, r]) == {k: 2 * v for k, v in r.items()}
+    # a count some rounds lack (resumed from a checkpoint of code that did not count it) has no
+    # total: summing the rounds that have it gave a figure neither right nor marked missing
+    assert byte_totals([{"kind": "round"}, r, r]) == {}
     off = Compressor("none", 1.0, 32, False, {"a": (10,)})
     assert not off.enabled and off.client_bytes == off.dense_bytes == 40
 

@@ -96,6 +96,25 @@ def test_a_rank_of_another_version_is_named():
                "on every node" for e in errors)
 
 
+def test_a_rank_of_other_code_with_the_same_keys_is_named(monkeypatch):
+    """Code edited on one node (another checkout, a stale install) with the config keys unchanged
+    trained apart silently: the ranks now compare their source digests."""
+    a, local = _cfg(), threading.local()
+    monkeypatch.setattr(agreement, "code_digest", lambda: local.digest)
+
+    def rank(digest):
+        def fn(rt):
+            local.digest = digest
+            agreement.check_same_config(a, rt)
+        return fn
+
+    assert _Ranks().run([rank("0" * 16), rank("0" * 16)]) == [None, None]
+    errors = _Ranks().run([rank("0" * 16), rank("1" * 16)])
+    assert [str(e) for e in errors] == [
+        f"rank 1 run other fedcp_dist code than rank 0 (source digest {d * 16} on rank {r}): install the same version "
+        f"on every node" for r, d in ((0, "0"), (1, "1"))]
+
+
 def test_a_copy_of_the_shard_passes_and_another_shard_is_refused(digits6, tmp_path):
     info = read_info(str(digits6))
     copy = tmp_path / "copy.h5"

@@ -380,3 +380,28 @@ def test_a_resume_under_another_thread_count_says_when_it_changes_the_rounding(t
     meta = json.loads(torch.load(tmp_path / "fused" / "checkpoints" / "round_0000003" / "global.pt",
                                  weights_only=True)["meta_json"])
     assert meta["arithmetic"] == f"cpu ({cpu}), fused groups of 4, 1 thread a computation"
+
+
+def test_a_checkpoint_of_other_code_resumes_with_a_note(tmp_path, monkeypatch):
+    """A checkpoint written by older code was resumed silently: the run then mixed two versions'
+    rounds (and summed byte counts the older code did not record). Its digest is recorded now."""
+    from fedcp_dist.code import code_digest, code_note
+    from fedcp_dist.engine import simulator
+
+    from helpers import run
+
+    shard, out = _digits(tmp_path / "d.h5", seed=1), tmp_path / "run"
+    args = [f"data.path={shard}", f"out_dir={out}", "rounds=2", "checkpoint_every=1", "eval_every=2", "threads=1"]
+    with monkeypatch.context() as m:  # the first two rounds by "other code"
+        m.setattr(simulator, "code_digest", lambda: "feedfacefeedface")
+        run("configs/digits_fedcp.yaml", args)
+    (out / "summary.json").unlink()  # as if stopped after its last checkpoint
+    said = []
+    run("configs/digits_fedcp.yaml", [*args, "rounds=3"], echo=said.append)
+    notes = [line for line in said if line.startswith("note: the checkpoint was written")]
+    assert notes == [code_note("feedfacefeedface")], said
+    assert notes[0] == (f"note: the checkpoint was written by other fedcp_dist code (source digest feedfacefeedface), "
+                        f"this is {code_digest()}: its rounds were trained by that code and the rest will be by this "
+                        f"one, so the run is not bit for bit what either would make alone")
+    assert code_note(None).startswith("note: the checkpoint was written by fedcp_dist code that recorded no digest")
+    assert code_note(code_digest()) == ""

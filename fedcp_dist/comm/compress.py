@@ -195,7 +195,7 @@ def byte_totals(records) -> dict:
     """The run's totals of the per-round byte counts, for the kinds its rounds have (none for a
     method that averages no uploads); with skipped uploads also the fraction saved."""
     out = {k: int(sum(r.get(k, 0) for r in records)) for k in (*BYTE_KEYS, *SAVED_KEYS)
-           if any(k in r for r in records)}
+           if records and all(k in r for r in records)}  # a count that began mid-run has no total
     if "uplink_bytes_saved" in out:
         total = out.get("uplink_bytes_sent", 0) + out["uplink_bytes_saved"]
         out["uplink_saved_fraction"] = out["uplink_bytes_saved"] / total if total else 0.0

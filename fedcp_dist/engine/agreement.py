@@ -20,6 +20,7 @@ from typing import List
 import numpy as np
 import torch
 
+from fedcp_dist.code import code_digest
 from fedcp_dist.config import flatten
 from fedcp_dist.errors import UserError
 
@@ -68,7 +69,12 @@ def check_same_config(cfg, rt) -> None:
     flat = flatten(cfg.to_dict())
     keys = sorted(k for k in flat if k not in PER_RANK_KEYS)
     values = [digest64(json.dumps(flat[k], sort_keys=True, default=str).encode()) for k in keys]
-    head = _gathered(rt, [digest64("\n".join(keys).encode()), digest64(json.dumps(values).encode())])
+    head = _gathered(rt, [digest64("\n".join(keys).encode()), digest64(json.dumps(values).encode()),
+                          digest64(code_digest().encode())])
+    code = _other_ranks(head[:, 2])
+    if code:
+        raise UserError(f"{_ranks(code)} run other fedcp_dist code than rank 0 (source digest {code_digest()} on rank "
+                        f"{rt.rank}): install the same version on every node")
     versions = _other_ranks(head[:, 0])
     if versions:
         raise UserError(f"{_ranks(versions)} run a fedcp_dist whose config keys differ from rank 0's: install the "

@@ -25,6 +25,7 @@ from typing import Callable, List, Optional
 
 from fedcp_dist.capabilities import Probes, supports
 from fedcp_dist.engine import agreement, startup
+from fedcp_dist.code import code_note
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
 from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
@@ -169,9 +170,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
             parts.start_round, parts.records, parts.round_seconds, meta = done
             if dp is not None:  # the clip norm adaptive clipping reached; ε follows from the rounds done
                 dp.load_state_dict(meta.get("privacy"))
-            note = startup.arithmetic_note(meta.get("arithmetic"), parts.arithmetic)
-            if note:
-                echo(note)
+            for note in (code_note(meta.get("code")), startup.arithmetic_note(meta.get("arithmetic"), parts.arithmetic)):
+                if note:
+                    echo(note)
 
     startup.agree_on(rt, maybe_resume)
     # analysis.jsonl: the lines of the rounds done kept, the rest computed again

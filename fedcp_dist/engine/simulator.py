@@ -15,6 +15,7 @@ from typing import Callable
 
 from fedcp_dist.capabilities import PeerExchange, Probes, supports
 from fedcp_dist.engine import startup
+from fedcp_dist.code import code_digest
 from fedcp_dist.comm.aggregate import ClientOrder, TrainSums, exchange_peers, reduce_sums
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.state.process_memory import memory_record
@@ -80,7 +81,7 @@ class Simulator:
     def _save_checkpoint(self, rounds_done: int) -> None:
         self.rt.phase = f"checkpoint after round {rounds_done}"
         meta = {"records": self.records, "round_seconds": self.round_seconds, "config": self.cfg.to_dict(),
-                "data": run_data_record(self.cfg, self.setup), "arithmetic": self.arithmetic}
+                "data": run_data_record(self.cfg, self.setup), "arithmetic": self.arithmetic, "code": code_digest()}
         if self.dp is not None:
             meta["privacy"] = self.dp.state_dict()
         self.ckpt.save(rounds_done, self.global_state, self.store.checkpoint_part(), meta,
