@@ -236,6 +236,14 @@ def test_fmnist_idx_files(tmp_path, capsys):
     labels.write_bytes(b"\x00\x00\x08")  # truncated header
     expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "root",
                                "--num-clients", 2, "--out", tmp_path / "y.h5"],
+                      f"{labels} is not an idx-ubyte file of labels: it begins 00 00 08, expected 00 00 08 01")
+    labels.write_bytes(idx_ubyte(np.zeros(8, np.uint8)).replace(b"\x08", b"\x0d", 1))  # float32 type code
+    expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "root",
+                               "--num-clients", 2, "--out", tmp_path / "y.h5"],
+                      f"{labels} is not an idx-ubyte file of labels: it begins 00 00 0d 01, expected 00 00 08 01")
+    labels.write_bytes(idx_ubyte(np.zeros(8, np.uint8))[:-2])  # a whole header, a short body
+    expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "root",
+                               "--num-clients", 2, "--out", tmp_path / "y.h5"],
                       str(labels.parent), "could not be read")
     labels.unlink()
     expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "root",

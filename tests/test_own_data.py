@@ -44,6 +44,19 @@ def all_rows(path):
 # image folders
 
 
+def test_a_class_folder_without_images_is_refused(tmp_path, capsys):
+    """An empty class folder became a class of 0 samples: a model output nobody is labelled with."""
+    root = tmp_path / "imgs"
+    for c in ("a", "c"):
+        for i in range(4):
+            solid(root / c / f"{i}.png", (100, 200, 50))
+    (root / "b").mkdir()
+    (root / "b" / "readme.txt").write_text("no image")
+    expect_user_error(capsys, ["--source", "imagefolder", "--root", root, "--partition", "iid", "--num-clients", 2,
+                               "--out", tmp_path / "g.h5"], f"class folder 'b' under {root} holds no image")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imgs"]
+
+
 def test_imagefolder_reads_png_and_jpeg_resizes_and_converts(tmp_path, capsys):
     root = tmp_path / "imgs"
     # class folders in sorted order: "a" = 0, "b" = 1; a non-image file is skipped

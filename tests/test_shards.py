@@ -543,6 +543,15 @@ def test_npz_import_bad_layout(tmp_path, capsys):
     expect_user_error(capsys, ["--from-npz", folder, "--out", tmp_path / "o.h5"], "missing 1.npz")
     expect_user_error(capsys, ["--from-npz", tmp_path / "none", "--out", tmp_path / "o.h5"],
                       "does not exist")
+    # float images holding NaN: named as such (it said "found values in [-1, 1]")
+    nan_folder = tmp_path / "nan"
+    clients = make_clients([(2, 1)] * 2)
+    x = clients[1][0].astype(np.float32) / 255 * 2 - 1
+    x[0, 0, 0, 0] = np.nan
+    clients[1] = (x, *clients[1][1:])
+    save_npz_clients(nan_folder, clients, pickled=False)
+    expect_user_error(capsys, ["--from-npz", nan_folder, "--out", tmp_path / "o.h5"],
+                      "x holds NaN (at index (0, 0, 0, 0))")
 
 
 # ----------------------------------------------------------------------------- real MNIST

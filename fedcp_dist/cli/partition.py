@@ -213,9 +213,12 @@ def _to_uint8_images(x: np.ndarray, path: Path) -> np.ndarray:
     if x.dtype == np.uint8:
         return np.ascontiguousarray(x)
     if np.issubdtype(x.dtype, np.floating):
-        if x.size and (np.nanmin(x) < -1.01 or np.nanmax(x) > 1.01 or np.isnan(x).any()):
+        if x.size and np.isnan(x).any():
+            raise UserError(f"{path}: float x holds NaN (at index {tuple(int(i) for i in np.argwhere(np.isnan(x))[0])}); "
+                            f"images must hold values in [-1, 1]")
+        if x.size and (np.min(x) < -1.01 or np.max(x) > 1.01):
             raise UserError(f"{path}: float x must hold images in [-1, 1], found values in "
-                            f"[{np.nanmin(x):.3g}, {np.nanmax(x):.3g}]")
+                            f"[{np.min(x):.3g}, {np.max(x):.3g}]")
         return np.clip(np.round((x.astype(np.float64) + 1) / 2 * 255), 0, 255).astype(np.uint8)
     if np.issubdtype(x.dtype, np.integer):
         if x.size and (x.min() < 0 or x.max() > 255):

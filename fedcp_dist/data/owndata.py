@@ -230,6 +230,11 @@ def load_imagefolder(root, *, image_size=None, channels=None, natural: bool = Fa
                             f"ROOT/<class>/<image>)")
         per_client = [classes]
         class_names = sorted(classes)
+    empty = [c for c in class_names if not any(classes.get(c) for classes in per_client)]
+    if empty and any(classes.get(c) for classes in per_client for c in class_names):
+        raise UserError(f"class folder '{empty[0]}' under {root} holds no image"
+                        f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}: a class without samples would "
+                        f"be a class of the model's output none is ever labelled with; remove the folder")
     index = {c: k for k, c in enumerate(class_names)}
     files, labels, groups = [], [], []
     for g, classes in enumerate(per_client):

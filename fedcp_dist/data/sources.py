@@ -96,6 +96,24 @@ def _load_digits(root, download, **_) -> Source:
 # ----------------------------------------------------------------------------- MNIST, FashionMNIST
 
 
+def _bad_idx_header(cls, raw: Path) -> str:
+    """What is wrong with the first idx-ubyte file under ``raw`` whose header is not one of unsigned
+    bytes of the dimensions its name says (images 3, labels 1), or "" (torchvision asserts on it
+    with no message)."""
+    for url, _ in cls.resources:
+        file = raw / os.path.splitext(os.path.basename(url))[0]
+        ndim = 3 if "images" in file.name else 1
+        try:
+            with open(file, "rb") as f:
+                head = f.read(4)
+        except OSError:
+            continue
+        if head != bytes([0, 0, 0x08, ndim]):
+            return (f"{file} is not an idx-ubyte file of {'images' if ndim == 3 else 'labels'}: it begins "
+                    f"{head.hex(' ') or 'with nothing'}, expected 00 00 08 {ndim:02x}")
+    return ""
+
+
 def _torchvision_loader(name: str, class_name: str, num_classes: int) -> Callable:
     def load(root, download, **_) -> Source:
         if root is None:
@@ -120,8 +138,9 @@ def _torchvision_loader(name: str, class_name: str, num_classes: int) -> Callabl
                 if download:
                     raise UserError(f"could not download source '{name}' into root '{root}': "
                                     f"{_one_line(exc)}") from None
-                raise UserError(f"source '{name}': the idx-ubyte files in {raw} could not be "
-                                f"read (truncated or corrupt?): {_one_line(exc)}") from None
+                raise UserError(f"source '{name}': " + (_bad_idx_header(cls, raw) or (
+                    f"the idx-ubyte files in {raw} could not be read (truncated or corrupt?): "
+                    f"{_one_line(exc)}"))) from None
             x, y = _arrays_of(ds)
             if len(x) != len(y):
                 raise UserError(f"source '{name}': the idx-ubyte files in {raw} hold {len(x)} "
