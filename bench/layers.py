@@ -17,7 +17,7 @@ from pathlib import Path
 
 #: bottom first; a module belongs to the first layer with a prefix its name starts with
 LAYERS = (
-    ("basics", ("fedcp_dist.options", "fedcp_dist.errors", "fedcp_dist.fileio", "fedcp_dist.losses",
+    ("basics", ("fedcp_dist.options", "fedcp_dist.errors", "fedcp_dist.interrupts", "fedcp_dist.fileio", "fedcp_dist.losses",
                 "fedcp_dist.runtime", "fedcp_dist.launch_env", "fedcp_dist.capabilities", "fedcp_dist.engine.keys", "fedcp_dist.fused.keys", "fedcp_dist.state.keys",
                 "fedcp_dist.comm.keys", "fedcp_dist.rundir.keys")),
     ("models and data", ("fedcp_dist.models", "fedcp_dist.data")),

@@ -72,6 +72,7 @@ def test_fedcp_partition_loads_no_training_code():
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = json.loads(r.stdout)
     ours = {m for m in loaded if m.startswith("fedcp_dist")}
-    allowed = ("fedcp_dist.cli", "fedcp_dist.data", "fedcp_dist.errors", "fedcp_dist.fileio", "fedcp_dist.options")
+    allowed = ("fedcp_dist.cli", "fedcp_dist.data", "fedcp_dist.errors", "fedcp_dist.fileio", "fedcp_dist.interrupts",
+               "fedcp_dist.options")
     assert ours and all(m == "fedcp_dist" or m.startswith(allowed) for m in ours), sorted(ours)
     assert not {"torch", "torch.optim", "torch.nn", "torchvision"} & set(loaded)

@@ -385,7 +385,7 @@ def test_a_resume_under_another_thread_count_says_when_it_changes_the_rounding(t
 def test_a_checkpoint_of_other_code_resumes_with_a_note(tmp_path, monkeypatch):
     """A checkpoint written by older code was resumed silently: the run then mixed two versions'
     rounds (and summed byte counts the older code did not record). Its digest is recorded now."""
-    from fedcp_dist.code import code_digest, code_note
+    from fedcp_dist.rundir.code import code_digest, code_note
     from fedcp_dist.engine import simulator
 
     from helpers import run

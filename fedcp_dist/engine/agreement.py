@@ -20,7 +20,7 @@ from typing import List
 import numpy as np
 import torch
 
-from fedcp_dist.code import code_digest
+from fedcp_dist.rundir.code import code_digest
 from fedcp_dist.config import flatten
 from fedcp_dist.errors import UserError
 

@@ -25,7 +25,7 @@ from typing import Callable, List, Optional
 
 from fedcp_dist.capabilities import Probes, supports
 from fedcp_dist.engine import agreement, startup
-from fedcp_dist.code import code_note
+from fedcp_dist.rundir.code import code_note
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
 from fedcp_dist.state.client_store import BN_STAT_SUFFIXES

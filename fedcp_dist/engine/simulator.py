@@ -15,7 +15,7 @@ from typing import Callable
 
 from fedcp_dist.capabilities import PeerExchange, Probes, supports
 from fedcp_dist.engine import startup
-from fedcp_dist.code import code_digest
+from fedcp_dist.rundir.code import code_digest
 from fedcp_dist.comm.aggregate import ClientOrder, TrainSums, exchange_peers, reduce_sums
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.state.process_memory import memory_record
