@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import sys
 import typing
 from dataclasses import field
 from typing import Any, Optional, Union
@@ -334,6 +335,11 @@ def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
             raise UserError(f"override {item!r} has an empty key")
         bad = next((c for c in item if "\udc80" <= c <= "\udcff"), None)  # a byte the locale could not decode
         if bad is not None:
+            encoding = sys.getfilesystemencoding()
+            if encoding.replace("-", "").lower() != "utf8":  # a C locale without Python's UTF-8 mode
+                raise UserError(f"override {key}=…: the value holds byte 0x{ord(bad) - 0xdc00:02x}, which this "
+                                f"process's locale ({encoding}) cannot read; run with a UTF-8 locale "
+                                f"(LC_ALL=C.UTF-8) or PYTHONUTF8=1")
             raise UserError(f"override {key}=…: the value holds byte 0x{ord(bad) - 0xdc00:02x}, which is not UTF-8 text "
                             f"(a path must be valid UTF-8 to be written in config.yaml)")
         try:

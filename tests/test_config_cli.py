@@ -69,6 +69,19 @@ def test_an_override_holding_a_byte_that_is_not_utf8_is_named():
     assert parse_overrides(["out_dir=/tmp/café 1"]) == {"out_dir": "/tmp/café 1"}
 
 
+def test_an_override_a_c_locale_cannot_read_names_the_locale(monkeypatch):
+    """Under LC_ALL=C without Python's UTF-8 mode the valid UTF-8 bytes of é arrive undecoded: it
+    said they were not UTF-8."""
+    import sys
+
+    monkeypatch.setattr(sys, "getfilesystemencoding", lambda: "ascii")
+    raw = "out_dir=/tmp/caf\udcc3\udca9"
+    with pytest.raises(UserError) as exc:
+        parse_overrides([raw])
+    assert str(exc.value) == ("override out_dir=…: the value holds byte 0xc3, which this process's locale (ascii) "
+                              "cannot read; run with a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1")
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
