@@ -424,6 +424,20 @@ def test_a_run_resumed_under_another_eval_every_is_not_filed_under_its_last_valu
     assert "| fedcp | 90.00 ± 0.00 | 80.00 ± 0.00 |" in md, md
 
 
+def test_a_report_whose_axes_leave_method_out_keeps_the_methods_apart(tmp_path, capsys):
+    """--rows lam (or --by seed) with FedCP and FedAvg runs averaged both methods into one cell,
+    a figure of neither, under a header saying 'mean over seeds'."""
+    for seed, acc in ((1, 0.80), (2, 0.82)):
+        fake_run(tmp_path / "runs" / f"fedcp{seed}", "fedcp", seed, 0.1, acc)
+        fake_run(tmp_path / "runs" / f"fedavg{seed}", "fedavg", seed, 0.1, acc - 0.5)
+    report.main([str(tmp_path / "runs"), "--rows", "lam", "--by", "seed", "--no-plots"])
+    captured = capsys.readouterr()
+    md = (tmp_path / "runs" / "report.md").read_text()
+    assert "| lam | method=fedavg,seed=1 | method=fedavg,seed=2 | method=fedcp,seed=1 | method=fedcp,seed=2 |" in md, md
+    assert "| 0.1 | 30.00 ± 0.00 | 32.00 ± 0.00 | 80.00 ± 0.00 | 82.00 ± 0.00 |" in md, md
+    assert "note: the runs hold 2 methods and neither --rows nor --by names method" in captured.err
+
+
 def test_report_shows_dp_epsilon_infinite_and_absent(tmp_path):
     """dp_epsilon: a number where noise was added, ∞ without noise, n/a for runs without DP."""
     for lam, eps in ((0.1, 2.5), (1.0, float("inf"))):

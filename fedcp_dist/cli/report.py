@@ -68,6 +68,12 @@ def main(argv=None) -> None:
     for r in col.runs:
         r.row_key = rows
     keys = setting_keys(col, by, rows)
+    methods = {r.value("method") for r in col.runs}
+    if rows != "method" and "method" not in keys and len(methods) > 1:
+        # neither axis tells the methods apart: each cell would average different methods' runs
+        keys = ["method", *keys]
+        print(f"note: the runs hold {len(methods)} methods and neither --rows nor --by names method: the columns "
+              f"tell them apart (a cell pools only one method's seeds)", file=sys.stderr)
     for r in col.runs:
         r.label = _label({"seed": r.seed, **{k: r.value(k) for k in keys}}, [*keys, "seed"])
     metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
