@@ -158,6 +158,11 @@ def _main(args, stop: StopSignals) -> None:
         n = parse_ranks(args.ranks)  # a bad value before the config is read
         cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
         n = n or auto_ranks(cfg.device)
+        if n > 1 and cfg.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():  # each rank would say it, among torchrun's own lines
+                raise UserError("device=cuda but no CUDA device is visible to this process")
         if n > 1:
             from fedcp_dist.data.shards import read_info
             from fedcp_dist.engine.startup import check_shard

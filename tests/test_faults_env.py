@@ -296,3 +296,16 @@ def test_a_run_whose_stdout_cannot_be_written_trains_to_its_end(where, digits6_1
     assert err.strip().splitlines() == [f"note: stdout cannot be written ({reason}); the run goes on without it (its "
                                         f"progress is in metrics.jsonl)"], err
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_ranks_on_cuda_without_a_gpu_are_refused_before_torchrun(digits6_16px, tmp_path):
+    """`fedcp-run --ranks 2 device=cuda` on a CPU machine: each rank said it among torchrun's own
+    warning and error lines; now one line before torchrun starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    r = run_cmd([str(BIN / "fedcp-run"), "--ranks", "2", "--config", CONFIG, f"data.path={digits6_16px}",
+                 f"out_dir={tmp_path / 'run'}", "device=cuda"])
+    assert (r.returncode, r.stderr) == (2, "error: device=cuda but no CUDA device is visible to this process\n")
+    assert not (tmp_path / "run").exists()

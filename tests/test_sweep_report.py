@@ -760,3 +760,24 @@ def test_a_run_whose_summary_gives_nan_is_missing_with_the_reason(tmp_path):
     col = report.collect(tmp_path / "runs")
     table = report.build_table(col, report.setting_keys(col, None), "best_acc")
     assert [(r.seed, r.why) for r in table.missing] == [(2, "summary.json gives 'best_acc' as nan")]
+
+
+@pytest.mark.parametrize("env, copies", [
+    ({}, 1), ({"OMPI_COMM_WORLD_SIZE": "2"}, 2), ({"PMI_SIZE": "4"}, 4),
+    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "3"}, 3), ({"WORLD_SIZE": "3"}, 1),
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}, 2),
+    ({"SLURM_STEP_ID": "batch", "SLURM_STEP_NUM_TASKS": "2"}, 1),  # the batch script itself: one copy
+])
+def test_a_sweep_started_by_a_launcher_is_refused(env, copies, tmp_path, capsys, monkeypatch):
+    """`mpirun -n 2 fedcp-sweep`: the copies ran every point twice at once (one mpi job of both),
+    or one copy's point was FAILED by the other's lock although it finished."""
+    assert sweep_cli.launched_copies(env) == copies
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "SLURM_STEP_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if copies > 1:
+        err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path, grid={"seed": [1]}))])
+        assert err == (f"error: fedcp-sweep was started {copies} times by a launcher (mpirun, srun or torchrun): it "
+                       f"starts each point's ranks itself (executor.nproc); run one copy\n")
+        assert not (tmp_path / "sweeps").exists()

@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 
-from fedcp_dist.errors import ArgumentParser, cli_main
+from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
@@ -75,10 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def launched_copies(env=os.environ) -> int:
+    """How many copies of this process a launcher started (mpirun -n, srun -n, torchrun): 1 when
+    none did. A batch script's own step (SLURM's ``batch``) is one copy."""
+    sizes = [env.get("OMPI_COMM_WORLD_SIZE"), env.get("PMI_SIZE")]
+    if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
+        sizes.append(env.get("WORLD_SIZE"))
+    if env.get("SLURM_STEP_ID", "batch") not in ("batch", "extern", "interactive"):
+        sizes.append(env.get("SLURM_STEP_NUM_TASKS"))
+    return max([int(s) for s in sizes if s and s.strip().isdigit()] or [1])
+
+
 @cli_main
 def main(argv=None) -> None:
     """Entry point of ``fedcp-sweep``."""
     args = build_parser().parse_args(argv)
+    copies = launched_copies()
+    if copies > 1 and not args.dry_run:
+        raise UserError(f"fedcp-sweep was started {copies} times by a launcher (mpirun, srun or torchrun): it starts "
+                        f"each point's ranks itself (executor.nproc); run one copy")
     sweep = load_sweep(args.sweep, kind=args.executor)
     if args.dry_run:
         dry_run(sweep)
