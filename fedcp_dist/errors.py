@@ -102,6 +102,13 @@ def cli_main(func):
             except (OSError, ValueError):
                 pass
             sys.exit(EXIT_BROKEN_PIPE)
+        except OSError as exc:
+            # a file the command could not read or write (a folder made read-only or immutable
+            # after the checks, a disk that filled): named, in one line
+            if not isinstance(exc.filename, (str, os.PathLike)):
+                raise
+            print(f"error: {os_error_subject(exc)}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+            sys.exit(1)
         except (ImportError, MemoryError) as exc:
             limit = address_space_limit()
             if limit is None:
@@ -172,6 +179,16 @@ class StdoutThatMayGo(io.TextIOBase):
     @property
     def encoding(self):
         return self._stream.encoding
+
+
+def os_error_subject(exc: OSError) -> str:
+    """The file an OSError is about; for a whole-file write's temporary name (``.NAME.tmp-…``), the
+    file it was to become."""
+    path = os.fspath(exc.filename)
+    folder, name = os.path.split(path)
+    if name.startswith(".") and ".tmp-" in name:
+        return os.path.join(folder, name[1:name.index(".tmp-")])
+    return path
 
 
 def _after_interrupt(exc: BaseException) -> bool:

@@ -6,6 +6,7 @@ import errno
 import glob
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
@@ -172,4 +173,17 @@ def folder_above_problem(path) -> str:
         return f"{above} is a file, not a folder"
     if not os.access(above, os.W_OK | os.X_OK):
         return f"cannot write in {above}"
+    return ""
+
+
+def cannot_write_in(folder) -> str:
+    """Why nothing can be written in the existing ``folder`` ("" when a file can): a file is made
+    and removed there, which also finds what permission bits do not tell root (an immutable
+    folder, a read-only mount)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".write-check-")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(name)
     return ""

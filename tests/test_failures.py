@@ -466,3 +466,57 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     atomic_torch_save({"a": torch.arange(3.0)}, path, durable=False)
     assert torch.load(path, weights_only=True)["a"].tolist() == [0.0, 1.0, 2.0]
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+# -- output folders that cannot be written -------------------------------------------------------------
+
+def _immutable(folder):
+    """``chattr +i``: a folder even root cannot write in (None where the file system cannot mark it)."""
+    r = subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
+    return folder if r.returncode == 0 else None
+
+
+def test_tools_given_a_folder_they_cannot_write_in_say_so_before_working(digits6, tmp_path, capsys):
+    """fedcp-report, fedcp-analyze and fedcp-dlg ended in PermissionError's traceback (fedcp-dlg
+    after its whole attack, the results lost); fedcp-sweep likewise in a read-only root."""
+    from fedcp_dist.cli import analyze, report
+    from fedcp_dist.cli import sweep as sweep_cli
+    from fedcp_dist.rundir.directory import CONFIG
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / CONFIG).write_text(f"method: fedcp\nout_dir: {run_dir}\n")
+    (run_dir / "summary.json").write_text(json.dumps({"method": "fedcp", "best_acc": 0.5, "rounds": 1}))
+    if _immutable(run_dir) is None:
+        pytest.skip("chattr +i is not available here")
+    root = tmp_path / "sweeps"
+    root.mkdir()
+    _immutable(root)
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(f"name: s\nroot: {root}\nbase: configs/digits_fedcp.yaml\n"
+                          f"overrides: {{data: {{path: {digits6}}}}}\ngrid: {{seed: [1]}}\n")
+    try:
+        cases = [(report.main, [str(run_dir), "--no-plots"], f"fedcp-report: cannot write in {run_dir}: "),
+                 (analyze.main, [str(run_dir), "--out", str(run_dir)], f"cannot write in the analysis folder {run_dir}: "),
+                 (analyze.main_dlg, [str(run_dir), "--out", str(run_dir)], f"cannot write in the analysis folder {run_dir}: "),
+                 (sweep_cli.main, [str(sweep_file)], f"sweep s: cannot create its folder {root / 's'}: ")]
+        for main, argv, start in cases:
+            with pytest.raises(SystemExit) as exc:
+                main(argv)
+            err = capsys.readouterr().err
+            assert exc.value.code == 2 and err.startswith(f"error: {start}") and err.count("\n") == 1, err
+    finally:
+        subprocess.run(["chattr", "-i", str(run_dir), str(root)])
+
+
+def test_an_os_error_no_check_foresaw_is_one_line_naming_the_file(tmp_path, capsys):
+    from fedcp_dist.errors import cli_main
+
+    @cli_main
+    def writes():
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / ".report.md.tmp-host-12"))
+
+    with pytest.raises(SystemExit) as exc:
+        writes()
+    assert exc.value.code == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'report.md'}: Permission denied\n"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
+from fedcp_dist.fileio import cannot_write_in
 
 
 def _int_list(text: str, option: str) -> list:
@@ -136,6 +137,9 @@ def _out_dir(runs: list, out: Optional[str]) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create the analysis folder {path}: {exc.strerror}") from None
+    problem = cannot_write_in(path)  # before an attack or Grad-CAM computes what it could not save
+    if problem:
+        raise UserError(f"cannot write in the analysis folder {path}: {problem}")
     return path
 
 

@@ -29,7 +29,7 @@ from fedcp_dist.cli.report_plots import plot_against_keys, plot_curves, plot_sel
 from fedcp_dist.cli.report_runs import _label, collect, setting_keys
 from fedcp_dist.cli.report_table import build_table, markdown, write_csv
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
-from fedcp_dist.fileio import atomic_write_bytes
+from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
 
 
 # ----------------------------------------------------------------------------- command line
@@ -86,6 +86,9 @@ def main(argv=None) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"fedcp-report: cannot create --out {out}: {exc.strerror}") from None
+    problem = cannot_write_in(out)
+    if problem:
+        raise UserError(f"fedcp-report: cannot write in {out}: {problem}")
     title = f"Report: {', '.join(col.sweeps) if col.sweeps else Path(args.dir).resolve().name}"
     md = markdown(tables, title, rows)
     atomic_write_bytes(out / "report.md", md.encode("utf-8"))

@@ -12,7 +12,7 @@ from typing import Optional
 
 from fedcp_dist.data.make import make_shard
 from fedcp_dist.errors import UserError
-from fedcp_dist.fileio import atomic_write_bytes
+from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
 from fedcp_dist.sweep.names import display_path
 from fedcp_dist.sweep.spec import Sweep
 
@@ -82,7 +82,13 @@ def write_manifest(sweep: Sweep, submission: Optional[dict] = None) -> Path:
     data = _manifest(sweep, previous)
     if submission:
         data["submissions"].append(submission)
-    sweep.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        sweep.dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"sweep {sweep.name}: cannot create its folder {sweep.dir}: {exc.strerror}") from None
+    problem = cannot_write_in(sweep.dir)
+    if problem:
+        raise UserError(f"sweep {sweep.name}: cannot write in its folder {sweep.dir}: {problem}")
     atomic_write_bytes(path, (json.dumps(data, indent=2, default=str) + "\n").encode("utf-8"))
     return path
 
