@@ -387,3 +387,13 @@ def test_one_line_errors(runs, tmp_path, capsys, digits6):
         (bad / f).write_bytes((runs["fedcp"] / f).read_bytes())
     (bad / "analysis.jsonl").write_text('{"kind": "eval"}\n')
     assert "analysis.jsonl:1" in _error(capsys, [bad])
+
+
+def test_figure_names_made_from_labels_are_plain_file_names():
+    """--labels 'x/y,z' made Grad-CAM write under a folder x/ that did not exist (a traceback after
+    half the figures), and labels with '#' or a space broke report.md's links to the figures."""
+    from fedcp_dist.cli.analyze import _file_stems, _labels
+
+    assert _file_stems(["x/y", "z", "my run", "a1#0", "x_y", "../"]) == {
+        "x/y": "x_y", "z": "z", "my run": "my_run", "a1#0": "a1_0", "x_y": "x_y_", "../": "run"}
+    assert _file_stems(_labels(["r/a1", "s/a1"], None)) == {"a1#0": "a1_0", "a1#1": "a1_1"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -143,6 +144,18 @@ def _out_dir(runs: list, out: Optional[str]) -> Path:
     return path
 
 
+def _file_stems(labels: list) -> dict:
+    """{label: a file name part}: letters, digits, '.', '_' and '-' only (a '/' made a folder of the
+    name, a '#' or a space broke report.md's links to the figure), distinct for distinct labels."""
+    out: dict = {}
+    for label in labels:
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "run"
+        while stem in out.values():
+            stem += "_"
+        out[label] = stem
+    return out
+
+
 def _labels(runs: list, labels: Optional[str]) -> list:
     if labels is not None:
         names = [t.strip() for t in labels.split(",")]
@@ -186,6 +199,7 @@ def gradcam(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
     if args.samples < 1:
         raise UserError(f"--samples must be >= 1, got {args.samples}")
     figures, notes = {}, []
+    stems = _file_stems(labels)
     for run_dir, label in zip(run_dirs, labels):
         state = load_run_state(run_dir, args.data, args.device, changes={"cpn_eval_gumbel": False})
         if not hasattr(state.algo, "head_outputs"):
@@ -197,7 +211,7 @@ def gradcam(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
             raise UserError(f"Grad-CAM explains images; {run_dir} trained on {state.info.kind}")
         datas = state.load_data(clients)
         maps = [fedcp_head_maps(state, c, datas[c], args.samples, args.layer) for c in clients]
-        name = "gradcam.png" if len(run_dirs) == 1 else f"gradcam_{label}.png"
+        name = "gradcam.png" if len(run_dirs) == 1 else f"gradcam_{stems[label]}.png"
         plots.save(plots.gradcam_grid(maps), out / name)
         key = "gradcam" if len(run_dirs) == 1 else f"gradcam_{label}"
         entry = _figure("gradcam", f"Grad-CAM: global vs personal head ({label})", name)
