@@ -26,6 +26,7 @@ from fedcp_dist.config import Config, dump_config, parse_overrides
 from fedcp_dist.data.make import PartitionSpec, make_shard
 from fedcp_dist.data.shards import read_info
 from fedcp_dist.errors import Preempted, UserError
+from fedcp_dist.sweep.names import display_path
 
 BASE = str(REPO / "configs" / "digits_fedcp.yaml")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -781,3 +782,25 @@ def test_a_sweep_started_by_a_launcher_is_refused(env, copies, tmp_path, capsys,
         assert err == (f"error: fedcp-sweep was started {copies} times by a launcher (mpirun, srun or torchrun): it "
                        f"starts each point's ranks itself (executor.nproc); run one copy\n")
         assert not (tmp_path / "sweeps").exists()
+
+
+def test_an_unfinished_point_whose_config_changed_is_named_not_resumed(digits6, tmp_path, capsys):
+    """After a stopped sweep's base changed (lr), --dry-run said '(resumes)' and the sweep then
+    FAILED the point with fedcp-run's advice 'overwrite=true', which a sweep refuses."""
+    overrides = {"rounds": 2, "eval_every": 1, "checkpoint_every": 1, "data": {"path": str(digits6)}, "threads": 1}
+    sweep_cli.main([str(write_sweep(tmp_path, overrides=overrides, grid={"seed": [1]}))])
+    run_dir = next((tmp_path / "sweeps" / "t" / "runs").iterdir())
+    (run_dir / "summary.json").unlink()  # stopped after its last checkpoint
+    capsys.readouterr()
+    changed = write_sweep(tmp_path, overrides={**overrides, "lr": 0.02}, grid={"seed": [1]})
+    sweep_cli.main([str(changed), "--dry-run"])
+    out = capsys.readouterr().out
+    shown = display_path(run_dir)
+    assert f"(config differs: lr: it cannot resume; remove {shown} to run it afresh)" in out, out
+    with pytest.raises(SystemExit) as exc:
+        sweep_cli.main([str(changed)])
+    out = capsys.readouterr().out
+    assert exc.value.code == 1
+    assert "[1/1] FAILED" in out and (f"its checkpointed run was made with another lr, which a resume refuses; "
+                                      f"remove {shown} to run it afresh") in out, out
+    assert not (run_dir / "summary.json").exists() and (run_dir / "checkpoints").is_dir()  # left as it was

@@ -28,11 +28,13 @@ from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
+from fedcp_dist.sweep.spec import resume_drift
 
 
 def dry_run(sweep: Sweep) -> None:
     """Print every point's status and command, the shards and (slurm) the job; make and submit nothing."""
-    statuses = [(s := p.status(), config_drift(sweep, p) if s == FINISHED else []) for p in sweep.points]
+    statuses = [(s := p.status(), config_drift(sweep, p) if s == FINISHED else resume_drift(sweep, p)
+                 if s == UNFINISHED else []) for p in sweep.points]
     counts = collections.Counter(s for s, _ in statuses)
     done = counts[FINISHED] + counts[DIVERGED]
     print(f"sweep {sweep.name}: {len(sweep.points)} points over {' × '.join(sweep.dimensions)}; "
@@ -53,6 +55,9 @@ def dry_run(sweep: Sweep) -> None:
         note = " (resumes)" if status == UNFINISHED else ""
         if drift:
             note = f" (config differs: {', '.join(drift)})"
+            if status == UNFINISHED:  # a resume would be refused: it would fail
+                note = (f" (config differs: {', '.join(drift)}: it cannot resume; remove "
+                        f"{display_path(p.run_dir)} to run it afresh)")
         print(f"{sweep.point_line(k, p, shown)}{note}  {sweep.display_command(p)}")
     for e in sweep.excluded:
         print(f"excluded   {e.name}: {e.reason}")

@@ -33,7 +33,7 @@ from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
-from fedcp_dist.sweep.spec import Sweep, drift_warning
+from fedcp_dist.sweep.spec import Sweep, drift_warning, resume_drift
 
 
 #: seconds torchrun lets its workers finish after it forwards a SIGTERM before it SIGKILLs them
@@ -250,6 +250,13 @@ def _run_points(sweep: Sweep, stop: SweepStop) -> tuple:
     def launch(k: int, p, status: str) -> bool:
         """Run point k; False if another process runs it after all."""
         fault_point("sweep_point", k)  # the fault tests' hook
+        drift = resume_drift(sweep, p) if status == UNFINISHED else []
+        if drift:  # its run's resume would refuse the new config, and a sweep never overwrites
+            why = (f"its checkpointed run was made with another {', '.join(drift)}, which a resume refuses; remove "
+                   f"{display_path(p.run_dir)} to run it afresh")
+            print(sweep.point_line(k, p, "FAILED") + f"  {why}", flush=True)
+            failed.append((p, why, logs / f"{p.name}.log"))
+            return True
         print(sweep.point_line(k, p, "running") + (" (resuming)" if status == UNFINISHED else ""), flush=True)
         rc, seconds, lines, log_path = _launch(sweep, k, p, stop, logs)
         summary = RunDir(p.run_dir).read_summary()

@@ -36,7 +36,7 @@ from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import type_ok
-from fedcp_dist.rundir.directory import FINISHED, RunDir, defining_changes
+from fedcp_dist.rundir.directory import FINISHED, RESUMABLE_CHANGES, RunDir, config_changes, defining_changes
 from fedcp_dist.sweep.names import did_you_mean, display_path, partition_file_name, point_name, yaml_value
 
 DEFAULT_ROOT = "runs/sweeps"
@@ -534,6 +534,17 @@ def config_drift(sweep: Sweep, point: Point) -> list:
     if have is None:
         return []
     return defining_changes(have, point_config(sweep, point).to_dict())
+
+
+def resume_drift(sweep: Sweep, point: Point) -> list:
+    """Keys an unfinished point's checkpointed run was made with another value of, that a resume
+    refuses (those outside RESUMABLE_CHANGES; ``data.path`` is checked by content when it runs):
+    such a point cannot go on, and a sweep cannot overwrite it."""
+    have = RunDir(point.run_dir).read_config()
+    if have is None:
+        return []
+    return [k for k in config_changes(have, point_config(sweep, point).to_dict())
+            if k not in RESUMABLE_CHANGES and k != "data.path"]
 
 
 def drift_warning(sweep: Sweep) -> None:
