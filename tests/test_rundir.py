@@ -414,3 +414,18 @@ def test_the_run_directory_modules_import_one_way():
                 seen.add(m)
                 todo += graph[m]
         assert start not in seen, f"{start} imports itself through {sorted(seen & set(graph))}"
+
+
+def test_every_checkpoint_damaged_tells_a_reader_its_own_way_out(tmp_path):
+    """fedcp-analyze on a run whose every checkpoint is damaged gave fedcp-run's advice
+    (overwrite=true to start afresh), which is no way out for a tool that reads the models."""
+    out = tmp_path / "run"
+    out.mkdir()
+    _checkpoint(out)
+    ck = Checkpointer(str(out), 0, 1, 2)
+    (ck.latest() / "global.pt").write_bytes(b"damaged")
+    with pytest.raises(UserError) as exc:
+        ck.latest(warn=lambda *_: None, reading=True)
+    assert str(exc.value).endswith("no intact models to read; restore the damaged file from a copy")
+    with pytest.raises(UserError, match="overwrite=true to start afresh$"):
+        ck.latest(warn=lambda *_: None)

@@ -352,12 +352,13 @@ class Checkpointer:
                 return f"{name} does not match its checksum"
         return None
 
-    def latest(self, warn=print) -> Optional[Path]:
+    def latest(self, warn=print, reading: bool = False) -> Optional[Path]:
         """The newest complete, intact checkpoint; damaged newer ones are reported and skipped. None
         when there is no complete checkpoint; a one-line error when there are complete ones and
         every one is damaged (a disk store's unchanged client files are hard links shared by the
         kept checkpoints, so one damaged file can damage them all): starting over would discard
-        the run's rounds without a word."""
+        the run's rounds without a word. ``reading``: for a tool that only reads the models
+        (fedcp-analyze), whose way out is not a fresh run."""
         complete = [d for _, d in reversed(self._round_dirs()) if (d / MARKER).exists()]
         for i, d in enumerate(complete):
             problem = self.verify(d)
@@ -366,6 +367,9 @@ class Checkpointer:
             if i + 1 < len(complete):
                 warn(f"checkpoint {d} is damaged ({problem}); trying the previous one")
             else:
+                if reading:
+                    raise UserError(f"checkpoint {d} is damaged ({problem}), and so is every newer one in "
+                                    f"{self.root}: no intact models to read; restore the damaged file from a copy")
                 raise UserError(
                     f"checkpoint {d} is damaged ({problem}), and so is every newer one in {self.root}: "
                     f"nothing intact to resume from, and starting over would discard the run's rounds; "
