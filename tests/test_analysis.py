@@ -397,3 +397,21 @@ def test_figure_names_made_from_labels_are_plain_file_names():
     assert _file_stems(["x/y", "z", "my run", "a1#0", "x_y", "../"]) == {
         "x/y": "x_y", "z": "z", "my run": "my_run", "a1#0": "a1_0", "x_y": "x_y_", "../": "run"}
     assert _file_stems(_labels(["r/a1", "s/a1"], None)) == {"a1#0": "a1_0", "a1#1": "a1_1"}
+
+
+def test_fedcp_analyze_says_a_run_diverged(tmp_path, capsys):
+    """A diverged run (it learned nothing) was analysed like any other, its untrained model's
+    figures shown with nothing to say so; fedcp-report lists such runs apart."""
+    import json
+
+    from fedcp_dist.cli import analyze
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"method: fedcp\nrounds: 1\nout_dir: {run}\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "round", "round": 1, "evaluated_after": 0, "acc": 0.1}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"method": "fedcp", "status": "diverged", "best_acc": 0.1,
+                                                  "rounds": 1}))
+    analyze.main([str(run), "--out", str(tmp_path / "out")])
+    assert (f"note: {run} diverged (every update was non-finite; it learned nothing): its figures show the untrained "
+            f"model, not a result") in capsys.readouterr().err

@@ -24,6 +24,7 @@ from typing import Optional
 
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.fileio import cannot_write_in
+from fedcp_dist.rundir.directory import DIVERGED, RunDir
 
 
 def _int_list(text: str, option: str) -> list:
@@ -281,6 +282,9 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
     for r in run_dirs:
         if not (r / "config.yaml").is_file():
             raise UserError(f"{r} is not a run directory (no config.yaml)")
+        if RunDir(r).status() == DIVERGED:  # drawn all the same: what a diverged run looks like may be the question
+            print(f"note: {r} diverged (every update was non-finite; it learned nothing): its figures show the "
+                  f"untrained model, not a result", file=sys.stderr)
     labels = _labels(args.runs, args.labels)
     _check_device_and_seed(args)
     chosen = _int_list(args.clients, "--clients") if args.clients is not None else None
