@@ -804,3 +804,15 @@ def test_an_unfinished_point_whose_config_changed_is_named_not_resumed(digits6, 
     assert "[1/1] FAILED" in out and (f"its checkpointed run was made with another lr, which a resume refuses; "
                                       f"remove {shown} to run it afresh") in out, out
     assert not (run_dir / "summary.json").exists() and (run_dir / "checkpoints").is_dir()  # left as it was
+
+
+def test_a_report_of_loose_runs_beside_a_sweep_is_titled_by_its_folder(finished_sweep, tmp_path):
+    """`fedcp-report runs` (loose runs and runs/sweeps/NAME) was titled by the nested sweep alone."""
+    _, sweep_dir, _ = finished_sweep
+    root = tmp_path / "runs"
+    shutil.copytree(sweep_dir, root / "sweeps" / "real")
+    fake_run(root / "loose", "fedcp", 1, 0.1, 0.5)
+    report.main([str(root), "--out", str(tmp_path / "out"), "--no-plots"])
+    assert (tmp_path / "out" / "report.md").read_text().startswith("# Report: runs\n")
+    report.main([str(root / "sweeps"), "--out", str(tmp_path / "out2"), "--no-plots"])
+    assert (tmp_path / "out2" / "report.md").read_text().startswith("# Report: real\n")

@@ -89,7 +89,9 @@ def main(argv=None) -> None:
     problem = cannot_write_in(out)
     if problem:
         raise UserError(f"fedcp-report: cannot write in {out}: {problem}")
-    title = f"Report: {', '.join(col.sweeps) if col.sweeps else Path(args.dir).resolve().name}"
+    # the sweeps' names when every run is one of theirs, else the folder's (loose runs beside a sweep)
+    in_sweeps = col.sweeps and all(r.sweep is not None for r in col.runs)
+    title = f"Report: {', '.join(col.sweeps) if in_sweeps else Path(args.dir).resolve().name}"
     md = markdown(tables, title, rows)
     atomic_write_bytes(out / "report.md", md.encode("utf-8"))
     write_csv(tables, out / "report.csv", rows)
