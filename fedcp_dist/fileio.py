@@ -171,9 +171,8 @@ def folder_above_problem(path) -> str:
         above = above.parent
     if not above.is_dir():
         return f"{above} is a file, not a folder"
-    if not os.access(above, os.W_OK | os.X_OK):
-        return f"cannot write in {above}"
-    return ""
+    problem = cannot_write_in(above)
+    return f"cannot write in {above}: {problem}" if problem else ""
 
 
 def cannot_write_in(folder) -> str:

@@ -138,32 +138,38 @@ class Run:
             except UserError as exc:
                 print(f"warning: {exc}; its curve is left out", file=sys.stderr)
                 records = []
-            points = {int(r["evaluated_after"]): float(r["acc"]) for r in records if "acc" in r and "evaluated_after" in r}
-            self._curve = sorted(points.items())
+            self._curve = _curve_of(records)
         return self._curve
 
 
+def _curve_of(records: list) -> list:
+    """[(evaluated_after, acc)] of metrics records, the last record of each evaluation point."""
+    points = {int(r["evaluated_after"]): float(r["acc"]) for r in records if "acc" in r and "evaluated_after" in r}
+    return sorted(points.items())
+
+
 def _read(path: Path) -> tuple:
-    """(flat config, summary) of the run in ``path``; {} and None for what it lacks. A run resumed
-    under another ``eval_every`` (a key a resume may change) has config.yaml's last value only:
-    its value is then :func:`_eval_every_as_run`'s, so that it is not reported beside the runs
-    evaluated on that schedule throughout."""
+    """(flat config, summary, curve) of the run in ``path``; {}, None and None (the curve read when
+    asked, naming a damaged file) for what it lacks. metrics.jsonl is read once, for the curve and
+    for ``eval_every``: a run resumed under another (a key a resume may change) has config.yaml's
+    last value only, so its value is then :func:`_eval_every_as_run`'s, and it is not reported
+    beside the runs evaluated on that schedule throughout."""
     run = RunDir(path)
     config = run.read_config() or {}
-    changed = _eval_every_as_run(run, config.get("eval_every"))
-    if changed:
-        config["eval_every"] = changed
-    return config, run.read_summary()
-
-
-def _eval_every_as_run(run: RunDir, every) -> str:
-    """"" when the run's round records were evaluated on ``every``'s schedule (round r evaluated
-    before training when (r − 1) mod every = 0), else what to report for it: ``"changed (now E)"``."""
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1 or not run.metrics.is_file():
-        return ""
     try:
         records = run.read_metrics()
     except UserError:
+        records = None
+    changed = _eval_every_as_run(records or [], config.get("eval_every"))
+    if changed:
+        config["eval_every"] = changed
+    return config, run.read_summary(), None if records is None else _curve_of(records)
+
+
+def _eval_every_as_run(records: list, every) -> str:
+    """"" when the round ``records`` were evaluated on ``every``'s schedule (round r evaluated
+    before training when (r − 1) mod every = 0), else what to report for it: ``"changed (now E)"``."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         return ""
     for r in records:
         if r.get("kind", "round") != "round" or not isinstance(r.get("round"), int):
@@ -272,22 +278,22 @@ def collect(root) -> Collection:
         if path in seen:
             continue
         seen.add(path)
-        config, summary = _read(path)
+        config, summary, curve = _read(path)
         why = ""
         if summary is None:
             why = "not started" if not path.exists() else _no_summary(path)
         elif summary.get("status") == DIVERGED:
             why = DIVERGED_WHY
-        runs.append(Run(path, params, config, summary, "", why, name))
+        runs.append(Run(path, params, config, summary, "", why, name, _curve=curve))
     for path in run_dirs:
         path = path.resolve()
         if path in seen:
             continue
         seen.add(path)
-        config, summary = _read(path)
+        config, summary, curve = _read(path)
         why = (_no_summary(path) if summary is None
                else DIVERGED_WHY if summary.get("status") == DIVERGED else "")
-        runs.append(Run(path, {}, config, summary, "", why))
+        runs.append(Run(path, {}, config, summary, "", why, _curve=curve))
     if not runs:
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
     return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded)

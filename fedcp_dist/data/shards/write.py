@@ -306,9 +306,8 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         raise ValueError(f"a {kind} shard is written as format_version {FORMAT_VERSION} or "
                          f"{GROUP_VERSIONS[kind]}, not {format_version!r}")
     if kind == TABLE_KIND:
-        if len(tuple(input_shape)) != 1 or len(mean) != input_shape[0] or len(std) != input_shape[0]:
-            raise ValueError(f"a table shard's input_shape is (features,) with one mean and std "
-                             f"per feature, got {tuple(input_shape)}, {len(mean)}, {len(std)}")
+        if len(tuple(input_shape)) != 1:  # one mean and std per feature: normalisation_problem
+            raise ValueError(f"a table shard's input_shape is (features,), got {tuple(input_shape)}")
         if columns is not None and len(columns) != input_shape[0]:
             raise ValueError(f"{len(columns)} column names for {input_shape[0]} features")
     elif columns is not None:
