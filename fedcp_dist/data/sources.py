@@ -8,12 +8,9 @@ splits every client's share into its own train and test parts.
 * ``mnist``, ``fmnist``: read through :mod:`torchvision.datasets` from ``root`` (its
   ``MNIST/raw`` and ``FashionMNIST/raw`` idx-ubyte files).
 * ``cifar10``, ``cifar100``: the python-pickle batches (``cifar-10-batches-py/``,
-  ``cifar-100-python/``) read by this module's own reader.  torchvision's classes insist on the
-  md5 sums of the original files and so refuse any other copy in the same layout; here every
-  file is checked for its structure instead (a dict with a uint8 ``data`` array of (n, 3072)
-  rows, channel-major, and n labels in range).  Only numpy's array globals may appear in the
-  pickles, so a planted pickle cannot run code.  ``download`` fetches the original archive
-  through torchvision.
+  ``cifar-100-python/``) read by this project's own reader, :mod:`fedcp_dist.data.cifar`, which
+  checks each file's structure and runs no code a pickle names.  ``download`` fetches the
+  original archive through torchvision.
 * ``tinyimagenet``: the ``tiny-imagenet-200/`` folder (``wnids.txt``, ``train/<wnid>/images``),
   3x64x64 RGB, label = line of the wnid in ``wnids.txt``: the train folder's 100,000 images, the
   paper's and the reference's data set. ``include_val`` adds ``val/images`` labelled by
@@ -30,14 +27,13 @@ from __future__ import annotations
 
 import csv
 import os
-import pickle
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
 from fedcp_dist.data import text as textlib
+from fedcp_dist.data.cifar import CIFAR, cifar_batch, read_cifar_pickle
 from fedcp_dist.data.common import NORM_MEAN, NORM_STD, Source, decode_images, progress, undecodable_line
 from fedcp_dist.data.common import one_line as _one_line
 from fedcp_dist.data.owndata import load_csv, load_imagefolder
@@ -173,108 +169,11 @@ def _arrays_of(ds) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(x, dtype=np.uint8), y.astype(np.int64)
 
 
-# ----------------------------------------------------------------------------- CIFAR
-
-
-@dataclass(frozen=True)
-class _CifarLayout:
-    folder: str
-    train: tuple
-    test: tuple
-    meta: str
-    meta_key: str
-    label_key: str
-    num_classes: int
-    torchvision_class: str
-
-
-_CIFAR = {
-    "cifar10": _CifarLayout("cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)),
-                            ("test_batch",), "batches.meta", "label_names", "labels", 10,
-                            "CIFAR10"),
-    "cifar100": _CifarLayout("cifar-100-python", ("train",), ("test",), "meta",
-                             "fine_label_names", "fine_labels", 100, "CIFAR100"),
-}
-
-_CIFAR_ROW = 3 * 32 * 32
-
-
-def _pickle_globals() -> dict:
-    """The only globals a CIFAR pickle may name: numpy's array and scalar rebuilders."""
-    reconstruct = np.ndarray.__reduce__(np.zeros(1, dtype=np.uint8))[0]
-    scalar = np.int64(0).__reduce__()[0]
-    import codecs
-
-    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-               ("_codecs", "encode"): codecs.encode}
-    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        allowed[(module, "_reconstruct")] = reconstruct
-        allowed[(module, "scalar")] = scalar
-    return allowed
-
-
-class _ArrayUnpickler(pickle.Unpickler):
-    """An unpickler that builds plain containers and numpy arrays, and nothing else."""
-
-    _allowed: Optional[dict] = None
-
-    def find_class(self, module, name):
-        if _ArrayUnpickler._allowed is None:
-            _ArrayUnpickler._allowed = _pickle_globals()
-        obj = _ArrayUnpickler._allowed.get((module, name))
-        if obj is None:
-            raise pickle.UnpicklingError(f"it names the global {module}.{name}, which a CIFAR "
-                                         f"batch never holds (refused)")
-        return obj
-
-
-def read_cifar_pickle(path) -> dict:
-    """Read one CIFAR python batch: a dict, its bytes keys decoded to str."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path} is missing")
-    try:
-        with open(path, "rb") as f:
-            obj = _ArrayUnpickler(f, encoding="latin1").load()
-    except Exception as exc:  # any unpickling failure of a truncated or foreign file
-        raise UserError(f"{path} is not a readable CIFAR pickle (truncated or corrupt?): "
-                        f"{_one_line(exc)}") from None
-    if not isinstance(obj, dict):
-        raise UserError(f"{path} holds a {type(obj).__name__}, expected a dict")
-    return {(k.decode("latin1") if isinstance(k, bytes) else k): v for k, v in obj.items()}
-
-
-def _cifar_batch(path: Path, layout: _CifarLayout) -> tuple[np.ndarray, np.ndarray]:
-    d = read_cifar_pickle(path)
-    for key in ("data", layout.label_key):
-        if key not in d:
-            raise UserError(f"{path} lacks the key '{key}' (found: "
-                            f"{', '.join(map(str, d)) or 'nothing'})")
-    data = d["data"]
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
-            or data.shape[1] != _CIFAR_ROW:
-        what = (f"{data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray)
-                else type(data).__name__)
-        raise UserError(f"{path}: 'data' is a {what}, expected a uint8 array of shape "
-                        f"(n, {_CIFAR_ROW})")
-    try:
-        labels = np.asarray(d[layout.label_key])
-    except Exception as exc:
-        raise UserError(f"{path}: '{layout.label_key}' is not a list of labels "
-                        f"({_one_line(exc)})") from None
-    if labels.ndim != 1 or len(labels) != len(data) or \
-            (len(labels) and not np.issubdtype(labels.dtype, np.integer)):
-        raise UserError(f"{path}: '{layout.label_key}' must be {len(data)} integer labels, found "
-                        f"{labels.dtype} of shape {labels.shape}")
-    labels = labels.astype(np.int64)
-    if len(labels) and (labels.min() < 0 or labels.max() >= layout.num_classes):
-        raise UserError(f"{path}: '{layout.label_key}' must lie in [0, {layout.num_classes}), "
-                        f"found [{labels.min()}, {labels.max()}]")
-    return data, labels
+# ----------------------------------------------------------------------------- CIFAR (the reader: fedcp_dist.data.cifar)
 
 
 def _cifar_loader(name: str) -> Callable:
-    layout = _CIFAR[name]
+    layout = CIFAR[name]
 
     def load(root, download, **_) -> Source:
         root = _need_root(name, root)
@@ -301,7 +200,7 @@ def _cifar_loader(name: str) -> Callable:
                             f"{layout.num_classes} class names, found {found}")
         xs, ys = [], []
         for file in layout.train + layout.test:
-            data, labels = _cifar_batch(base / file, layout)
+            data, labels = cifar_batch(base / file, layout)
             xs.append(data)
             ys.append(labels)
         x = np.concatenate(xs).reshape(-1, 3, 32, 32)  # rows are R, G, B planes of 32x32
