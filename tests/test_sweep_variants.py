@@ -53,6 +53,9 @@ def test_variants_are_one_more_dimension_varying_fastest(tmp_path):
     ({"variants": {"a/b": {}}}, ["'variants'", "'a/b'"]),
     ({"variants": {"a": 3}}, ["sweep variant 'a'", "mapping"]),
     ({"variants": []}, ["'variants'"]),
+    # two names for one run config would run each point twice
+    ({"variants": {"a": {}, "b": None}}, ["variants 'a' and 'b'", "same run config"]),
+    ({"variants": {"a": {"lam": 1}, "b": {"lam": 1.0}, "c": {}}}, ["variants 'a' and 'b'", "same run config"]),
     ({"grid": None, "variants": None}, ["'grid' is required"]),
 ])
 def test_bad_variants_name_the_key(fields, words, tmp_path, capsys):

@@ -423,6 +423,7 @@ def _check_variants(raw, overrides: dict, override_args: list, base_path: Path) 
     if not isinstance(raw, dict) or not raw:
         raise UserError(f"sweep key 'variants' must be a non-empty mapping of names to config keys, got {raw!r}")
     variants = {}
+    resolved: dict = {}  # a variant's whole run config -> its name
     for name, keys in raw.items():
         where = f"sweep variant '{name}'"
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name):
@@ -434,10 +435,14 @@ def _check_variants(raw, overrides: dict, override_args: list, base_path: Path) 
             if key in overrides:
                 raise UserError(f"{where} sets '{key}', which overrides also sets; keep it in one place")
         try:
-            load_config(str(base_path), override_args + [f"{k}={yaml_value(v)}" for k, v in keys.items()],
-                        validate=False)
+            cfg = load_config(str(base_path), override_args + [f"{k}={yaml_value(v)}" for k, v in keys.items()],
+                              validate=False)
         except UserError as exc:
             raise UserError(f"{where}: {exc}") from None
+        marker = json.dumps(flatten(cfg.to_dict()), sort_keys=True, default=str)
+        if marker in resolved:  # two names for one run: each grid point would run it twice
+            raise UserError(f"sweep variants '{resolved[marker]}' and '{name}' give the same run config; keep one")
+        resolved[marker] = name
         variants[name] = keys
     return variants
 
