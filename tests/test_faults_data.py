@@ -116,6 +116,18 @@ def permuted_labels(drop_digests: bool):
     return mutate
 
 
+def moved_label_count(path):
+    """Client 2's per-class test counts edited, their sum kept: every array and offset unchanged,
+    so only counting the labels again can see it (the counts feed describe and the reports)."""
+    with h5py.File(path, "a") as f:
+        counts = f["test_label_counts"][2]
+        src, dst = int(np.flatnonzero(counts)[0]), int(np.flatnonzero(counts == 0)[0])
+        counts[src] -= 1
+        counts[dst] += 1
+        f["test_label_counts"][2] = counts
+    return ["dataset 'test_label_counts' says client 2 holds", "its test_y holds", "1 such client(s)"]
+
+
 def flipped_pixel(path):
     with h5py.File(path, "a") as f:
         f["test_x"][0, 0, 0, 0] ^= 1
@@ -198,6 +210,7 @@ IMAGE_FAULTS = [
     pytest.param(permuted_labels(drop_digests=False), id="labels-permuted-in-place"),
     pytest.param(permuted_labels(drop_digests=True), id="labels-permuted-in-place-fingerprint-only"),
     pytest.param(flipped_pixel, id="one-pixel-changed"),
+    pytest.param(moved_label_count, id="class-count-moved"),
 ]
 
 
@@ -400,6 +413,19 @@ def test_the_digest_is_kept_beside_the_shard_and_read_back_until_the_file_change
     other = tmp_path / "small.h5"
     shutil.copy(digits6_16px, other)
     assert cached_digest(read_info(other)).cache == "" and not Path(str(other) + ".digest.json").exists()
+
+
+def test_class_counts_the_labels_do_not_add_up_to_are_never_cached(digits6_16px, tmp_path):
+    """A digest whose pass found the per-class counts wrong is not kept beside the shard: the next
+    run would read it back and start on the edited counts."""
+    shard = tmp_path / "d.h5"
+    shutil.copy(digits6_16px, shard)
+    fragments = moved_label_count(shard)
+    for _ in range(2):
+        with pytest.raises(UserError) as exc:
+            verify_shard(read_info(shard), cache_seconds=0)
+        assert all(f in str(exc.value) for f in fragments), exc.value
+    assert not Path(str(shard) + ".digest.json").exists()
 
 
 def test_a_slow_digest_is_said_on_the_start_line_and_kept_for_the_next_run(digits6_16px, tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ time (whole chunks, each decompressed once):
 
 The same pass checks what a run would otherwise trip over later (each a one-line
 :class:`UserError` naming the split, the client and the value): labels outside ``[0,
-num_classes)`` and non-finite feature values of a table; dtypes are checked when the shard is read
+num_classes)``, per-class counts (``{split}_label_counts``) that the labels do not add up to (said
+after the digests: :attr:`ShardDigest.problem`) and non-finite feature values of a table; dtypes are checked when the shard is read
 (:func:`fedcp_dist.data.shards.read_info`).
 
 A shard written since array digests exist carries them (root attribute ``array_digests``); one
@@ -106,6 +107,8 @@ class ShardDigest:
     cached: bool = False
     #: where the digest was cached ("" when it was not)
     cache: str = field(default="")
+    #: what the pass found wrong beside the digests (per-class counts the labels do not add up to)
+    problem: str = ""
 
     def differing(self, other: dict) -> list:
         """The arrays whose digests differ from ``other``'s (one of them lacking an array counts)."""
@@ -153,6 +156,34 @@ def labels_in_range(path, split: str, y: np.ndarray, offsets, num_classes: int, 
                         f"{len(bad)} such label(s) there (edited or damaged?)")
 
 
+#: clients whose per-class counts :func:`label_counts_match` compares at a time
+COUNT_BLOCK = 1 << 16
+
+
+def label_counts_problem(path, split: str, y: np.ndarray, offsets, ds) -> str:
+    """What is wrong with the per-class counts ``ds`` (``{split}_label_counts``, (N, num_classes),
+    its shape checked when the shard was read) if they are not what the labels ``y`` divided by
+    ``offsets`` hold, naming the first client that differs ("" when they are); a block of
+    :data:`COUNT_BLOCK` clients at a time."""
+    n, c = (int(d) for d in ds.shape)
+    for start in range(0, n, COUNT_BLOCK):
+        stop = min(start + COUNT_BLOCK, n)
+        lo, hi = int(offsets[start]), int(offsets[stop])
+        owner = np.repeat(np.arange(stop - start, dtype=np.int64), np.diff(offsets[start:stop + 1]))
+        held = np.bincount(owner * c + y[lo:hi].astype(np.int64), minlength=(stop - start) * c).reshape(-1, c)
+        written = np.asarray(ds[start:stop], dtype=np.int64)
+        if not np.array_equal(written.sum(axis=1), np.diff(offsets[start:stop + 1])):  # as read_info says it
+            return (f"shard file {path}: dataset '{split}_label_counts' does not add up to the client sizes "
+                    f"of '{split}_offsets' (corrupt file?)")
+        differ = np.flatnonzero((held != written).any(axis=1))
+        if len(differ):
+            k = int(differ[0])
+            return (f"shard file {path}: dataset '{split}_label_counts' says client {start + k} holds "
+                    f"{written[k].tolist()} samples per class, its {split}_y holds {held[k].tolist()}; "
+                    f"{len(differ)} such client(s) in rows {start}-{stop - 1} (edited or damaged?)")
+    return ""
+
+
 def finite_rows(path, name: str, client: int, row0: int, rows: np.ndarray) -> None:
     """Refuse a non-finite value among a table's feature ``rows`` (client ``client``'s, from its row
     ``row0``), naming the first one's row, feature and value."""
@@ -177,12 +208,16 @@ def content_digest(info: ShardInfo) -> ShardDigest:
     counts = {"train": info.train_counts, "test": info.test_counts}
     per_array = {n: ArrayHash(n) for n in names}
     fp = hashlib.sha256()
+    problem = ""  # said by verify_shard after the digests, which name an edited array better
     try:
         with h5py.File(path, "r") as f:
             offsets = {s: np.concatenate(([0], np.cumsum(counts[s]))).astype(np.int64) for s in counts}
             if info.format_version >= FORMAT_VERSION:
                 for split in counts:
-                    labels_in_range(path, split, np.asarray(f[f"{split}_y"][()]), offsets[split], info.num_classes)
+                    y = np.asarray(f[f"{split}_y"][()])
+                    labels_in_range(path, split, y, offsets[split], info.num_classes)
+                    problem = problem or label_counts_problem(path, split, y, offsets[split],
+                                                              f[f"{split}_label_counts"])
                 cursors = {n: _Cursor(f[n]) for n in names}
                 kinds = {n: (np.dtype(f[n].dtype).str, tuple(int(d) for d in f[n].shape[1:])) for n in names}
                 clients = ((c, cursors, kinds) for c in range(info.num_clients))
@@ -215,7 +250,7 @@ def content_digest(info: ShardInfo) -> ShardDigest:
         arrays[f"{split}_offsets"] = offsets_digest(f"{split}_offsets", counts[split])
     arrays[ATTRIBUTES] = attributes_digest(meta)
     fp.update(json.dumps(meta, sort_keys=True).encode())
-    return ShardDigest(f"sha256:{fp.hexdigest()}", arrays, time.perf_counter() - t0)
+    return ShardDigest(f"sha256:{fp.hexdigest()}", arrays, time.perf_counter() - t0, problem=problem)
 
 
 # ----------------------------------------------------------------------------- the cache beside the shard
@@ -249,7 +284,7 @@ def cached_digest(info: ShardInfo, cache_seconds: float = CACHE_SECONDS) -> Shar
         return digest
     before = _identity(info.path)
     digest = content_digest(info)
-    if digest.seconds >= cache_seconds and _identity(info.path) == before:  # not written to meanwhile
+    if not digest.problem and digest.seconds >= cache_seconds and _identity(info.path) == before:  # not written to meanwhile
         record = {"version": DIGEST_VERSION, "shard": os.path.basename(info.path), "identity": before,
                   "fingerprint": digest.fingerprint, "arrays": digest.arrays}
         try:
@@ -277,4 +312,6 @@ def verify_shard(info: ShardInfo, cache_seconds: float = CACHE_SECONDS) -> Shard
         raise UserError(f"shard file {info.path} does not hold what it was written with: its content's fingerprint is "
                         f"{digest.fingerprint[:19]}..., the one written with it {info.fingerprint[:19]}... (edited in "
                         f"place or damaged?); {how}")
+    if digest.problem:
+        raise UserError(digest.problem)
     return digest
