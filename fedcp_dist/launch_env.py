@@ -133,6 +133,12 @@ def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
               f"{ep.rank} of {ep.world_size} waits up to rendezvous_timeout={timeout_s:g} s for the others at {where} "
               f"(unset them to run one process)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout_s
+    if launcher == "mpi":
+        return _mpi_rendezvous(ep, host, port, deadline, f"rendezvous_timeout={timeout_s:g} s", lambda why: RunFailure(
+            f"rank {ep.rank}: the {ep.world_size} ranks of the job did not meet at {where} "
+            f"({why}); launcher {launcher} read from {seen(env, names)}: a rank "
+            f"that did not start, a wrong address or port, or variables left over from an earlier job (unset them "
+            f"to run one process)"))
     try:
         # a rank that connects to a store someone else serves waits here, in Python: torch's own retries
         # print a C++ stack trace at each one
@@ -148,3 +154,47 @@ def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
                          f"{seen(env, names)}: a rank that did not start, a wrong address or port, or variables left "
                          f"over from an earlier job (unset them to run one process)") from None
     return store
+
+
+#: the MPI tag of rank 0's word on the rendezvous store it opened (None) or could not open (why)
+STORE_TAG = 7301
+#: seconds between two looks of a waiting rank for rank 0's word
+STORE_POLL_S = 0.05
+
+
+def _mpi_rendezvous(ep, host: str, port: int, deadline: float, wait: str, failure):
+    """The rendezvous of ranks that MPI started (and so can tell each other things): rank 0 opens
+    the store first and sends every other rank its word over MPI, and only then do the others
+    connect. A port rank 0 cannot open (in use by another job, say) is then said by every rank at
+    once, instead of the others connecting to whatever holds the port and waiting there, past
+    ``rendezvous_timeout``, behind torch's C++ stack traces. ``failure(why)`` makes the error;
+    ``wait`` names the time allowed (``deadline``, of ``time.monotonic()``).
+
+    A rank that waits for the word polls (``Iprobe``) and leaves no MPI request pending when the
+    time is up, so that it can still exit."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    if ep.rank == 0:
+        store, why = None, None
+        try:
+            store = dist.TCPStore(host, port, ep.world_size, True, left, wait_for_workers=False, multi_tenant=True)
+        except (RuntimeError, ValueError, OSError) as exc:
+            why = f"rank 0 could not open it: {first_line(exc)}"
+        for r in range(1, ep.world_size):  # a small message: sent eagerly, whether rank r still lives or not
+            comm.send(why, dest=r, tag=STORE_TAG)
+        if why:
+            raise failure(why)
+        return store
+    while not comm.Iprobe(source=0, tag=STORE_TAG):
+        if time.monotonic() >= deadline:
+            raise failure(f"rank 0 had not opened it within {wait}")
+        time.sleep(STORE_POLL_S)
+    why = comm.recv(source=0, tag=STORE_TAG)
+    if why:
+        raise failure(why)
+    try:
+        left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        return dist.TCPStore(host, port, ep.world_size, False, left)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise failure(f"{first_line(exc)}, within {wait}") from None

@@ -118,6 +118,38 @@ def test_dead_rank_under_mpirun(digits6_16px, tmp_path):
     assert "rank 1" in out or "rank(s) 1" in out, out[-3000:]
 
 
+@pytest.mark.slow
+def test_an_mpirun_job_whose_port_is_taken_stops_at_once_in_one_line_a_rank(digits6_16px, tmp_path):
+    """MASTER_PORT held by another process (a job before, another service) that accepts and never
+    answers: rank 0 cannot open the store, and the other ranks used to connect to whatever held
+    the port and wait there, past rendezvous_timeout, under torch's C++ stack traces. Rank 0's
+    word over MPI stops every rank at once, each in the same one line."""
+    import socket
+    mpirun = shutil.which("mpirun", path=str(BIN))
+    if mpirun is None:
+        pytest.skip("mpirun not installed (pip install '.[mpi]')")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        t0 = time.time()
+        r = run_cmd([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "MASTER_ADDR", "-x",
+                     "MASTER_PORT", sys.executable, "-m", "fedcp_dist.run",
+                     *_args(digits6_16px, tmp_path, "rounds=2", "rendezvous_timeout=100")],
+                    env_extra={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, timeout=90)
+    finally:
+        holder.close()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and time.time() - t0 < 60, out[-3000:]
+    for rank in (0, 1):
+        line = next(l for l in out.splitlines() if l.startswith(f"error: rank {rank}: "))
+        assert f"did not meet at 127.0.0.1:{port} (rank 0 could not open it: " in line, line
+        assert "address already in use" in line.lower() or "EADDRINUSE" in line, line
+    assert "frame #" not in out and "Exception raised from" not in out and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def _gone(pid: int) -> bool:
     """True when ``pid`` has ended (a zombie nobody reaped counts as ended)."""
     try:
