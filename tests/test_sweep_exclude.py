@@ -10,7 +10,7 @@ from conftest import REPO
 from fedcp_dist import sweep
 from fedcp_dist.cli import report
 from fedcp_dist.cli import sweep as sweep_cli
-from fedcp_dist.config import Config, dump_config
+from fedcp_dist.config import dump_config
 
 from test_sweep_report import DIGITS6, cli_error, write_sweep
 
@@ -80,8 +80,7 @@ def test_report_marks_excluded_cells_with_the_reason(tmp_path, capsys):
     sweep.write_manifest(sw)
     for p in sw.points:
         p.run_dir.mkdir(parents=True)
-        (p.run_dir / "config.yaml").write_text(dump_config(Config(method=p.params["method"], seed=p.params["seed"],
-                                                                  out_dir=str(p.run_dir))))
+        (p.run_dir / "config.yaml").write_text(dump_config(sweep.spec.point_config(sw, p)))  # as its run writes it
         best = 0.5 + 0.1 * p.params["seed"] + 0.01 * p.params["num_clients"]
         (p.run_dir / "summary.json").write_text(json.dumps({"method": p.params["method"], "best_acc": best,
                                                             "final_acc": best, "rounds": 2}))

@@ -341,6 +341,38 @@ def test_report_marks_missing_runs_and_does_not_average_them(finished_sweep, tmp
     assert "missing: 2 run(s)" in capsys.readouterr().out
 
 
+def test_report_keeps_apart_the_runs_made_under_an_earlier_sweep_file(finished_sweep, tmp_path, capsys):
+    """The sweep file edited after its points ran (rounds 2 -> 3 here): fedcp-sweep keeps the
+    finished runs with a warning, and the report averaged them as if they were the new points.
+    sweep.json now says what each point is, so they are listed apart with the keys, and the sweep
+    folder copied elsewhere (its shard with it) is not called changed for its new shard path."""
+    _, sweep_dir, first = finished_sweep
+    assert first.returncode == 0
+    shutil.copytree(sweep_dir, tmp_path / "sweeps" / "real")
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())
+    assert all(p["config"]["rounds"] == 2 and p["config"].get("method", "fedcp") in ("fedcp", "fedavg")
+               and "out_dir" not in p["config"] and "threads" not in p["config"] for p in manifest["points"])
+    edited = write_sweep(tmp_path, name="real", grid={"method": ["fedcp", "fedavg"], "seed": [1, 2]},
+                         partition=DIGITS6, overrides={"rounds": 3, "eval_every": 1, "participation": 0.5})
+    copy = tmp_path / "sweeps" / "real"
+    report.main([str(copy), "--no-plots"])  # the copy, as it was made: nothing changed
+    assert "missing" not in capsys.readouterr().out
+    sweep.manifest.write_manifest(sweep.load_sweep(edited))
+    report.main([str(copy), "--no-plots"])
+    out = capsys.readouterr().out
+    md = (copy / "report.md").read_text()
+    assert "| fedcp | – (0/2) |" in md and "| fedavg | – (0/2) |" in md, md
+    assert md.count("made under an earlier sweep file (its config differs from the point's now in rounds)") == 4
+    assert "0/4 runs finished, 4 made under an earlier sweep file" in out
+    # a manifest written before points said what they are: no run is judged
+    old = json.loads((copy / "sweep.json").read_text())
+    for p in old["points"]:
+        del p["config"]
+    (copy / "sweep.json").write_text(json.dumps(old))
+    report.main([str(copy), "--no-plots"])
+    assert "4/4 runs finished" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- hand-written runs
 
 

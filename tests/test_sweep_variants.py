@@ -9,7 +9,7 @@ import pytest
 from fedcp_dist import sweep
 from fedcp_dist.cli import report
 from fedcp_dist.cli import sweep as sweep_cli
-from fedcp_dist.config import Config, dump_config, parse_overrides
+from fedcp_dist.config import dump_config, parse_overrides
 
 from test_sweep_report import DIGITS6, cli_error
 from test_sweep_report import write_sweep as write_report_sweep
@@ -81,7 +81,9 @@ def _fake_runs(tmp_path):
     for p in sw.points:
         v, seed = p.params["variant"], p.params["seed"]
         p.run_dir.mkdir(parents=True)
-        (p.run_dir / "config.yaml").write_text(dump_config(Config(seed=seed, rounds=10, out_dir=str(p.run_dir))))
+        cfg = sweep.spec.point_config(sw, p)  # as the point's run writes it
+        assert cfg.seed == seed and cfg.rounds == 10
+        (p.run_dir / "config.yaml").write_text(dump_config(cfg))
         summary = {"method": "fedcp", "rounds": 10, "best_acc": best[v, seed], "final_acc": best[v, seed] - 0.01}
         if v == "cache":  # runs saved before every run counted its bytes (here plain and hard) have none
             summary.update(uplink_bytes=1000 * seed, uplink_bytes_sent=1000 * seed, uplink_bytes_saved=500,

@@ -16,7 +16,9 @@ first round evaluated at 95 % or more; ``acc_after_10``; ``pir_test``, ``pir_tes
 A cell is mean ± std over seeds of the metric (100·metric for accuracies and AUCs). Runs that are
 missing or unfinished are listed and their cells marked ``(finished/expected)``; they are never
 averaged in, and neither are runs whose summary says they diverged (they learned nothing): those are
-listed apart and counted in their cells (``diverged (1/2)``). Points a sweep's ``exclude`` rules kept from running are listed with their reasons, and
+listed apart and counted in their cells (``diverged (1/2)``). A sweep point's run made under an
+earlier version of the sweep file (its config.yaml differs from what ``sweep.json`` now says the
+point is, in a key that defines the experiment) has no result either: it is listed with the keys. Points a sweep's ``exclude`` rules kept from running are listed with their reasons, and
 a cell that holds only such points reads ``excluded``.
 """
 from __future__ import annotations
@@ -104,7 +106,9 @@ def main(argv=None) -> None:
         if args.selection and plot_selection(table, out / "selection_counts.png"):
             written.append(out / "selection_counts.png")
     n_done, n_diverged = sum(r.finished for r in col.runs), sum(r.diverged for r in col.runs)
+    n_stale = sum(bool(r.stale) for r in col.runs)
     print(f"\n{n_done}/{len(col.runs)} runs finished" + (f", {n_diverged} diverged" if n_diverged else "")
+          + (f", {n_stale} made under an earlier sweep file" if n_stale else "")
           + f"; wrote {', '.join(str(p) for p in written)}")
 
 

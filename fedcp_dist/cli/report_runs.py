@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from fedcp_dist.analysis.records import read_probes, weighted_mean
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir.directory import ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir
+from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir,
+                                         defining_changes)
 from fedcp_dist.rundir.present import format_value
 from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
@@ -76,6 +77,10 @@ def record_metric(curve: list, path: Path, name: str):
 
 
 SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
+#: why a sweep point's run made under another version of the sweep file has no result here
+STALE_WHY = ("made under an earlier sweep file (its config differs from the point's now in {keys}): not averaged "
+             "in; remove its folder and run fedcp-sweep again")
+
 #: why a run whose summary says it diverged has no result
 DIVERGED_WHY = "diverged: it learned nothing (every client's update non-finite in every round)"
 
@@ -93,12 +98,15 @@ class Run:
     sweep: Optional[str] = None
     #: the key whose value is the run's row (``--rows``)
     row_key: str = "method"
+    #: a sweep point's run made under another version of the sweep file: the keys that differ
+    stale: list = field(default_factory=list)
     _curve: Optional[list] = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
-        """Whether the run has a result: a summary that does not say it diverged."""
-        return self.summary is not None and not self.diverged
+        """Whether the run has a result: a summary that does not say it diverged, of the point's
+        config as its sweep file now says it."""
+        return self.summary is not None and not self.diverged and not self.stale
 
     @property
     def diverged(self) -> bool:
@@ -236,7 +244,6 @@ def collect(root) -> Collection:
         raise UserError(f"fedcp-report: {root} is not a directory")
     run_dirs, manifest_paths = _find(root)
     root_abs = root.resolve()
-    by_path: dict = {}
     grid_keys: list = []
     method_order: list = []
     orders: dict = {}
@@ -265,26 +272,28 @@ def collect(root) -> Collection:
             path = (mpath.parent / point["run_dir"]).resolve()
             if not (path == root_abs or root_abs in path.parents):
                 continue
-            expected.append((path, dict(point.get("params") or {}), name))
+            expected.append((path, dict(point.get("params") or {}), name, point.get("config")))
         for point in m.get("excluded") or []:
             if isinstance(point, dict) and isinstance(point.get("params"), dict):
                 excluded.append((dict(point["params"]), str(point.get("reason", "")), name))
-    for path, params, name in expected:
-        by_path[path] = (params, name)
-
     runs = []
     seen = set()
-    for path, params, name in expected:
+    for path, params, name, wanted in expected:
         if path in seen:
             continue
         seen.add(path)
         config, summary, curve = _read(path)
-        why = ""
+        why, stale = "", []
         if summary is None:
             why = "not started" if not path.exists() else _no_summary(path)
         elif summary.get("status") == DIVERGED:
             why = DIVERGED_WHY
-        runs.append(Run(path, params, config, summary, "", why, name, _curve=curve))
+        elif isinstance(wanted, dict):  # a manifest that says what the point is now (written since it does)
+            stale = [k for k in defining_changes(RunDir(path).read_config() or wanted, wanted)
+                     if k != "data.path" or _shard_name(config.get("data.path")) != _shard_name(wanted.get(k))]
+            if stale:
+                why = STALE_WHY.format(keys=", ".join(stale[:4]) + (", …" if len(stale) > 4 else ""))
+        runs.append(Run(path, params, config, summary, "", why, name, _curve=curve, stale=stale))
     for path in run_dirs:
         path = path.resolve()
         if path in seen:
@@ -297,6 +306,12 @@ def collect(root) -> Collection:
     if not runs:
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
     return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded)
+
+
+def _shard_name(path) -> Optional[str]:
+    """A shard's file name: a sweep's shards are named by their partition, and a sweep folder moved
+    or copied with its shards (run again there, its points name the new copy) is the same sweep."""
+    return os.path.basename(path) if isinstance(path, str) else None
 
 
 def _no_summary(path: Path) -> str:

@@ -1,7 +1,7 @@
 """What a sweep writes besides its runs: the shards its grid needs and ``sweep.json``.
 
 ``<root>/<name>/sweep.json`` records the sweep's grid and points (name, run directory, parameters,
-shard, command), the points its ``exclude`` rules keep from running (name, parameters, reason) and
+shard, command, the config keys that define it), the points its ``exclude`` rules keep from running (name, parameters, reason) and
 every submission, for ``fedcp-report`` and for people.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fedcp_dist.data.make import make_shard
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
 from fedcp_dist.sweep.names import display_path
-from fedcp_dist.sweep.spec import Sweep
+from fedcp_dist.sweep.spec import Sweep, defining_config
 
 MANIFEST = "sweep.json"
 MANIFEST_FORMAT = 1
@@ -62,6 +62,8 @@ def _manifest(sweep: Sweep, previous: Optional[dict]) -> dict:
                 "params": p.params,
                 "data_path": str(p.data_path.relative_to(sweep_dir)) if p.data_path else None,
                 "command": sweep.command(p),
+                # the keys that define its experiment, as now (those at their defaults left out)
+                "config": defining_config(sweep, p),
             }
             for p in sweep.points
         ],

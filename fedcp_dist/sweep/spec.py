@@ -36,7 +36,8 @@ from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import type_ok
-from fedcp_dist.rundir.directory import FINISHED, RESUMABLE_CHANGES, RunDir, config_changes, defining_changes
+from fedcp_dist.rundir.directory import (FINISHED, NOT_DEFINING, RESUMABLE_CHANGES, RunDir, config_changes,
+                                         defining_changes)
 from fedcp_dist.sweep.names import did_you_mean, display_path, partition_file_name, point_name, yaml_value
 
 DEFAULT_ROOT = "runs/sweeps"
@@ -539,6 +540,16 @@ def config_drift(sweep: Sweep, point: Point) -> list:
     if have is None:
         return []
     return defining_changes(have, point_config(sweep, point).to_dict())
+
+
+def defining_config(sweep: Sweep, point: Point) -> dict:
+    """The point's flat config keys that define its experiment (outside NOT_DEFINING) and differ
+    from their defaults: what ``sweep.json`` keeps per point, so that ``fedcp-report`` can tell a run
+    made under an earlier sweep file (:func:`~fedcp_dist.rundir.directory.defining_changes` against
+    its config.yaml) without the sweep file."""
+    defaults = flatten(Config().to_dict())
+    return {k: v for k, v in flatten(point_config(sweep, point).to_dict()).items()
+            if k not in NOT_DEFINING and (k not in defaults or v != defaults[k])}
 
 
 def resume_drift(sweep: Sweep, point: Point) -> list:
