@@ -72,6 +72,49 @@ def check_address_space(floor: int = ADDRESS_SPACE_FLOOR) -> None:
                         f"set it)")
 
 
+def say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of a job share a log, and print() writes the text
+    and its newline apart, so two ranks' lines could run into one."""
+    data = (line + "\n").encode("utf-8", "backslashreplace")
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), data)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no real file under sys.stderr
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _mpi_world():
+    """MPI's COMM_WORLD when this process is a rank of an MPI job of several (MPI started, not yet
+    finished), else None; mpi4py is only looked at when something imported it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+            return mpi.COMM_WORLD
+    except Exception:  # an MPI that cannot say: leave as usual
+        pass
+    return None
+
+
+def leave(code: int):
+    """Exit with ``code``. A rank of an MPI job that fails aborts the job instead: exiting, it
+    would wait in MPI's finalize for the other ranks, and one that hangs (stopped, stuck on a file
+    system) or waits for this one would keep the whole job, and its allocation, until walltime.
+    A requeue (every rank stopping together, after their checkpoint) finishes as usual."""
+    world = _mpi_world() if code not in (0, EXIT_REQUEUE) else None
+    if world is not None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        world.Abort(code)
+    sys.exit(code)
+
+
 def cli_main(func):
     """Wrap a console-script ``main`` so that a :class:`UserError` ends in one line on stderr."""
 
@@ -80,19 +123,17 @@ def cli_main(func):
         try:
             return func(*args, **kwargs)
         except UserError as exc:
-            msg = " ".join(str(exc).split())
-            print(f"error: {msg}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            say(f"error: {' '.join(str(exc).split())}")
+            leave(2)
         except RunFailure as exc:
-            msg = " ".join(str(exc).split())
-            print(f"error: {msg}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            say(f"error: {' '.join(str(exc).split())}")
+            leave(1)
         except Preempted as exc:
-            print(f"preempted: {exc}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_REQUEUE)
+            say(f"preempted: {exc}")
+            leave(EXIT_REQUEUE)
         except KeyboardInterrupt as exc:
-            print("interrupted", file=sys.stderr, flush=True)
-            sys.exit(128 + exc.signum if isinstance(exc, Interrupted) else 130)
+            say("interrupted")
+            leave(128 + exc.signum if isinstance(exc, Interrupted) else 130)
         except BrokenPipeError:
             # the reader closed the pipe (head, less): stop quietly, and keep the interpreter's
             # final flush of stdout from raising the same error again
@@ -101,32 +142,44 @@ def cli_main(func):
                 os.dup2(devnull, sys.stdout.fileno())
             except (OSError, ValueError):
                 pass
-            sys.exit(EXIT_BROKEN_PIPE)
+            leave(EXIT_BROKEN_PIPE)
         except OSError as exc:
             # a file the command could not read or write (a folder made read-only or immutable
             # after the checks, a disk that filled): named, in one line
             if not isinstance(exc.filename, (str, os.PathLike)):
+                _unexpected()
                 raise
-            print(f"error: {os_error_subject(exc)}: {exc.strerror or exc}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            say(f"error: {os_error_subject(exc)}: {exc.strerror or exc}")
+            leave(1)
         except (ImportError, MemoryError) as exc:
             limit = address_space_limit()
             if limit is None:
+                _unexpected()
                 raise
             first = first_line(exc)
-            print(f"error: {type(exc).__name__} under an address-space limit of {limit / 2**20:,.0f} MiB (ulimit -v): "
-                  f"{first}; raise or unset the limit (it counts the libraries torch maps, not memory used)",
-                  file=sys.stderr, flush=True)
-            sys.exit(1)
+            say(f"error: {type(exc).__name__} under an address-space limit of {limit / 2**20:,.0f} MiB (ulimit -v): "
+                f"{first}; raise or unset the limit (it counts the libraries torch maps, not memory used)")
+            leave(1)
         except Exception as exc:
             # a Ctrl-C inside a library's writer (torch.save's zip writer) comes out as that
             # library's error about the write it cut short: still an interrupt, said in one line
             if not _after_interrupt(exc):
+                _unexpected()
                 raise
-            print("interrupted", file=sys.stderr, flush=True)
-            sys.exit(130)
+            say("interrupted")
+            leave(130)
 
     return wrapper
+
+
+def _unexpected() -> None:
+    """An error no handler knows (a bug): a rank of an MPI job prints its traceback and aborts the
+    job (see :func:`leave`); anywhere else the interpreter prints it, as usual."""
+    if _mpi_world() is not None:
+        import traceback
+
+        traceback.print_exc()
+        leave(1)
 
 
 class StdoutThatMayGo(io.TextIOBase):

@@ -119,6 +119,34 @@ def test_dead_rank_under_mpirun(digits6_16px, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_hung_rank_under_mpirun_ends_the_job_after_collective_timeout(digits6_16px, tmp_path):
+    """A rank that hangs (SIGSTOP here; a rank stuck on a file system alike) rather than dies: the
+    other rank said its line after collective_timeout and then waited in MPI's finalize for the
+    hung one, so mpirun never ended and the job held its allocation until walltime. A failing
+    rank of an MPI job now aborts the job."""
+    mpirun = shutil.which("mpirun", path=str(BIN))
+    if mpirun is None:
+        pytest.skip("mpirun not installed (pip install '.[mpi]')")
+    proc = _start([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "fedcp_dist.run",
+                   *_args(digits6_16px, tmp_path, "rounds=500", "collective_timeout=10", "checkpoint_every=2")])
+    try:
+        _wait_rounds(tmp_path, proc, 3)
+        ranks = [p for p in descendants(proc.pid)[1:] if "fedcp_dist.run" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(ranks) == 2
+        hung = next(p for p in ranks if "OMPI_COMM_WORLD_RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+        os.kill(hung, signal.SIGSTOP)
+        t0 = time.time()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_job(proc)
+    assert proc.returncode == 1 and time.time() - t0 < 60, out[-3000:]
+    assert re.search(r"^error: rank 0, round \d+: a collective failed: rank\(s\) 1 stopped answering", out, re.M), \
+        out[-3000:]
+    assert Checkpointer(str(tmp_path), 0, 2, 2).latest() is not None  # the newest complete checkpoint is whole
+
+
+@pytest.mark.slow
 def test_an_mpirun_job_whose_port_is_taken_stops_at_once_in_one_line_a_rank(digits6_16px, tmp_path):
     """MASTER_PORT held by another process (a job before, another service) that accepts and never
     answers: rank 0 cannot open the store, and the other ranks used to connect to whatever held
