@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import hashlib
 import os
 import socket
 import tempfile
@@ -28,7 +29,7 @@ def atomic_path(path, durable: bool = True, replace: bool = True, orphans: bool 
     writers of this host left beside ``path`` are removed first.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}")
+    tmp = path.with_name(f"{_tmp_prefix(path)}{os.getpid()}")
     if orphans:
         _remove_orphans(path)
     try:
@@ -64,12 +65,30 @@ def _publish_new(tmp: Path, path: Path) -> None:
     tmp.unlink()
 
 
+#: the longest file name most file systems take (ext4, XFS, Lustre, GPFS: 255 bytes)
+NAME_MAX = 255
+
+
+def _tmp_prefix(path: Path) -> str:
+    """``.NAME.tmp-HOST-`` (a pid follows): the temporary names of :func:`atomic_path`. A name near
+    the file system's limit is cut, with a digest of the whole name to keep it apart, so that any
+    name that can be written can be written atomically."""
+    host = _HOST[:64]
+    prefix = f".{path.name}.tmp-{host}-"
+    if len(prefix.encode("utf-8", "surrogateescape")) + 10 <= NAME_MAX:  # 10: the pid's digits
+        return prefix
+    name = path.name.encode("utf-8", "surrogateescape")
+    digest = hashlib.sha256(name).hexdigest()[:12]
+    keep = NAME_MAX - 10 - len(f".~{digest}.tmp-{host}-".encode())
+    return f".{name[:max(0, keep)].decode('utf-8', 'ignore')}~{digest}.tmp-{host}-"
+
+
 def _remove_orphans(path: Path) -> None:
     """Remove the ``.NAME.tmp-HOST-PID`` files beside ``path`` that a process of this host left and
     that no longer runs (a writer killed by SIGKILL or the OOM killer cannot remove its own; at a
     million clients a shard's is GBs). Another host's are left: its writer may still be at work on
     a shared file system."""
-    prefix = f".{path.name}.tmp-{_HOST}-"
+    prefix = _tmp_prefix(path)
     try:
         entries = list(path.parent.glob(f"{glob.escape(prefix)}*"))
     except OSError:
@@ -96,8 +115,14 @@ def _alive(pid: int) -> bool:
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
     """Call ``write(f)`` on a temporary file beside ``path`` and rename it over ``path`` when done
     (:func:`atomic_path`)."""
-    with atomic_path(path, durable) as tmp, open(tmp, "wb") as f:
-        write(f)
+    with atomic_path(path, durable) as tmp:
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+        except OSError as exc:  # a full disk fails the buffered flush at close, an error with no file name
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -19,6 +19,7 @@ from helpers import descendants, documented, nonfinite_at, rank_envs, run
 from helpers import kill_job as _kill_job
 from helpers import start as _start
 
+from fedcp_dist.cli import report
 from fedcp_dist.rundir import checkpoint as ckpt_mod
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.config import load_config
@@ -526,6 +527,61 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     atomic_torch_save({"a": torch.arange(3.0)}, path, durable=False)
     assert torch.load(path, weights_only=True)["a"].tolist() == [0.0, 1.0, 2.0]
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a 256 KiB tmpfs, a disk that fills (mounting needs root: skipped where it fails)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def _fill(folder: Path, leave: int = 0) -> None:
+    """Fill ``folder``'s file system up to ``leave`` bytes."""
+    with open(folder / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    if leave:
+        size = (folder / "filler").stat().st_size
+        os.truncate(folder / "filler", max(0, size - leave))
+
+
+def test_a_disk_that_fills_under_a_whole_file_write_or_a_shard_is_one_line_naming_the_file(small_disk, digits6_16px,
+                                                                                             tmp_path, capsys):
+    """A full disk fails the buffered flush at close (an OSError with no file name: a traceback
+    from fedcp-report, fedcp-sweep's sweep.json, fedcp-analyze) and HDF5's writes of a shard (two
+    tracebacks, then a segfault at exit, 139). Now one line naming the file, exit 1, nothing left."""
+    from fedcp_dist.fileio import atomic_write_bytes
+
+    with pytest.raises(OSError) as exc:
+        atomic_write_bytes(small_disk / "big.bin", b"x" * (1 << 20))
+    assert exc.value.filename == str(small_disk / "big.bin") and exc.value.errno == errno.ENOSPC
+    assert list(small_disk.iterdir()) == []
+    r = run_cmd([sys.executable, "-m", "fedcp_dist.cli.partition", "--source", "digits", "--num-clients", "6",
+                 "--out", str(small_disk / "d.h5")])
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == f"error: {small_disk / 'd.h5'}: No space left on device", \
+        r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and list(small_disk.iterdir()) == []
+    from test_sweep_report import fake_run
+
+    fake_run(tmp_path / "runs" / "a", "fedcp", 1, 1.0, 0.9)
+    _fill(small_disk, leave=2048)
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path / "runs"), "--out", str(small_disk), "--no-plots"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "No space left on device" in err and str(small_disk / "report") in err, err
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
 # -- output folders that cannot be written -------------------------------------------------------------

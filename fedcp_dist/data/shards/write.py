@@ -3,6 +3,8 @@ each array digested, :mod:`fedcp_dist.data.shards.verify`), and the file moved i
 complete."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -18,7 +20,7 @@ from fedcp_dist.data.shards.layout import (ARRAY_DIGESTS, ATTRIBUTE_BYTES, CHUNK
                                            training_attributes)
 from fedcp_dist.data.shards.verify import ATTRIBUTES, ArrayHash, attributes_digest, offsets_digest
 from fedcp_dist import interrupts
-from fedcp_dist.fileio import atomic_path
+from fedcp_dist.fileio import atomic_path, os_error_behind
 from fedcp_dist.errors import UserError
 
 
@@ -337,9 +339,57 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
                         f"replace it") from None
 
 
+@contextlib.contextmanager
+def _hdf5_file(tmp, path):
+    """``h5py.File(tmp, "w")``, closed whatever happens inside. A write that fails for the file
+    system's reason (a full disk, a quota) is an OSError naming ``path``.
+
+    HDF5, closing a file whose writes failed, fails again on the chunks it still holds, and the
+    objects it then leaves open crashed the interpreter at exit (a segfault after two tracebacks).
+    So a file given up on (the caller removes it) is closed with its descriptor pointed at an
+    anonymous file in memory: what HDF5 still has to write goes there (its cached chunks, a few MB
+    at most), and the close succeeds."""
+    f = h5py.File(tmp, "w")
+    try:
+        yield f
+        f.flush()  # a full disk fails here, before the close, which then has nothing large left to write
+    except BaseException as exc:
+        _close_into_memory(f)
+        err = os_error_behind(exc)
+        if err is not None and err.errno is not None and not isinstance(exc, FileExistsError):
+            raise OSError(err.errno, os.strerror(err.errno), str(path)) from None
+        raise
+    try:
+        f.close()
+    except (RuntimeError, OSError) as exc:
+        err = os_error_behind(exc)
+        raise OSError(err.errno if err is not None else errno.EIO,
+                      os.strerror(err.errno if err is not None else errno.EIO), str(path)) from None
+
+
+def _close_into_memory(f) -> None:
+    """Close ``f``, a file given up on, writing what HDF5 still holds into memory (see
+    :func:`_hdf5_file`); an error of the close is dropped."""
+    try:
+        if not f.id.valid:
+            return
+        if hasattr(os, "memfd_create"):
+            void = os.memfd_create("fedcp-unwritten-shard")
+        else:
+            import tempfile
+
+            with tempfile.TemporaryFile() as scratch:
+                void = os.dup(scratch.fileno())
+        os.dup2(void, f.id.get_vfd_handle())
+        os.close(void)
+        f.close()
+    except (RuntimeError, OSError, ValueError, TypeError):
+        pass
+
+
 def _write(path, clients, source, num_classes, input_shape, mean, std, partition, partition_params, seed, kind,
            vocab, format_version, columns, ids, replace) -> None:
-    with atomic_path(path, replace=replace, orphans=True) as tmp, h5py.File(tmp, "w") as f:
+    with atomic_path(path, replace=replace, orphans=True) as tmp, _hdf5_file(tmp, path) as f:
         if format_version == FORMAT_VERSION:
             body = _SplitWriter(f, kind, input_shape, num_classes)
         else:
