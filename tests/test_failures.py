@@ -529,6 +529,27 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
 
 
+def test_a_name_near_the_file_systems_limit_is_written_atomically(tmp_path):
+    """A 250-byte file name is legal, but its temporary name (``.NAME.tmp-HOST-PID``) was not: every
+    such write failed with "File name too long". The temporary name is cut, with a digest, and a
+    killed writer's is still found and removed by the next."""
+    from fedcp_dist import fileio
+
+    for name in ("s" * 250 + ".h5", "é" * 120 + ".h5"):
+        path = tmp_path / name
+        assert len(name.encode()) <= 255
+        fileio.atomic_write_bytes(path, b"data")
+        assert path.read_bytes() == b"data" and [p.name for p in tmp_path.iterdir()] == [name]
+        prefix = fileio._tmp_prefix(path)
+        assert len(prefix.encode()) + 10 <= 255 and prefix != fileio._tmp_prefix(path.with_name("s" + name))
+        dead = tmp_path / f"{prefix}999999"  # a pid no process has (pid_max is at most 4194304)
+        dead.write_bytes(b"left by a killed writer")
+        with fileio.atomic_path(path, orphans=True) as tmp:
+            tmp.write_bytes(b"again")
+        assert not dead.exists() and path.read_bytes() == b"again"
+        path.unlink()
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A folder on a 256 KiB tmpfs, a disk that fills (mounting needs root: skipped where it fails)."""
