@@ -181,10 +181,26 @@ class AppendFile:
                 pass
             raise
 
+    def still_there(self) -> bool:
+        """Whether the file appended to is still the one at its path (not removed, with its folder or
+        alone, nor replaced by another file)."""
+        return self._f is None or same_file(self._f.fileno(), self.path)
+
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def same_file(fd: int, path) -> bool:
+    """Whether the open file ``fd`` is the file at ``path``: not unlinked (alone or with its folder),
+    and ``path`` not another file meanwhile."""
+    try:
+        held = os.fstat(fd)
+        st = os.stat(path)
+    except OSError:
+        return False
+    return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino)
 
 
 def folder_above_problem(path) -> str:

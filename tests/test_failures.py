@@ -306,7 +306,7 @@ def test_a_write_that_fails_inside_torch_save_is_one_line(digits6_16px, tmp_path
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert re.fullmatch(r"error: the checkpoint after round 1 could not be written \(\S*/round_0000001/clients_0\.pt: "
-                        r"File too large\); the previous complete checkpoint in \S* is intact", lines[0]), lines[0]
+                        r"File too large\); no earlier checkpoint was complete: a restart begins afresh", lines[0]), lines[0]
     assert not (tmp_path / "checkpoints" / "round_0000001").exists()
     assert [json.loads(line)["round"] for line in _lines(tmp_path)] == [1]
     documented("cluster.md", "The same for any write the file system refuses inside `torch.save` (whose writer reports it "
@@ -527,6 +527,26 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     atomic_torch_save({"a": torch.arange(3.0)}, path, durable=False)
     assert torch.load(path, weights_only=True)["a"].tolist() == [0.0, 1.0, 2.0]
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_out_dir_is_removed_while_it_runs_stops_without_making_it_again(digits6_16px, tmp_path):
+    """``rm -rf out_dir`` while a run goes (a user clearing it to run afresh): the run made the
+    folder again with its next writes, without config.yaml or the records, exited 0 with a
+    "finished" folder, and its lock was gone, so a second run could share the folder. Now it stops
+    at its next write in one line, writing nothing there."""
+    out = tmp_path / "run"
+    proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, out, "rounds=200", "checkpoint_every=2")])
+    try:
+        _wait_rounds(out, proc, 2)
+        shutil.rmtree(out)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_job(proc)
+    assert proc.returncode == 1, text[-3000:]
+    assert re.search(rf"^error: .*out_dir {re.escape(str(out))} was removed", text, re.M), text[-3000:]
+    assert "Traceback" not in text and not out.exists()
 
 
 def test_a_name_near_the_file_systems_limit_is_written_atomically(tmp_path):

@@ -157,6 +157,7 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     # the memory the rounds will take, against what is free: a run that cannot fit stops here, in one line
     memory = startup.agree_on(rt, lambda: preflight(cfg, rt, s, algo, store, agg, compressor, groups))
     made["writer"] = writer = RunWriter(cfg.out_dir, rt.is_main, cfg.logger, layout.scalars if layout else None)
+    writer.hold(made["lock"])
     parts = RunParts(s, algo, store, store_line, fused, path, agg, compressor, trainer, writer, made["lock"], idle,
                      memory=memory or "", dp=dp,
                      arithmetic=startup.arithmetic(cfg, rt, fused and s.groups is not None, s.num_clients))

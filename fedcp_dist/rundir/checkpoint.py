@@ -193,6 +193,9 @@ class Checkpointer:
         #: the checkpoint a disk store's unchanged clients are linked from (the last written or
         #: resumed from) and its {client: [SHA-256, size]}; None: every client counts as changed
         self._base: Optional[tuple[Path, Dict[int, list]]] = None
+        #: out_dir is made by the first save only where it did not exist when the run began (a run
+        #: made it before); one removed while the run goes (rm -rf) is never made again
+        self._make_out_dir = not self.root.parent.exists()
 
     # -- writing -------------------------------------------------------------
     def save(self, rounds_done: int, global_state: dict, client_states: Union[dict, ClientFiles], meta: dict,
@@ -216,7 +219,8 @@ class Checkpointer:
         target = d
         index: Dict[int, list] = {}
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=self._make_out_dir, exist_ok=True)
+            d.mkdir(exist_ok=True)
             if files is not None:
                 target = d / CLIENT_DIR
                 index = self._write_client_files(d, files)
@@ -261,10 +265,14 @@ class Checkpointer:
             shutil.rmtree(d, ignore_errors=True)
         why = (f"{problem.filename + ': ' if problem.filename else ''}{problem.strerror or problem}" if problem is not None
                else "a write failed on another rank")
-        raise RunFailure(
-            f"the checkpoint after round {rounds_done} could not be written ({why}); "
-            f"the previous complete checkpoint in {self.root} is intact"
-        )
+        if not self.root.parent.is_dir():
+            after = (f"out_dir {self.root.parent} was removed while the run was going, its checkpoints with it: "
+                     f"start the run again")
+        elif any((p / MARKER).is_file() for p in self.root.glob("round_*") if p != d):
+            after = f"the previous complete checkpoint in {self.root} is intact"
+        else:
+            after = "no earlier checkpoint was complete: a restart begins afresh"
+        raise RunFailure(f"the checkpoint after round {rounds_done} could not be written ({why}); {after}")
 
     def _write_client_files(self, d: Path, files: ClientFiles) -> Dict[int, list]:
         """This rank's clients' files in ``d/clients``; {client: [SHA-256, size]}. A changed client's

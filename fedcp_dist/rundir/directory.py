@@ -34,7 +34,7 @@ from fedcp_dist.comm.keys import rounds_scheduled as privacy_rounds_scheduled
 from fedcp_dist.config import Config, flatten, legacy_defaults
 from fedcp_dist.engine.probes import keep_before
 from fedcp_dist.errors import RunFailure, UserError
-from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes
+from fedcp_dist.fileio import AppendFile, atomic_torch_save, atomic_write_bytes, same_file
 from fedcp_dist.rundir.loggers import make_logger
 
 CONFIG = "config.yaml"
@@ -335,13 +335,36 @@ class RunWriter:
         self._metrics: Optional[AppendFile] = None
         self._analysis: Optional[AppendFile] = None
         self._analysis_kept: list = []  # the lines start_analysis kept, for the logger's start
+        self._lock = None  # the out_dir lock's open file (hold)
         self.logger = make_logger(logger if enabled else "none", self.dir / TENSORBOARD, analysis_scalars)
         if enabled:
             with _writing(self.dir, "create"):
                 self.dir.mkdir(parents=True, exist_ok=True)
 
+    def hold(self, lock) -> None:
+        """Check, before each write, that the out_dir lock ``lock`` (the open file
+        :func:`~fedcp_dist.rundir.out_dir.prepare_out_dir` returned) is still the folder's."""
+        self._lock = lock
+
+    def check_held(self) -> None:
+        """A RunFailure when out_dir is no longer this run's: removed (``rm -rf`` while it runs: the
+        writes made it again, without config.yaml or the records, and its lock went with it, so a
+        second run could take the folder) or replaced. Rank 0 stops before writing anything there."""
+        if not self.enabled:
+            return
+        gone = ""
+        if self._metrics is not None and not self._metrics.still_there():
+            gone = METRICS
+        elif self._lock is not None and not same_file(self._lock.fileno(), self.dir / LOCK):
+            gone = f"its lock {LOCK}"
+        if gone:
+            raise RunFailure(f"out_dir {self.dir} was removed or replaced while the run was going ({gone} is no longer "
+                             f"the run's): stopped, so as to write nothing into a folder that is not its own; what it "
+                             f"had written went with the folder: start the run again")
+
     def write_text(self, name: str, text: str) -> None:
         if self.enabled:
+            self.check_held()
             with _writing(self.dir / name):
                 atomic_write_bytes(self.dir / name, text.encode("utf-8"))
 
@@ -351,6 +374,7 @@ class RunWriter:
 
     def save_tensors(self, name: str, state: dict) -> None:
         if self.enabled:
+            self.check_held()
             with _writing(self.dir / name):
                 atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self.dir / name)
 
@@ -384,6 +408,7 @@ class RunWriter:
             return
         if self._metrics is None:
             self.start_metrics([])
+        self.check_held()
         with _writing(self.dir / METRICS, "append to"):
             self._metrics.append(json.dumps(record, default=_json_default) + "\n")
         self.logger.log_record(record)
