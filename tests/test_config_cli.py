@@ -360,6 +360,12 @@ def test_ranks_ending_is_said_as_a_runs():
         2, "fedcp-run --ranks: ranks 0, 1 exited with status 2 (their own lines are above)")
     assert ranks.failure_line({1: 75}, {}) == (75, "fedcp-run --ranks: rank 1 stopped after their checkpoint (their "
                                                    "own lines are above)")
+    # rank 1 refused first and torchrun stopped rank 0 (SIGTERM) before it said the same: still 2
+    assert ranks.failure_line({0: -15, 1: 2}, {0: "SIGTERM"}) == (
+        2, "fedcp-run --ranks: rank 1 exited with status 2 (their own lines are above); torchrun then stopped rank 0")
+    assert ranks.failure_line({0: 143, 1: 1, 2: 1}, {}) == (
+        1, "fedcp-run --ranks: ranks 1, 2 exited with status 1 (their own lines are above); torchrun then stopped rank 0")
+    assert ranks.failure_line({0: -15}, {0: "SIGTERM"})[0] == 1  # a SIGTERM alone is not a status
     assert ranks.failure_line({0: 1, 1: -9}, {1: "SIGKILL"}) == (
         1, "fedcp-run --ranks: ranks failed (rank 0: status 1; rank 1: SIGKILL); their own lines, if any, are above")
 

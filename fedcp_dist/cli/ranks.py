@@ -8,7 +8,8 @@ ranks fail or it is signalled. torchrun reports a failed rank with a Python trac
 already printed their own one-line errors by then. Here:
 
 * every failed rank exited with the same status (2 for a refused config, 1 for a failed run, 75
-  for a checkpointed stop): that status, and one line naming the ranks;
+  for a checkpointed stop): that status, and one line naming the ranks; ranks that torchrun then
+  stopped (SIGTERM, which it sends the others once one has failed) do not count;
 * ranks that failed differently (or a signal ended one): exit 1, and one line listing each rank's
   status or signal;
 * torchrun itself signalled (SIGTERM from a scheduler, Ctrl-C): it stops the ranks, which
@@ -30,13 +31,19 @@ from fedcp_dist.errors import EXIT_REQUEUE
 def failure_line(codes: Dict[int, int], signals: Dict[int, str]) -> tuple:
     """(exit status, one line) for ranks that failed: rank -> exit status (negative: ended by a
     signal, named in ``signals``)."""
-    ranks = sorted(codes)
+    # torchrun ends the other ranks with SIGTERM once one has failed: those say nothing of the run
+    stopped = [r for r in sorted(codes) if codes[r] in (-signal.SIGTERM, 128 + signal.SIGTERM)]
+    ranks = [r for r in sorted(codes) if r not in stopped] or sorted(codes)
+    stopped = [r for r in stopped if r not in ranks]
     names = ", ".join(map(str, ranks))
     statuses = {codes[r] for r in ranks}
     if len(statuses) == 1 and next(iter(statuses)) > 0:
         code = next(iter(statuses))
         what = {EXIT_REQUEUE: "stopped after their checkpoint"}.get(code, f"exited with status {code}")
-        return code, f"fedcp-run --ranks: rank{'s' if len(ranks) > 1 else ''} {names} {what} (their own lines are above)"
+        then = (f"; torchrun then stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))}"
+                if stopped else "")
+        return code, (f"fedcp-run --ranks: rank{'s' if len(ranks) > 1 else ''} {names} {what} (their own lines are "
+                      f"above){then}")
     parts = [f"rank {r}: {signals.get(r) or 'a signal'}" if codes[r] < 0 else f"rank {r}: status {codes[r]}"
              for r in ranks]
     return 1, f"fedcp-run --ranks: ranks failed ({'; '.join(parts)}); their own lines, if any, are above"
