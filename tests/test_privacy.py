@@ -311,6 +311,14 @@ def test_keys_that_act_on_nothing_are_named_not_refused():
         "dp_clip_quantile": "applies with dp_clip=adaptive only (dp_clip is 0.1)",
         "dp_clip_lr": "applies with dp_clip=adaptive only (dp_clip is 0.1)"}
     assert idle(dp="central", dp_clip="adaptive", dp_clip_lr=0.5, dp_clip_quantile=0.9) == {}
+    # a noise cohort without noise scales nothing (and no output says its noise is a cohort's)
+    assert idle(dp="central", dp_noise_multiplier=0.0, dp_noise_cohort_size=100) == {
+        "dp_noise_cohort_size": "scales the noise, and there is none (dp_noise_multiplier is 0)"}
+    assert idle(dp="central", dp_noise_multiplier=0.5, dp_noise_cohort_size=100) == {}
+    assert idle(dp="central", dp_clip="adaptive", dp_clip_count_stddev=1.0, dp_noise_multiplier=0.0,
+                dp_noise_cohort_size=100) == {}  # the count's noise is scaled
+    assert not plan_run(dp_config(dp_noise_multiplier=0.0, dp_noise_cohort_size=100), 20).simulated_cohort
+    assert plan_run(dp_config(dp_noise_multiplier=0.5, dp_noise_cohort_size=100), 20).simulated_cohort
     assert idle() == {}
 
 
@@ -320,6 +328,29 @@ def test_start_up_refuses_what_the_client_count_rules_out_and_an_unreachable_tar
     with pytest.raises(UserError, match="config key 'dp_target_epsilon'.*not reachable in 10 rounds") as e:
         plan_run(dp_config(dp_target_epsilon=0.001, rounds=10, participation=0.5), 20)
     assert "\n" not in str(e.value)
+    # a target that only the count noise's cap rules out names the key that sets the cap
+    with pytest.raises(UserError, match=r"noise multiplier 1 \(it stays below 1: σ < 2·dp_clip_count_stddev, and "
+                                        r"dp_clip_count_stddev is 0.5; raise it"):
+        plan_run(dp_config(dp_clip="adaptive", dp_target_epsilon=5.0, dp_clip_count_stddev=0.5, dp_delta=0.01,
+                           rounds=3), 20)
+    assert plan_run(dp_config(dp_clip="adaptive", dp_target_epsilon=5.0, dp_delta=0.01, rounds=3), 20).sigma < 3
+
+
+def test_the_start_line_says_when_the_noise_swamps_the_mean_update():
+    """The noise on a round's mean update has norm z·C/m̄·√d: with the paper's 20 MNIST clients at
+    ρ = 0.1 (an expected cohort of 2) and 1.1 M values it is about 1,000·C (the run diverges in ten
+    rounds); the MNIST study's cohorts of 100 give about 10 and get no note."""
+    d = 1_109_386
+    small = CentralDP(dp_config(participation=0.1, dp_noise_multiplier=1.0), plan_run(
+        dp_config(participation=0.1, dp_noise_multiplier=1.0), 20))
+    note = small.swamped_note(d)
+    assert f"{round(1.0 / 2 * d ** 0.5):,}·C" in note and "an expected cohort of 2" in note
+    assert note in small.describe(10, "the model", "", d)
+    study = dp_config(participation=0.1, dp_noise_multiplier=1.0)
+    assert CentralDP(study, plan_run(study, 1000)).swamped_note(d) == ""  # 1.0/100·√d ≈ 10.5
+    # the noise of a larger cohort, scaled to this run's (m̄/M), counts as what it adds here
+    scaled = dp_config(participation=0.1, dp_noise_multiplier=1.0, dp_noise_cohort_size=1000)
+    assert CentralDP(scaled, plan_run(scaled, 20)).swamped_note(d) == ""
 
 
 def test_delta_written_as_1e_minus_5_is_a_number():

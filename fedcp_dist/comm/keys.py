@@ -194,9 +194,14 @@ class Privacy(Component):
         nothing while the clip norm is fixed (the start line names those set)."""
         if cfg.dp == "none":
             return {o.name: "applies with dp=central only (dp is none)" for o in cls.options if o.name != "dp"}
+        inert = {}
         if cfg.dp_clip != ADAPTIVE:
-            return {k: f"applies with dp_clip=adaptive only (dp_clip is {cfg.dp_clip!r})" for k in ADAPTIVE_KEYS}
-        return {}
+            inert = {k: f"applies with dp_clip=adaptive only (dp_clip is {cfg.dp_clip!r})" for k in ADAPTIVE_KEYS}
+        count_noise = cfg.dp_clip == ADAPTIVE and bool(cfg.dp_clip_count_stddev)
+        if cfg.dp_noise_cohort_size is not None and cfg.dp_target_epsilon is None and cfg.dp_noise_multiplier == 0 \
+                and not count_noise:
+            inert["dp_noise_cohort_size"] = "scales the noise, and there is none (dp_noise_multiplier is 0)"
+        return inert
 
     @classmethod
     def reference_notes(cls, methods: dict) -> str:

@@ -92,8 +92,14 @@ class Plan:
 
     @property
     def simulated_cohort(self) -> bool:
-        """The noise is a larger cohort's: ε is no guarantee for this run."""
-        return self.noise_cohort > self.denominator
+        """The noise is a larger cohort's: ε is no guarantee for this run (no noise: no cohort's)."""
+        return self.noise_cohort > self.denominator and (self.sigma > 0 or bool(self.count_stddev))
+
+
+#: the noise norm on a round's mean update, in units of the clip norm, above which the start line
+#: says the model is likely swamped (the MNIST study's cohorts of 100 give about 10; 20 MNIST
+#: clients at ρ = 0.1, a cohort of 2, about 1,000)
+SWAMPED = 100.0
 
 
 def split_noise(sigma: float, count_stddev: Optional[float], noise_cohort: float) -> tuple:
@@ -126,7 +132,10 @@ def plan_run(cfg, num_clients: int) -> Plan:
         if adaptive and cfg.dp_clip_count_stddev is not None:
             limit = 2.0 * cfg.dp_clip_count_stddev * (1 - 1e-9)  # σ < 2σ_b
         sigma = calibrate_noise(sampling, event_of, cfg.dp_target_epsilon, cfg.rounds, cfg.dp_delta,
-                                **({"limit": limit} if limit else {}))
+                                **({"limit": limit, "limited_by": (
+                                    f"σ < 2·dp_clip_count_stddev, and dp_clip_count_stddev is "
+                                    f"{cfg.dp_clip_count_stddev:g}; raise it, or leave it unset to let it grow with "
+                                    f"σ")} if limit else {}))
     z, sigma_b = split_noise(sigma, cfg.dp_clip_count_stddev, noise_cohort) if adaptive else (sigma, None)
     return Plan(sampling, sigma, cfg.dp_target_epsilon is not None, z, sigma_b, noise_cohort, float(cfg.dp_delta))
 
@@ -300,7 +309,20 @@ class CentralDP:
         return (f"DP central: {clip} per client, uniform weights, {sigma}{noise_cohort}, ÷ {p.denominator:g}, "
                 f"{p.sampling.describe()}; {self.epsilon_line(rounds)} after {rounds} rounds at δ={p.delta:g} "
                 f"(RDP, dp-accounting; {self.guarantee()}); {covers}{outside}; the reported accuracies and losses "
-                f"are measurements, not covered")
+                f"are measurements, not covered{self.swamped_note(values)}")
+
+    def swamped_note(self, values: int) -> str:
+        """A note when the noise on a round's mean update is so much larger than the update that
+        training cannot be expected to work: its norm, z_Δ·C/m̄·√values (the scale m̄/M of a larger
+        noise cohort included), above :data:`SWAMPED` times the clipped mean's bound C."""
+        p = self.plan
+        ratio = p.update_multiplier * p.scale / p.denominator * math.sqrt(max(values, 1))
+        if ratio <= SWAMPED:
+            return ""
+        return (f"; note: the noise on a round's mean update has a norm of about {ratio:,.0f}·C against at most C "
+                f"for the clipped mean itself ({values:,} values, an expected cohort of {p.denominator:g}): a model "
+                f"trained so is likely swamped by noise (DP-FedAvg trains with cohorts of hundreds: raise "
+                f"participation or the number of clients)")
 
     def summary(self, rounds_done: int) -> dict:
         p = self.plan

@@ -132,14 +132,16 @@ def epsilon_after(sampling: Sampling, event_of, sigma: float, rounds: int, delta
 
 
 def calibrate_noise(sampling: Sampling, event_of, target: float, rounds: int, delta: float,
-                    limit: float = MAX_NOISE_MULTIPLIER) -> float:
+                    limit: float = MAX_NOISE_MULTIPLIER, limited_by: str = "") -> float:
     """The smallest noise multiplier σ ≤ ``limit`` whose ``rounds`` rounds of ``event_of(σ)`` stay
     within ε = ``target`` at ``delta`` (the library's calibration, within :data:`CALIBRATION_TOL`,
-    never above the target). A target the limit does not reach is a one-line UserError."""
+    never above the target). A target the limit does not reach is a one-line UserError, naming
+    what sets the limit (``limited_by``) when it is not :data:`MAX_NOISE_MULTIPLIER`."""
     top = epsilon_after(sampling, event_of, limit, rounds, delta)
     if top > target:
+        why = f" (it stays below {limit:.4g}: {limited_by})" if limited_by else ""
         raise UserError(f"config key 'dp_target_epsilon': {target:g} is not reachable in {rounds} rounds at "
-                        f"dp_delta={delta:g} ({sampling.describe()}): even noise multiplier {limit:g} gives "
+                        f"dp_delta={delta:g} ({sampling.describe()}): even noise multiplier {limit:.4g}{why} gives "
                         f"ε = {top:.4g}; raise dp_target_epsilon or dp_delta, or plan fewer rounds")
     low = limit  # ε(low) ≤ target; step down until ε(low / 8) exceeds it: the root lies in [low / 8, low]
     while low > 1e-3 and epsilon_after(sampling, event_of, low / 8.0, rounds, delta) <= target:
