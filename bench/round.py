@@ -150,7 +150,8 @@ def count_flops(fn) -> int:
 
 def make_mnist_shard(root: Path, out: Path) -> None:
     if not sorted(root.glob("*-ubyte.gz")):
-        sys.exit(f"bench/round.py: no MNIST files (*-ubyte.gz) in {root}; pass --mnist-root DIR (a folder of "
+        sys.exit(f"{Path(sys.argv[0]).name if sys.argv and sys.argv[0] else 'bench'}: no MNIST files (*-ubyte.gz) in "
+                 f"{root}; pass --mnist-root DIR (a folder of "
                  f"the four gzipped IDX files) or --shard FILE (a partition made by fedcp-partition)")
     raw = Path(tempfile.mkdtemp()) / "MNIST" / "raw"
     raw.mkdir(parents=True)

@@ -261,7 +261,8 @@ class Simulator:
         self.echo(result_table(summary))
         if diverged:
             raise RunFailure(f"the run learned nothing: every client's update was non-finite in each of its {cfg.rounds} "
-                             f"rounds and on_nonfinite=skip left them all out, so its model is the untrained one "
+                             f"rounds and on_nonfinite=skip left them all out, so its model is the untrained one"
+                             f"{' plus the noise DP added to it' if self.dp is not None and self.dp.plan.sigma > 0 else ''} "
                              f"(accuracy {summary['final_acc']:.4f}); {cfg.out_dir}/{SUMMARY} marks it diverged (a "
                              f"lower lr?)")
         return summary
