@@ -8,9 +8,14 @@ a plain run wait for ranks that never come. :func:`fedcp_dist.runtime.detect_lau
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import re
 import socket
 import sys
+import tempfile
+import threading
 import time
 from typing import Mapping, Optional
 
@@ -139,21 +144,89 @@ def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
             f"({why}); launcher {launcher} read from {seen(env, names)}: a rank "
             f"that did not start, a wrong address or port, or variables left over from an earlier job (unset them "
             f"to run one process)"))
-    try:
+    def meet():
         # a rank that connects to a store someone else serves waits here, in Python: torch's own retries
         # print a C++ stack trace at each one
         if ep.rank != 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             _wait_for_listener(host, port, deadline)
         left = max(1.0, deadline - time.monotonic())
-        store, _, _ = next(dist.rendezvous(ep.init_method, rank=ep.rank, world_size=ep.world_size,
-                                           timeout=datetime.timedelta(seconds=left)))
-    except (RuntimeError, ValueError, OSError) as exc:
-        first = first_line(exc)
+        return next(dist.rendezvous(ep.init_method, rank=ep.rank, world_size=ep.world_size,
+                                    timeout=datetime.timedelta(seconds=left)))[0]
+
+    try:
+        store = _within(meet, deadline + RENDEZVOUS_GRACE_S)
+    except (RuntimeError, ValueError, OSError, TimeoutError) as exc:
+        first = ("something took the connection there and never answered as a rendezvous store"
+                 if isinstance(exc, TimeoutError) else first_line(exc))
         raise RunFailure(f"rank {ep.rank}: the {ep.world_size} ranks of the job did not meet at {where} within "
                          f"rendezvous_timeout={timeout_s:g} s ({first}); launcher {launcher} read from "
                          f"{seen(env, names)}: a rank that did not start, a wrong address or port, or variables left "
                          f"over from an earlier job (unset them to run one process)") from None
     return store
+
+
+#: seconds past rendezvous_timeout that a rendezvous may take before it is given up: torch's store
+#: client waits for the answer to its first message without a time limit, so a port that something
+#: else holds (a web server, another service) kept a rank there for as long as that held it
+RENDEZVOUS_GRACE_S = 5.0
+
+
+def _within(work, deadline: float):
+    """``work()`` in a thread of its own, its result or its error; a TimeoutError when it has not
+    ended by ``deadline`` (``time.monotonic()``): the thread is left behind (it holds nothing the
+    process needs, and a daemon thread does not keep the process from exiting). What torch's C++
+    code prints meanwhile (a stack trace at each retry) is held back; other lines are passed on."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = work()
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="fedcp-rendezvous", daemon=True)
+    with _cpp_noise_held():
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if thread.is_alive():
+        raise TimeoutError("the rendezvous did not end")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+#: how lines that torch's C++ code writes to stderr begin (glog's prefix, a stack trace's lines)
+_CPP_NOISE = re.compile(r"^(\[[WEIF]\d{4} |Exception raised from |frame #\d+|<omitting python frames>|\s*$)")
+
+
+@contextlib.contextmanager
+def _cpp_noise_held():
+    """File descriptor 2 goes to a temporary file inside the block; afterwards its lines are written
+    to stderr but for torch's C++ log lines and stack traces."""
+    try:
+        sys.stderr.flush()
+        held = tempfile.TemporaryFile()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        os.dup2(held.fileno(), 2)
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        kept = [line for line in held.read().decode("utf-8", "replace").splitlines(keepends=True)
+                if not _CPP_NOISE.match(line)]
+        held.close()
+        if kept:
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 #: the MPI tag of rank 0's word on the rendezvous store it opened (None) or could not open (why)
