@@ -254,6 +254,30 @@ def test_a_rank_whose_master_never_comes_is_one_line_from_the_command(digits6_16
     assert "nothing answered at 127.0.0.1:" in lines[1] and "Traceback" not in r.stderr and "frame #" not in r.stderr
 
 
+def test_a_rank_whose_port_something_else_holds_silently_stops_within_the_timeout(digits6_16px, tmp_path):
+    """MASTER_PORT held by a process that takes connections and never answers (a service on the
+    port, an earlier job's half-dead store): torch's store client waits for its first answer with
+    no limit, so the rank waited for as long as the port was held, printing C++ stack traces. It
+    now stops at rendezvous_timeout plus a few seconds, in one line."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()  # the kernel takes the connections; nobody answers
+    env = {**TORCHRUN, "RANK": "1", "MASTER_PORT": str(holder.getsockname()[1])}
+    try:
+        t0 = time.monotonic()
+        r = run_cmd([str(BIN / "fedcp-run"), "--config", CONFIG, f"data.path={digits6_16px}", f"out_dir={tmp_path}",
+                     "rounds=1", "rendezvous_timeout=2"], env_extra=env, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        holder.close()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 2 and took < 40, (took, r.stderr)
+    assert lines[1].startswith("error: rank 1: the 2 ranks of the job did not meet"), lines
+    assert "never answered as a rendezvous store" in lines[1] and "Exception raised from" not in r.stderr
+
+
 @pytest.mark.slow
 def test_two_ranks_started_apart_by_hand_meet_and_run(digits6_16px, tmp_path):
     """The same variables set on purpose (two processes, no launcher), the second rank a few seconds
