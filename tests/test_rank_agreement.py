@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -154,6 +155,17 @@ def test_an_out_dir_that_a_rank_does_not_see_stops_every_rank(tmp_path, monkeypa
     assert os.listdir(shared) == []  # rank 0 removes its marker
     assert _Ranks().run([lambda rt: agreement.check_shared_out_dir(rt, shared)] * 2) == [None, None]
     assert os.listdir(shared) == []
+    # a full disk: the marker is made and its write fails; every rank refuses, and no marker is left
+    real = Path.write_text
+
+    def full(path, text, *a, **kw):
+        real(path, "", *a, **kw)
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    errors = _Ranks().run([lambda rt: agreement.check_shared_out_dir(rt, shared)] * 2)
+    assert str(errors[0]) == f"out_dir {shared}: rank 0 could not write in it (No space left on device)", errors
+    assert errors[1] is not None and os.listdir(shared) == []
 
 
 def test_one_rank_started_with_another_override_refuses_before_anything_is_written(digits6, tmp_path):

@@ -180,6 +180,12 @@ def test_keeps_the_last_k_and_skips_damaged(tmp_path):
     # a directory without its COMPLETE marker does not count
     (ck.root / "round_0000008").mkdir()
     assert ck.latest(warn=seen.append).name == "round_0000004"
+    # a plain file in the place of a round's folder (a stray copy) neither counts nor stops that round's save
+    (ck.root / "round_0000010").write_text("not a checkpoint")
+    assert ck.latest(warn=seen.append).name == "round_0000004"
+    ck.save(10, {"w": torch.zeros(3)}, {0: {"h": torch.zeros(2)}}, {"records": [], "round_seconds": [], "config": {}},
+            lambda ok: ok)
+    assert ck.latest().name == "round_0000010" and ck.load(ck.latest(), [0], "cpu")[0] == 10
 
 
 # A run whose start-up (config read, shard load, checkpoint verification) is interrupted by a signal:

@@ -10,6 +10,7 @@ values, so every rank stops together, each naming what differs.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
@@ -130,7 +131,9 @@ def check_shared_out_dir(rt, out_dir) -> None:
     if rt.is_main:
         try:
             marker_file(out_dir, token).write_text(f"{token}\n")
-        except OSError as exc:
+        except OSError as exc:  # a full disk: the file may be made and its write fail; none is left behind
+            with contextlib.suppress(OSError):
+                marker_file(out_dir, token).unlink(missing_ok=True)
             token, why = -1, exc.strerror
     token = int(_gathered(rt, [token])[0, 0])  # rank 0's
     if token == -1:

@@ -220,6 +220,8 @@ class Checkpointer:
         index: Dict[int, list] = {}
         try:
             self.root.mkdir(parents=self._make_out_dir, exist_ok=True)
+            if d.is_symlink() or d.exists() and not d.is_dir():
+                d.unlink(missing_ok=True)  # a file in the place of this round's folder is no checkpoint (a stray copy)
             d.mkdir(exist_ok=True)
             if files is not None:
                 target = d / CLIENT_DIR
