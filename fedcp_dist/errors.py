@@ -76,14 +76,15 @@ def say(line: str) -> None:
     """``line`` on stderr in one write: the ranks of a job share a log, and print() writes the text
     and its newline apart, so two ranks' lines could run into one."""
     data = (line + "\n").encode("utf-8", "backslashreplace")
+    stream = sys.stderr if sys.stderr is not None else sys.stdout  # stderr closed (2>&-): stdout, as print does
     try:
-        sys.stderr.flush()
-        os.write(sys.stderr.fileno(), data)
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no real file under sys.stderr
+        stream.flush()
+        os.write(stream.fileno(), data)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no real file under the stream
         try:
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):
+            stream.write(line + "\n")
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
             pass
 
 

@@ -628,6 +628,29 @@ def test_a_disk_that_fills_under_a_whole_file_write_or_a_shard_is_one_line_namin
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
+def test_an_input_error_while_a_shard_is_written_is_said_as_itself(tmp_path):
+    """An input file that fails while the shard is written (removed between the check and the write
+    pass, a flaky source file system) is that file's error, not the shard's."""
+    import numpy as np
+
+    from fedcp_dist.data.shards import write_shard
+    from fedcp_dist.errors import UserError
+
+    def clients():
+        rng = np.random.default_rng(0)
+        yield (rng.integers(0, 256, (4, 1, 8, 8), dtype=np.uint8), rng.integers(0, 3, 4),
+               rng.integers(0, 256, (2, 1, 8, 8), dtype=np.uint8), rng.integers(0, 3, 2))
+        try:
+            open(tmp_path / "gone.npz", "rb")
+        except OSError:
+            raise UserError(f"{tmp_path / 'gone.npz'} could not be read as npz") from None
+
+    with pytest.raises(UserError, match="gone.npz could not be read"):
+        write_shard(tmp_path / "s.h5", clients(), source="x", num_classes=3, input_shape=(1, 8, 8), mean=[0.5],
+                    std=[0.25], partition="iid", partition_params={}, seed=0)
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- output folders that cannot be written -------------------------------------------------------------
 
 def _immutable(folder):

@@ -6,6 +6,7 @@ import math
 import os
 import socket
 import subprocess
+import sys
 import time
 import typing
 
@@ -276,6 +277,15 @@ def test_a_rank_whose_port_something_else_holds_silently_stops_within_the_timeou
     assert r.returncode == 1 and len(lines) == 2 and took < 40, (took, r.stderr)
     assert lines[1].startswith("error: rank 1: the 2 ranks of the job did not meet"), lines
     assert "never answered as a rendezvous store" in lines[1] and "Exception raised from" not in r.stderr
+
+
+def test_a_refusal_with_stderr_closed_is_said_on_stdout_and_exits_2(tmp_path):
+    """``2>&-``: Python has no sys.stderr; the error line goes to stdout (as print does) and the exit
+    status stays a refusal's."""
+    r = subprocess.run([sys.executable, "-m", "fedcp_dist.run", "--config", CONFIG, f"data.path={tmp_path / 'no.h5'}",
+                        f"out_dir={tmp_path / 'run'}"], cwd=REPO, stdout=subprocess.PIPE, text=True, timeout=120,
+                       preexec_fn=lambda: os.close(2))
+    assert r.returncode == 2 and r.stdout.strip().splitlines()[-1].startswith("error: config key 'data.path'"), r.stdout
 
 
 @pytest.mark.slow

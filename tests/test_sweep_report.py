@@ -373,6 +373,23 @@ def test_report_keeps_apart_the_runs_made_under_an_earlier_sweep_file(finished_s
     assert "4/4 runs finished" in capsys.readouterr().out
 
 
+def test_a_point_at_todays_defaults_is_not_called_stale():
+    """sweep.json leaves out the keys at their defaults; a key the point lacks is today's default,
+    not the value an older version had for configs without it (fastText's fasttext_mean: every
+    AG News point was reported as made under an earlier sweep file)."""
+    from fedcp_dist.cli.report_runs import _stale_keys
+    from fedcp_dist.config import flatten
+
+    for cfg in (Config(method="fedavg", model="fasttext"), Config(method="fedcp", rounds=3)):
+        have = flatten(cfg.to_dict())
+        defaults = flatten(Config().to_dict())
+        wanted = {k: v for k, v in have.items() if defaults.get(k) != v}
+        assert _stale_keys(have, wanted) == []
+        assert _stale_keys(have, {**wanted, "rounds": 7}) == ["rounds"]
+        assert _stale_keys({**have, "out_dir": "elsewhere", "threads": 3}, wanted) == []  # not defining
+    assert _stale_keys(None, {"rounds": 7}) == []
+
+
 # ----------------------------------------------------------------------------- hand-written runs
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fedcp_dist.analysis.records import read_probes, weighted_mean
+from fedcp_dist.config import Config, flatten
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir,
                                          defining_changes)
@@ -289,8 +290,7 @@ def collect(root) -> Collection:
         elif summary.get("status") == DIVERGED:
             why = DIVERGED_WHY
         elif isinstance(wanted, dict):  # a manifest that says what the point is now (written since it does)
-            stale = [k for k in defining_changes(RunDir(path).read_config() or wanted, wanted)
-                     if k != "data.path" or _shard_name(config.get("data.path")) != _shard_name(wanted.get(k))]
+            stale = _stale_keys(RunDir(path).read_config(), wanted)
             if stale:
                 why = STALE_WHY.format(keys=", ".join(stale[:4]) + (", …" if len(stale) > 4 else ""))
         runs.append(Run(path, params, config, summary, "", why, name, _curve=curve, stale=stale))
@@ -306,6 +306,18 @@ def collect(root) -> Collection:
     if not runs:
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
     return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded)
+
+
+def _stale_keys(have: Optional[dict], wanted: dict) -> list:
+    """The keys defining the experiment in which a point's run (its flat config.yaml, ``have``)
+    differs from what ``sweep.json`` says the point is now (``wanted``: the keys off their
+    defaults). ``wanted`` is completed with today's defaults first: a key it lacks is at its
+    default, not at the value an older version of the package had for a config that lacks it."""
+    if have is None:
+        return []
+    full = {**flatten(Config().to_dict()), **wanted}
+    return [k for k in defining_changes(have, full)
+            if k != "data.path" or _shard_name(have.get(k)) != _shard_name(full.get(k))]
 
 
 def _shard_name(path) -> Optional[str]:

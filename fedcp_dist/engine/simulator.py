@@ -48,6 +48,7 @@ class Simulator:
         self.stop = stop if stop is not None else StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
         p = start_run(cfg, rt, self.ckpt, self.echo, wrap)  # closes what it made if it fails
+        self.ckpt.out_dir_made()  # rank 0 made out_dir: no checkpoint of any rank makes it again
         self.setup, self.algo, self.store, self.store_line, self.writer, self._lock = (
             p.setup, p.algo, p.store, p.store_line, p.writer, p.lock)
         self.num_clients, self.owner, self.owned, self.data = (

@@ -193,9 +193,13 @@ class Checkpointer:
         #: the checkpoint a disk store's unchanged clients are linked from (the last written or
         #: resumed from) and its {client: [SHA-256, size]}; None: every client counts as changed
         self._base: Optional[tuple[Path, Dict[int, list]]] = None
-        #: out_dir is made by the first save only where it did not exist when the run began (a run
-        #: made it before); one removed while the run goes (rm -rf) is never made again
-        self._make_out_dir = not self.root.parent.exists()
+        #: whether a save may make out_dir: only until the run's start made it (:meth:`out_dir_made`),
+        #: so that one removed while the run goes (rm -rf) is never made again, by any rank
+        self._make_out_dir = True
+
+    def out_dir_made(self) -> None:
+        """The run's out_dir exists (rank 0 made it at start): from now on no save makes it."""
+        self._make_out_dir = False
 
     # -- writing -------------------------------------------------------------
     def save(self, rounds_done: int, global_state: dict, client_states: Union[dict, ClientFiles], meta: dict,

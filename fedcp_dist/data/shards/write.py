@@ -341,8 +341,9 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
 
 @contextlib.contextmanager
 def _hdf5_file(tmp, path):
-    """``h5py.File(tmp, "w")``, closed whatever happens inside. A write that fails for the file
-    system's reason (a full disk, a quota) is an OSError naming ``path``.
+    """``h5py.File(tmp, "w")``, closed whatever happens inside. A write of the shard that fails for
+    the file system's reason (a full disk, a quota) is an OSError naming ``path``; any other error
+    (an input file's, a refusal) is raised as it was.
 
     HDF5, closing a file whose writes failed, fails again on the chunks it still holds, and the
     objects it then leaves open crashed the interpreter at exit (a segfault after two tracebacks).
@@ -355,10 +356,11 @@ def _hdf5_file(tmp, path):
         f.flush()  # a full disk fails here, before the close, which then has nothing large left to write
     except BaseException as exc:
         _close_into_memory(f)
-        err = os_error_behind(exc)
-        if err is not None and err.errno is not None and not isinstance(exc, FileExistsError):
-            raise OSError(err.errno, os.strerror(err.errno), str(path)) from None
-        raise
+        err = os_error_behind(exc) if isinstance(exc, (OSError, RuntimeError)) else None
+        if (err is not None and err.errno is not None and err.filename in (None, str(tmp))
+                and not isinstance(err, (FileExistsError, BrokenPipeError))):
+            raise OSError(err.errno, os.strerror(err.errno), str(path)) from None  # HDF5's own write failed
+        raise  # another file's error (an input read), a refusal, an interrupt: as it was
     try:
         f.close()
     except (RuntimeError, OSError) as exc:
