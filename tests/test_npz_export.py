@@ -56,6 +56,29 @@ def test_export_round_trip_on_a_tiny_shard(digits6, tmp_path, capsys):
             assert np.array_equal(again[i][key], clients[i][key]), (i, key)
 
 
+def test_the_import_of_an_export_keeps_classes_no_sample_holds(digits6, tmp_path, capsys):
+    """An export's config.json says num_classes; the import used the largest label + 1, so a shard
+    whose last classes hold no sample came back with fewer classes (another head, another
+    fingerprint). --num-classes still wins, and a config.json that says too few is refused."""
+    from fedcp_dist.data.shards import write_shard
+
+    rng = np.random.default_rng(3)
+    clients = [(rng.integers(0, 256, (5, 1, 8, 8), dtype=np.uint8), rng.integers(0, 3, 5),
+                rng.integers(0, 256, (2, 1, 8, 8), dtype=np.uint8), rng.integers(0, 3, 2)) for _ in range(3)]
+    shard = tmp_path / "s.h5"
+    write_shard(shard, clients, source="mine", num_classes=7, input_shape=(1, 8, 8), mean=[0.5], std=[0.5],
+                partition="iid", partition_params={}, seed=0)
+    main(["--to-npz", str(tmp_path / "E"), "--shard", str(shard)])
+    main(["--from-npz", str(tmp_path / "E"), "--allow-pickle", "--out", str(tmp_path / "b.h5")])
+    assert read_info(tmp_path / "b.h5").num_classes == 7
+    main(["--from-npz", str(tmp_path / "E"), "--allow-pickle", "--out", str(tmp_path / "c.h5"), "--num-classes", "9"])
+    assert read_info(tmp_path / "c.h5").num_classes == 9
+    cfg = json.loads((tmp_path / "E" / "config.json").read_text())
+    (tmp_path / "E" / "config.json").write_text(json.dumps({**cfg, "num_classes": 2}))
+    expect_user_error(capsys, ["--from-npz", tmp_path / "E", "--allow-pickle", "--out", tmp_path / "d.h5"],
+                      "config.json's num_classes 2 is too small: labels go up to 2")
+
+
 def test_partition_and_export_in_one_command(tmp_path, capsys):
     shard, out = tmp_path / "p.h5", tmp_path / "P"
     main(["--source", "digits", "--partition", "pat", "--classes-per-client", "2", "--unbalanced",
@@ -98,7 +121,7 @@ def test_export_refusals_name_the_problem(digits6, tmp_path, capsys):
     assert (tmp_path / "no" / "such" / "F" / "test" / "0.npz").is_file()
 
 
-def test_table_and_text_clients_in_the_library_layout(tmp_path):
+def test_table_and_text_clients_in_the_library_layout(tmp_path, capsys):
     # a table: standardised with the shard's per-feature statistics
     rows = [[float(i), float(i % 3), i % 2, f"b{i % 2}"] for i in range(40)]
     with open(tmp_path / "t.csv", "w", newline="") as f:
@@ -114,6 +137,10 @@ def test_table_and_text_clients_in_the_library_layout(tmp_path):
     assert x.dtype == np.float32 and x.shape == a["train_x"].shape and np.array_equal(x, want)
     assert abs(float(x[:, 0].mean())) < 1.0  # standardised, not raw (raw column a runs 0..39)
     assert json.loads((tmp_path / "T" / "config.json").read_text())["partition"] is None
+    # --from-npz reads images only: a table's export is refused by name (it failed on the first client's shape)
+    expect_user_error(capsys, ["--from-npz", tmp_path / "T", "--allow-pickle", "--out", tmp_path / "b.h5"],
+                      "is the export of a table shard")
+    assert not (tmp_path / "b.h5").exists()
     # text: (token ids, real length) pairs, as the library's AG News generator stores them
     ids = np.array([[5, 6, 0, 0], [7, 0, 0, 0]], dtype=np.int32)
     d = client_arrays("text", ids, np.array([1, 3]), np.array([2, 1], dtype=np.int32), (), ())

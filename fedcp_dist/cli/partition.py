@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -251,6 +252,33 @@ def _load_npz_client(folder: Path, i: int, allow_pickle: bool):
     return tuple(out)
 
 
+def _npz_config(folder: Path) -> dict:
+    """What an export's ``config.json`` says that an import needs: ``num_classes`` (None when it
+    says none); a text or table export, which --from-npz cannot read (images only), is refused."""
+    from fedcp_dist.data.npz_export import NORMALISATION
+    from fedcp_dist.data.shards import KIND
+
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--from-npz: {path} is not readable JSON ({getattr(exc, 'strerror', None) or exc}); fix or "
+                        f"remove it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--from-npz: {path} does not hold a JSON object; fix or remove it")
+    kinds = {v: k for k, v in NORMALISATION.items()}
+    kind = kinds.get(data.get("normalisation"), KIND)
+    if kind != KIND:
+        raise UserError(f"--from-npz reads folders of images; {folder} is the export of a {kind} shard (its "
+                        f"config.json): keep the shard itself, which --to-npz was made from")
+    classes = data.get("num_classes")
+    if classes is not None and (isinstance(classes, bool) or not isinstance(classes, int) or classes < 1):
+        raise UserError(f"--from-npz: {path}'s num_classes must be an integer >= 1, got {classes!r}")
+    return {"num_classes": classes}
+
+
 def _from_npz(args) -> None:
     from fedcp_dist.data.shards import write_shard
 
@@ -264,6 +292,7 @@ def _from_npz(args) -> None:
         raise UserError(f"--from-npz: {folder}/train holds {len(ids)} clients but "
                         f"{folder}/test holds {len(test_ids)}")
     n = len(ids)
+    written = _npz_config(folder)
 
     _say(f"loading {n} clients from {folder} (checking shapes and labels)")
     shape, max_label = None, -1
@@ -278,11 +307,18 @@ def _from_npz(args) -> None:
         for y in (train_y, test_y):
             if len(y):
                 max_label = max(max_label, int(y.max()))
-    num_classes = args.num_classes if args.num_classes is not None else max_label + 1
+    # the classes: --num-classes, else what an export's config.json says (its last classes may hold no
+    # sample), else the largest label + 1
+    said = "--num-classes"
+    num_classes = args.num_classes
+    if num_classes is None and written.get("num_classes") is not None:
+        said, num_classes = f"{folder / 'config.json'}'s num_classes", written["num_classes"]
+    if num_classes is None:
+        num_classes = max_label + 1
     if num_classes < 1:
         raise UserError(f"--from-npz: {folder} holds no samples")
     if max_label >= num_classes:
-        raise UserError(f"--num-classes {num_classes} is too small: labels go up to {max_label}")
+        raise UserError(f"{said} {num_classes} is too small: labels go up to {max_label}")
 
     _say(f"partitioning: kept as stored ({n} clients, {num_classes} classes)")
     channels = int(shape[0])
