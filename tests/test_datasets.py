@@ -378,6 +378,7 @@ def test_include_val_is_refused_for_other_sources(tmp_path, capsys):
     ("truncated_jpeg", [f"{WNIDS[0]}_1.JPEG", "not a readable image"]),
     ("wrong_size", [f"{WNIDS[0]}_1.JPEG", "32x32 pixels, expected 64x64"]),
     ("no_annotations", ["val_annotations.txt", "is missing"]),
+    ("val_line_twice", ["val_annotations.txt line 4", "is listed again (line 1)"]),
     ("no_root_folder", ["tiny-imagenet-200/wnids.txt", "nor"]),
     ("download", ["cannot be downloaded"]),
 ])
@@ -395,6 +396,10 @@ def test_tinyimagenet_garbled(tmp_path, capsys, damage, fragments):
         lines = ann.read_text().splitlines()
         lines[1] = "val_1.JPEG\tn99999999\t0\t0\t1\t1"
         ann.write_text("\n".join(lines) + "\n")
+    elif damage == "val_line_twice":  # a repeated line: the image twice, perhaps in one client's train and test
+        ann = base / "val" / "val_annotations.txt"
+        lines = ann.read_text().splitlines()
+        ann.write_text("\n".join(lines + lines[:1]) + "\n")
     elif damage == "truncated_jpeg":
         jpeg.write_bytes(jpeg.read_bytes()[:300])
     elif damage == "wrong_size":
@@ -405,7 +410,7 @@ def test_tinyimagenet_garbled(tmp_path, capsys, damage, fragments):
         base.rename(tmp_path / "root" / "elsewhere")
     else:
         extra = ["--download"]
-    if damage in ("unknown_wnid", "no_annotations"):  # the val folder is read with --include-val only
+    if damage in ("unknown_wnid", "no_annotations", "val_line_twice"):  # the val folder is read with --include-val only
         extra = ["--include-val"]
     expect_user_error(capsys, ["--source", "tinyimagenet", "--root", tmp_path / "root",
                                "--num-clients", 2, "--out", tmp_path / "x.h5", *extra], *fragments)
@@ -652,6 +657,11 @@ def test_agnews_csv_reader(tmp_path):
     assert texts[0] == ("Wall St. Bears Reuters - Short-sellers, Wall Street's dwindling\\band\n"
                         "of ultra-cynics, are seeing green again.")
     assert texts[1] == 'Item0 sports (Reuters) sports match goal "quoted" news'
+    # the same file saved with a BOM (Excel's "CSV UTF-8"): the same labels and texts
+    path = tmp_path / "ag_news_csv" / "train.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    again = read_agnews_csv(path)
+    assert again[0].tolist() == labels.tolist() and again[1] == texts
 
 
 def test_agnews_partition_round_trip(tmp_path, capsys):

@@ -305,6 +305,7 @@ def _tiny_val(base: Path, index: dict, files: list, labels: list) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{ann} could not be read: {_one_line(exc)}") from None
     n_val = 0
+    seen: dict = {}  # file name -> the line that listed it
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -315,6 +316,9 @@ def _tiny_val(base: Path, index: dict, files: list, labels: list) -> int:
         file, wnid = fields[0].strip(), fields[1].strip()
         if wnid not in index:
             raise UserError(f"{ann} line {number}: wnid {wnid!r} is not in {base / 'wnids.txt'}")
+        if file in seen:  # one image twice: its copies could land in one client's train and test splits
+            raise UserError(f"{ann} line {number}: {file} is listed again (line {seen[file]}); each val image once")
+        seen[file] = number
         files.append(base / "val" / "images" / file)
         labels.append(index[wnid])
         n_val += 1
@@ -336,7 +340,7 @@ def read_agnews_csv(path) -> tuple[np.ndarray, list[str]]:
     texts: list[str] = []
     line = 0
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # a BOM (Excel's UTF-8) is not part of the text
             reader = csv.reader(f)
             for row in reader:
                 line = reader.line_num
