@@ -117,6 +117,19 @@ def test_resume_appends_and_hides_what_the_stopped_run_wrote_past_its_checkpoint
         assert events[tag] == full[tag], tag
 
 
+def test_rounds_run_with_the_logger_off_are_in_the_events_once_it_is_on_again(shard, tmp_path):
+    """logger=tensorboard for rounds 1-2, none for 3-4, tensorboard again for 5-6: rounds 3 and 4,
+    in metrics.jsonl, were missing from TensorBoard (only the resumed round on was written)."""
+    out = tmp_path / "toggled"
+    for rounds, logger in ((2, "tensorboard"), (4, "none"), (6, "tensorboard")):
+        run(CONFIG, [a for a in _args(shard, out) if not a.startswith(("rounds=", "logger="))]
+            + [f"rounds={rounds}", f"logger={logger}"])
+        (out / "summary.json").unlink()  # a finished run is extended by running it again without its summary
+    events = read_events(out)
+    assert events == expected(out)
+    assert [step for step, _ in events["round/train_loss"]] == [1, 2, 3, 4, 5, 6]
+
+
 def test_analysis_means_are_weighted_by_samples():
     lines = [{"kind": "train", "round": 2, "client": 0, "samples": 10, "pir": 0.2, "loss_bef": 1.0, "loss_aft": 0.5},
              {"kind": "train", "round": 2, "client": 1, "samples": 30, "pir": 0.6, "loss_bef": 2.0, "loss_aft": 0.1},

@@ -88,12 +88,13 @@ class TensorBoardLogger(NoLogger):
         from torch.utils.tensorboard import SummaryWriter
 
         self.close()
-        rounds_done = max([r["round"] for r in records if r.get("kind") == "round"], default=0)
         earlier = self.dir.is_dir() and any(p.name.startswith("events.") for p in self.dir.iterdir())
-        first = rounds_done if earlier else 0  # earlier events below this step stay as they are
-        self._writer = SummaryWriter(str(self.dir), purge_step=rounds_done if earlier else None)
+        # earlier event files are hidden whole (TensorBoard drops their steps >= the purge step) and
+        # every kept record is written again: rounds run with the logger off in between, or past the
+        # checkpoint resumed from, leave no gap and no stale value
+        self._writer = SummaryWriter(str(self.dir), purge_step=0 if earlier else None)
         kept = [*(s for r in records for s in record_scalars(r)), *self._analysis(analysis_lines)]
-        self._add([s for s in kept if s[1] >= first])
+        self._add(kept)
 
     def _add(self, scalars) -> None:
         if self._writer is None:
