@@ -28,7 +28,7 @@ from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
-from fedcp_dist.sweep.spec import resume_drift
+from fedcp_dist.sweep.drift import resume_drift
 
 
 def dry_run(sweep: Sweep) -> None:

@@ -33,7 +33,8 @@ from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, UNFINISHED, RunDir
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
-from fedcp_dist.sweep.spec import Sweep, drift_warning, resume_drift
+from fedcp_dist.sweep.drift import drift_warning, resume_drift
+from fedcp_dist.sweep.spec import Sweep
 
 
 #: seconds torchrun lets its workers finish after it forwards a SIGTERM before it SIGKILLs them

@@ -14,7 +14,8 @@ from fedcp_dist.data.make import make_shard
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
 from fedcp_dist.sweep.names import display_path
-from fedcp_dist.sweep.spec import Sweep, defining_config
+from fedcp_dist.sweep.drift import defining_config
+from fedcp_dist.sweep.spec import Sweep
 
 MANIFEST = "sweep.json"
 MANIFEST_FORMAT = 1

@@ -429,4 +429,3 @@ def _write(path, clients, source, num_classes, input_shape, mean, std, partition
             training_attributes(kind, num_classes, input_shape, mean, std, vocab, columns), counts.sizes())
         a[ARRAY_DIGESTS] = json.dumps(digests, sort_keys=True)
         body.finish(counts)
-        f.flush()

@@ -1,0 +1,53 @@
+"""A sweep's finished and unfinished points against the sweep file as it is now: the config keys a
+point's run was made with another value of (:func:`config_drift`, :func:`resume_drift`), the
+warning that names them, and what ``sweep.json`` records of each point (:func:`defining_config`)
+so that ``fedcp-report`` can tell such runs apart without the sweep file."""
+from __future__ import annotations
+
+from fedcp_dist.config import Config, flatten
+from fedcp_dist.rundir.directory import (FINISHED, NOT_DEFINING, RESUMABLE_CHANGES, RunDir, config_changes,
+                                         defining_changes)
+from fedcp_dist.sweep.names import display_path
+from fedcp_dist.sweep.spec import Point, Sweep, point_config
+
+
+def config_drift(sweep: Sweep, point: Point) -> list:
+    """Keys that define the experiment whose value in a run's config.yaml differs from the point's.
+
+    Keys that do not define it (:data:`fedcp_dist.rundir.directory.NOT_DEFINING`) never count; ``[]`` when the
+    run wrote no readable config.
+    """
+    have = RunDir(point.run_dir).read_config()
+    if have is None:
+        return []
+    return defining_changes(have, point_config(sweep, point).to_dict())
+
+
+def defining_config(sweep: Sweep, point: Point) -> dict:
+    """The point's flat config keys that define its experiment (outside NOT_DEFINING) and differ
+    from their defaults: what ``sweep.json`` keeps per point, so that ``fedcp-report`` can tell a run
+    made under an earlier sweep file (:func:`~fedcp_dist.rundir.directory.defining_changes` against
+    its config.yaml) without the sweep file."""
+    defaults = flatten(Config().to_dict())
+    return {k: v for k, v in flatten(point_config(sweep, point).to_dict()).items()
+            if k not in NOT_DEFINING and (k not in defaults or v != defaults[k])}
+
+
+def resume_drift(sweep: Sweep, point: Point) -> list:
+    """Keys an unfinished point's checkpointed run was made with another value of, that a resume
+    refuses (those outside RESUMABLE_CHANGES; ``data.path`` is checked by content when it runs):
+    such a point cannot go on, and a sweep cannot overwrite it."""
+    have = RunDir(point.run_dir).read_config()
+    if have is None:
+        return []
+    return [k for k in config_changes(have, point_config(sweep, point).to_dict())
+            if k not in RESUMABLE_CHANGES and k != "data.path"]
+
+
+def drift_warning(sweep: Sweep) -> None:
+    """Print one warning naming the keys of finished points whose runs were made with another config."""
+    stale = [(p, d) for p in sweep.points if p.status() == FINISHED and (d := config_drift(sweep, p))]
+    if stale:
+        keys = sorted({k for _, d in stale for k in d})
+        print(f"warning: {len(stale)} finished run(s) were made with a different config ({', '.join(keys)}) "
+              f"and were kept; remove their directories to run them again, e.g. {display_path(stale[0][0].run_dir)}")
