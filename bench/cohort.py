@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from fedcp_dist.state.process_memory import anon_rss_bytes  # noqa: E402
-from fedcp_dist.config import load_config  # noqa: E402
+from fedcp_dist.config import load_config, merged_overrides  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.engine.simulator import Simulator  # noqa: E402
 
@@ -52,7 +52,7 @@ def main(argv=None):
     p.add_argument("--eval", action="store_true", help="first run round 1 with its evaluation of every client")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    overrides = ["checkpoint_every=0", f"eval_every={a.rounds + 2}", *a.overrides]
+    overrides = merged_overrides(["checkpoint_every=0", f"eval_every={a.rounds + 2}"], a.overrides)
     cfg = load_config(a.config, overrides)
     t0 = time.perf_counter()
     rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout)

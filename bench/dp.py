@@ -34,7 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedcp_dist.config import load_config  # noqa: E402
+from fedcp_dist.config import load_config, merged_overrides  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.engine.simulator import Simulator  # noqa: E402
 
@@ -54,8 +54,8 @@ def _round_bench():
 def variant_overrides(shard, overrides: list, dp: list) -> list:
     """One variant's overrides: the shard, evaluation every round, no checkpoints, the user's
     ``overrides``, then the DP keys (none for the variant without)."""
-    return [f"data.path={shard}", "data.num_clients=0", "data.source=", "data.input_shape=null", "eval_every=1",
-            "checkpoint_every=0", "overwrite=true", *overrides, *dp]
+    return merged_overrides([f"data.path={shard}", "data.num_clients=0", "data.source=", "data.input_shape=null",
+                             "eval_every=1", "checkpoint_every=0", "overwrite=true"], overrides, dp)
 
 
 def timed_means(records: list, warmup: int) -> dict:

@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO))
 from fedcp_dist.fused import groups as fused_groups  # noqa: E402
 from fedcp_dist.fused import memory as fused_memory  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
-from fedcp_dist.config import load_config  # noqa: E402
+from fedcp_dist.config import load_config, merged_overrides  # noqa: E402
 from fedcp_dist.state.placement import STREAM_EVAL, STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
 from fedcp_dist.runtime import init_runtime  # noqa: E402
 from fedcp_dist.engine.simulator import Simulator  # noqa: E402
@@ -301,10 +301,9 @@ def bench_overrides(shard, overrides: list, fused_on: Optional[bool], fused_grou
     checkpoints, the user's ``overrides``, then fused=true/false where a variant is forced (None:
     the config's own ``fused``, by default ``auto``)."""
     out = [f"data.path={shard}", "data.num_clients=0", "data.source=", "data.input_shape=null", "eval_every=1",
-           "checkpoint_every=0", "overwrite=true", *overrides]
-    if fused_on is not None:
-        out.append(f"fused={'true' if fused_on else 'false'}")
-    return out + [f"fused_group={fused_group}"]
+           "checkpoint_every=0", "overwrite=true"]
+    forced = [f"fused={'true' if fused_on else 'false'}"] if fused_on is not None else []
+    return merged_overrides(out, overrides, forced + [f"fused_group={fused_group}"])
 
 
 def flops_per_sample(sim, cfg, rt) -> tuple:

@@ -22,7 +22,7 @@ import re
 import sys
 import typing
 from dataclasses import field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import yaml
 
@@ -321,11 +321,29 @@ class FromText:
     text: str
 
 
+def override_key(item: str) -> str:
+    """The key of one ``key=value`` override (the whole text where there is no ``=``)."""
+    return item.split("=", 1)[0].strip()
+
+
+def merged_overrides(*layers: Sequence[str]) -> list[str]:
+    """``key=value`` overrides in layers, a later layer's key replacing an earlier one's (for tools
+    that put their own defaults under the user's overrides); one list with each key once."""
+    out: dict = {}
+    for layer in layers:
+        for item in layer:
+            out.pop(override_key(item), None)
+            out[override_key(item)] = item
+    return list(out.values())
+
+
 def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
     """``["lr=0.1", "data.path=x.h5"]`` → nested dict; values are read as YAML scalars (with
     ``keep_text``, as :class:`FromText`, for :func:`load_config`). A ``#`` that YAML would read as a
-    comment (and drop) is refused: quote the value."""
+    comment (and drop) is refused: quote the value. A key given twice is refused, as a config file's
+    key written twice is (the last value would win silently: ``rounds=3 … rounds=5``)."""
     out: dict = {}
+    given: dict = {}
     for item in items:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key=value")
@@ -333,6 +351,9 @@ def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise UserError(f"override {item!r} has an empty key")
+        if key in given:
+            raise UserError(f"override '{key}' is given twice ({given[key]!r} and {item!r}); give it once")
+        given[key] = item
         bad = next((c for c in item if "\udc80" <= c <= "\udcff"), None)  # a byte the locale could not decode
         if bad is not None:
             encoding = sys.getfilesystemencoding()

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from conftest import run_cmd
-from fedcp_dist.config import Config, load_config, parse_overrides
+from fedcp_dist.config import Config, load_config, merged_overrides, parse_overrides
 from fedcp_dist.errors import UserError
 from fedcp_dist.run import main
 
@@ -25,6 +25,24 @@ def test_yaml_then_overrides(digits6):
 
 def test_parse_overrides_nested():
     assert parse_overrides(["a=1", "data.path=x.h5", "b=true"]) == {"a": 1, "data": {"path": "x.h5"}, "b": True}
+
+
+def test_an_override_given_twice_is_refused_and_tools_layer_theirs_under_the_users():
+    """`rounds=3 … rounds=5` ran 5 rounds silently (the last value won), where a config file's key
+    written twice is refused."""
+    with pytest.raises(UserError) as exc:
+        parse_overrides(["rounds=3", "lr=0.1", " rounds =5"])
+    assert str(exc.value) == "override 'rounds' is given twice ('rounds=3' and ' rounds =5'); give it once"
+    with pytest.raises(UserError, match="'data.path' is given twice"):
+        load_config("configs/digits_fedcp.yaml", ["data.path=a.h5", "data.path=b.h5"], validate=False)
+    # the same value twice is refused too: a sweep's or a script's composition that repeats a key is a mistake
+    with pytest.raises(UserError, match="given twice"):
+        parse_overrides(["seed=1", "seed=1"])
+    assert parse_overrides(["data.path=a.h5", "data.seed=2"]) == {"data": {"path": "a.h5", "seed": 2}}
+    # a tool's own defaults under the user's, and what it forces over both: each key once, the last layer's
+    assert merged_overrides(["eval_every=1", "overwrite=true"], ["eval_every=5", "rounds=2"], ["fused=true"]) == \
+        ["overwrite=true", "eval_every=5", "rounds=2", "fused=true"]
+    assert merged_overrides(["fused=false"], [], ["fused=true"]) == ["fused=true"]
 
 
 def test_a_text_key_takes_its_override_as_typed_and_a_comment_is_never_dropped(tmp_path):
