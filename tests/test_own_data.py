@@ -201,6 +201,34 @@ def test_csv_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert not (tmp_path / "x.h5").exists()
 
 
+def test_data_of_one_class_is_refused_by_the_partition_the_writer_and_a_run(tmp_path, capsys):
+    """A label column holding one class made a shard whose AUC was NaN (bare in metrics.jsonl) and
+    whose accuracy was 100 % untrained."""
+    path = write_csv(tmp_path / "t.csv", ["a", "b", "label"], [[i, i % 3, "cat"] for i in range(40)])
+    expect_user_error(capsys, ["--source", "csv", "--root", path, "--label-col", "label", "--partition", "iid",
+                               "--num-clients", 2, "--out", tmp_path / "x.h5"],
+                      "source csv: its label column 'label' holds 1 class; a classifier needs at least two")
+    assert not (tmp_path / "x.h5").exists()
+    from fedcp_dist.data.shards import write_shard
+
+    x, y = np.zeros((4, 2), np.float32), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="at least two classes, got num_classes=1"):
+        write_shard(tmp_path / "w.h5", [(x, y, x, y)], source="t", num_classes=1, input_shape=(2,), mean=(0.0, 0.0),
+                    std=(1.0, 1.0), partition="iid", partition_params={}, seed=0, kind="table")
+    assert not (tmp_path / "w.h5").exists()
+    # a shard written before the writer refused it: the run names it
+    import h5py
+
+    two = tmp_path / "two.h5"
+    write_shard(two, [(x, y, x, y)], source="t", num_classes=2, input_shape=(2,), mean=(0.0, 0.0),
+                std=(1.0, 1.0), partition="iid", partition_params={}, seed=0, kind="table")
+    with h5py.File(two, "r+") as f:
+        f.attrs["num_classes"] = np.int64(1)
+    with pytest.raises(UserError) as exc:
+        read_info(two)
+    assert str(exc.value) == f"shard file {two}: it holds 1 class; a classifier needs at least two"
+
+
 # ---------------------------------------------------------------------------------------------
 # client vector extension, binary metrics
 

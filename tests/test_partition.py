@@ -115,6 +115,21 @@ def test_pat_too_few_clients_raises():
         partition_pat(labels, 2, 10, 2, True, 10, np.random.default_rng(0))
 
 
+def test_pat_that_would_leave_clients_empty_is_refused_with_the_count():
+    """1,000 clients × 2 classes over 1,797 samples dealt each class's ~180 samples to 200 clients at
+    int(0.9) = 0 each, the last taking the rest: 995 clients held nothing, and the run went on."""
+    labels = np.repeat(np.arange(10), 180)
+    with pytest.raises(UserError) as exc:
+        partition_clients(labels, 10, "pat", 1000, seed=0, classes_per_client=2)
+    assert str(exc.value) == ("the pat partition leaves 995 of 1000 clients without a training or a test sample "
+                              "(each class's samples are dealt to about 200 clients, 180 samples a class on "
+                              "average); use fewer clients (--num-clients) or a smaller --classes-per-client")
+    # 900 clients: one sample of each of its two classes a client, one to train and one to test on
+    part = partition_clients(labels, 10, "pat", 900, seed=0, classes_per_client=2)
+    assert part.report.min_train >= 1 and part.report.min_test >= 1
+    assert "no train" not in part.report.summary()
+
+
 def test_iid_near_equal():
     shares = partition_iid(1003, 10, np.random.default_rng(0))
     assert_exact_cover(shares, 1003)

@@ -352,6 +352,11 @@ def make_shard(spec: PartitionSpec, out, *, force: bool = False, say: Callable[[
                       own_options=spec.own_options(say))
     vocab = f", vocabulary of {src.vocab_size} tokens" if src.kind == "text" else ""
     say(f"  {len(src.y)} samples, input {src.input_shape}, {src.num_classes} classes{vocab}")
+    if src.num_classes < 2:
+        column = src.params.get("label_col")
+        raise UserError(f"source {spec.source}: {'its label column ' + repr(column) if column else 'the data'} "
+                        f"holds {src.num_classes} class{'es' if src.num_classes != 1 else ''}; "
+                        f"a classifier needs at least two")
 
     if spec.partition in NATURAL:
         shares, params = _natural_partition(spec, src, say)

@@ -285,12 +285,9 @@ class PartitionReport:
         """One line for the partition's output."""
         smallest = (f"smallest client {self.smallest} samples ({self.smallest_train} train, "
                     f"{self.smallest_test} test)")
-        empty = ""
-        if self.min_train == 0 or self.min_test == 0:
-            empty = "; some clients have no train or no test samples"
         d = self.draws
         if d is None:
-            return f"{self.kind}: {smallest}{empty}"
+            return f"{self.kind}: {smallest}"
         if d.stop == "met":
             return (f"dir: draw {d.draws} gave every client >= {d.least} samples (least_samples); "
                     f"{smallest}")
@@ -378,6 +375,13 @@ def partition_clients(labels: np.ndarray, num_classes: int, kind: str, num_clien
     pairs = [split_train_test(share, train_ratio, rng) for share in shares]
     n_train = np.array([len(tr) for tr, _ in pairs], dtype=np.int64)
     n_test = np.array([len(te) for _, te in pairs], dtype=np.int64)
+    short = int(((n_train == 0) | (n_test == 0)).sum())
+    if short:  # dir and iid give every client a train and a test sample (the floor above); pat deals whole shares
+        per_class = int(math.ceil(num_clients / num_classes * classes_per_client))
+        raise UserError(f"the pat partition leaves {short} of {num_clients} clients without a training or a test "
+                        f"sample (each class's samples are dealt to about {per_class} clients, "
+                        f"{total // num_classes} samples a class on average); use fewer clients (--num-clients) "
+                        f"or a smaller --classes-per-client")
     i = int(np.argmin(n_train + n_test))
     report = PartitionReport(kind=kind, num_clients=num_clients,
                              least_samples=draws.least if draws else 0,

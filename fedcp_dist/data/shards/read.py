@@ -237,6 +237,9 @@ def read_info(path, label_counts: bool = True) -> ShardInfo:
             if not isinstance(digests, dict):
                 raise UserError(f"shard file {path}: attribute '{ARRAY_DIGESTS}' is not a JSON object")
             n, c = int(attrs["num_clients"]), int(attrs["num_classes"])
+            if c < 2:  # every metric but the accuracy is undefined, and the accuracy is 100 % untrained
+                raise UserError(f"shard file {path}: it holds {c} class{'es' if c != 1 else ''}; "
+                                f"a classifier needs at least two")
             if version >= FORMAT_VERSION:
                 counts = _split_counts(f, path, n, c, kind, label_counts)
             else:

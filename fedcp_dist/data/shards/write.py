@@ -328,6 +328,8 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
     if kind == TEXT_KIND and len(input_shape) != 1:
         raise ValueError(f"a text shard's input_shape is (max_len,), got {input_shape}")
     num_classes = int(num_classes)
+    if num_classes < 2:
+        raise ValueError(f"a shard needs at least two classes, got num_classes={num_classes}")
     ids = _IdRange(len(vocab)) if kind == TEXT_KIND else None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
