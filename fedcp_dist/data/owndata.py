@@ -1,7 +1,8 @@
 """Users' own data: a folder of images per class, or a table of numeric features in a CSV file.
 
-* ``imagefolder``: torchvision's ImageFolder layout ``ROOT/<class>/<image>``, any format Pillow
-  reads (files whose suffix Pillow does not know are skipped and counted).  Classes are the
+* ``imagefolder``: torchvision's ImageFolder layout ``ROOT/<class>/<image>`` (a class folder's
+  sub-folders included), any format Pillow reads (files whose suffix Pillow does not know are
+  skipped and counted).  Classes are the
   sub-folders in sorted order (label k = the k-th name).  Every image is turned upright by its
   EXIF orientation (photos from cameras and phones), 16-bit greyscale is scaled to 8 bits
   (v / 257; not clipped), an image with transparency (alpha, or a transparent palette or colour
@@ -91,18 +92,29 @@ def _listdir(folder: Path) -> list:
 
 
 def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
-    """{class name: [image files]} of ``folder/<class>/<image>`` and the count of skipped files."""
+    """{class name: [image files]} of ``folder/<class>/<image>`` and the count of skipped files.
+    A class folder's sub-folders are read too, as torchvision's ImageFolder reads them
+    (``<class>/2019/a.png``): each folder's files in sorted order, then its sub-folders in sorted
+    order; hidden names are left out, and a link to a folder is not followed (a loop would not end)."""
     out, skipped = {}, 0
     for name in _listdir(folder):
         sub = folder / name
         if not sub.is_dir():
             continue
         files = []
-        for f in _listdir(sub):
-            if (sub / f).is_file() and Path(f).suffix.lower() in suffixes:
-                files.append(sub / f)
-            else:
-                skipped += 1
+        pending = [sub]
+        while pending:
+            here = pending.pop()
+            inner = []
+            for f in _listdir(here):
+                path = here / f
+                if path.is_dir() and not path.is_symlink():
+                    inner.append(path)
+                elif path.is_file() and Path(f).suffix.lower() in suffixes:
+                    files.append(path)
+                else:
+                    skipped += 1
+            pending.extend(reversed(inner))  # the first sub-folder next
         out[name] = files
     return out, skipped
 
