@@ -185,7 +185,7 @@ def _within(work, deadline: float):
             out["error"] = exc
 
     thread = threading.Thread(target=run, name="fedcp-rendezvous", daemon=True)
-    with _cpp_noise_held():
+    with stderr_held():
         thread.start()
         thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
@@ -195,14 +195,22 @@ def _within(work, deadline: float):
     return out["value"]
 
 
-#: how lines that torch's C++ code writes to stderr begin (glog's prefix, a stack trace's lines)
-_CPP_NOISE = re.compile(r"^(\[[WEIF]\d{4} |Exception raised from |frame #\d+|<omitting python frames>|\s*$)")
+#: how lines that torch's C++ code writes to stderr begin (glog's prefix, a stack trace's lines),
+#: after the ``[rank N]:`` that torch puts before them once a process group exists
+_CPP_NOISE = re.compile(r"^(\[rank\d+\]:)?"
+                        r"(\[[WEIF]\d{4} |Exception raised from |frame #\d+|<omitting python frames>|\s*$)")
+
+
+def cpp_noise(line: str) -> bool:
+    """True for a line of torch's C++ logging (a log line, a stack trace's, a blank one)."""
+    return bool(_CPP_NOISE.match(line))
 
 
 @contextlib.contextmanager
-def _cpp_noise_held():
-    """File descriptor 2 goes to a temporary file inside the block; afterwards its lines are written
-    to stderr but for torch's C++ log lines and stack traces."""
+def stderr_held(drop=cpp_noise):
+    """File descriptor 2 (where C++ code writes directly) goes to a temporary file inside the block;
+    afterwards its lines are written to stderr but those ``drop`` says are noise (by default torch's
+    C++ log lines and stack traces; ``lambda line: True`` silences the block)."""
     try:
         sys.stderr.flush()
         held = tempfile.TemporaryFile()
@@ -221,8 +229,7 @@ def _cpp_noise_held():
         os.dup2(saved, 2)
         os.close(saved)
         held.seek(0)
-        kept = [line for line in held.read().decode("utf-8", "replace").splitlines(keepends=True)
-                if not _CPP_NOISE.match(line)]
+        kept = [line for line in held.read().decode("utf-8", "replace").splitlines(keepends=True) if not drop(line)]
         held.close()
         if kept:
             sys.stderr.write("".join(kept))

@@ -26,7 +26,6 @@ old export) otherwise make a plain run wait for ranks that never come.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import re
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fedcp_dist.errors import RunFailure, UserError, first_line
-from fedcp_dist.launch_env import SLURM_VARS, TORCHRUN_VARS, check_launcher_env, rendezvous
+from fedcp_dist.launch_env import SLURM_VARS, TORCHRUN_VARS, check_launcher_env, rendezvous, stderr_held
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
 
@@ -255,7 +254,7 @@ class Runtime:
         """Ranks that do not check in on the rendezvous store within ``wait_s`` (None: store gone).
         torch's C++ logger writes a stack trace to stderr for a store that is gone: stderr is
         silenced while the store is asked (the run says what happened in its own line)."""
-        with _stderr_silenced():
+        with stderr_held(lambda line: True):
             try:
                 store = dist.distributed_c10d._get_default_store()
                 store.set(f"fedcp/alive/{self.rank}", self.phase)
@@ -279,25 +278,6 @@ class Runtime:
             f"backend={self.backend or 'none'}{f' ({self.backend_note})' if self.backend_note else ''} threads={self.threads}"
             + (f" keep_freed_memory={self.keep_freed}" if self.device.type == "cpu" else "")
         )
-
-
-@contextlib.contextmanager
-def _stderr_silenced():
-    """File descriptor 2 points at /dev/null inside the block (C++ code writes there directly)."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        null = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        yield
-        return
-    try:
-        os.dup2(null, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
 
 
 #: seconds between two looks of the launcher watch at this process's parent

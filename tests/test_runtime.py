@@ -197,3 +197,23 @@ def test_process_group_failure_hints():
     assert process_group_failure(0, "nccl", RuntimeError("NCCL error: unhandled system error"), {}) == (
         "rank 0: the ranks met but could not open their nccl process group (NCCL error: unhandled system error): a "
         "network the ranks cannot reach each other on, or a firewall between nodes")
+
+
+def test_stderr_held_drops_torchs_cpp_lines_and_keeps_the_rest(capfd):
+    """What C++ code writes to file descriptor 2 inside the block: torch's log lines and stack
+    traces (with or without the "[rank N]:" torch puts before them) are dropped, other lines kept;
+    with a predicate that drops every line the block is silent."""
+    from fedcp_dist.launch_env import stderr_held
+
+    lines = ["[W1205 10:01:02.000000000 TCPStore.cpp:106] [c10d] sendBytes failed\n",
+             "[rank1]:[W1205 10:01:02.000 socket.cpp:464] [c10d] connect failed\n",
+             "Exception raised from recvBytes at torch/csrc/distributed/c10d/Utils.hpp:671\n",
+             "frame #0: c10::Error::Error + 0x98\n", "[rank3]:frame #1: <unknown function>\n",
+             "UserWarning: something a user should see\n"]
+    capfd.readouterr()
+    with stderr_held():
+        os.write(2, "".join(lines).encode())
+    assert capfd.readouterr().err == "UserWarning: something a user should see\n"
+    with stderr_held(lambda line: True):
+        os.write(2, "".join(lines).encode())
+    assert capfd.readouterr().err == ""
