@@ -125,7 +125,7 @@ def main(argv=None):
         else:
             while not shard.exists():
                 time.sleep(0.5)
-    overrides = ["rounds=3", *args.overrides]
+    overrides = merged_overrides(["rounds=3"], args.overrides)
 
     def config(keys: list, out_dir: str):
         cfg = load_config(args.config, variant_overrides(shard, overrides, keys))

@@ -208,7 +208,7 @@ def main(argv=None):
         else:
             while not shard.exists():
                 time.sleep(0.5)
-    overrides = ["rounds=3", *args.overrides]
+    overrides = merged_overrides(["rounds=3"], args.overrides)
 
     if args.fused and args.sequential:
         p.error("--fused and --sequential exclude each other")

@@ -326,12 +326,26 @@ def override_key(item: str) -> str:
     return item.split("=", 1)[0].strip()
 
 
+def given_once(items: Sequence[str]) -> list[str]:
+    """``items`` as they are, where no key is given twice; a key given twice is refused, as a
+    config file's key written twice is (for the overrides a user types: ``rounds=3 … rounds=5``
+    would run 5 rounds silently)."""
+    seen: dict = {}
+    for item in items:
+        key = override_key(item)
+        if key in seen:
+            raise UserError(f"override '{key}' is given twice ({seen[key]!r} and {item!r}); give it once")
+        seen[key] = item
+    return list(items)
+
+
 def merged_overrides(*layers: Sequence[str]) -> list[str]:
     """``key=value`` overrides in layers, a later layer's key replacing an earlier one's (for tools
-    that put their own defaults under the user's overrides); one list with each key once."""
+    that put their own defaults under the user's overrides); one list with each key once. Within a
+    layer a key given twice is refused (:func:`given_once`)."""
     out: dict = {}
     for layer in layers:
-        for item in layer:
+        for item in given_once(layer):
             out.pop(override_key(item), None)
             out[override_key(item)] = item
     return list(out.values())
@@ -340,10 +354,10 @@ def merged_overrides(*layers: Sequence[str]) -> list[str]:
 def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
     """``["lr=0.1", "data.path=x.h5"]`` → nested dict; values are read as YAML scalars (with
     ``keep_text``, as :class:`FromText`, for :func:`load_config`). A ``#`` that YAML would read as a
-    comment (and drop) is refused: quote the value. A key given twice is refused, as a config file's
-    key written twice is (the last value would win silently: ``rounds=3 … rounds=5``)."""
+    comment (and drop) is refused: quote the value. Overrides are layers: a key given again replaces
+    its earlier value (tools put their own under a user's); the command line refuses a key a user
+    gives twice before it gets here (:func:`given_once`)."""
     out: dict = {}
-    given: dict = {}
     for item in items:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key=value")
@@ -351,9 +365,6 @@ def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise UserError(f"override {item!r} has an empty key")
-        if key in given:
-            raise UserError(f"override '{key}' is given twice ({given[key]!r} and {item!r}); give it once")
-        given[key] = item
         bad = next((c for c in item if "\udc80" <= c <= "\udcff"), None)  # a byte the locale could not decode
         if bad is not None:
             encoding = sys.getfilesystemencoding()

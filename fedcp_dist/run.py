@@ -144,8 +144,9 @@ def main(argv=None):
 
 def _main(args, stop: StopSignals) -> None:
     check_address_space()  # before torch loads: under too low a limit some of its libraries abort the process
-    from fedcp_dist.config import dump_config, load_config
+    from fedcp_dist.config import dump_config, given_once, load_config
 
+    given_once(args.overrides)  # a key typed twice, before anything starts
     if args.print_config:
         cfg = load_config(args.config, args.overrides, validate=False).validate(data_file=False)
         print(dump_config(cfg), end="")

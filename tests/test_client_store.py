@@ -9,6 +9,7 @@ import torch
 
 from conftest import run_cmd
 from helpers import PreemptAt, run
+from fedcp_dist.config import merged_overrides
 from fedcp_dist.errors import RunFailure
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.state.client_store import ClientStore, resolve_mode
@@ -19,9 +20,9 @@ MiB = 2**20
 
 
 def _ditto(shard, out, *extra):
-    return [f"data.path={shard}", f"out_dir={out}", "rounds=3", "eval_every=2", "participation=0.5",
-            "checkpoint_every=1", "threads=1",
-            "fused=false", *extra]  # one client at a time: PreemptAt wraps local_train
+    return merged_overrides([f"data.path={shard}", f"out_dir={out}", "rounds=3", "eval_every=2", "participation=0.5",
+                             "checkpoint_every=1", "threads=1",
+                             "fused=false"], extra)  # one client at a time: PreemptAt wraps local_train
 
 
 def _records(out: Path):

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from conftest import run_cmd
-from fedcp_dist.config import Config, load_config, merged_overrides, parse_overrides
+from fedcp_dist.config import Config, given_once, load_config, merged_overrides, parse_overrides
 from fedcp_dist.errors import UserError
 from fedcp_dist.run import main
 
@@ -27,22 +27,30 @@ def test_parse_overrides_nested():
     assert parse_overrides(["a=1", "data.path=x.h5", "b=true"]) == {"a": 1, "data": {"path": "x.h5"}, "b": True}
 
 
-def test_an_override_given_twice_is_refused_and_tools_layer_theirs_under_the_users():
+def test_an_override_given_twice_is_refused_and_tools_layer_theirs_under_the_users(capsys):
     """`rounds=3 … rounds=5` ran 5 rounds silently (the last value won), where a config file's key
     written twice is refused."""
     with pytest.raises(UserError) as exc:
-        parse_overrides(["rounds=3", "lr=0.1", " rounds =5"])
+        given_once(["rounds=3", "lr=0.1", " rounds =5"])
     assert str(exc.value) == "override 'rounds' is given twice ('rounds=3' and ' rounds =5'); give it once"
-    with pytest.raises(UserError, match="'data.path' is given twice"):
-        load_config("configs/digits_fedcp.yaml", ["data.path=a.h5", "data.path=b.h5"], validate=False)
-    # the same value twice is refused too: a sweep's or a script's composition that repeats a key is a mistake
-    with pytest.raises(UserError, match="given twice"):
-        parse_overrides(["seed=1", "seed=1"])
-    assert parse_overrides(["data.path=a.h5", "data.seed=2"]) == {"data": {"path": "a.h5", "seed": 2}}
+    with pytest.raises(UserError, match="given twice"):  # the same value twice too: a slip all the same
+        given_once(["seed=1", "seed=1"])
+    assert given_once(["data.path=a.h5", "data.seed=2"]) == ["data.path=a.h5", "data.seed=2"]
+    # fedcp-run refuses them before anything starts (under --ranks too), in one line, exit 2
+    for argv in (["--print-config"], ["--ranks", "2"], []):
+        with pytest.raises(SystemExit) as stop:
+            main([*argv, "--config", "configs/digits_fedcp.yaml", "data.path=a.h5", "rounds=2", "data.path=b.h5"])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == ("error: override 'data.path' is given twice ('data.path=a.h5' and "
+                                           "'data.path=b.h5'); give it once\n")
+    # load_config's overrides are layers (a tool's, then a user's): the later value of a key wins
+    assert load_config("configs/digits_fedcp.yaml", ["rounds=3", "rounds=5"], validate=False).rounds == 5
     # a tool's own defaults under the user's, and what it forces over both: each key once, the last layer's
     assert merged_overrides(["eval_every=1", "overwrite=true"], ["eval_every=5", "rounds=2"], ["fused=true"]) == \
         ["overwrite=true", "eval_every=5", "rounds=2", "fused=true"]
     assert merged_overrides(["fused=false"], [], ["fused=true"]) == ["fused=true"]
+    with pytest.raises(UserError, match="'rounds' is given twice"):  # within the user's layer, refused
+        merged_overrides(["eval_every=1"], ["rounds=2", "rounds=3"])
 
 
 def test_a_text_key_takes_its_override_as_typed_and_a_comment_is_never_dropped(tmp_path):

@@ -248,7 +248,15 @@ def test_fmnist_idx_files(tmp_path, capsys):
     labels.unlink()
     expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "root",
                                "--num-clients", 2, "--out", tmp_path / "y.h5"],
-                      str(labels), "is missing")
+                      str(labels), "is missing; pass --download")
+    # the files as published, gzipped: said so, not "download them" (on a machine without internet)
+    import gzip
+
+    labels.with_name(labels.name + ".gz").write_bytes(gzip.compress(idx_ubyte(np.zeros(8, np.uint8))))
+    expect_user_error(capsys, ["--source", "fmnist", "--root", tmp_path / "root",
+                               "--num-clients", 2, "--out", tmp_path / "y.h5"],
+                      f"{labels} is missing but {labels}.gz is there; unpack the files where they are "
+                      f"(gunzip -k {labels.parent}/*.gz)")
     # each file whole and consistent, but the training images of another size (a file of another set)
     make_fmnist(tmp_path / "other")
     raw = tmp_path / "other" / "FashionMNIST" / "raw"

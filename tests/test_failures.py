@@ -22,15 +22,15 @@ from helpers import start as _start
 from fedcp_dist.cli import report
 from fedcp_dist.rundir import checkpoint as ckpt_mod
 from fedcp_dist.rundir.checkpoint import Checkpointer
-from fedcp_dist.config import load_config
+from fedcp_dist.config import load_config, merged_overrides
 from fedcp_dist.errors import RunFailure
 from fedcp_dist.runtime import init_runtime
 from fedcp_dist.engine.simulator import Simulator
 
 
 def _args(shard, out, *extra):
-    return ["--config", "configs/digits_fedcp.yaml", "eval_every=1", f"data.path={shard}", f"out_dir={out}",
-            "threads=1", *extra]
+    return ["--config", "configs/digits_fedcp.yaml",
+            *merged_overrides(["eval_every=1", f"data.path={shard}", f"out_dir={out}", "threads=1"], extra)]
 
 
 def _lines(out: Path):

@@ -13,6 +13,7 @@ from conftest import run_cmd
 from helpers import kill_job as _kill_job
 from helpers import start as _start
 from helpers import wait_for as _wait_for
+from fedcp_dist.config import merged_overrides
 from fedcp_dist.rundir.checkpoint import Checkpointer
 
 ROUNDS = 6  # a SIGKILL in round 5, a preemption after round 3
@@ -21,8 +22,9 @@ ROUNDS = 6  # a SIGKILL in round 5, a preemption after round 3
 def _args(shard, out, *extra):
     # fused=false: these runs check the sequential path across world sizes (the default fused path
     # is checked on 1, 2 and 3 ranks in tests/test_multiprocess.py)
-    return ["--config", "configs/digits_fedcp.yaml", f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2",
-            f"data.path={shard}", f"out_dir={out}", "threads=1", "fused=false", *extra]
+    return ["--config", "configs/digits_fedcp.yaml",
+            *merged_overrides([f"rounds={ROUNDS}", "eval_every=1", "checkpoint_every=2", f"data.path={shard}",
+                               f"out_dir={out}", "threads=1", "fused=false"], extra)]
 
 
 def _torchrun(nproc=2):

@@ -865,3 +865,36 @@ def test_a_report_of_loose_runs_beside_a_sweep_is_titled_by_its_folder(finished_
     assert (tmp_path / "out" / "report.md").read_text().startswith("# Report: runs\n")
     report.main([str(root / "sweeps"), "--out", str(tmp_path / "out2"), "--no-plots"])
     assert (tmp_path / "out2" / "report.md").read_text().startswith("# Report: real\n")
+
+
+def test_the_drift_warning_says_how_a_run_goes_on_to_more_rounds(tmp_path, capsys, digits6):
+    """Raising a sweep's rounds made it warn "remove their directories to run them again" (all the
+    rounds lost), where removing summary.json lets such a run resume from its last checkpoint; a
+    method whose training depends on the total of rounds (FedPHP) or another changed key still has
+    to run afresh."""
+    from fedcp_dist.sweep.drift import drift_warning
+
+    sw = sweep.load_sweep(write_sweep(tmp_path, grid={"method": ["fedavg", "fedphp"], "seed": [1, 2, 3]},
+                                      overrides={"rounds": 2, "eval_every": 1, "data.path": str(digits6)}))
+    made = {("fedavg", 1): {"rounds": 1}, ("fedphp", 1): {"rounds": 1}, ("fedavg", 2): {"lr": 0.5},
+            ("fedavg", 3): {}, ("fedphp", 2): {"eval_every": 3}}
+    for p in sw.points:
+        key = (p.params["method"], p.params["seed"])
+        if key not in made:
+            continue
+        cfg = sweep.spec.point_config(sw, p)
+        for k, v in made[key].items():
+            setattr(cfg, k, v)
+        p.run_dir.mkdir(parents=True)
+        (p.run_dir / "config.yaml").write_text(dump_config(cfg))
+        (p.run_dir / "summary.json").write_text("{}")
+    drift_warning(sw)
+    lines = capsys.readouterr().out.splitlines()
+    on = next(p.run_dir for p in sw.points if (p.params["method"], p.params["seed"]) == ("fedavg", 1))
+    fresh = next(p.run_dir for p in sw.points if (p.params["method"], p.params["seed"]) == ("fedavg", 2))
+    assert lines == [
+        f"warning: 2 finished run(s) were made with another value of eval_every, rounds and were kept; to take "
+        f"them on to the new value, remove their summary.json and run the sweep again (each resumes from its last "
+        f"checkpoint), e.g. rm {sweep.names.display_path(on / 'summary.json')}",
+        f"warning: 2 finished run(s) were made with a different config (lr, rounds) and were kept; remove their "
+        f"directories to run them again, e.g. {sweep.names.display_path(fresh)}"]

@@ -46,7 +46,7 @@ declares next to its code; do not edit by hand (a test fails when this page is s
 A run is configured by one YAML file of flat keys (the data set's under `data:`), overridden on the
 command line with `key=value` (`data.path=...` for the data set's):
 
-    fedcp-run --config configs/digits_fedcp.yaml rounds=50 lam=1 data.path=data/digits_dir0.1_n20.h5
+    fedcp-run --config configs/digits_fedcp.yaml rounds=50 lam=1 data.path=data/digits_dir0.1_n20.h5 out_dir=runs/digits_lam1
 
 `fedcp-run --config FILE --print-config` prints the resolved config (every key below, in this order).
 A value a key does not accept, or a combination of keys that cannot work together, stops the run
@@ -291,7 +291,7 @@ def keys() -> list:
 
 @cli_main
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m fedcp_dist.cli.config_reference", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m fedcp_dist.cli.config_reference", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--check", action="store_true", help="exit 1 when the page or a preset differs from what the code "
                    "declares")
     p.add_argument("--out", default=str(PAGE), help="the page to write or check (default: docs/configuration.md)")

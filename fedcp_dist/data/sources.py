@@ -123,6 +123,9 @@ def _torchvision_loader(name: str, class_name: str, num_classes: int) -> Callabl
             for url, _ in cls.resources:  # the unpacked idx-ubyte files torchvision reads
                 file = raw / os.path.splitext(os.path.basename(url))[0]
                 if not file.is_file():
+                    if Path(f"{file}.gz").is_file():  # as the files are published: torchvision reads them unpacked
+                        raise UserError(f"source '{name}' under root '{root}': {file} is missing but {file}.gz "
+                                        f"is there; unpack the files where they are (gunzip -k {raw}/*.gz)")
                     raise UserError(f"source '{name}' not found under root '{root}': {file} is "
                                     f"missing; pass --download to fetch it")
         parts = []

@@ -27,18 +27,25 @@ def format_value(value: Any) -> str:
 
 
 def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
-    """The line printed for an evaluation (``record``: its round's record; None: the final one)."""
-    loss = record.get("train_loss") if record else None
-    tail = (f"  {record['seconds']:.2f} s/round  train loss " + (f"{loss:.4f}" if loss is not None else "n/a (no client trained)")
-            if record else "  (final)")
-    if record and "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
+    """The line printed for an evaluation (``record``: its round's record; None: the final one).
+
+    A round evaluates the model it starts from, then trains (as the reference library does), so a
+    round's line puts the evaluation before the round's own figures and says so:
+    ``[round 1/3] before training: acc … | trained in 54.78 s, train loss 1.80, ε 3.45``; the final
+    one is ``[final] after round 3: acc …``."""
+    metrics = (f"acc {e['acc']:.4f}  client-mean {e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
+               + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else ""))
+    if not record:
+        return f"[final] after round {e['evaluated_after']}: {metrics}"
+    loss = record.get("train_loss")
+    tail = (f" | trained in {record['seconds']:.2f} s, train loss "
+            + (f"{loss:.4f}" if loss is not None else "n/a (no client trained)"))
+    if "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
         eps = record["dp_epsilon"]
-        tail += f"  ε after round {record['round']}: " + (f"{eps:.3g}" if math.isfinite(eps) else "∞")
+        tail += ", ε " + (f"{eps:.3g}" if math.isfinite(eps) else "∞")
         tail += " (noise of a larger cohort: no guarantee here)" if record.get("dp_guarantee") is False else ""
-    return (f"[eval after {e['evaluated_after']:>4}/{rounds} rounds] acc {e['acc']:.4f}  client-mean "
-            f"{e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
-            + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else "")
-            + tail)
+    width = len(str(rounds))
+    return f"[round {record['round']:>{width}}/{rounds}] before training: {metrics}{tail}"
 
 
 def result_table(s: dict) -> str:

@@ -5,8 +5,8 @@ so that ``fedcp-report`` can tell such runs apart without the sweep file."""
 from __future__ import annotations
 
 from fedcp_dist.config import Config, flatten
-from fedcp_dist.rundir.directory import (FINISHED, NOT_DEFINING, RESUMABLE_CHANGES, RunDir, config_changes,
-                                         defining_changes)
+from fedcp_dist.rundir.directory import (FINISHED, NOT_DEFINING, RESUMABLE_CHANGES, RESUMABLE_DEFINING, RunDir,
+                                         config_changes, defining_changes, rounds_scheduled)
 from fedcp_dist.sweep.names import display_path
 from fedcp_dist.sweep.spec import Point, Sweep, point_config
 
@@ -45,9 +45,20 @@ def resume_drift(sweep: Sweep, point: Point) -> list:
 
 
 def drift_warning(sweep: Sweep) -> None:
-    """Print one warning naming the keys of finished points whose runs were made with another config."""
+    """Print what to do about finished points whose runs were made with another config: a warning
+    per kind. Runs that differ only in keys a resume may change (``rounds``, ``eval_every``: not for a
+    method whose training depends on the total of rounds) go on from their last checkpoint once
+    their summary.json is removed; the others run again only from an empty directory."""
     stale = [(p, d) for p in sweep.points if p.status() == FINISHED and (d := config_drift(sweep, p))]
-    if stale:
-        keys = sorted({k for _, d in stale for k in d})
-        print(f"warning: {len(stale)} finished run(s) were made with a different config ({', '.join(keys)}) "
-              f"and were kept; remove their directories to run them again, e.g. {display_path(stale[0][0].run_dir)}")
+    go_on = [(p, d) for p, d in stale if set(d) <= set(RESUMABLE_DEFINING)
+             and not ("rounds" in d and rounds_scheduled(point_config(sweep, p).to_dict()))]
+    afresh = [(p, d) for p, d in stale if (p, d) not in go_on]
+    if go_on:
+        keys = ", ".join(sorted({k for _, d in go_on for k in d}))
+        print(f"warning: {len(go_on)} finished run(s) were made with another value of {keys} and were kept; to take them "
+              f"on to the new value, remove their summary.json and run the sweep again (each resumes from its "
+              f"last checkpoint), e.g. rm {display_path(go_on[0][0].run_dir / 'summary.json')}")
+    if afresh:
+        keys = ", ".join(sorted({k for _, d in afresh for k in d}))
+        print(f"warning: {len(afresh)} finished run(s) were made with a different config ({keys}) and were kept; "
+              f"remove their directories to run them again, e.g. {display_path(afresh[0][0].run_dir)}")
