@@ -75,7 +75,13 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: 
                           rendezvous_timeout=cfg.rendezvous_timeout)
         stop.rank = rt.rank
         try:
-            return Simulator(cfg, rt, stop=stop).run()
+            summary = Simulator(cfg, rt, stop=stop).run()
+            if rt.is_main:  # for a launcher signalled after this: the run is finished, whatever the ranks' ending
+                try:
+                    write_status("finished")
+                except OSError:  # the run's files are written: a job script's note cannot undo that
+                    pass
+            return summary
         except Preempted:
             # torchrun turns a worker's exit status into its own: job scripts read this file instead
             if rt.is_main:

@@ -44,9 +44,15 @@ fedcp_launch() {
     rm -f "$status_file"
     local rc=0
     FEDCP_STATUS_FILE=$status_file srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@" || rc=$?
-    if [ "$rc" != 0 ] && [ "$rc" != 75 ] && [ "$(cat "$status_file" 2>/dev/null)" = preempted ]; then
+    local said
+    said=$(cat "$status_file" 2>/dev/null || true)
+    if [ "$rc" != 0 ] && [ "$rc" != 75 ] && [ "$said" = preempted ]; then
         echo "fedcp: srun ended with status $rc after rank 0 checkpointed and stopped: treated as 75"
         rc=75
+    elif [ "$rc" != 0 ] && [ "$said" = finished ]; then
+        # a signal between the final files and the ranks' exit: a requeue would find a finished run
+        echo "fedcp: srun ended with status $rc after rank 0 wrote the run's final files: treated as 0"
+        rc=0
     fi
     rm -f "$status_file"
     return "$rc"

@@ -406,3 +406,17 @@ def test_a_signalled_ranks_launch_exits_75_only_after_a_reported_checkpoint(tmp_
     assert ranks.stopped_status(str(status), sig.SIGTERM) == 75
     status.write_text("")
     assert ranks.stopped_status(str(status), sig.SIGINT) == 128 + sig.SIGINT
+    status.write_text("finished\n")  # signalled after rank 0 wrote the run's final files: a finished run
+    assert ranks.stopped_status(str(status), sig.SIGTERM) == 0
+
+
+def test_a_finished_run_says_so_in_the_status_file(digits6, tmp_path, monkeypatch):
+    """Under a launcher signalled during the final evaluation or after the final files, the ranks'
+    statuses said "stopped" (143) for a finished run, and a requeue then found it finished (exit 2)."""
+    from fedcp_dist.run import run_config
+
+    status = tmp_path / "status"
+    monkeypatch.setenv("FEDCP_STATUS_FILE", str(status))
+    run_config("configs/digits_fedavg.yaml", [f"data.path={digits6}", f"out_dir={tmp_path / 'run'}", "rounds=1",
+                                              "threads=1", "checkpoint_every=0"])
+    assert status.read_text() == "finished\n" and (tmp_path / "run" / "summary.json").is_file()

@@ -71,7 +71,9 @@ def test_fedcp_run_ranks_matches_single_rank(single, digits6_16px, tmp_path):
 def test_fedcp_run_ranks_ends_as_a_run_does(digits6_16px, tmp_path):
     """``fedcp-run --ranks 2`` (torchrun behind fedcp_dist/cli/ranks.py) ends as one process would:
     ranks refusing alike exit 2 with one line each and one line for the launch, no traceback; a
-    SIGTERM checkpoints and exits 75 (torchrun exited 1 either way, the first with its traceback)."""
+    SIGUSR2, the default preempt_signal, checkpoints and exits 75 (torchrun exited 1 either way, the
+    first with its traceback, and SIGUSR2, which torchrun does not listen to, ended it at once: no
+    checkpoint, exit 140)."""
     import signal
     import subprocess
     import time
@@ -93,13 +95,13 @@ def test_fedcp_run_ranks_ends_as_a_run_does(digits6_16px, tmp_path):
         while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
             assert time.monotonic() < deadline and p.poll() is None, p.communicate()[1][-3000:]
             time.sleep(0.2)
-        p.send_signal(signal.SIGTERM)  # the process is torchrun now (exec'd in fedcp-run's place)
+        p.send_signal(signal.SIGUSR2)  # the process is torchrun now (exec'd in fedcp-run's place)
         _, err = p.communicate(timeout=180)
     finally:
         if p.poll() is None:
             p.kill()
     assert p.returncode == 75 and "Traceback" not in err, err[-3000:]
-    assert err.splitlines()[-1] == "fedcp-run --ranks: got SIGTERM; the ranks stopped after their checkpoint"
+    assert err.splitlines()[-1] == "fedcp-run --ranks: got SIGUSR2; the ranks stopped after their checkpoint"
     assert any((d / "COMPLETE").exists() for d in (out / "checkpoints").iterdir())
 
 

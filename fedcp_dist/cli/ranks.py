@@ -12,10 +12,13 @@ already printed their own one-line errors by then. Here:
   stopped (SIGTERM, which it sends the others once one has failed) do not count;
 * ranks that failed differently (or a signal ended one): exit 1, and one line listing each rank's
   status or signal;
-* torchrun itself signalled (SIGTERM from a scheduler, Ctrl-C): it stops the ranks, which
-  checkpoint first when their round ends in time; then 75 when rank 0 said so in the status file
-  (``FEDCP_STATUS_FILE``, set here to a file of its own when the caller has not), else 128 + the
-  signal's number, as a shell reports a process a signal ended.
+* torchrun itself signalled (SIGTERM from a scheduler, Ctrl-C, or SIGUSR2, the default
+  ``preempt_signal``, which torchrun does not listen to: it is taken here as a SIGTERM, which every
+  rank listens to): it stops the ranks, which checkpoint first when their round ends in time; then
+  75 when rank 0 said so in the status file (``FEDCP_STATUS_FILE``, set here to a file of its own
+  when the caller has not), 0 when rank 0 wrote there that the run had finished (a signal during
+  the final evaluation or after the final files), else 128 + the signal's number, as a shell
+  reports a process a signal ended.
 """
 from __future__ import annotations
 
@@ -50,14 +53,20 @@ def failure_line(codes: Dict[int, int], signals: Dict[int, str]) -> tuple:
 
 
 def stopped_status(status_file: Optional[str], signum: int) -> int:
-    """The exit status after torchrun was signalled: 75 when rank 0 wrote ``preempted``."""
+    """The exit status after torchrun was signalled: 75 when rank 0 wrote ``preempted``, 0 when it
+    wrote ``finished`` (the run's final files were written before the ranks stopped)."""
     try:
         with open(status_file or "", encoding="utf-8") as f:
-            if f.read().strip() == "preempted":
-                return EXIT_REQUEUE
+            said = f.read().strip()
     except OSError:
-        pass
-    return 128 + signum
+        said = ""
+    return {"preempted": EXIT_REQUEUE, "finished": 0}.get(said, 128 + signum)
+
+
+#: signals a scheduler sends to ask for a checkpoint that torchrun does not listen to (it stops its
+#: workers on SIGTERM, SIGINT, SIGHUP and SIGQUIT); left alone, their default action ends torchrun at
+#: once, and its workers with it, without a checkpoint
+UNHEARD = (signal.SIGUSR2,)
 
 
 def main(argv=None) -> int:
@@ -65,6 +74,15 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    asked: list = []
+
+    def as_sigterm(signum, _frame):
+        # torchrun's own handler for SIGTERM raises this; its agent then sends SIGTERM to the ranks
+        asked.append(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
+
+    for sig in UNHEARD:
+        signal.signal(sig, as_sigterm)
     own = None
     if not os.environ.get("FEDCP_STATUS_FILE"):
         try:
@@ -83,9 +101,11 @@ def main(argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
-        code = stopped_status(os.environ.get("FEDCP_STATUS_FILE"), int(exc.sigval))
-        said = "stopped after their checkpoint" if code == EXIT_REQUEUE else "stopped (no checkpoint was reported)"
-        print(f"fedcp-run --ranks: got {signal.Signals(exc.sigval).name}; the ranks {said}", file=sys.stderr, flush=True)
+        signum = asked[0] if asked else int(exc.sigval)
+        code = stopped_status(os.environ.get("FEDCP_STATUS_FILE"), signum)
+        said = {EXIT_REQUEUE: "stopped after their checkpoint", 0: "had finished the run"}.get(
+            code, "stopped (no checkpoint was reported)")
+        print(f"fedcp-run --ranks: got {signal.Signals(signum).name}; the ranks {said}", file=sys.stderr, flush=True)
         return code
     finally:
         if own:
