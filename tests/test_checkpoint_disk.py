@@ -303,3 +303,30 @@ def test_a_disk_checkpoint_resumes_on_two_ranks(whole, digits20_16px, tmp_path):
     _, _, s, _ = ck.load(ck.latest(), range(20), "cpu")
     _, _, sw, _ = ck.load(whole / "checkpoints" / "round_0000004", range(20), "cpu")
     assert s.keys() == sw.keys() and all(torch.equal(s[c][k], sw[c][k]) for c in sw for k in sw[c])
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda m: m.update(world_size=2), "its parts ['clients_0.pt', 'global.pt'] are not those of 2 rank(s)"),
+    (lambda m: m.update(world_size=True), "world_size True"),
+    (lambda m: m.update(sha256=None), "sha256 is not a map of parts to checksums"),
+    (lambda m: m.update(sha256=["global.pt"]), "sha256 is not a map of parts to checksums"),
+    (lambda m: m.update(round=1), "round 1 in folder round_0000002"),
+    (lambda m: m.update(client_files="clientz"), "client_files 'clientz'"),
+])
+def test_a_complete_marker_damaged_in_its_fields_is_damage_and_the_previous_checkpoint_serves(tmp_path, damage,
+                                                                                              problem):
+    """A flipped bit in COMPLETE's world_size (or the client_files key) kept every listed checksum
+    right, passed verify, then failed to load: the run refused to resume though the previous
+    checkpoint was intact. A sha256 of null or a list raised AttributeError inside verify."""
+    ck = Checkpointer(str(tmp_path / "run"), 0, 1, 2)
+    first = ck.save(1, {"w": torch.zeros(2)}, {0: {"v": torch.ones(2)}}, {}, lambda ok: ok)
+    second = ck.save(2, {"w": torch.ones(2)}, {0: {"v": torch.ones(2)}}, {}, lambda ok: ok)
+    assert ck.verify(second) is None and ck.latest() == second
+    manifest = json.loads((second / "COMPLETE").read_text())
+    damage(manifest)
+    (second / "COMPLETE").write_text(json.dumps(manifest))
+    assert ck.verify(second) == f"its COMPLETE marker is damaged ({problem})"
+    said = []
+    assert ck.latest(warn=said.append) == first
+    assert said == [f"checkpoint {second} is damaged (its COMPLETE marker is damaged ({problem})); "
+                    f"trying the previous one"]

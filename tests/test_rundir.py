@@ -134,6 +134,25 @@ def test_a_checkpoints_file_in_the_folders_place_is_refused_at_start(tmp_path):
     assert not (out / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("target", ["elsewhere/unmounted/ck", "checkpoints"])
+def test_a_checkpoints_link_to_nowhere_is_refused_at_start(tmp_path, target):
+    """A link to a scratch folder not mounted (or a loop) made the run start over from round 0,
+    rewrite metrics.jsonl and fail at its first checkpoint with "File exists"."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(tmp_path / target if "/" in target else target)
+    with pytest.raises(UserError) as exc:
+        prepare_out_dir(out, overwrite=False, resume="auto")
+    assert str(exc.value) == (f"{out / 'checkpoints'} is a symbolic link to "
+                              f"{tmp_path / target if '/' in target else target}, which is not a folder that can be "
+                              f"reached (not mounted? a loop?); mount or mend it, or pass overwrite=true to start afresh")
+    prepare_out_dir(out, overwrite=True, resume="auto").close()
+    assert not (out / "checkpoints").is_symlink()
+    (tmp_path / "real").mkdir()
+    (out / "checkpoints").symlink_to(tmp_path / "real")  # a link to a folder that is there: the run's, as ever
+    prepare_out_dir(out, overwrite=False, resume="auto").close()
+
+
 def test_report_names_a_damaged_summary_as_damaged(tmp_path):
     out = tmp_path / "run"
     _fill(out)

@@ -183,6 +183,30 @@ def _client_index(d: Path, manifest: dict) -> Dict[int, list]:
     return index
 
 
+def _manifest_problem(manifest, folder: str) -> str:
+    """What is wrong with a COMPLETE marker's fields ("" when nothing): the world size a whole
+    number >= 1, a checksum for exactly the parts that world size writes (``global.pt`` and one
+    ``clients_{r}`` each, ``.json`` for a disk store's index, ``.pt`` otherwise), the round its
+    folder's."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    world_size, sums = manifest.get("world_size"), manifest.get("sha256")
+    if type(world_size) is not int or world_size < 1:
+        return f"world_size {world_size!r}"
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        return "sha256 is not a map of parts to checksums"
+    files = manifest.get("client_files")
+    if files not in (None, CLIENT_DIR):
+        return f"client_files {files!r}"
+    kind = "json" if files else "pt"
+    parts = {"global.pt", *(f"clients_{r}.{kind}" for r in range(world_size))}
+    if set(sums) != parts:
+        return f"its parts {sorted(sums)} are not those of {world_size} rank(s)"
+    if "round" in manifest and (type(manifest["round"]) is not int or f"round_{manifest['round']:07d}" != folder):
+        return f"round {manifest['round']!r} in folder {folder}"
+    return ""
+
+
 class Checkpointer:
     def __init__(self, out_dir: str, rank: int, world_size: int, keep: int):
         self.run = RunDir(out_dir)
@@ -345,6 +369,9 @@ class Checkpointer:
             sums = manifest["sha256"]
         except (OSError, ValueError, KeyError, TypeError):
             return "no valid COMPLETE marker"
+        problem = _manifest_problem(manifest, d.name)
+        if problem:  # a damaged marker whose checksums still match its parts must not pass for intact
+            return f"its COMPLETE marker is damaged ({problem})"
         for name, digest in sums.items():
             p = d / name
             if not p.is_file():

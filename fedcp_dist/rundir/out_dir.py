@@ -3,6 +3,7 @@ refuse a finished run, keep an unfinished one for resuming, or clear it for ``ov
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -75,6 +76,12 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
         except OSError as exc:  # ENOLCK, ENOSYS: a file system without locks (NFS without lockd, Lustre -o noflock)
             raise UserError(f"out_dir {out} cannot be locked ({exc.strerror}): its file system has no file locks; "
                             f"choose an out_dir on one that has (a run's lock keeps two runs out of one folder)") from None
+        if run.checkpoints.is_symlink() and not run.checkpoints.is_dir() and not overwrite:
+            # a link to nowhere (a scratch file system not mounted) or a loop: the run would start afresh
+            # beside an unreadable history, then fail at its first checkpoint
+            raise UserError(f"{run.checkpoints} is a symbolic link to {os.readlink(run.checkpoints)}, which is not a "
+                            f"folder that can be reached (not mounted? a loop?); mount or mend it, or pass "
+                            f"overwrite=true to start afresh")
         if run.checkpoints.exists() and not run.checkpoints.is_dir() and not overwrite:
             raise UserError(f"{run.checkpoints} is not a folder: the run keeps its checkpoints there; move it away "
                             f"or pass overwrite=true")
