@@ -628,6 +628,29 @@ def test_a_disk_that_fills_under_a_whole_file_write_or_a_shard_is_one_line_namin
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
+def test_a_disk_that_fills_under_tensorboards_events_is_one_line_naming_the_folder(small_disk, capfd):
+    """TensorBoard writes from a thread of its own: a full disk printed that thread's traceback, then
+    "error: rank 0, round 9: No space left on device" without a file name."""
+    from fedcp_dist.errors import RunFailure
+    from fedcp_dist.rundir.directory import RunWriter
+
+    out = small_disk / "run"
+    writer = RunWriter(out, True, logger="tensorboard")
+    writer.start_metrics([])
+    (out / "filler").write_bytes(b"\0" * (60 << 10))  # metrics.jsonl keeps its room; the events fill the rest
+    _fill(small_disk, leave=32 << 10)
+    (out / "filler").unlink()
+    with pytest.raises(RunFailure) as exc:
+        for t in range(1, 100000):
+            writer.log({"kind": "round", "round": t, "seconds": 1.0, **{f"x{i}": float(i) for i in range(40)}})
+    assert str(exc.value) == (f"cannot write TensorBoard events to {out / 'tensorboard'}: No space left on device; "
+                              f"what the run wrote before is kept (a restart resumes from its last complete checkpoint)")
+    writer.close()  # the writer that failed is not closed again (it would raise the same error)
+    assert "Traceback" not in capfd.readouterr().err
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == list(range(1, len(lines) + 1))
+
+
 def test_an_input_error_while_a_shard_is_written_is_said_as_itself(tmp_path):
     """An input file that fails while the shard is written (removed between the check and the write
     pass, a flaky source file system) is that file's error, not the shard's."""

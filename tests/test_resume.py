@@ -217,7 +217,8 @@ def test_a_signal_during_start_up_exits_for_requeue(during, sig, digits6, tmp_pa
     that status and the status file, the last checkpoint left as it was."""
     args = _args(digits6, tmp_path, "rounds=3", "checkpoint_every=1", "eval_every=3")
     if during.startswith("checkpoint"):  # a run to resume: two rounds checkpointed
-        r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *args, "rounds=2"])
+        r = run_cmd([sys.executable, "-m", "fedcp_dist.run", *_args(digits6, tmp_path, "rounds=2", "checkpoint_every=1",
+                                                                     "eval_every=3")])
         assert r.returncode == 0, r.stderr[-2000:]
         (tmp_path / "summary.json").unlink()  # stopped before its end, as far as the next start knows
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) if during.startswith("checkpoint") else []

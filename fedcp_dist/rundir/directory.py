@@ -400,7 +400,8 @@ class RunWriter:
         with _writing(self.dir / METRICS):
             atomic_write_bytes(self.dir / METRICS, text.encode("utf-8"))
             self._metrics = AppendFile(self.dir / METRICS)
-        self.logger.start(records, self._analysis_kept)
+        with _writing(self.dir / TENSORBOARD, "write TensorBoard events to"):
+            self.logger.start(records, self._analysis_kept)
 
     def log(self, record: dict) -> None:
         """Append one line to metrics.jsonl (whole, or not at all)."""
@@ -411,7 +412,8 @@ class RunWriter:
         self.check_held()
         with _writing(self.dir / METRICS, "append to"):
             self._metrics.append(json.dumps(record, default=_json_default) + "\n")
-        self.logger.log_record(record)
+        with _writing(self.dir / TENSORBOARD, "write TensorBoard events to"):
+            self.logger.log_record(record)
 
     def start_analysis(self, rounds_done: int, create: bool) -> None:
         """Begin analysis.jsonl: keep the lines of the first ``rounds_done`` rounds of one already
@@ -442,10 +444,17 @@ class RunWriter:
             if self._analysis is None:  # a writer used without start_analysis: the file begins here
                 self._analysis = AppendFile(self.dir / ANALYSIS)
             self._analysis.append("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
-        self.logger.log_analysis(records)
+        with _writing(self.dir / TENSORBOARD, "write TensorBoard events to"):
+            self.logger.log_analysis(records)
 
     def close(self) -> None:
-        self.logger.close()
+        try:
+            with _writing(self.dir / TENSORBOARD, "write TensorBoard events to"):
+                self.logger.close()
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
         for f in (self._metrics, self._analysis):
             if f is not None:
                 f.close()

@@ -28,6 +28,7 @@ events (``logger`` turned on when resuming) gets the kept records' scalars in fu
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Tuple
 
@@ -73,6 +74,24 @@ class NoLogger:
         pass
 
 
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes events from a thread of its own, which prints a traceback when a write
+    fails (a full disk) and hands the error to the writer's next call, where the run says it in one
+    line naming the folder: the thread's traceback is left out (any other thread's is printed)."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args):
+        if not (isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    hook.quiet_tensorboard = True
+    threading.excepthook = hook
+
+
 class TensorBoardLogger(NoLogger):
     """``logger: tensorboard``: TensorBoard event files in ``folder`` (the run's ``tensorboard/``);
     ``analysis``: what the method's analysis lines become (None: they write no scalars)."""
@@ -87,6 +106,7 @@ class TensorBoardLogger(NoLogger):
         what metrics.jsonl and analysis.jsonl keep of the rounds done before it."""
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_threads()
         self.close()
         earlier = self.dir.is_dir() and any(p.name.startswith("events.") for p in self.dir.iterdir())
         # earlier event files are hidden whole (TensorBoard drops their steps >= the purge step) and
@@ -99,9 +119,20 @@ class TensorBoardLogger(NoLogger):
     def _add(self, scalars) -> None:
         if self._writer is None:
             self.start([], [])
-        for tag, step, value in scalars:
-            self._writer.add_scalar(tag, value, global_step=step)
-        self._writer.flush()
+        try:
+            for tag, step, value in scalars:
+                self._writer.add_scalar(tag, value, global_step=step)
+            self._writer.flush()
+        except OSError:
+            self._drop()  # its writer thread has ended: closing it later would raise the same again
+            raise
+
+    def _drop(self) -> None:
+        writer, self._writer = self._writer, None
+        try:
+            writer.close()
+        except OSError:
+            pass
 
     def log_record(self, record: dict) -> None:
         self._add(list(record_scalars(record)))
@@ -110,9 +141,9 @@ class TensorBoardLogger(NoLogger):
         self._add(list(self._analysis(lines)))
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
 
 
 def make_logger(name: str, folder, analysis: Optional[AnalysisScalars] = None) -> NoLogger:
