@@ -175,6 +175,13 @@ def _main(args, stop: StopSignals) -> None:
             from fedcp_dist.engine.startup import check_shard
 
             check_shard(cfg, read_info(cfg.data.path, label_counts=False))  # and so is a config the shard does not fit
+            if not cfg.overwrite:  # and an out_dir the ranks would refuse (rank 0 checks it again, under its lock)
+                from fedcp_dist.rundir.directory import RunDir
+                from fedcp_dist.rundir.out_dir import refusal
+
+                problem = refusal(RunDir(cfg.out_dir), cfg.resume)
+                if problem:
+                    raise UserError(problem)
             cmd, env = local_ranks_command(n, args.config, args.overrides)
             if stop.signum is not None:  # asked to stop before the ranks were started: nothing ran
                 write_status("preempted")

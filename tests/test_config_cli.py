@@ -420,3 +420,22 @@ def test_a_finished_run_says_so_in_the_status_file(digits6, tmp_path, monkeypatc
     run_config("configs/digits_fedavg.yaml", [f"data.path={digits6}", f"out_dir={tmp_path / 'run'}", "rounds=1",
                                               "threads=1", "checkpoint_every=0"])
     assert status.read_text() == "finished\n" and (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_ranks_refuse_a_finished_out_dir_before_the_ranks_start(digits6, tmp_path, capsys):
+    """Each rank said it (rank 0's line, then rank 1's "another rank failed to start", torchrun's log
+    lines and a status line): now the launch says it once, before torchrun starts."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        main(["--ranks", "2", "--config", "configs/digits_fedavg.yaml", f"data.path={digits6}", f"out_dir={out}"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"error: out_dir {out} holds a finished run (summary.json); choose another out_dir or pass overwrite=true\n")
+    (out / "summary.json").unlink()
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        main(["--ranks", "2", "--config", "configs/digits_fedavg.yaml", f"data.path={digits6}", f"out_dir={out}",
+              "resume=never"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"error: out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true\n")

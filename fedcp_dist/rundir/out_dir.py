@@ -50,6 +50,20 @@ def clear_run(out: Path, run: "RunDir") -> None:
                         f"remove it by hand (an immutable file needs chattr -i) or choose another out_dir")
 
 
+def refusal(run: RunDir, resume: str) -> str:
+    """Why a run without ``overwrite`` may not start in ``run``'s folder ("" when it may): a finished
+    (or diverged) run there, or with ``resume='never'`` an unfinished one."""
+    out = run.path
+    if run.summary.exists():
+        what = "a run that diverged (it learned nothing; " if run.status() == DIVERGED else "a finished run ("
+        if run.read_summary() is None:
+            what = "a finished run whose summary is damaged (not a JSON object: "
+        return f"out_dir {out} holds {what}{SUMMARY}); choose another out_dir or pass overwrite=true"
+    if resume == "never" and (run.has_checkpoint() or run.metrics.exists()):
+        return f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true"
+    return ""
+
+
 def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
     """Rank 0, before anything is written: lock ``out_dir``, then refuse, clear or leave it.
 
@@ -88,13 +102,9 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
         if overwrite:
             clear_run(out, run)
             return lock
-        if run.summary.exists():
-            what = "a run that diverged (it learned nothing; " if run.status() == DIVERGED else "a finished run ("
-            if run.read_summary() is None:
-                what = "a finished run whose summary is damaged (not a JSON object: "
-            raise UserError(f"out_dir {out} holds {what}{SUMMARY}); choose another out_dir or pass overwrite=true")
-        if resume == "never" and (run.has_checkpoint() or run.metrics.exists()):
-            raise UserError(f"out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true")
+        problem = refusal(run, resume)
+        if problem:
+            raise UserError(problem)
     except BaseException:
         lock.close()
         raise
