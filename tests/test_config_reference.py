@@ -64,10 +64,13 @@ def test_every_stated_rule_is_the_one_validation_enforces():
 def test_keys_link_the_methods_they_act_on():
     import re
     page = config_reference.render()
-    methods = (REPO / "docs" / "methods.md").read_text(encoding="utf-8")
     assert "acts on [FedCP](methods.md#" in page and "acts on [FedRep](" in page
-    # every anchor a row links exists on the Methods page (mkdocs --strict checks it too)
-    anchors = set(re.findall(r"\(methods\.md#([a-z0-9_-]+)\)", page))
-    headings = {re.sub(r"[^\w\s-]", "", h.strip().lower()).replace(" ", "-")
-                for h in re.findall(r"^#+ (.+)$", methods, flags=re.M)}
-    assert anchors and anchors <= headings, anchors - headings
+    # every anchor a row links exists on the page it names (mkdocs --strict checks it too)
+    links = set(re.findall(r"\(([a-z-]+\.md)#([a-z0-9_-]+)\)", page))
+    assert {p for p, _ in links} >= {"methods.md", "fedcp-extensions.md", "uploads.md"}
+    for name in {p for p, _ in links}:
+        text = (REPO / "docs" / name).read_text(encoding="utf-8")
+        headings = {re.sub(r"[^\w\s-]", "", h.strip().lower()).replace(" ", "-")
+                    for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+        anchors = {a for p, a in links if p == name}
+        assert anchors <= headings, (name, anchors - headings)

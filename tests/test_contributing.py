@@ -1,4 +1,4 @@
-"""The contributing guide's worked example (docs/architecture.md, "How to add a method") runs as
+"""The contributing guide's worked example (docs/contributing.md, "How to add a method") runs as
 written: the FedLS method registered, its key in the config, its preset generated from its
 declarations, its loss the label-smoothed cross-entropy torch computes, and its clients trained
 fused as they are sequentially."""
@@ -15,10 +15,10 @@ from fedcp_dist.local_train import Step
 
 
 def _example():
-    text = (REPO / "docs" / "architecture.md").read_text()
+    text = (REPO / "docs" / "contributing.md").read_text()
     code = re.search(r"```python\n(\"\"\"FedLS: .*?)```", text, re.S).group(1)
     module = types.ModuleType("fedls_example")
-    exec(compile(code, "docs/architecture.md (FedLS)", "exec"), module.__dict__)
+    exec(compile(code, "docs/contributing.md (FedLS)", "exec"), module.__dict__)
     return module.FedLS
 
 

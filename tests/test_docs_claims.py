@@ -3,7 +3,7 @@
 Mechanical checks only: every command shown in a shell block names a tool that exists and flags and
 config keys that tool accepts; every repository file, test and sweep the pages name exists; the
 README keeps exactly its two set-up-free commands; the status box names the same GPU figures as the
-performance table; the reproduction page's paper cells are the Methods page's published table and
+performance table; the reproduction page's paper cells are the Paper settings page's published table and
 its own cells are figures the Results pages measured. Each checker is also run on a made-up page
 that breaks it, so the checks can fail."""
 import ast
@@ -316,12 +316,12 @@ NUMBER = re.compile(r"\d+\.\d+(?: ± \d+\.\d+)?")
 
 def test_the_reproduction_page_sets_the_published_table_beside_measured_figures():
     page = (DOCS / "reproduction.md").read_text(encoding="utf-8")
-    methods = (DOCS / "methods.md").read_text(encoding="utf-8")
+    methods = (DOCS / "paper-settings.md").read_text(encoding="utf-8")
     published = {r[0]: r[1:] for r in _table(methods, "| method | pathological MNIST |")}
     mnist = _table(page, "| method | pathological, paper |")
     cifar = _table(page, "| method | pathological, paper | Dir(0.1), paper | ours |")
     assert len(mnist) == len(cifar) == len(published) == 12
-    for row in mnist:  # the paper's cells are the Methods page's published table
+    for row in mnist:  # the paper's cells are the Paper settings page's published table
         assert [row[1], row[3]] == [published[row[0]][0], published[row[0]][2]], row[0]
     for row in cifar:
         assert [row[1], row[2]] == [published[row[0]][1], published[row[0]][3]], row[0]
@@ -374,8 +374,8 @@ def test_every_transcribed_table_is_whole_and_agrees_with_the_methods_page():
     tiny = {r[0]: r[1:] for r in tables["| method | TINY (4-layer CNN), paper |"]}
     scale = {r[0]: r[1:] for r in tables["| method | N = 10 |"]}
     subset = {r[0]: r[1:] for r in tables["| method | N = 10 of 50 |"]}
-    # the figures the Methods page quotes from the same slide
-    methods = " ".join((DOCS / "methods.md").read_text(encoding="utf-8").split())
+    # the figures the Paper settings page quotes from the same slide
+    methods = " ".join((DOCS / "paper-settings.md").read_text(encoding="utf-8").split())
     assert "CIFAR-100 Dir(0.1) the paper reports FedCP 59.56 % against Ditto 52.87 %" in methods
     assert cifar100["FedCP"][1].startswith("59.56") and cifar100["Ditto"][1].startswith("52.87")
     assert "44.18 % against FedRep's 39.95 %" in methods
@@ -390,7 +390,7 @@ def test_the_results_summary_repeats_the_detailed_tables():
     results = (DOCS / "results.md").read_text(encoding="utf-8")
     glance = _table(results, "| setting | method | paper")
     body = results[results.index("## Every method on the digits set"):] + (DOCS / "archive" / "results-log.md").read_text(encoding="utf-8")
-    methods = (DOCS / "methods.md").read_text(encoding="utf-8")
+    methods = (DOCS / "paper-settings.md").read_text(encoding="utf-8")
     checked = 0
     for row in glance:
         for figure in NUMBER.findall(row[3].split("(")[0]):

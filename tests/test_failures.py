@@ -81,7 +81,7 @@ def test_dead_rank_without_a_launcher_to_clean_up(digits6_16px, tmp_path, dies):
     if dies == 1:
         assert "rank(s) 1 stopped answering" in lines[0]
     else:
-        documented("cluster.md", "a collective failed: rank 0 is gone (the job's rendezvous store, which rank 0 held, "
+        documented("checkpoints.md", "a collective failed: rank 0 is gone (the job's rendezvous store, which rank 0 held, "
                                  "no longer answers) (…)", lines[0])
 
 
@@ -309,7 +309,7 @@ def test_a_write_that_fails_inside_torch_save_is_one_line(digits6_16px, tmp_path
                         r"File too large\); no earlier checkpoint was complete: a restart begins afresh", lines[0]), lines[0]
     assert not (tmp_path / "checkpoints" / "round_0000001").exists()
     assert [json.loads(line)["round"] for line in _lines(tmp_path)] == [1]
-    documented("cluster.md", "The same for any write the file system refuses inside `torch.save` (whose writer reports it "
+    documented("checkpoints.md", "The same for any write the file system refuses inside `torch.save` (whose writer reports it "
                              "as its own error): tested with a real file size limit, `File too large`")
 
 

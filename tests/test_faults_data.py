@@ -223,7 +223,7 @@ def test_a_bad_shard_is_refused_before_training_in_one_line(mutate, digits6_16px
     assert "shard.h5" in err
 
 
-#: the failure table's examples (docs/cluster.md) and the faults that must print them
+#: the failure table's examples (docs/checkpoints.md) and the faults that must print them
 TABLE_EXAMPLES = [
     (label_out_of_range("test", "first", 10), "`error: shard file …: client …'s test_y holds label 10 (its row …), "
                                               "outside [0, 10) of the shard's num_classes; …`"),
@@ -243,10 +243,10 @@ def test_the_failure_table_quotes_what_a_bad_shard_gets(digits6_16px, tmp_path, 
         shutil.copy(digits6_16px, shard)
         mutate(shard)
         err = _refused(capsys, _args(shard, tmp_path / f"run{k}"), [str(shard)])
-        documented("cluster.md", example, None if example.startswith("|") else err)
+        documented("checkpoints.md", example, None if example.startswith("|") else err)
     data = "`error: config key 'data.source' is 'mnist' but … holds 'digits'`"
     err = _refused(capsys, _args(digits6_16px, tmp_path / "src", "data.source=mnist"), [])
-    documented("cluster.md", data, err)
+    documented("checkpoints.md", data, err)
     err = _refused(capsys, _args(digits6_16px, tmp_path / "shape", "data.input_shape=[3, 32, 32]"), [])
     assert "config key 'data.input_shape' is [3, 32, 32] but" in err and "holds inputs of shape [1, 16, 16]" in err
     err = _refused(capsys, _args(digits6_16px, tmp_path / "n", "data.num_clients=20"), [])
@@ -525,7 +525,7 @@ def test_a_shard_rewritten_with_permuted_labels_is_refused_by_what_differs(digit
     with pytest.raises(UserError, match=r"d\.h5 holds other data than the checkpointed run in .*: its train_y "
                                         r"\(training labels\) differ from the checkpoint's") as refused:
         run(CONFIG, [f"data.path={shard}", f"out_dir={out}", "rounds=2", "checkpoint_every=1", "threads=1"])
-    documented("cluster.md", "`error: data.path … holds other data than the checkpointed run in … was made on: its "
+    documented("checkpoints.md", "`error: data.path … holds other data than the checkpointed run in … was made on: its "
                "train_y (training labels) differ from the checkpoint's (partitioned again, or edited in place?); …`",
                f"error: {refused.value}")
     assert Checkpointer(str(out), 0, 1, 2).latest().name == "round_0000001"

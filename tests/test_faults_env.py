@@ -111,8 +111,8 @@ def test_the_failure_table_quotes_what_a_bad_value_gets(digits6_16px, capsys):
                                           "(a seed torch and numpy both take), got -1`")):
         with pytest.raises(SystemExit):
             main(["--config", CONFIG, f"data.path={digits6_16px}", override, "--print-config"])
-        documented("cluster.md", example, capsys.readouterr().err)
-    documented("cluster.md", "`lr=1e-3` (which YAML 1.1 takes for text) is 0.001, `rounds=1e2` is 100",
+        documented("checkpoints.md", example, capsys.readouterr().err)
+    documented("checkpoints.md", "`lr=1e-3` (which YAML 1.1 takes for text) is 0.001, `rounds=1e2` is 100",
                f"lr=1e-3 (which YAML 1.1 takes for text) is {load_config(None, ['lr=1e-3'], validate=False).lr}, "
                f"rounds=1e2 is {load_config(None, ['rounds=1e2'], validate=False).rounds}")
 
@@ -192,7 +192,7 @@ def test_the_failure_table_quotes_what_launcher_variables_get():
                           "MASTER_ADDR, MASTER_PORT are not set …`")):
         with pytest.raises(UserError) as exc:
             detect_launcher(env)
-        documented("cluster.md", example, f"error: {exc.value}")
+        documented("checkpoints.md", example, f"error: {exc.value}")
 
 
 @pytest.mark.parametrize("env, launcher", [
@@ -235,9 +235,9 @@ def test_rank_0_of_a_job_nobody_joins_stops_within_the_rendezvous_timeout(monkey
     err = capsys.readouterr().err
     assert "note: RANK='0' WORLD_SIZE='2'" in err and "are set, but by no torchrun" in err
     assert f"waits up to rendezvous_timeout=1 s for the others at 127.0.0.1:{port}" in err
-    documented("cluster.md", "`note: RANK='0' WORLD_SIZE='2' MASTER_ADDR='…' MASTER_PORT='…' are set, but by no "
+    documented("checkpoints.md", "`note: RANK='0' WORLD_SIZE='2' MASTER_ADDR='…' MASTER_PORT='…' are set, but by no "
                "torchrun …`", err)
-    documented("cluster.md", "`error: rank 0: the 2 ranks of the job did not meet at …:… within rendezvous_timeout=… s "
+    documented("checkpoints.md", "`error: rank 0: the 2 ranks of the job did not meet at …:… within rendezvous_timeout=… s "
                "(…); launcher torchrun read from RANK='0' WORLD_SIZE='2' …`", f"error: {msg}")
 
 

@@ -48,7 +48,7 @@ def test_a_run_whose_every_update_diverged_is_marked_and_exits_1(digits6_16px, t
     assert captured.err.startswith("error: the run learned nothing: every client's update was non-finite in each of "
                                    "its 2 rounds and on_nonfinite=skip left them all out")
     assert f"{out}/summary.json marks it diverged" in captured.err
-    documented("cluster.md", "error: the run learned nothing: every client's update was non-finite in each of its … "
+    documented("checkpoints.md", "error: the run learned nothing: every client's update was non-finite in each of its … "
                "rounds and on_nonfinite=skip left them all out, so its model is the untrained one (accuracy …); "
                "…/summary.json marks it diverged (a lower lr?)", captured.err)
     assert "DIVERGED: no round aggregated a finite update" in captured.out  # the result table says so too
@@ -62,7 +62,7 @@ def test_a_run_whose_every_update_diverged_is_marked_and_exits_1(digits6_16px, t
     with pytest.raises(UserError, match=r"holds a run that diverged \(it learned nothing; summary.json\); choose "
                                         r"another out_dir or pass overwrite=true") as refused:
         prepare_out_dir(out, overwrite=False, resume="auto")
-    documented("cluster.md", "error: out_dir … holds a run that diverged (it learned nothing; summary.json); …",
+    documented("checkpoints.md", "error: out_dir … holds a run that diverged (it learned nothing; summary.json); …",
                f"error: {refused.value}")
 
 
@@ -72,7 +72,7 @@ def test_a_run_that_left_out_some_updates_is_a_result(digits6_16px, tmp_path):
             wrap=nonfinite_at("1:2"))
     assert "status" not in s and RunDir(out).status() == FINISHED
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["nonfinite_skipped"] == 1
-    documented("cluster.md", "`on_nonfinite: skip`: that client is left out of the round (its state unchanged), a "
+    documented("checkpoints.md", "`on_nonfinite: skip`: that client is left out of the round (its state unchanged), a "
                "line is printed and `nonfinite_skipped` counted in metrics.jsonl")
 
 
@@ -94,7 +94,7 @@ def test_a_sweep_and_its_report_keep_a_diverged_point_apart(digits6_16px, tmp_pa
     assert first.returncode == 1, first.stdout + first.stderr
     assert "DIVERGED" in first.stdout and "learned nothing: error: the run learned nothing" in first.stdout
     assert "lr: 1/2 finished, 1 diverged, 0 failed" in first.stdout
-    documented("cluster.md", "`… finished, 1 diverged, 0 failed`", first.stdout)
+    documented("checkpoints.md", "`… finished, 1 diverged, 0 failed`", first.stdout)
     assert "diverged: lr=1e+30,seed=1: learned nothing, not a result" in first.stdout
     # run again: the diverged point is not run again (it would diverge again), and still not a result
     with pytest.raises(SystemExit) as exc:
@@ -113,7 +113,7 @@ def test_a_sweep_and_its_report_keep_a_diverged_point_apart(digits6_16px, tmp_pa
     header = next(line for line in text.splitlines() if line.startswith("| method |"))
     cells = dict(zip(header.split("|")[2:-1], row.split("|")[2:-1]))
     assert cells[" lr=1e+30 "].strip() == "diverged (1/1)" and "±" in cells[" lr=0.05 "]
-    documented("cluster.md", "its cell reads `diverged (1/1)`", f"its cell reads {cells[' lr=1e+30 '].strip()}")
+    documented("checkpoints.md", "its cell reads `diverged (1/1)`", f"its cell reads {cells[' lr=1e+30 '].strip()}")
     assert "diverged: 1 run(s) that ran every round but learned nothing" in text
     assert "1/2 runs finished, 1 diverged" in text
     rows = (sweep_dir / "report.csv").read_text().splitlines()

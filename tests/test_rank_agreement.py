@@ -131,7 +131,7 @@ def test_a_copy_of_the_shard_passes_and_another_shard_is_refused(digits6, tmp_pa
                                   f"differ; this is rank 0, reading {info.path} with 6 clients): every rank must read "
                                   f"the same shard (a copy with the same content is fine)")
         assert errors[1] is not None
-    documented("cluster.md", "`error: rank 1 read another shard than rank 0 (its fingerprint or its clients' sample counts "
+    documented("checkpoints.md", "`error: rank 1 read another shard than rank 0 (its fingerprint or its clients' sample counts "
                              "differ; …): every rank must read the same shard (a copy with the same content is fine)`",
                f"error: {errors[0]}")
 
@@ -149,7 +149,7 @@ def test_an_out_dir_that_a_rank_does_not_see_stops_every_rank(tmp_path, monkeypa
                               f"file rank 0 wrote there): out_dir must be on a file system every rank shares, not a "
                               f"node-local disk")
     assert errors[1] is not None
-    documented("cluster.md", "`error: out_dir … is not the folder rank 0 writes in on rank 1 (they do not see the file "
+    documented("checkpoints.md", "`error: out_dir … is not the folder rank 0 writes in on rank 1 (they do not see the file "
                              "rank 0 wrote there): out_dir must be on a file system every rank shares, not a node-local "
                              "disk`", f"error: {errors[0]}")
     assert os.listdir(shared) == []  # rank 0 removes its marker
@@ -183,7 +183,7 @@ def test_one_rank_started_with_another_override_refuses_before_anything_is_writt
         assert lines[0].startswith("error: the ranks were started with different configs: lr differs between rank 0 "
                                    f"and rank 1; this is rank {rank}, where lr = ")
         if rank == 0:
-            documented("cluster.md", "`error: the ranks were started with different configs: lr differs between rank 0 "
+            documented("checkpoints.md", "`error: the ranks were started with different configs: lr differs between rank 0 "
                                      "and rank 1; this is rank 0, where lr = 0.05. Start every rank with the same config "
                                      "and overrides`", lines[0])
     assert not out.exists()

@@ -75,18 +75,18 @@ here; the paper's runs may have set other values per run.
 #: the section of the Methods page each method's component is described in (a component without an
 #: entry links the page itself)
 SECTIONS = {
-    "MMD": "methods.md#fedcp-extensions-the-policy-and-its-training",
-    "Entropy": "methods.md#fedcp-extensions-the-policy-and-its-training",
-    "Distillation": "methods.md#fedcp-extensions-the-policy-and-its-training",
+    "MMD": "fedcp-extensions.md#fedcp-extensions-the-policy-and-its-training",
+    "Entropy": "fedcp-extensions.md#fedcp-extensions-the-policy-and-its-training",
+    "Distillation": "fedcp-extensions.md#fedcp-extensions-the-policy-and-its-training",
     "Policy": "methods.md#fedcp-as-implemented",
-    "ClientVector": "methods.md#client-vector-extension-cpn_client_vector",
-    "Schedules": "methods.md#fedcp-extensions-the-policy-and-its-training",
-    "PolicySync": "methods.md#fedcp-extensions-the-policy-and-its-training",
+    "ClientVector": "fedcp-extensions.md#client-vector-extension-cpn_client_vector",
+    "Schedules": "fedcp-extensions.md#fedcp-extensions-the-policy-and-its-training",
+    "PolicySync": "fedcp-extensions.md#fedcp-extensions-the-policy-and-its-training",
     "FedCP": "methods.md#baselines-ablations-and-cpn-variants",
     "PeerBankMethod": "methods.md#methods-that-use-other-clients-models-fedamp-fedfomo",
-    "CompressionOptions": "methods.md#compression",
-    "SelectionOptions": "methods.md#feature-difference-selection",
-    "ModelChoice": "methods.md#models",
+    "CompressionOptions": "uploads.md#compression",
+    "SelectionOptions": "uploads.md#feature-difference-selection",
+    "ModelChoice": "models.md#models",
 }
 #: the baselines' own components link the baselines' table
 BASELINES = "methods.md#baselines-ablations-and-cpn-variants"

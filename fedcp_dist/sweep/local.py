@@ -3,7 +3,7 @@
 A point runs under torchrun when the sweep asks for several ranks per run. Its output (stdout and
 stderr) goes to ``<root>/<name>/logs/<point>.log``, whose last lines also explain a failure.
 
-Stopping a sweep (the contract ``docs/cluster.md`` states): a stop signal to the sweep (SIGINT —
+Stopping a sweep (the contract ``docs/sweeps.md`` states): a stop signal to the sweep (SIGINT —
 Ctrl-C —, SIGTERM, SIGUSR2) is passed on to the running point as SIGTERM, which checkpoints after
 its round and exits 75; the sweep then launches nothing more and exits with the same status 75
 (:data:`~fedcp_dist.errors.EXIT_REQUEUE`), and run again it resumes every point from its own
