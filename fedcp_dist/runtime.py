@@ -382,7 +382,8 @@ def process_group_failure(rank: int, backend: str, exc: BaseException, env: Mapp
             hints.append(f"{var}={env[var]} names the network interface to use: check that it exists on every node")
     if "Too many open files" in first:
         hints.append("the open-file limit (ulimit -n) is too low for the ranks' connections: raise it")
-    hint = "; ".join(hints) or "a network the ranks cannot reach each other on, or a firewall between nodes"
+    hint = "; ".join(hints) or ("a rank that stopped or died while the group opened (its own line, if any, is in "
+                                "its log), a network the ranks cannot reach each other on, or a firewall between nodes")
     return f"rank {rank}: the ranks met but could not open their {backend} process group ({reason}): {hint}"
 
 

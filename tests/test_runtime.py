@@ -196,7 +196,8 @@ def test_process_group_failure_hints():
         "open-file limit (ulimit -n) is too low for the ranks' connections: raise it")
     assert process_group_failure(0, "nccl", RuntimeError("NCCL error: unhandled system error"), {}) == (
         "rank 0: the ranks met but could not open their nccl process group (NCCL error: unhandled system error): a "
-        "network the ranks cannot reach each other on, or a firewall between nodes")
+        "rank that stopped or died while the group opened (its own line, if any, is in its log), a network the ranks "
+        "cannot reach each other on, or a firewall between nodes")
 
 
 def test_stderr_held_drops_torchs_cpp_lines_and_keeps_the_rest(capfd):
