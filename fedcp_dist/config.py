@@ -31,7 +31,7 @@ from fedcp_dist.engine.keys import Evaluation, Execution, LocalSGD, NonFinite, P
 from fedcp_dist.errors import UserError
 from fedcp_dist.fused.keys import Fusing
 from fedcp_dist.models import ModelChoice
-from fedcp_dist.options import SEED_MAX, Check, Component, Option, above, at_least, described, one_of, type_ok
+from fedcp_dist.options import Check, Component, Option, SEED_MAX, above, at_least, described, one_of, shown, type_ok
 from fedcp_dist.rundir.keys import Logging
 from fedcp_dist.state.keys import ClientStates, Participation
 
@@ -306,7 +306,7 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
                 hint = f" (YAML reads {text!r} as {value!r}; quote it, {full}='\"{text}\"', for the text)"
         value = as_number(value, tp)
         if not type_ok(value, tp):
-            raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {value!r}{hint}")
+            raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {shown(value)}{hint}")
         if tp is float:
             value = float(value)
         setattr(obj, key, value)
@@ -319,6 +319,9 @@ class FromText:
 
     value: Any
     text: str
+
+    def __repr__(self) -> str:  # shown in an error as the value read (``lr.x=1``: got {'x': 1})
+        return repr(self.value)
 
 
 def override_key(item: str) -> str:

@@ -8,9 +8,22 @@ impossible (``None``: it is fine); the loader turns that into a one-line error n
 from __future__ import annotations
 
 import math
+import reprlib
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+
+#: how an error message shows a value: as repr() does, cut short where it is long or deep (a YAML
+#: alias bomb of 9**9 items took minutes and gigabytes to be shown whole)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 2, 6, 6, 6, 6
+_SHORT.maxstring = _SHORT.maxother = 160
+
+
+def shown(value) -> str:
+    """``repr(value)``, cut short where it is long or nested deep (for error messages)."""
+    return _SHORT.repr(value)
 
 Check = Callable[[Any], Optional[str]]
 
@@ -100,7 +113,7 @@ def within(lo: float, hi: float, *, low_open: bool = False, high_open: bool = Fa
 
 def one_of(*values) -> Check:
     check = described(" | ".join(map(str, values)),
-                      lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {v!r}")
+                      lambda v: None if v in values else f"must be one of {', '.join(map(str, values))}, got {shown(v)}")
     check.choices = values
     return check
 
@@ -112,7 +125,7 @@ def auto_or(check: Check) -> Check:
 
 
 def boolean_or_auto(v) -> Optional[str]:
-    return None if v == "auto" or isinstance(v, bool) else f"must be auto, true or false, got {v!r}"
+    return None if v == "auto" or isinstance(v, bool) else f"must be auto, true or false, got {shown(v)}"
 
 
 described("auto | true | false", boolean_or_auto)

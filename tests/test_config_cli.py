@@ -439,3 +439,45 @@ def test_ranks_refuse_a_finished_out_dir_before_the_ranks_start(digits6, tmp_pat
               "resume=never"])
     assert stop.value.code == 2 and capsys.readouterr().err == (
         f"error: out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true\n")
+
+
+@pytest.mark.parametrize("override, said", [
+    ("threads=9223372036854775807", "config key 'threads': must lie in [0, 1024], got 9223372036854775807"),
+    ("local_epochs=1000000000000", "config key 'local_epochs': must lie in [1, 10000], got 1000000000000"),
+    ("cpn_hidden=100000000", "config key 'cpn_hidden': must lie in [0, 65536], got 100000000"),
+    ("cpn_client_vector=head+embed cpn_embed_dim=100000000000",
+     "config key 'cpn_embed_dim': must lie in [1, 65536], got 100000000000"),
+    ("pfedme_k=99999999999999999999", "config key 'pfedme_k': must lie in [1, 10000], got 99999999999999999999"),
+    ("lstm_layers=1000", "config key 'lstm_layers': must lie in [1, 64], got 1000"),
+    ("fedrep_head_epochs=100001", "config key 'fedrep_head_epochs': must lie in [1, 10000], got 100001"),
+])
+def test_counts_and_widths_beyond_any_machine_are_refused_before_start_up(override, said):
+    """threads=2**63-1 overflowed torch.set_num_threads (a traceback), 5,000 threads on 2 cores ran
+    at a thirtieth of the speed, a CPN 10**8 wide asked the allocator for 204 GB (a C++ traceback)
+    and 10**12 local epochs made a round nothing could stop but SIGKILL."""
+    *before, last = override.split()
+    with pytest.raises(UserError) as exc:
+        load_config("configs/digits_fedcp.yaml", [*before, last])
+    assert str(exc.value) == said
+    key = last.split("=")[0]
+    top = int(said.split(", ")[1].split("]")[0])
+    cfg = load_config("configs/digits_fedcp.yaml", [*before, f"{key}={top}"], validate=False).validate(data_file=False)
+    assert getattr(cfg, key) == top  # the bound itself is taken
+
+
+def test_a_yaml_alias_bomb_under_a_key_is_refused_with_its_value_cut_short(tmp_path):
+    """Nine levels of nine aliases (9**9 items, a few hundred bytes of YAML) under mmd_bandwidths:
+    the refusal spelled the whole value out and grew to gigabytes before printing anything."""
+    value = "[" + ",".join(["&a0 [1,1,1,1,1,1,1,1,1]"] + ["*a0"] * 8) + "]"
+    for level in range(1, 9):
+        value = "[" + ",".join([f"&a{level} {value}"] + [f"*a{level}"] * 8) + "]"
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(f"method: fedcp\nmmd_bandwidths: {value}\n")
+    with pytest.raises(UserError) as exc:
+        load_config(str(bomb))
+    said = str(exc.value)
+    assert said.startswith("config key 'mmd_bandwidths': must be null or a non-empty list of numbers > 0, got [[[...],")
+    assert len(said) < 600 and "\n" not in said
+    with pytest.raises(UserError) as exc:  # an override's value is shown as read, not as the parser's wrapper
+        load_config("configs/digits_fedcp.yaml", ["lr.x=1"], validate=False)
+    assert str(exc.value) == "config key 'lr': expected float, got {'x': 1}"

@@ -14,7 +14,7 @@ from fedcp_dist.algorithms.base import LocalResult
 from fedcp_dist.algorithms.fedavg import FedAvgWithPersonalModel
 from fedcp_dist.algorithms.fedprox import ANCHOR, with_anchors
 from fedcp_dist.local_train import ClientPhase, Phase
-from fedcp_dist.options import Option, above, at_least
+from fedcp_dist.options import Option, at_least, within
 
 
 class Ditto(FedAvgWithPersonalModel):
@@ -24,7 +24,7 @@ class Ditto(FedAvgWithPersonalModel):
     options = (
         Option("ditto_lam", 0.1, "Ditto: weight λ of (λ/2)·‖v − w_global‖² on the personal model v", at_least(0)),
         Option("ditto_epochs", 1, "Ditto: local epochs of the personal model v each round (the global model trains "
-               "`local_epochs`)", above(0)),
+               "`local_epochs`)", within(1, 10_000)),
     )
 
     def __init__(self, cfg, model, device):

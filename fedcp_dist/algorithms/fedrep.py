@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fedcp_dist.algorithms.base import load_module, module_state
 from fedcp_dist.algorithms.fedper import FedPer
 from fedcp_dist.local_train import PhaseOutcome, batch_indices, sgd
-from fedcp_dist.options import Option, above
+from fedcp_dist.options import Option, within
 from fedcp_dist.models import mode_dependent
 
 
@@ -30,7 +30,7 @@ class FedRep(FedPer):
     own_loop = "FedRep trains its head on features computed once per round, then its extractor alone"
     options = (
         Option("fedrep_head_epochs", 10, "FedRep: local epochs of the personal head (extractor frozen) before the "
-               "extractor's `local_epochs`", above(0)),
+               "extractor's `local_epochs`", within(1, 10_000)),
     )
 
     @torch.no_grad()

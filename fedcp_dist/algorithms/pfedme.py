@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from fedcp_dist.algorithms.base import LocalResult, copy_module, module_state
 from fedcp_dist.algorithms.fedavg import FedAvgWithPersonalModel
 from fedcp_dist.local_train import amp_autocast, batch_indices
-from fedcp_dist.options import Option, above, at_least
+from fedcp_dist.options import Option, above, at_least, within
 
 
 class PFedMe(FedAvgWithPersonalModel):
@@ -38,7 +38,8 @@ class PFedMe(FedAvgWithPersonalModel):
     options = (
         Option("pfedme_lam", 15.0, "pFedMe: weight λ of (λ/2)·‖θ − w‖² in the personalized problem; also scales the "
                "local step w ← w − η·λ·(w − θ)", at_least(0)),
-        Option("pfedme_k", 5, "pFedMe: K, steps that approximately solve the personalized problem on each batch", above(0)),
+        Option("pfedme_k", 5, "pFedMe: K, steps that approximately solve the personalized problem on each batch",
+               within(1, 10_000)),
         Option("pfedme_lr", 0.09, "pFedMe: personal learning rate of those K steps (η, the local rate of w, is `lr`)",
                above(0)),
         Option("pfedme_beta", 1.0, "pFedMe: server mixing β: new global = (1 − β)·old + β·average of the local w "

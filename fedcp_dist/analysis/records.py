@@ -23,6 +23,7 @@ from typing import Optional
 
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir.directory import ANALYSIS, METRICS, read_jsonl
+from fedcp_dist.options import shown
 
 S_BINS = 50
 
@@ -31,14 +32,14 @@ def _number(obj: dict, key: str, where: str, lo: float = -math.inf, hi: float = 
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
         bound = f" in [{lo:g}, {hi:g}]" if math.isfinite(lo) or math.isfinite(hi) else ""
-        raise UserError(f"{where}: '{key}' must be a finite number{bound}, got {v!r}")
+        raise UserError(f"{where}: '{key}' must be a finite number{bound}, got {shown(v)}")
     return float(v)
 
 
 def _count(obj: dict, key: str, where: str, lo: int = 0) -> int:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise UserError(f"{where}: '{key}' must be an integer >= {lo}, got {v!r}")
+        raise UserError(f"{where}: '{key}' must be an integer >= {lo}, got {shown(v)}")
     return v
 
 

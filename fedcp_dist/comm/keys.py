@@ -8,7 +8,7 @@ import math
 from typing import Optional, Union
 
 from fedcp_dist.capabilities import ClientVectors, supports
-from fedcp_dist.options import Component, Option, described, one_of, within
+from fedcp_dist.options import Component, Option, described, one_of, shown, within
 from fedcp_dist.state.keys import cohort_size
 
 COMPRESS_MODES = ("none", "topk")
@@ -88,7 +88,7 @@ def _clip_value(v) -> Optional[str]:
     if v == ADAPTIVE:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return f"must be a number > 0 or {ADAPTIVE}, got {v!r}"
+        return f"must be a number > 0 or {ADAPTIVE}, got {shown(v)}"
     return None if math.isfinite(v) and v > 0 else f"must be a number > 0 or {ADAPTIVE}, got {v}"
 
 

@@ -22,7 +22,7 @@ from fedcp_dist.data.text import (DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEX
                                   TEXT_PIPELINES)
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import folder_above_problem
-from fedcp_dist.options import SEED_MAX, type_ok
+from fedcp_dist.options import SEED_MAX, shown, type_ok
 
 SCHEMES = ("dir", "pat", "iid", "folders", "column")
 #: the natural partitions (the data say which client holds each sample) and the source of each
@@ -256,7 +256,7 @@ def check_option(key: str, value) -> None:
     """A UserError when ``value`` has the wrong type for option ``key``."""
     tp = _option_types()[key]
     if not type_ok(value, tp):
-        raise UserError(f"expected {_type_name(tp)}, got {value!r}")
+        raise UserError(f"expected {_type_name(tp)}, got {shown(value)}")
 
 
 def check_option_values(spec: PartitionSpec) -> None:

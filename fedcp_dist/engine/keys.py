@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Union
 
 from fedcp_dist.capabilities import Probes, supports
-from fedcp_dist.options import Component, Option, above, at_least, boolean_or_auto, described, finite, one_of
+from fedcp_dist.options import Component, Option, above, at_least, boolean_or_auto, described, finite, one_of, within
 
 #: the values of ``amp``
 AMP_MODES = ("none", "bf16")
@@ -23,7 +23,8 @@ class LocalSGD(Component):
         Option("lr", 0.005, "local learning rate η (plain SGD, no momentum)",
                described("> 0", lambda v: finite(v) or (None if v > 0 else f"must be > 0, got {v}"))),
         Option("batch_size", 10, "local batch size B", above(0)),
-        Option("local_epochs", 1, "local epochs E", above(0)),
+        Option("local_epochs", 1, "local epochs E (at most 10,000: a round is not preempted before it ends)",
+               within(1, 10_000)),
         Option("drop_last", True, "drop a last incomplete batch each epoch (the reference's data loader does)"),
         Option("amp", "none", "mixed precision of local training: none | bf16 (autocast; evaluation stays float32)",
                one_of(*AMP_MODES)),
@@ -83,7 +84,7 @@ class Execution(Component):
     options = (
         Option("device", "auto", "the device a rank computes on: auto (its GPU where there is one, else the CPU) | cpu | "
                "cuda", one_of(*DEVICES)),
-        Option("threads", 0, "CPU threads per rank; 0 = cores / ranks on this node", at_least(0)),
+        Option("threads", 0, "CPU threads per rank; 0 = cores / ranks on this node", within(0, 1024)),
         Option("keep_freed_memory", "auto", "CPU ranks: glibc's allocator keeps freed memory for reuse instead of "
                "returning large blocks to the system (whose pages then fault in again on every use): auto (on a CPU "
                "device under glibc) | true | false", boolean_or_auto, kind=Union[bool, str]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from fedcp_dist.options import Component, Option, at_least, auto_or, boolean_or_auto, described
+from fedcp_dist.options import Component, Option, at_least, auto_or, boolean_or_auto, described, shown
 
 
 class Fusing(Component):
@@ -26,6 +26,6 @@ class Fusing(Component):
         Option("fused_workers", "auto", "fused groups trained side by side on a CPU rank, one thread each: auto (one "
                "per thread of the rank) | N (1: one group at a time over all the rank's threads)", auto_or(described(">= 1", lambda v: None if isinstance(v, int)
                                                               and not isinstance(v, bool) and v >= 1
-                                                              else f"must be auto or an integer >= 1, got {v!r}")),
+                                                              else f"must be auto or an integer >= 1, got {shown(v)}")),
                kind=Union[int, str]),
     )

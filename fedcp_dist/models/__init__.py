@@ -25,9 +25,11 @@ from fedcp_dist.models.fasttext import EMBED_DIM, FEATURES as FASTTEXT_FEATURES,
 from fedcp_dist.models.lstm import EMBED_DIM as LSTM_EMBED, HIDDEN as LSTM_HIDDEN, LAYERS as LSTM_LAYERS, CharLSTM
 from fedcp_dist.models.mlp import DEFAULT_HIDDEN, MLP
 from fedcp_dist.models.resnet import ResNet18
-from fedcp_dist.options import Component, Option, above, one_of
+from fedcp_dist.options import Component, Option, one_of, within
 
 MODELS = ("cnn", "resnet18", "fasttext", "mlp", "lstm")
+#: the widest layer a width key takes (a larger one would ask for memory no node has before a check could say so)
+WIDEST = 65_536
 #: the kind of shard (fedcp_dist.data.shards) each model reads
 MODEL_KINDS = {"cnn": "image", "resnet18": "image", "fasttext": "text", "mlp": "table", "lstm": "text"}
 
@@ -145,9 +147,10 @@ class ModelChoice(Component):
         Option("model", "cnn", "model: cnn (the paper's 4-layer CNN, sized from the shard's input shape) | resnet18 | "
                "fasttext (text shards) | mlp (table shards) | lstm (character sequences without padding, e.g. "
                "LEAF's Shakespeare)", one_of(*MODELS)),
-        Option("mlp_hidden", DEFAULT_HIDDEN, "mlp: width H of its two hidden layers (the feature dimension K)", above(0)),
+        Option("mlp_hidden", DEFAULT_HIDDEN, "mlp: width H of its two hidden layers (the feature dimension K)",
+               within(1, WIDEST)),
         Option("fasttext_dim", EMBED_DIM, "fasttext: embedding and feature width K (32, as the FedCP authors' AG News "
-               "runs)", above(0)),
+               "runs)", within(1, WIDEST)),
         Option("fasttext_mean", "padded", "fasttext: padded averages the embeddings over all max_len positions, padding "
                "included (the authors' model); tokens over the real tokens only (this project's first variant)",
                one_of(*FASTTEXT_MEANS)),
@@ -155,11 +158,11 @@ class ModelChoice(Component):
                "FedCP repository); log_softmax = after a log-softmax on it (PFLlib's fastText of 2021-2024 under its "
                "head split)", one_of(*FASTTEXT_FEATURES)),
         Option("lstm_embed", LSTM_EMBED, "lstm: width of the character embedding (8, as LEAF's and the FedAvg paper's "
-               "Shakespeare model)", above(0)),
+               "Shakespeare model)", within(1, WIDEST)),
         Option("lstm_hidden", LSTM_HIDDEN, "lstm: units per LSTM layer, the feature dimension K (256, as LEAF's and the "
-               "FedAvg paper's Shakespeare model)", above(0)),
+               "FedAvg paper's Shakespeare model)", within(1, WIDEST)),
         Option("lstm_layers", LSTM_LAYERS, "lstm: stacked LSTM layers (2, as LEAF's and the FedAvg paper's Shakespeare "
-               "model)", above(0)),
+               "model)", within(1, 64)),
     )
 
     @classmethod

@@ -35,7 +35,7 @@ from typing import Optional
 from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
 from fedcp_dist.errors import UserError
-from fedcp_dist.options import type_ok
+from fedcp_dist.options import shown, type_ok
 from fedcp_dist.rundir.directory import RunDir
 from fedcp_dist.sweep.names import did_you_mean, display_path, partition_file_name, point_name, yaml_value
 
@@ -178,7 +178,7 @@ def _check_mapping(value, what: str, known) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise UserError(f"sweep key '{what}' must be a mapping, got {value!r}")
+        raise UserError(f"sweep key '{what}' must be a mapping, got {shown(value)}")
     for key in value:
         if key not in known:
             raise UserError(f"sweep key '{what}.{key}' is unknown{did_you_mean(key, known)}; "
@@ -239,7 +239,7 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
         tp = SLURM_KEYS[key][0]
         if not type_ok(value, tp) or (tp in (int, float) and value < 0):
             raise UserError(f"sweep key 'executor.slurm.{key}': expected a {'non-negative ' if tp in (int, float) else ''}"
-                            f"{tp.__name__} ({SLURM_KEYS[key][1]}), got {value!r}")
+                            f"{tp.__name__} ({SLURM_KEYS[key][1]}), got {shown(value)}")
     tasks = slurm.get("tasks_per_node")
     if tasks is not None and nproc > 1 and tasks != nproc:
         raise UserError(f"sweep key 'executor.slurm.tasks_per_node' ({tasks}) must equal executor.nproc ({nproc}): "

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcp_dist.algorithms.fedcp.modules import PolicyModule, register
-from fedcp_dist.options import Component, Option, at_least, one_of
+from fedcp_dist.options import Component, Option, one_of, within
 from fedcp_dist.state.placement import STREAM_INIT, stream_seed
 
 CLIENT_VECTORS = ("head", "head+stats", "head+embed")
@@ -82,7 +82,7 @@ class ClientVector(Component):
                "(v̂ and the client's label prior and input means, projected to K) | head+embed (v̂ and a learned "
                "per-client embedding, projected to K)", one_of(*CLIENT_VECTORS)),
         Option("cpn_embed_dim", 8, "FedCP: length of the learned per-client embedding of cpn_client_vector=head+embed",
-               at_least(1)),
+               within(1, 65_536)),
     )
 
     @classmethod

@@ -150,7 +150,7 @@ class Policy(Component):
         Option("cpn_hard", False, "FedCP: straight-through hard policy: s ∈ {0, 1} forward (training and evaluation), "
                "the soft Gumbel-softmax gradient backward"),
         Option("cpn_hidden", 0, "FedCP: light CPN Linear(K, H) → ReLU → Linear(H, 2K) → cpn_norm → cpn_act with H = "
-               "cpn_hidden (0: the paper's Linear(K, 2K))", at_least(0)),
+               "cpn_hidden (0: the paper's Linear(K, 2K))", within(0, 65_536)),
         Option("cpn_groups", 0, "FedCP: G > 0 (dividing K): a group-level policy Linear(G, 2G) → LayerNorm → ReLU on "
                "the policy input pooled over G contiguous blocks of K/G features (not CNN channels: the feature "
                "vector has none), its pair logits added to each member feature's (0: none)", at_least(0)),

@@ -19,13 +19,13 @@ from typing import Optional, Union
 
 from fedcp_dist.algorithms.fedcp.cpn import policy_kl
 from fedcp_dist.losses import MEDIAN, MMD_BANDWIDTHS
-from fedcp_dist.options import Component, Option, at_least, described, one_of
+from fedcp_dist.options import Component, Option, at_least, described, one_of, shown
 
 
 def _number_or_median(v) -> Optional[str]:
     if v == MEDIAN or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
         return None
-    return f"must be a number > 0 or median, got {v!r}"
+    return f"must be a number > 0 or median, got {shown(v)}"
 
 
 def _bandwidth_list(v) -> Optional[str]:
@@ -33,7 +33,7 @@ def _bandwidth_list(v) -> Optional[str]:
         return None
     ok = isinstance(v, list) and v and all(isinstance(a, (int, float)) and not isinstance(a, bool)
                                            and math.isfinite(a) and a > 0 for a in v)
-    return None if ok else f"must be null or a non-empty list of numbers > 0, got {v!r}"
+    return None if ok else f"must be null or a non-empty list of numbers > 0, got {shown(v)}"
 
 
 class MMD(Component):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from fedcp_dist.options import Component, Option, at_least, described, one_of
+from fedcp_dist.options import Component, Option, at_least, described, one_of, shown
 
 
 def _positive_or_null(v) -> Optional[str]:
     ok = v is None or (math.isfinite(v) and v > 0)
-    return None if ok else f"must be null or a number > 0, got {v!r}"
+    return None if ok else f"must be null or a number > 0, got {shown(v)}"
 
 
 described("null | > 0", _positive_or_null)
