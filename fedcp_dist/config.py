@@ -177,6 +177,9 @@ class _ConfigMethods:
             bad("data.path", f"{self.data.path} is a directory; name the HDF5 partition file in it")
         if data_file and os.path.islink(self.data.path) and not os.path.exists(self.data.path):
             bad("data.path", f"{self.data.path} is a symbolic link to {os.readlink(self.data.path)}, which does not exist")
+        if data_file and os.path.exists(self.data.path) and not os.path.isfile(self.data.path):
+            bad("data.path", f"{self.data.path} is not a regular file (a device, a pipe or a socket); name the HDF5 "
+                             f"partition file")
         if data_file and not os.path.isfile(self.data.path):
             bad("data.path", f"no such file: {self.data.path}")
         return self
@@ -377,6 +380,9 @@ def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
                                 f"(LC_ALL=C.UTF-8) or PYTHONUTF8=1")
             raise UserError(f"override {key}=…: the value holds byte 0x{ord(bad) - 0xdc00:02x}, which is not UTF-8 text "
                             f"(a path must be valid UTF-8 to be written in config.yaml)")
+        if "\n" in raw.strip() or "\r" in raw.strip():  # YAML folds a plain scalar's line break into a space
+            raise UserError(f"override {key}=…: the value holds a line break, which YAML would read as a space "
+                            f"(out_dir=a<newline>b ran in 'a b'); a value of one line is taken")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:

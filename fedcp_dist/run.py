@@ -157,7 +157,8 @@ def _main(args, stop: StopSignals) -> None:
         cfg = load_config(args.config, args.overrides, validate=False).validate(data_file=False)
         print(dump_config(cfg), end="")
         if not os.path.isfile(cfg.data.path):  # printed all the same: the file may be made later
-            what = f"{cfg.data.path} does not exist" if cfg.data.path else "is not set"
+            what = (f"{cfg.data.path} is not a regular file" if os.path.exists(cfg.data.path) else
+                    f"{cfg.data.path} does not exist") if cfg.data.path else "is not set"
             print(f"note: data.path {what}; a run needs the HDF5 partition written by fedcp-partition",
                   file=sys.stderr, flush=True)
         return

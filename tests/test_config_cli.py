@@ -95,6 +95,23 @@ def test_an_override_holding_a_byte_that_is_not_utf8_is_named():
     assert parse_overrides(["out_dir=/tmp/café 1"]) == {"out_dir": "/tmp/café 1"}
 
 
+def test_a_data_path_that_is_no_regular_file_is_named_as_such():
+    """/dev/zero was "no such file" (it exists)."""
+    with pytest.raises(UserError) as exc:
+        load_config("configs/digits_fedcp.yaml", ["data.path=/dev/zero"])
+    assert str(exc.value) == ("config key 'data.path': /dev/zero is not a regular file (a device, a pipe or a socket); "
+                              "name the HDF5 partition file")
+
+
+def test_an_override_holding_a_line_break_is_refused():
+    """YAML folded it into a space: out_dir=$'/tmp/o/a\\nb' wrote the run into '/tmp/o/a b'."""
+    with pytest.raises(UserError) as exc:
+        parse_overrides(["out_dir=/tmp/o/a\nb"])
+    assert str(exc.value) == ("override out_dir=…: the value holds a line break, which YAML would read as a space "
+                              "(out_dir=a<newline>b ran in 'a b'); a value of one line is taken")
+    assert parse_overrides(["out_dir=/tmp/o/a b\n"]) == {"out_dir": "/tmp/o/a b"}  # a trailing one, as a shell may leave
+
+
 def test_an_override_a_c_locale_cannot_read_names_the_locale(monkeypatch):
     """Under LC_ALL=C without Python's UTF-8 mode the valid UTF-8 bytes of é arrive undecoded: it
     said they were not UTF-8."""

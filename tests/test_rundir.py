@@ -153,6 +153,16 @@ def test_a_checkpoints_link_to_nowhere_is_refused_at_start(tmp_path, target):
     prepare_out_dir(out, overwrite=False, resume="auto").close()
 
 
+def test_an_out_dir_that_is_a_broken_link_is_named(tmp_path):
+    """It said "out_dir … cannot be written: File exists"."""
+    out = tmp_path / "run"
+    out.symlink_to(tmp_path / "gone")
+    with pytest.raises(UserError) as exc:
+        prepare_out_dir(out, overwrite=False, resume="auto")
+    assert str(exc.value) == (f"out_dir {out} is a symbolic link to {tmp_path / 'gone'}, which does not exist (or is "
+                              f"a loop); mend the link or choose another out_dir")
+
+
 def test_report_names_a_damaged_summary_as_damaged(tmp_path):
     out = tmp_path / "run"
     _fill(out)

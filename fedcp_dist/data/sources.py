@@ -432,7 +432,8 @@ SOURCE_NAMES: tuple[str, ...] = tuple(_LOADERS)
 def check_source_name(name: str) -> None:
     """Raise :class:`UserError` unless ``name`` is a known source."""
     if name not in _LOADERS:
-        raise UserError(f"unknown source '{name}'; known sources: {', '.join(SOURCE_NAMES)}")
+        # leaf and synthetic bring their own clients (fedcp_dist.data.make reads them apart)
+        raise UserError(f"unknown source '{name}'; known sources: {', '.join(SOURCE_NAMES)}, leaf, synthetic")
 
 
 def source_kind(name: str) -> str:

@@ -77,6 +77,9 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
     """
     run = RunDir(out_dir)
     out = run.path
+    if out.is_symlink() and not out.exists():  # mkdir said only "File exists"
+        raise UserError(f"out_dir {out} is a symbolic link to {os.readlink(out)}, which does not exist (or is a loop); "
+                        f"mend the link or choose another out_dir")
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(run.lock, "a+")
