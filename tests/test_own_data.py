@@ -218,6 +218,16 @@ def test_csv_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert not (tmp_path / "x.h5").exists()
 
 
+def test_integer_labels_written_two_ways_are_one_class():
+    """Labels 1, 01 and 2 made three classes named [1, 1, 2] (two classes called 1)."""
+    from fedcp_dist.data.owndata import _label_values
+
+    labels, names = _label_values(["1", "01", "2", "+1", " 2", "10"])
+    assert names == [1, 2, 10] and labels.tolist() == [0, 0, 1, 0, 1, 2]
+    labels, names = _label_values(["b", "a", "b"])  # text labels: their sorted distinct values, as before
+    assert names == ["a", "b"] and labels.tolist() == [1, 0, 1]
+
+
 def test_data_of_one_class_is_refused_by_the_partition_the_writer_and_a_run(tmp_path, capsys):
     """A label column holding one class made a shard whose AUC was NaN (bare in metrics.jsonl) and
     whose accuracy was 100 % untrained."""

@@ -280,15 +280,17 @@ def load_imagefolder(root, *, image_size=None, channels=None, natural: bool = Fa
 
 
 def _label_values(raw: list) -> tuple[np.ndarray, list]:
-    """Labels 0..C-1 for the distinct values of ``raw`` (numeric order when all are integers)."""
+    """Labels 0..C-1 for the distinct values of ``raw`` (numeric order when all are integers: then
+    ``1``, ``01`` and ``+1`` are the one class 1, as they are the one number)."""
     distinct = sorted(set(raw))
     try:
         as_int = {v: int(v) for v in distinct}
-        distinct = sorted(distinct, key=lambda v: as_int[v])
-        names = [as_int[v] for v in distinct]
     except ValueError:
-        names = list(distinct)
-    index = {v: k for k, v in enumerate(distinct)}
+        index = {v: k for k, v in enumerate(distinct)}
+        return np.asarray([index[v] for v in raw], dtype=np.int64), list(distinct)
+    names = sorted(set(as_int.values()))
+    position = {n: k for k, n in enumerate(names)}
+    index = {v: position[as_int[v]] for v in distinct}
     return np.asarray([index[v] for v in raw], dtype=np.int64), names
 
 
