@@ -77,6 +77,13 @@ def test_the_import_of_an_export_keeps_classes_no_sample_holds(digits6, tmp_path
     (tmp_path / "E" / "config.json").write_text(json.dumps({**cfg, "num_classes": 2}))
     expect_user_error(capsys, ["--from-npz", tmp_path / "E", "--allow-pickle", "--out", tmp_path / "d.h5"],
                       "config.json's num_classes 2 is too small: labels go up to 2")
+    # more classes than any shard takes (2,000,000 asked numpy for 61 GiB, 10**20 overflowed h5py: tracebacks)
+    (tmp_path / "E" / "config.json").write_text(json.dumps({**cfg, "num_classes": 10**20}))
+    expect_user_error(capsys, ["--from-npz", tmp_path / "E", "--allow-pickle", "--out", tmp_path / "d.h5"],
+                      "config.json's num_classes 100000000000000000000 is more than the 100,000 classes a shard takes")
+    expect_user_error(capsys, ["--from-npz", tmp_path / "E", "--allow-pickle", "--out", tmp_path / "d.h5",
+                               "--num-classes", "2000000"], "--num-classes 2000000 is more than the 100,000 classes")
+    assert not (tmp_path / "d.h5").exists()
 
 
 def test_partition_and_export_in_one_command(tmp_path, capsys):

@@ -252,6 +252,10 @@ def _load_npz_client(folder: Path, i: int, allow_pickle: bool):
     return tuple(out)
 
 
+#: the most classes an imported shard may declare (ImageNet-21k has about 21,800)
+MAX_CLASSES = 100_000
+
+
 def _npz_config(folder: Path) -> dict:
     """What an export's ``config.json`` says that an import needs: ``num_classes`` (None when it
     says none); a text or table export, which --from-npz cannot read (images only), is refused."""
@@ -319,6 +323,9 @@ def _from_npz(args) -> None:
         raise UserError(f"--from-npz: {folder} holds no samples")
     if max_label >= num_classes:
         raise UserError(f"{said} {num_classes} is too small: labels go up to {max_label}")
+    if num_classes > MAX_CLASSES:  # the shard's per-class counts: a row of num_classes per client, buffered
+        raise UserError(f"{said} {num_classes} is more than the {MAX_CLASSES:,} classes a shard takes "
+                        f"(its labels go up to {max_label})")
 
     _say(f"partitioning: kept as stored ({n} clients, {num_classes} classes)")
     channels = int(shape[0])
