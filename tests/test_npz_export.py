@@ -154,3 +154,30 @@ def test_table_and_text_clients_in_the_library_layout(tmp_path, capsys):
     assert d["x"].shape == (2, 2) and d["x"].dtype == object and d["y"].dtype == np.int64
     X, lens = zip(*d["x"])  # the library's process_text
     assert np.array_equal(np.stack(X), ids.astype(np.int64)) and list(lens) == [2, 1]
+
+
+def test_partition_options_that_would_be_ignored_are_refused(digits6, tmp_path, capsys):
+    """Each of these exited 0 and wrote a shard as if the option were not there."""
+    main(["--to-npz", str(tmp_path / "E"), "--shard", str(digits6)])
+    out = ["--out", tmp_path / "x.h5"]
+    npz = ["--from-npz", tmp_path / "E", "--allow-pickle", *out]
+    digits = ["--source", "digits", "--num-clients", 5, *out]
+    for argv, said in (
+            ([*npz, "--num-clients", 3], "--num-clients does not apply to --from-npz, which keeps the clients as stored"),
+            ([*npz, "--beta", 0.5], "--beta does not apply to --from-npz, which keeps the clients as stored"),
+            ([*npz, "--seed", 4], "--seed does not apply to --from-npz, which keeps the clients as stored"),
+            ([*digits, "--classes-per-client", 3], "--classes-per-client applies to --partition pat only, not to "
+                                                   "--partition dir"),
+            ([*digits, "--partition", "iid", "--beta", 0.5], "--beta applies to --partition dir only, not to "
+                                                             "--partition iid"),
+            ([*digits, "--partition", "iid", "--unbalanced"], "--unbalanced applies to --partition pat only, not to "
+                                                              "--partition iid"),
+            ([*digits, "--partition", "pat", "--max-tries", 3], "--max-tries applies to --partition dir only, not to "
+                                                                "--partition pat"),
+            ([*digits, "--num-classes", 3], "--num-classes applies to --from-npz only"),
+            ([*digits, "--allow-pickle"], "--allow-pickle applies to --from-npz only"),
+            ([*digits, "--root", tmp_path], "--root: --source digits is embedded (scikit-learn's) and reads no files")):
+        expect_user_error(capsys, argv, said)
+    assert not (tmp_path / "x.h5").exists()
+    main([str(a) for a in (*digits, "--partition", "pat", "--classes-per-client", 4, "--unbalanced")])  # its own scheme
+    assert read_info(tmp_path / "x.h5").num_clients == 5

@@ -406,6 +406,18 @@ def _main(argv) -> None:
                      args.text_pipeline)
     if args.all and not args.describe:
         raise UserError("--all applies to --describe only")
+    if not args.from_npz:
+        for key in ("num_classes", "allow_pickle"):
+            if getattr(args, key) != _build_parser().get_default(key):
+                raise UserError(f"--{key.replace('_', '-')} applies to --from-npz only")
+    if args.from_npz or args.describe or args.shard:  # the clients are kept as stored: no split of ours applies
+        used = "--describe" if args.describe else "--from-npz" if args.from_npz else "--shard"
+        split = [key for key in ("partition", "num_clients", "beta", "classes_per_client", "unbalanced", "batch_size",
+                                 "train_ratio", "seed", "max_tries", "root", "download")
+                 if getattr(args, key) != _build_parser().get_default(key)]
+        if split:
+            raise UserError(f"--{split[0].replace('_', '-')} does not apply to {used}, which keeps the clients as "
+                            f"stored")
     if args.describe:
         _describe(args.describe, args.all)
     elif args.shard is not None:

@@ -125,6 +125,19 @@ class PartitionSpec:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def _check_scheme_options(self) -> None:
+        """An option of one split scheme given with another is refused: it would be ignored (with
+        ``--partition iid`` a ``--beta 0.5`` wrote the same shard as none)."""
+        if self.source in OWN_CLIENTS:  # their own check names the options they refuse
+            return
+        defaults = _defaults()
+        for key, scheme in (("beta", "dir"), ("max_tries", "dir"), ("classes_per_client", "pat"), ("unbalanced", "pat")):
+            if getattr(self, key) != defaults[key] and self.partition != scheme:
+                raise UserError(f"{flag(key)} applies to --partition {scheme} only, not to --partition {self.partition}")
+        if self.source == "digits" and (self.root is not None or self.download):
+            raise UserError(f"{'--root' if self.root is not None else '--download'}: --source digits is embedded "
+                            f"(scikit-learn's) and reads no files")
+
     def check(self) -> None:
         """Refuse impossible values (before any data is loaded)."""
         check_option_values(self)
@@ -155,6 +168,7 @@ class PartitionSpec:
             raise UserError(f"--max-tries must be >= 1, got {self.max_tries}")
         if self.classes_per_client < 1:
             raise UserError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
+        self._check_scheme_options()
         if self.text_pipeline not in TEXT_PIPELINES:
             raise UserError(f"--text-pipeline must be one of {', '.join(TEXT_PIPELINES)}, got {self.text_pipeline!r}")
         if self.include_val and self.source != "tinyimagenet":
