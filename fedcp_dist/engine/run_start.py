@@ -20,6 +20,7 @@ error goes on, so a later run in the same process may take them.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -37,7 +38,7 @@ from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.engine.preflight import preflight
 from fedcp_dist.engine.probes import RoundProbes
-from fedcp_dist.rundir.directory import RunWriter
+from fedcp_dist.rundir.directory import RunDir, RunWriter
 from fedcp_dist.rundir.out_dir import prepare_out_dir
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.engine.training import CohortTrainer
@@ -99,12 +100,26 @@ def start_run(cfg: Config, rt: Runtime, ckpt: Checkpointer, echo: Callable[[str]
               wrap: Optional[Callable] = None) -> RunParts:
     """Start-up, steps 1–4 of the module's list. ``wrap`` (for tests) wraps the method the config
     names; ``echo`` says what resume found (rank 0)."""
-    made = {"lock": None, "store": None, "data": None, "writer": None}
+    made = {"lock": None, "store": None, "data": None, "writer": None, "new_dir": False}
     try:
         return _start(cfg, rt, ckpt, echo, wrap, made)
     except BaseException:  # what was locked is released
         close_parts((made["store"], made["data"], made["writer"], made["lock"]), failed=True)
+        if made["new_dir"]:
+            _unmake_out_dir(cfg.out_dir)
         raise
+
+
+def _unmake_out_dir(out_dir: str) -> None:
+    """A start refused after rank 0 made out_dir (a shard that cannot be read, say): the folder
+    goes again when it holds nothing but the lock file, so that a refused start leaves nothing."""
+    run = RunDir(out_dir)
+    try:
+        if [p.name for p in run.path.iterdir()] == [run.lock.name]:
+            run.lock.unlink()
+            run.path.rmdir()
+    except OSError:  # another process put something there meanwhile: left as it is
+        pass
 
 
 def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
@@ -118,7 +133,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
 
     def lock_and_load() -> startup.Setup:
         if rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
+            new = not os.path.lexists(cfg.out_dir)
             made["lock"] = prepare_out_dir(cfg.out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
+            made["new_dir"] = new
         return startup.load(cfg, rt, build)
 
     agreement.check_same_config(cfg, rt)  # before rank 0 touches out_dir: a refused start changes nothing
