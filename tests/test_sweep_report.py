@@ -898,3 +898,19 @@ def test_the_drift_warning_says_how_a_run_goes_on_to_more_rounds(tmp_path, capsy
         f"checkpoint), e.g. rm {sweep.names.display_path(on / 'summary.json')}",
         f"warning: 2 finished run(s) were made with a different config (lr, rounds) and were kept; remove their "
         f"directories to run them again, e.g. {sweep.names.display_path(fresh)}"]
+
+
+def test_a_grid_of_more_points_than_a_study_takes_is_refused_at_once(tmp_path, capsys, digits6, monkeypatch):
+    """A mistyped grid of 160,000 points made `fedcp-sweep --dry-run` check each point's config for
+    minutes, printing nothing."""
+    grid = {"seed": list(range(40)), "lr": [0.1 * i for i in range(1, 21)], "lam": list(range(20)),
+            "batch_size": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
+    with pytest.raises(UserError) as exc:
+        sweep.load_sweep(write_sweep(tmp_path, grid=grid))
+    assert str(exc.value) == ("sweep t: its grid makes 160,000 points (40 × 20 × 20 × 10); more than 20,000 is taken "
+                              "for a slip (a list where one value was meant?): split the study into sweeps")
+    capsys.readouterr()
+    monkeypatch.setattr(sweep.spec, "SAY_POINTS", 3)  # a long check is said first (2,000 points and more)
+    sw = sweep.load_sweep(write_sweep(tmp_path, grid={"seed": [1, 2, 3, 4]},
+                                      overrides={"rounds": 2, "data.path": str(digits6)}))
+    assert len(sw.points) == 4 and capsys.readouterr().err == "sweep t: checking 4 points\n"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -464,6 +465,12 @@ def _point_partition(sweep: Sweep, params: dict) -> PartitionSpec:
     return spec
 
 
+#: the most points a sweep file may make (a SLURM array takes at most MaxArraySize tasks, often 1,001)
+MAX_POINTS = 20_000
+#: from this many points on, checking them is said first
+SAY_POINTS = 2_000
+
+
 def _expand(sweep: Sweep, override_args: list) -> None:
     keys = list(sweep.grid)
     runs_dir = (sweep.dir / "runs").resolve()
@@ -471,6 +478,14 @@ def _expand(sweep: Sweep, override_args: list) -> None:
     names: dict = {}
     # the variants vary fastest: a sweep stopped part-way has every variant for its first grid values
     variants = list(sweep.variants) or [None]
+    sizes = [len(sweep.grid[k]) for k in keys] + ([len(variants)] if sweep.variants else [])
+    total = math.prod(sizes)
+    if total > MAX_POINTS:
+        raise UserError(f"sweep {sweep.name}: its grid makes {total:,} points ({' × '.join(map(str, sizes))}); more "
+                        f"than {MAX_POINTS:,} is taken for a slip (a list where one value was meant?): split the study "
+                        f"into sweeps")
+    if total > SAY_POINTS:  # each point's config is checked: seconds, said before they pass
+        print(f"sweep {sweep.name}: checking {total:,} points", file=sys.stderr, flush=True)
     used = [False] * len(sweep.exclude)
     for *combo, variant in itertools.product(*(sweep.grid[k] for k in keys), variants):
         params = dict(zip(keys, combo))
