@@ -178,7 +178,7 @@ def test_config_keys_reach_the_model_and_are_checked():
     default = load_config("configs/agnews_dir0.1_fedcp.yaml", validate=False)
     assert (default.fasttext_dim, default.fasttext_mean, default.fasttext_feature) == (32, "padded", "linear")
     for key, value, why in (("fasttext_mean", "sum", "padded, tokens"), ("fasttext_feature", "softmax", "linear, log_softmax"),
-                            ("fasttext_dim", "0", "must be > 0")):
+                            ("fasttext_dim", "0", r"must lie in \[1, 65536\], got 0")):
         with pytest.raises(UserError, match=f"config key '{key}'.*{why}"):
             load_config("configs/agnews_dir0.1_fedcp.yaml", [f"{key}={value}"], validate=False).validate()
 
