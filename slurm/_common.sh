@@ -5,8 +5,9 @@
 #   fedcp_launch ARGS...   srun the run (python -m fedcp_dist.run ARGS...) over the allocation:
 #                          one task per GPU on every node when the job has GPUs, else the job's
 #                          tasks (1 by default). Each rank reads SLURM_PROCID etc. itself. A
-#                          requeued attempt gets overwrite=false appended where ARGS set overwrite,
-#                          so that it resumes from the checkpoint instead of clearing it.
+#                          requeued attempt has ARGS' overwrite=... replaced by overwrite=false,
+#                          so that it resumes from the checkpoint instead of clearing it (a key
+#                          given twice is refused).
 #   fedcp_finish STATUS    75 ("preempted, checkpointed, please requeue"): `scontrol requeue` this
 #                          job (or array task) and exit 0; anything else: exit STATUS.
 #
@@ -28,9 +29,11 @@ fedcp_launch() {
     # overwrite=true clears out_dir, checkpoints included: a requeued attempt must resume instead
     local a
     if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+        local -a kept=()
         for a in "$@"; do
-            case $a in overwrite=*) set -- "$@" overwrite=false; break ;; esac
+            case $a in overwrite=*) kept+=(overwrite=false) ;; *) kept+=("$a") ;; esac
         done
+        set -- "${kept[@]}"
     fi
     local shown
     printf -v shown ' %q' "${run[@]}" "$@"

@@ -427,6 +427,18 @@ def test_a_signalled_ranks_launch_exits_75_only_after_a_reported_checkpoint(tmp_
     assert ranks.stopped_status(str(status), sig.SIGTERM) == 0
 
 
+def test_a_ranks_launch_clears_the_callers_status_file_first(tmp_path, monkeypatch, capsys):
+    """A status file left saying "finished" by an earlier run made a later launch, signalled before
+    its ranks wrote anything, report the run finished and exit 0."""
+    from fedcp_dist.cli import ranks
+
+    status = tmp_path / "status"
+    status.write_text("finished\n")
+    monkeypatch.setenv("FEDCP_STATUS_FILE", str(status))
+    code = ranks.main(["--standalone", "--nproc_per_node=1", "--no-python", "false"])  # a rank that fails at once
+    assert code == 1 and status.read_text() == ""
+
+
 def test_a_finished_run_says_so_in_the_status_file(digits6, tmp_path, monkeypatch):
     """Under a launcher signalled during the final evaluation or after the final files, the ranks'
     statuses said "stopped" (143) for a finished run, and a requeue then found it finished (exit 2)."""

@@ -120,6 +120,20 @@ def _overrides(shard, out, seed=1):
     return [f"data.path={shard}", "rounds=2", "eval_every=1", "threads=1", f"seed={seed}", f"out_dir={out}"]
 
 
+def test_a_requeued_attempt_replaces_overwrite_instead_of_repeating_it(tmp_path):
+    """A requeue appended overwrite=false after the job's overwrite=true: with a key given twice
+    refused, every requeued attempt of such a job failed at once (exit 2, not requeued)."""
+    script = tmp_path / "t.sh"
+    script.write_text('srun() { while [[ "$1" == --* ]]; do shift; done; "$@"; }\n'
+                      f'source {REPO / "slurm" / "_common.sh"}\n'
+                      'FEDCP_RUN_CMD=echo fedcp_launch --config c.yaml overwrite=true "out_dir=a b" rounds=2\n')
+    for restart, overwrite in (("1", "overwrite=false"), ("0", "overwrite=true")):
+        r = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                           env={**os.environ, "SLURM_RESTART_COUNT": restart})
+        assert r.returncode == 0 and r.stdout.splitlines()[-1] == f"--config c.yaml {overwrite} out_dir=a b rounds=2", \
+            r.stdout + r.stderr
+
+
 def test_train_sbatch_tiny_run(cluster, digits6, tmp_path):
     out = tmp_path / "run"
     job, name = submit(tmp_path, TRAIN, CONFIG, *_overrides(digits6, out))

@@ -876,18 +876,22 @@ def test_the_drift_warning_says_how_a_run_goes_on_to_more_rounds(tmp_path, capsy
 
     sw = sweep.load_sweep(write_sweep(tmp_path, grid={"method": ["fedavg", "fedphp"], "seed": [1, 2, 3]},
                                       overrides={"rounds": 2, "eval_every": 1, "data.path": str(digits6)}))
-    made = {("fedavg", 1): {"rounds": 1}, ("fedphp", 1): {"rounds": 1}, ("fedavg", 2): {"lr": 0.5},
-            ("fedavg", 3): {}, ("fedphp", 2): {"eval_every": 3}}
+    # (method, seed): the keys its finished run was made with, and whether it kept a checkpoint
+    made = {("fedavg", 1): ({"rounds": 1}, True), ("fedphp", 1): ({"rounds": 1}, True),
+            ("fedavg", 2): ({"lr": 0.5}, True), ("fedphp", 2): ({"eval_every": 3}, True),
+            ("fedphp", 3): ({"rounds": 5}, True),  # fewer rounds now: a resume would refuse
+            ("fedavg", 3): ({"rounds": 1}, False)}  # no checkpoint (checkpoint_every: 0): it would start over
     for p in sw.points:
         key = (p.params["method"], p.params["seed"])
-        if key not in made:
-            continue
         cfg = sweep.spec.point_config(sw, p)
-        for k, v in made[key].items():
+        for k, v in made[key][0].items():
             setattr(cfg, k, v)
         p.run_dir.mkdir(parents=True)
         (p.run_dir / "config.yaml").write_text(dump_config(cfg))
         (p.run_dir / "summary.json").write_text("{}")
+        if made[key][1]:
+            (p.run_dir / "checkpoints" / "round_0000001").mkdir(parents=True)
+            (p.run_dir / "checkpoints" / "round_0000001" / "COMPLETE").write_text("{}")
     drift_warning(sw)
     lines = capsys.readouterr().out.splitlines()
     on = next(p.run_dir for p in sw.points if (p.params["method"], p.params["seed"]) == ("fedavg", 1))
@@ -896,7 +900,7 @@ def test_the_drift_warning_says_how_a_run_goes_on_to_more_rounds(tmp_path, capsy
         f"warning: 2 finished run(s) were made with another value of eval_every, rounds and were kept; to take "
         f"them on to the new value, remove their summary.json and run the sweep again (each resumes from its last "
         f"checkpoint), e.g. rm {sweep.names.display_path(on / 'summary.json')}",
-        f"warning: 2 finished run(s) were made with a different config (lr, rounds) and were kept; remove their "
+        f"warning: 4 finished run(s) were made with a different config (lr, rounds) and were kept; remove their "
         f"directories to run them again, e.g. {sweep.names.display_path(fresh)}"]
 
 
@@ -914,3 +918,15 @@ def test_a_grid_of_more_points_than_a_study_takes_is_refused_at_once(tmp_path, c
     sw = sweep.load_sweep(write_sweep(tmp_path, grid={"seed": [1, 2, 3, 4]},
                                       overrides={"rounds": 2, "data.path": str(digits6)}))
     assert len(sw.points) == 4 and capsys.readouterr().err == "sweep t: checking 4 points\n"
+
+
+def test_a_partition_block_for_several_schemes_and_an_explicit_client_count_still_load(tmp_path):
+    """Two compositions a sweep file may hold, which the day's refusals must not break: a grid over
+    the partition scheme beside a block holding beta (dir's, ignored by iid), and overrides that set
+    data.num_clients beside a partition block (the point then carried the key twice and every run
+    was refused when it started, though --dry-run passed)."""
+    sw = sweep.load_sweep(write_sweep(tmp_path, grid={"partition.partition": ["dir", "iid"]}, partition=DIGITS6,
+                                      overrides={"rounds": 2, "data.num_clients": 6}))
+    assert [p.params["partition.partition"] for p in sw.points] == ["dir", "iid"]
+    for p in sw.points:
+        assert [o for o in p.overrides if o.startswith("data.num_clients=")] == ["data.num_clients=6"]

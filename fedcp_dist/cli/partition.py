@@ -161,6 +161,7 @@ def _out_arg(args) -> str:
 def _partition(args) -> None:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(PartitionSpec)}
     spec = PartitionSpec(**{**options, "source": args.source or "digits"})
+    spec.check_scheme_options()
     make_shard(spec, _out_arg(args), force=args.force, say=_say)
 
 

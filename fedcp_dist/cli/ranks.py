@@ -91,6 +91,11 @@ def main(argv=None) -> int:
             os.environ["FEDCP_STATUS_FILE"] = own  # the ranks inherit it
         except OSError:  # no writable temporary folder: a signalled launch then exits 128 + the signal
             own = None
+    else:  # the caller's: what an earlier run wrote there must not speak for this one
+        try:
+            open(os.environ["FEDCP_STATUS_FILE"], "w").close()
+        except OSError:
+            pass
     try:
         torchrun(sys.argv[1:] if argv is None else argv)
         return 0
@@ -101,6 +106,8 @@ def main(argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNHEARD):  # the ranks are gone: a second
+            signal.signal(sig, signal.SIG_IGN)                                 # signal has nothing to stop
         signum = asked[0] if asked else int(exc.sigval)
         code = stopped_status(os.environ.get("FEDCP_STATUS_FILE"), signum)
         said = {EXIT_REQUEUE: "stopped after their checkpoint", 0: "had finished the run"}.get(

@@ -125,9 +125,10 @@ class PartitionSpec:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def _check_scheme_options(self) -> None:
+    def check_scheme_options(self) -> None:
         """An option of one split scheme given with another is refused: it would be ignored (with
-        ``--partition iid`` a ``--beta 0.5`` wrote the same shard as none)."""
+        ``--partition iid`` a ``--beta 0.5`` wrote the same shard as none). For the command line: a
+        sweep's partition block holds the options of every scheme its grid names."""
         if self.source in OWN_CLIENTS:  # their own check names the options they refuse
             return
         defaults = _defaults()
@@ -168,7 +169,6 @@ class PartitionSpec:
             raise UserError(f"--max-tries must be >= 1, got {self.max_tries}")
         if self.classes_per_client < 1:
             raise UserError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
-        self._check_scheme_options()
         if self.text_pipeline not in TEXT_PIPELINES:
             raise UserError(f"--text-pipeline must be one of {', '.join(TEXT_PIPELINES)}, got {self.text_pipeline!r}")
         if self.include_val and self.source != "tinyimagenet":

@@ -104,9 +104,10 @@ def start_run(cfg: Config, rt: Runtime, ckpt: Checkpointer, echo: Callable[[str]
     try:
         return _start(cfg, rt, ckpt, echo, wrap, made)
     except BaseException:  # what was locked is released
-        close_parts((made["store"], made["data"], made["writer"], made["lock"]), failed=True)
-        if made["new_dir"]:
+        close_parts((made["store"], made["data"], made["writer"]), failed=True)
+        if made["new_dir"]:  # while the lock is still held: no other run can have taken the folder
             _unmake_out_dir(cfg.out_dir)
+        close_parts((made["lock"],), failed=True)
         raise
 
 

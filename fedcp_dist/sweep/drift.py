@@ -44,14 +44,27 @@ def resume_drift(sweep: Sweep, point: Point) -> list:
             if k not in RESUMABLE_CHANGES and k != "data.path"]
 
 
+def _goes_on(sweep: Sweep, point: Point, changed: list) -> bool:
+    """Whether the finished run of ``point`` resumes to the sweep file's values once its summary.json
+    is gone: it has a checkpoint to resume from, and a change of rounds is to more rounds, of a
+    method whose training does not depend on the total."""
+    run = RunDir(point.run_dir)
+    if not run.has_checkpoint():  # checkpoint_every: 0 — it would train again from round 0
+        return False
+    if "rounds" not in changed:
+        return True
+    cfg = point_config(sweep, point)
+    done = (run.read_config() or {}).get("rounds")
+    return isinstance(done, int) and cfg.rounds >= done and not rounds_scheduled(cfg.to_dict())
+
+
 def drift_warning(sweep: Sweep) -> None:
     """Print what to do about finished points whose runs were made with another config: a warning
     per kind. Runs that differ only in keys a resume may change (``rounds``, ``eval_every``: not for a
     method whose training depends on the total of rounds) go on from their last checkpoint once
     their summary.json is removed; the others run again only from an empty directory."""
     stale = [(p, d) for p in sweep.points if p.status() == FINISHED and (d := config_drift(sweep, p))]
-    go_on = [(p, d) for p, d in stale if set(d) <= set(RESUMABLE_DEFINING)
-             and not ("rounds" in d and rounds_scheduled(point_config(sweep, p).to_dict()))]
+    go_on = [(p, d) for p, d in stale if set(d) <= set(RESUMABLE_DEFINING) and _goes_on(sweep, p, d)]
     afresh = [(p, d) for p, d in stale if (p, d) not in go_on]
     if go_on:
         keys = ", ".join(sorted({k for _, d in go_on for k in d}))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
+from fedcp_dist.config import Config, flatten, given_once, load_config, read_yaml_mapping
 from fedcp_dist.data.make import PartitionSpec, check_option, option_types
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import shown, type_ok
@@ -511,7 +511,7 @@ def _expand(sweep: Sweep, override_args: list) -> None:
             spec = _point_partition(sweep, params)
             data_path = data_dir / partition_file_name(spec)
             args.append(f"data.path={data_path}")
-            if "data.num_clients" not in params:
+            if "data.num_clients" not in params and "data.num_clients" not in sweep.overrides:
                 args.append(f"data.num_clients={spec.num_clients}")
         run_dir = runs_dir / name
         args.append(f"out_dir={run_dir}")
@@ -531,7 +531,12 @@ def point_config(sweep: Sweep, point: Point) -> Config:
 
 
 def _validate_point(sweep: Sweep, point: Point) -> None:
-    """Full config validation; a shard the sweep makes later stands in as an existing file."""
+    """Full config validation; a shard the sweep makes later stands in as an existing file. The
+    point's command line is the run's: a key in it twice is refused there, so here first."""
+    try:
+        given_once(point.overrides)
+    except UserError as exc:
+        raise UserError(f"sweep point {point.name}: {exc}") from None
     cfg = point_config(sweep, point)
     if point.data_path is not None:
         cfg.data.path = str(sweep.base)
