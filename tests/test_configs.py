@@ -9,7 +9,7 @@ from fedcp_dist.cli.partition import _build_parser as partition_parser
 from fedcp_dist.cli.sweep import main
 from fedcp_dist.config import METHODS, flatten, load_config
 from fedcp_dist.sweep import load_sweep
-from fedcp_dist.sweep.spec import point_config
+from fedcp_dist.sweep.points import point_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SWEEPS = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))

@@ -18,7 +18,7 @@ from fedcp_dist.rundir.out_dir import prepare_out_dir
 from fedcp_dist.rundir.present import format_value
 from fedcp_dist.run import run_config
 from fedcp_dist.sweep import config_drift, load_sweep
-from fedcp_dist.sweep.spec import point_config
+from fedcp_dist.sweep.points import point_config
 
 BASE = str(REPO / "configs" / "digits_fedcp.yaml")
 

@@ -80,7 +80,7 @@ def test_report_marks_excluded_cells_with_the_reason(tmp_path, capsys):
     sweep.write_manifest(sw)
     for p in sw.points:
         p.run_dir.mkdir(parents=True)
-        (p.run_dir / "config.yaml").write_text(dump_config(sweep.spec.point_config(sw, p)))  # as its run writes it
+        (p.run_dir / "config.yaml").write_text(dump_config(sweep.points.point_config(sw, p)))  # as its run writes it
         best = 0.5 + 0.1 * p.params["seed"] + 0.01 * p.params["num_clients"]
         (p.run_dir / "summary.json").write_text(json.dumps({"method": p.params["method"], "best_acc": best,
                                                             "final_acc": best, "rounds": 2}))

@@ -158,7 +158,7 @@ def test_a_sweep_never_clears_or_refuses_its_points_checkpoints(where, key, exec
     assert not (tmp_path / "sweeps").exists()
     # the values every point runs under are accepted wherever they are written
     sw = sweep.load_sweep(write_sweep(tmp_path, overrides={"rounds": 2, **RERUN_SAFE}, partition=DIGITS6), kind=executor)
-    assert all(sweep.spec.point_config(sw, p).overwrite is False for p in sw.points)
+    assert all(sweep.points.point_config(sw, p).overwrite is False for p in sw.points)
 
 
 RERUN_SAFE = {"overwrite": False, "resume": "auto"}
@@ -883,7 +883,7 @@ def test_the_drift_warning_says_how_a_run_goes_on_to_more_rounds(tmp_path, capsy
             ("fedavg", 3): ({"rounds": 1}, False)}  # no checkpoint (checkpoint_every: 0): it would start over
     for p in sw.points:
         key = (p.params["method"], p.params["seed"])
-        cfg = sweep.spec.point_config(sw, p)
+        cfg = sweep.points.point_config(sw, p)
         for k, v in made[key][0].items():
             setattr(cfg, k, v)
         p.run_dir.mkdir(parents=True)
@@ -914,7 +914,7 @@ def test_a_grid_of_more_points_than_a_study_takes_is_refused_at_once(tmp_path, c
     assert str(exc.value) == ("sweep t: its grid makes 160,000 points (40 × 20 × 20 × 10); more than 20,000 is taken "
                               "for a slip (a list where one value was meant?): split the study into sweeps")
     capsys.readouterr()
-    monkeypatch.setattr(sweep.spec, "SAY_POINTS", 3)  # a long check is said first (2,000 points and more)
+    monkeypatch.setattr(sweep.points, "SAY_POINTS", 3)  # a long check is said first (2,000 points and more)
     sw = sweep.load_sweep(write_sweep(tmp_path, grid={"seed": [1, 2, 3, 4]},
                                       overrides={"rounds": 2, "data.path": str(digits6)}))
     assert len(sw.points) == 4 and capsys.readouterr().err == "sweep t: checking 4 points\n"

@@ -34,7 +34,7 @@ def test_variants_are_one_more_dimension_varying_fastest(tmp_path):
     assert got["cpn_hard"] is True and got["tau"] == 0.5 and got["seed"] == 2 and got["rounds"] == 10
     assert "variant" not in got  # a name, not a config key
     assert "cpn_hard" not in parse_overrides(sw.points[3].overrides)  # the plain variant sets nothing
-    cfg = sweep.spec.point_config(sw, hard)
+    cfg = sweep.points.point_config(sw, hard)
     assert cfg.tau == 0.5 and cfg.cpn_hard is True and cfg.policy_refresh_every == 1
     # no grid at all: the variants alone
     sw = sweep.load_sweep(write_sweep(tmp_path, grid=None, overrides={"rounds": 10, "seed": 3}))
@@ -81,7 +81,7 @@ def _fake_runs(tmp_path):
     for p in sw.points:
         v, seed = p.params["variant"], p.params["seed"]
         p.run_dir.mkdir(parents=True)
-        cfg = sweep.spec.point_config(sw, p)  # as the point's run writes it
+        cfg = sweep.points.point_config(sw, p)  # as the point's run writes it
         assert cfg.seed == seed and cfg.rounds == 10
         (p.run_dir / "config.yaml").write_text(dump_config(cfg))
         summary = {"method": "fedcp", "rounds": 10, "best_acc": best[v, seed], "final_acc": best[v, seed] - 0.01}

@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from fedcp_dist import interrupts
-from fedcp_dist.data.make import PartitionSpec, check_out, make_shard, say_written, text_options, with_progress
+from fedcp_dist.data.make import (SPLIT_OPTIONS, PartitionSpec, check_out, make_shard, say_written, text_options,
+                                  with_progress)
 from fedcp_dist.data.npz_export import check_export_target, export_npz
 from fedcp_dist.data.text import DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE, TEXT_PIPELINES
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
@@ -388,7 +389,8 @@ def main(argv=None) -> None:
 
 
 def _main(argv) -> None:
-    args = _build_parser().parse_args(argv)
+    defaults = _build_parser()
+    args = defaults.parse_args(argv)
     _check_export_args(args)
     if args.describe and args.from_npz:
         raise UserError("--describe and --from-npz cannot be used together")
@@ -397,7 +399,7 @@ def _main(argv) -> None:
     if args.describe or args.from_npz or args.shard:
         own = [key for key in ("leaf_task", "synthetic_alpha", "synthetic_beta", "synthetic_iid",
                                "synthetic_min_samples", "synthetic_max_samples")
-               if getattr(args, key) != _build_parser().get_default(key)]
+               if getattr(args, key) != defaults.get_default(key)]
         if own:
             raise UserError(f"--{own[0].replace('_', '-')} applies to --source "
                             f"{'leaf' if own[0] == 'leaf_task' else 'synthetic'} only")
@@ -409,13 +411,12 @@ def _main(argv) -> None:
         raise UserError("--all applies to --describe only")
     if not args.from_npz:
         for key in ("num_classes", "allow_pickle"):
-            if getattr(args, key) != _build_parser().get_default(key):
+            if getattr(args, key) != defaults.get_default(key):
                 raise UserError(f"--{key.replace('_', '-')} applies to --from-npz only")
     if args.from_npz or args.describe or args.shard:  # the clients are kept as stored: no split of ours applies
         used = "--describe" if args.describe else "--from-npz" if args.from_npz else "--shard"
-        split = [key for key in ("partition", "num_clients", "beta", "classes_per_client", "unbalanced", "batch_size",
-                                 "train_ratio", "seed", "max_tries", "root", "download")
-                 if getattr(args, key) != _build_parser().get_default(key)]
+        split = [key for key in (*SPLIT_OPTIONS, "num_clients", "train_ratio", "seed", "root", "download")
+                 if getattr(args, key) != defaults.get_default(key)]
         if split:
             raise UserError(f"--{split[0].replace('_', '-')} does not apply to {used}, which keeps the clients as "
                             f"stored")

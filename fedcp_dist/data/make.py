@@ -31,7 +31,7 @@ NATURAL = {"folders": "imagefolder", "column": "csv"}
 #: partition scheme applies, and the shard records the source's name as its partition
 OWN_CLIENTS = ("leaf", "synthetic")
 #: the options of the split schemes, which sources with their own clients refuse
-_SPLIT_OPTIONS = ("partition", "beta", "classes_per_client", "unbalanced", "batch_size", "max_tries")
+SPLIT_OPTIONS = ("partition", "beta", "classes_per_client", "unbalanced", "batch_size", "max_tries")
 
 
 def flag(option: str) -> str:
@@ -209,7 +209,7 @@ def _check_own_clients(spec: PartitionSpec) -> None:
     """Sources with their own clients (:data:`OWN_CLIENTS`) refuse the split schemes' options, and
     their own options belong to them alone."""
     defaults = _defaults()
-    given = [key for key in _SPLIT_OPTIONS if getattr(spec, key) != defaults[key]]
+    given = [key for key in SPLIT_OPTIONS if getattr(spec, key) != defaults[key]]
     if spec.source in OWN_CLIENTS and given:
         what = "LEAF's users" if spec.source == "leaf" else "its generated clients"
         raise UserError(f"{flag(given[0])} applies to sources split among clients; --source {spec.source} keeps "

@@ -38,8 +38,8 @@ from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.engine.preflight import preflight
 from fedcp_dist.engine.probes import RoundProbes
-from fedcp_dist.rundir.directory import RunDir, RunWriter
-from fedcp_dist.rundir.out_dir import prepare_out_dir
+from fedcp_dist.rundir.directory import RunWriter
+from fedcp_dist.rundir.out_dir import prepare_out_dir, unmake_out_dir
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.engine.training import CohortTrainer
 
@@ -106,21 +106,9 @@ def start_run(cfg: Config, rt: Runtime, ckpt: Checkpointer, echo: Callable[[str]
     except BaseException:  # what was locked is released
         close_parts((made["store"], made["data"], made["writer"]), failed=True)
         if made["new_dir"]:  # while the lock is still held: no other run can have taken the folder
-            _unmake_out_dir(cfg.out_dir)
+            unmake_out_dir(cfg.out_dir)
         close_parts((made["lock"],), failed=True)
         raise
-
-
-def _unmake_out_dir(out_dir: str) -> None:
-    """A start refused after rank 0 made out_dir (a shard that cannot be read, say): the folder
-    goes again when it holds nothing but the lock file, so that a refused start leaves nothing."""
-    run = RunDir(out_dir)
-    try:
-        if [p.name for p in run.path.iterdir()] == [run.lock.name]:
-            run.lock.unlink()
-            run.path.rmdir()
-    except OSError:  # another process put something there meanwhile: left as it is
-        pass
 
 
 def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:

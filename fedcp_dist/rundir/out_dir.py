@@ -112,3 +112,16 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
         lock.close()
         raise
     return lock
+
+
+def unmake_out_dir(out_dir) -> None:
+    """Undo :func:`prepare_out_dir`'s making of ``out_dir`` for a start refused after it (a shard
+    that cannot be read, say): the folder goes again when it holds nothing but the lock file. Call
+    it while the lock is still held, so that no other run can have taken the folder meanwhile."""
+    run = RunDir(out_dir)
+    try:
+        if [p.name for p in run.path.iterdir()] == [run.lock.name]:
+            run.lock.unlink()
+            run.path.rmdir()
+    except OSError:  # another process put something there meanwhile: left as it is
+        pass

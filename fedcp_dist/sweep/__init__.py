@@ -13,7 +13,8 @@ from fedcp_dist.sweep.manifest import MANIFEST, make_partitions, read_manifest, 
 from fedcp_dist.sweep.slurm import SweepRun, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import partition_file_name, point_name, yaml_value
 from fedcp_dist.sweep.drift import config_drift
-from fedcp_dist.sweep.spec import EXECUTORS, Point, Sweep, load_sweep
+from fedcp_dist.sweep.points import Point, Sweep
+from fedcp_dist.sweep.spec import EXECUTORS, load_sweep
 
 __all__ = [
     "EXECUTORS", "MANIFEST", "Point", "Sweep", "SweepRun", "config_drift", "load_sweep", "make_partitions",

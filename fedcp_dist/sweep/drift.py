@@ -8,7 +8,7 @@ from fedcp_dist.config import Config, flatten
 from fedcp_dist.rundir.directory import (FINISHED, NOT_DEFINING, RESUMABLE_CHANGES, RESUMABLE_DEFINING, RunDir,
                                          config_changes, defining_changes, rounds_scheduled)
 from fedcp_dist.sweep.names import display_path
-from fedcp_dist.sweep.spec import Point, Sweep, point_config
+from fedcp_dist.sweep.points import Point, Sweep, point_config
 
 
 def config_drift(sweep: Sweep, point: Point) -> list:

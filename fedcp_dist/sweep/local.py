@@ -34,7 +34,7 @@ from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, UNFIN
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
 from fedcp_dist.sweep.drift import drift_warning, resume_drift
-from fedcp_dist.sweep.spec import Sweep
+from fedcp_dist.sweep.points import Sweep
 
 
 #: seconds torchrun lets its workers finish after it forwards a SIGTERM before it SIGKILLs them

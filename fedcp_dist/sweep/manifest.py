@@ -15,7 +15,7 @@ from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
 from fedcp_dist.sweep.names import display_path
 from fedcp_dist.sweep.drift import defining_config
-from fedcp_dist.sweep.spec import Sweep
+from fedcp_dist.sweep.points import Sweep
 
 MANIFEST = "sweep.json"
 MANIFEST_FORMAT = 1

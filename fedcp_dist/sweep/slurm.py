@@ -23,7 +23,7 @@ from fedcp_dist.sweep.local import pump, stderr_tail
 from fedcp_dist.sweep.manifest import make_partitions, write_manifest
 from fedcp_dist.sweep.names import display_path, now
 from fedcp_dist.sweep.drift import drift_warning
-from fedcp_dist.sweep.spec import Sweep
+from fedcp_dist.sweep.points import Sweep
 
 #: seconds between SLURM's warning signal and the kill, unless the sweep sets executor.slurm.signal_delay_s
 SIGNAL_DELAY_S = 120

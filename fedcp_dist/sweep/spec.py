@@ -21,31 +21,23 @@ them with their reasons.
 """
 from __future__ import annotations
 
-import itertools
 import json
-import math
-import os
 import re
-import shlex
-import shutil
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fedcp_dist.config import Config, flatten, given_once, load_config, read_yaml_mapping
-from fedcp_dist.data.make import PartitionSpec, check_option, option_types
+from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
+from fedcp_dist.data.make import check_option, option_types
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import shown, type_ok
 from fedcp_dist.rundir.directory import RunDir
-from fedcp_dist.sweep.names import did_you_mean, display_path, partition_file_name, point_name, yaml_value
+from fedcp_dist.sweep.names import did_you_mean, yaml_value
+from fedcp_dist.sweep.points import VARIANT, Sweep, expand, same_value
 
 DEFAULT_ROOT = "runs/sweeps"
 TOP_KEYS = ("name", "root", "base", "overrides", "grid", "variants", "partition", "executor", "exclude")
 #: the keys of one ``exclude`` rule
 EXCLUDE_KEYS = ("where", "reason")
-#: the parameter that names a point's variant (a key of the sweep's ``variants``)
-VARIANT = "variant"
 EXECUTOR_KEYS = ("kind", "nproc", "slurm")
 EXECUTORS = ("local", "slurm")
 #: the slurm block: key -> (type, meaning)
@@ -74,105 +66,6 @@ RESERVED = ("out_dir",)
 #: requeue, a re-run of the sweep) and it must go on from its own checkpoint, which overwrite=true
 #: would remove every time and resume=never would refuse
 RERUN_KEYS = {"overwrite": False, "resume": "auto"}
-
-
-# ----------------------------------------------------------------------------- the sweep
-
-
-@dataclass
-class Point:
-    index: int
-    #: grid key -> value, in grid order
-    params: dict
-    name: str
-    run_dir: Path
-    #: key=value overrides of fedcp_dist.run for this point, out_dir last
-    overrides: list
-    #: the partition of the shard this point needs (None: the config's data.path)
-    partition: Optional[PartitionSpec] = None
-    data_path: Optional[Path] = None
-
-    def status(self) -> str:
-        """finished | unfinished (a run was started there) | pending: see :meth:`RunDir.status`."""
-        return RunDir(self.run_dir).status()
-
-
-@dataclass
-class Excluded:
-    """A point of the grid that an ``exclude`` rule keeps from running."""
-
-    #: grid key -> value, as a point's
-    params: dict
-    name: str
-    reason: str
-
-
-@dataclass
-class Sweep:
-    file: Path
-    name: str
-    root: Path
-    base: Path
-    overrides: dict
-    grid: dict
-    partition: Optional[dict]
-    kind: str
-    nproc: int
-    slurm: dict
-    points: list = field(default_factory=list)
-    partition_keys: list = field(default_factory=list)
-    #: the base config file's mapping, read once (every point's config starts from it)
-    base_values: Optional[dict] = None
-    #: variant name -> its flat config keys (empty: no variants)
-    variants: dict = field(default_factory=dict)
-    #: the ``exclude`` rules: [(where: key -> list of values, reason)]
-    exclude: list = field(default_factory=list)
-    #: the grid's points those rules exclude, in grid order
-    excluded: list = field(default_factory=list)
-
-    @property
-    def dimensions(self) -> list:
-        """The keys a point's parameters have: the grid's, then ``variant`` when there are variants."""
-        return list(self.grid) + ([VARIANT] if self.variants else [])
-
-    @property
-    def dir(self) -> Path:
-        return self.root / self.name
-
-    def run_args(self, point: Point) -> list:
-        """The arguments of ``fedcp_dist.run`` for one point (absolute paths)."""
-        return ["--config", str(self.base), *point.overrides]
-
-    def command(self, point: Point, nproc: Optional[int] = None) -> list:
-        nproc = self.nproc if nproc is None else nproc
-        if nproc > 1:
-            torchrun = Path(sys.executable).with_name("torchrun")
-            prefix = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-            prefix += ["--standalone", f"--nproc_per_node={nproc}", "-m", "fedcp_dist.run"]
-        else:
-            prefix = [sys.executable, "-m", "fedcp_dist.run"]
-        return prefix + self.run_args(point)
-
-    def display_command(self, point: Point) -> str:
-        words = []
-        for w in self.command(point):
-            if os.path.isabs(w):
-                w = display_path(Path(w))
-            elif "=" in w and os.path.isabs(w.split("=", 1)[1]):
-                k, v = w.split("=", 1)
-                w = f"{k}={display_path(Path(v))}"
-            words.append(w)
-        # the interpreter or torchrun beside it, by the short name that finds the same file on PATH
-        first = self.command(point)[0]
-        for short in ("python", "torchrun"):
-            found = shutil.which(short)
-            if found and os.path.abspath(found) == os.path.abspath(first) and Path(first).name.startswith(short):
-                words[0] = short
-        return shlex.join(words)
-
-    def point_line(self, k: int, point: Point, status: str) -> str:
-        """``[k/n] status  run_dir``: how both executors and --dry-run list a point."""
-        return f"[{k}/{len(self.points)}] {status:<10} {display_path(point.run_dir)}"
 
 
 def _check_mapping(value, what: str, known) -> dict:
@@ -330,7 +223,7 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
                   partition=part_block, kind=kind, nproc=nproc, slurm=slurm, partition_keys=partition_keys,
                   base_values=read_yaml_mapping(base_path), variants=variants)
     sweep.exclude = _check_exclude(raw.get("exclude"), sweep)
-    _expand(sweep, override_args)
+    expand(sweep, override_args)
     if not sweep.points:
         raise UserError(f"sweep file {path}: 'exclude' leaves no point to run")
     for p in sweep.points:  # a finished point's summary that cannot be read: neither done nor to run
@@ -339,13 +232,6 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
             raise UserError(f"{run.summary} is damaged (not a JSON object), so its point is neither finished nor "
                             f"to run; restore it, or move the point's folder away to run it again")
     return sweep
-
-
-def _same(a, b) -> bool:
-    """Equal as YAML values (1 and 1.0 alike, as the config reads them; lists element by element)."""
-    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str) or (
-        isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
-        and not isinstance(b, bool) and float(a) == float(b))
 
 
 def _check_exclude(raw, sweep: Sweep) -> list:
@@ -382,19 +268,11 @@ def _check_exclude(raw, sweep: Sweep) -> list:
                 not any(isinstance(g, list) for g in dims[key]) or all(isinstance(v, list) for v in values))
             values = values if listed else [values]
             for v in values:
-                if not any(_same(v, g) for g in dims[key]):
+                if not any(same_value(v, g) for g in dims[key]):
                     raise UserError(f"{what}: 'where.{key}' value {v!r} is not in the grid ({dims[key]!r})")
             checked[key] = values
         rules.append((checked, " ".join(reason.split())))
     return rules
-
-
-def excluding_rule(sweep: Sweep, params: dict) -> Optional[int]:
-    """The index of the first ``exclude`` rule that matches a point's parameters (None: it runs)."""
-    for n, (where, _) in enumerate(sweep.exclude):
-        if all(any(_same(params.get(k), v) for v in values) for k, values in where.items()):
-            return n
-    return None
 
 
 def _check_rerun_key(key: str, value, where: str) -> None:
@@ -446,101 +324,3 @@ def _check_variants(raw, overrides: dict, override_args: list, base_path: Path) 
         resolved[marker] = name
         variants[name] = keys
     return variants
-
-
-def _point_partition(sweep: Sweep, params: dict) -> PartitionSpec:
-    """The partition of one point: the block, with the point's partition options and client count."""
-    part = dict(sweep.partition)
-    for k in sweep.partition_keys:
-        part[k.split(".", 1)[1] if k.startswith("partition.") else k] = params[k]
-    if "data.num_clients" in params:
-        part["num_clients"] = params["data.num_clients"]
-    if "num_clients" not in part:
-        raise UserError("sweep key 'partition.num_clients' is required (in the block or the grid)")
-    spec = PartitionSpec(**part)
-    try:
-        spec.check()
-    except UserError as exc:
-        raise UserError(f"sweep partition {partition_file_name(spec)}: {exc}") from None
-    return spec
-
-
-#: the most points a sweep file may make (a SLURM array takes at most MaxArraySize tasks, often 1,001)
-MAX_POINTS = 20_000
-#: from this many points on, checking them is said first
-SAY_POINTS = 2_000
-
-
-def _expand(sweep: Sweep, override_args: list) -> None:
-    keys = list(sweep.grid)
-    runs_dir = (sweep.dir / "runs").resolve()
-    data_dir = (sweep.dir / "data").resolve()
-    names: dict = {}
-    # the variants vary fastest: a sweep stopped part-way has every variant for its first grid values
-    variants = list(sweep.variants) or [None]
-    sizes = [len(sweep.grid[k]) for k in keys] + ([len(variants)] if sweep.variants else [])
-    total = math.prod(sizes)
-    if total > MAX_POINTS:
-        raise UserError(f"sweep {sweep.name}: its grid makes {total:,} points ({' × '.join(map(str, sizes))}); more "
-                        f"than {MAX_POINTS:,} is taken for a slip (a list where one value was meant?): split the study "
-                        f"into sweeps")
-    if total > SAY_POINTS:  # each point's config is checked: seconds, said before they pass
-        print(f"sweep {sweep.name}: checking {total:,} points", file=sys.stderr, flush=True)
-    used = [False] * len(sweep.exclude)
-    for *combo, variant in itertools.product(*(sweep.grid[k] for k in keys), variants):
-        params = dict(zip(keys, combo))
-        if variant is not None:
-            params[VARIANT] = variant
-        name = point_name(params)
-        if name in names:
-            raise UserError(f"sweep points {names[name]} and {params} get the same directory name {name!r}; "
-                            f"make the grid values distinct")
-        names[name] = params
-        rule = excluding_rule(sweep, params)
-        if rule is not None:
-            used[rule] = True
-            sweep.excluded.append(Excluded(params, name, sweep.exclude[rule][1]))
-            continue
-        index = len(sweep.points)
-        args = list(override_args)
-        if variant is not None:
-            args += [f"{k}={yaml_value(v)}" for k, v in sweep.variants[variant].items()]
-        args += [f"{k}={yaml_value(v)}" for k, v in params.items() if k not in sweep.partition_keys and k != VARIANT]
-        spec = data_path = None
-        if sweep.partition is not None:
-            spec = _point_partition(sweep, params)
-            data_path = data_dir / partition_file_name(spec)
-            args.append(f"data.path={data_path}")
-            if "data.num_clients" not in params and "data.num_clients" not in sweep.overrides:
-                args.append(f"data.num_clients={spec.num_clients}")
-        run_dir = runs_dir / name
-        args.append(f"out_dir={run_dir}")
-        point = Point(index, params, name, run_dir, args, spec, data_path)
-        _validate_point(sweep, point)
-        sweep.points.append(point)
-    for n, hit in enumerate(used, 1):
-        if not hit:
-            raise UserError(f"sweep key 'exclude' rule {n} excludes no point (an earlier rule took them all)")
-
-
-def point_config(sweep: Sweep, point: Point) -> Config:
-    try:
-        return load_config(str(sweep.base), point.overrides, validate=False, values=sweep.base_values)
-    except UserError as exc:
-        raise UserError(f"sweep point {point.name}: {exc}") from None
-
-
-def _validate_point(sweep: Sweep, point: Point) -> None:
-    """Full config validation; a shard the sweep makes later stands in as an existing file. The
-    point's command line is the run's: a key in it twice is refused there, so here first."""
-    try:
-        given_once(point.overrides)
-    except UserError as exc:
-        raise UserError(f"sweep point {point.name}: {exc}") from None
-    cfg = point_config(sweep, point)
-    if point.data_path is not None:
-        cfg.data.path = str(sweep.base)
-    try:
-        cfg.validate()
-    except UserError as exc:
-        raise UserError(f"sweep point {point.name}: {exc}") from None
