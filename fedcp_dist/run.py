@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -184,12 +185,20 @@ def _main(args, stop: StopSignals) -> None:
                 if problem:
                     raise UserError(problem)
             cmd, env = local_ranks_command(n, args.config, args.overrides)
-            if stop.signum is not None:  # asked to stop before the ranks were started: nothing ran
-                write_status("preempted")
-                raise Preempted("stopped before the ranks were started")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.execve(cmd[0], cmd, env)  # torchrun in this process's place (fedcp_dist.cli.ranks: its ending said as a run's)
+            from fedcp_dist.cli.ranks import HELD_ACROSS_EXEC
+
+            # a stop signal from here until the new program's handlers are in place (while it loads
+            # torch) would end it at once with 128 + its number: blocked, it waits for them instead
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_ACROSS_EXEC)
+            try:
+                if stop.signum is not None:  # asked to stop before the ranks were started: nothing ran
+                    write_status("preempted")
+                    raise Preempted("stopped before the ranks were started")
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.execve(cmd[0], cmd, env)  # torchrun in this process's place (fedcp_dist.cli.ranks: its ending said as a run's)
+            finally:  # reached only when the exec did not happen
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
     run_config(args.config, args.overrides, stop=stop)
 
 

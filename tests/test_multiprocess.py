@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,7 +84,11 @@ def test_fedcp_run_ranks_ends_as_a_run_does(digits6_16px, tmp_path):
     r = run_cmd([str(BIN / "fedcp-run"), "--ranks", "2", "--config", "configs/digits_fedcp.yaml",
                  f"data.path={digits6_16px}", f"out_dir={tmp_path / 'file' / 'run'}", "rounds=1", "threads=1"])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.stderr.splitlines()[-1] == "fedcp-run --ranks: ranks 0, 1 exited with status 2 (their own lines are above)"
+    # which rank says it first is the machine's timing; torchrun stops the other one then
+    assert r.stderr.splitlines()[-1] in (
+        "fedcp-run --ranks: ranks 0, 1 exited with status 2 (their own lines are above)",
+        *(f"fedcp-run --ranks: rank {a} exited with status 2 (their own lines are above); torchrun then stopped "
+          f"rank {b}" for a, b in ((0, 1), (1, 0)))), r.stderr[-3000:]
     assert f"error: out_dir {tmp_path / 'file' / 'run'} cannot be written: Not a directory" in r.stderr
 
     out = tmp_path / "run"
@@ -103,6 +108,37 @@ def test_fedcp_run_ranks_ends_as_a_run_does(digits6_16px, tmp_path):
     assert p.returncode == 75 and "Traceback" not in err, err[-3000:]
     assert err.splitlines()[-1] == "fedcp-run --ranks: got SIGUSR2; the ranks stopped after their checkpoint"
     assert any((d / "COMPLETE").exists() for d in (out / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR2"])
+def test_a_ranks_launch_signalled_while_torch_loads_exits_75(sig, digits6_16px, tmp_path):
+    """A stop signal after ``fedcp-run --ranks`` exec'd into torchrun and before torchrun's handlers
+    were in place (while torch loaded, a second or more) ended the process by the signal's default
+    action: 143 or 140, which a job script does not requeue. Now it waits, blocked, and the launch
+    says that nothing ran and exits 75, as a stop during fedcp-run's own start-up does."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([str(BIN / "fedcp-run"), "--ranks", "2", "--config", "configs/digits_fedcp.yaml",
+                          f"data.path={digits6_16px}", f"out_dir={out}", "rounds=2", "threads=1"],
+                         cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        cmdline = Path(f"/proc/{p.pid}/cmdline")
+        while b"fedcp_dist.cli.ranks" not in cmdline.read_bytes():  # the exec has happened
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.005)
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 75 and "Traceback" not in err, (p.returncode, err[-3000:])
+    assert err.splitlines()[-1] == f"fedcp-run --ranks: got {sig} before the ranks started; nothing ran"
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_mpirun_matches_single_rank(single, digits6_16px, tmp_path):

@@ -18,7 +18,10 @@ already printed their own one-line errors by then. Here:
   75 when rank 0 said so in the status file (``FEDCP_STATUS_FILE``, set here to a file of its own
   when the caller has not), 0 when rank 0 wrote there that the run had finished (a signal during
   the final evaluation or after the final files), else 128 + the signal's number, as a shell
-  reports a process a signal ended.
+  reports a process a signal ended;
+* signalled before torchrun started the ranks (``fedcp-run --ranks`` blocks the stop signals before
+  it execs this module, so one that comes while torch loads waits here instead of ending the
+  process at once): nothing ran, so 75, as ``fedcp-run`` says for a stop during its start-up.
 """
 from __future__ import annotations
 
@@ -68,6 +71,11 @@ def stopped_status(status_file: Optional[str], signum: int) -> int:
 #: once, and its workers with it, without a checkpoint
 UNHEARD = (signal.SIGUSR2,)
 
+#: the stop signals ``fedcp-run --ranks`` blocks across its exec into this module (they are delivered
+#: once the handlers below are in place): torchrun's own (but SIGQUIT, a request for a core dump) and
+#: :data:`UNHEARD`
+HELD_ACROSS_EXEC = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNHEARD)
+
 
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -75,14 +83,24 @@ def main(argv=None) -> int:
     from torch.distributed.run import main as torchrun
 
     asked: list = []
+    early: list = []  # signals that came before torchrun put its own handlers in place
+
+    def before_torchrun(signum, _frame):
+        # torchrun installs its handlers (for SIGTERM, SIGINT, SIGHUP) just before it starts the
+        # ranks: while this one is SIGTERM's, no rank runs yet
+        asked.append(signum)
+        early.append(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signum)
 
     def as_sigterm(signum, _frame):
         # torchrun's own handler for SIGTERM raises this; its agent then sends SIGTERM to the ranks
+        if signal.getsignal(signal.SIGTERM) is before_torchrun:
+            before_torchrun(signum, _frame)
         asked.append(signum)
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
 
-    for sig in UNHEARD:
-        signal.signal(sig, as_sigterm)
+    for sig in HELD_ACROSS_EXEC:
+        signal.signal(sig, as_sigterm if sig in UNHEARD else before_torchrun)
     own = None
     if not os.environ.get("FEDCP_STATUS_FILE"):
         try:
@@ -97,6 +115,9 @@ def main(argv=None) -> int:
         except OSError:
             pass
     try:
+        # what came while torch loaded is delivered here, into the handlers above (and the ranks
+        # torchrun starts must not inherit the block)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_ACROSS_EXEC)
         torchrun(sys.argv[1:] if argv is None else argv)
         return 0
     except ChildFailedError as exc:
@@ -109,6 +130,16 @@ def main(argv=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNHEARD):  # the ranks are gone: a second
             signal.signal(sig, signal.SIG_IGN)                                 # signal has nothing to stop
         signum = asked[0] if asked else int(exc.sigval)
+        if early:  # no rank was started: nothing to checkpoint, and the launch may simply be made again
+            from fedcp_dist.rundir.preemption import write_status
+
+            try:
+                write_status("preempted")
+            except OSError:
+                pass
+            print(f"fedcp-run --ranks: got {signal.Signals(signum).name} before the ranks started; nothing ran",
+                  file=sys.stderr, flush=True)
+            return EXIT_REQUEUE
         code = stopped_status(os.environ.get("FEDCP_STATUS_FILE"), signum)
         said = {EXIT_REQUEUE: "stopped after their checkpoint", 0: "had finished the run"}.get(
             code, "stopped (no checkpoint was reported)")
