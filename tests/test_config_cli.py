@@ -514,7 +514,8 @@ def test_a_yaml_alias_bomb_under_a_key_is_refused_with_its_value_cut_short(tmp_p
 
 def test_a_refused_start_leaves_no_folder_it_made(tmp_path, capsys):
     """A start refused after rank 0 made out_dir (here a shard that is no HDF5 file) left an empty
-    folder holding a lock file; a folder that was there before is left as it was."""
+    folder holding a lock file, and the folders made above it; a folder that was there before is left
+    as it was."""
     bad = tmp_path / "bad.h5"
     bad.write_text("not hdf5")
     for out, existed in ((tmp_path / "new" / "run", False), (tmp_path / "old", True)):
@@ -524,4 +525,9 @@ def test_a_refused_start_leaves_no_folder_it_made(tmp_path, capsys):
             main(["--config", "configs/digits_fedcp.yaml", f"data.path={bad}", f"out_dir={out}", "rounds=1"])
         assert stop.value.code == 2 and "is not a readable HDF5 file" in capsys.readouterr().err
         assert out.is_dir() == existed
-        assert (tmp_path / "new").is_dir()  # the folder above was made for it too, and is left: only out_dir goes
+        assert not (tmp_path / "new").exists()  # the folder above was made for it too
+    (tmp_path / "new" / "other").mkdir(parents=True)  # a folder above that holds something else stays
+    with pytest.raises(SystemExit):
+        main(["--config", "configs/digits_fedcp.yaml", f"data.path={bad}", f"out_dir={tmp_path / 'new' / 'a' / 'b'}"])
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["other"]

@@ -20,7 +20,6 @@ error goes on, so a later run in the same process may take them.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -39,7 +38,7 @@ from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.engine.preflight import preflight
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.rundir.directory import RunWriter
-from fedcp_dist.rundir.out_dir import prepare_out_dir, unmake_out_dir
+from fedcp_dist.rundir.out_dir import folders_to_make, prepare_out_dir, unmake_out_dir
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.engine.training import CohortTrainer
 
@@ -100,13 +99,13 @@ def start_run(cfg: Config, rt: Runtime, ckpt: Checkpointer, echo: Callable[[str]
               wrap: Optional[Callable] = None) -> RunParts:
     """Start-up, steps 1–4 of the module's list. ``wrap`` (for tests) wraps the method the config
     names; ``echo`` says what resume found (rank 0)."""
-    made = {"lock": None, "store": None, "data": None, "writer": None, "new_dir": False}
+    made = {"lock": None, "store": None, "data": None, "writer": None, "new_dir": []}
     try:
         return _start(cfg, rt, ckpt, echo, wrap, made)
     except BaseException:  # what was locked is released
         close_parts((made["store"], made["data"], made["writer"]), failed=True)
         if made["new_dir"]:  # while the lock is still held: no other run can have taken the folder
-            unmake_out_dir(cfg.out_dir)
+            unmake_out_dir(cfg.out_dir, made["new_dir"])
         close_parts((made["lock"],), failed=True)
         raise
 
@@ -122,7 +121,7 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
 
     def lock_and_load() -> startup.Setup:
         if rt.is_main:  # rank 0 alone writes out_dir: it takes the lock and applies the rules
-            new = not os.path.lexists(cfg.out_dir)
+            new = folders_to_make(cfg.out_dir)
             made["lock"] = prepare_out_dir(cfg.out_dir, overwrite=cfg.overwrite, resume=cfg.resume)
             made["new_dir"] = new
         return startup.load(cfg, rt, build)

@@ -114,14 +114,31 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
     return lock
 
 
-def unmake_out_dir(out_dir) -> None:
+def folders_to_make(out_dir) -> list:
+    """The folders :func:`prepare_out_dir` will make for ``out_dir``: ``out_dir`` and each folder
+    above it that does not exist yet, the innermost first."""
+    made, p = [], Path(out_dir).absolute()
+    while not os.path.lexists(p) and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made
+
+
+def unmake_out_dir(out_dir, made=()) -> None:
     """Undo :func:`prepare_out_dir`'s making of ``out_dir`` for a start refused after it (a shard
-    that cannot be read, say): the folder goes again when it holds nothing but the lock file. Call
-    it while the lock is still held, so that no other run can have taken the folder meanwhile."""
+    that cannot be read, say): the folder goes again when it holds nothing but the lock file, and
+    so do the folders above it in ``made`` (:func:`folders_to_make`, taken before) that are empty
+    then. Call it while the lock is still held, so that no other run can have taken the folder
+    meanwhile."""
     run = RunDir(out_dir)
     try:
         if [p.name for p in run.path.iterdir()] == [run.lock.name]:
             run.lock.unlink()
             run.path.rmdir()
+        else:
+            return
+        for folder in made:
+            if folder != run.path.absolute():
+                folder.rmdir()  # not empty (another run made something there meanwhile): it stays
     except OSError:  # another process put something there meanwhile: left as it is
         pass
