@@ -86,21 +86,26 @@ def test_imagefolder_reads_png_and_jpeg_resizes_and_converts(tmp_path, capsys):
     assert np.all(x[y == 0][:, 0] == 100) and np.all(x[y == 0][:, 1] == 200) and np.all(x[y == 0][:, 2] == 50)
 
 
-def test_a_class_folders_sub_folders_are_read_in_order_and_a_folder_link_is_not_followed(tmp_path):
+def test_a_class_folders_sub_folders_are_read_in_order_and_a_folder_link_once(tmp_path):
     """Images in ROOT/<class>/<sub>/ were skipped (counted as one "other file"), where torchvision's
-    ImageFolder reads them as the class's."""
+    ImageFolder reads them as the class's; so were images behind a link to a folder (stored on
+    another disk, say), which torchvision follows. A link back to a folder already read (a loop) is
+    not read again."""
     from fedcp_dist.data.owndata import _class_files, _image_suffixes
 
     root = tmp_path / "imgs"
     for rel in ("a/1.png", "a/z/2.png", "a/b/3.png", "a/b/c/4.png", "a/.hidden/5.png", "b/6.png"):
         solid(root / rel, (9, 9, 9))
+    solid(tmp_path / "elsewhere" / "7.png", (9, 9, 9))
     (root / "a" / "b" / "loop").symlink_to(root / "a", target_is_directory=True)  # would never end
+    (root / "a" / "b" / "far").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (root / "b" / "notes.txt").write_text("x")
     classes, skipped = _class_files(root, _image_suffixes())
     # a folder's files first, then its sub-folders in sorted order, depth first; hidden ones left out
-    assert [str(p.relative_to(root)) for p in classes["a"]] == ["a/1.png", "a/b/3.png", "a/b/c/4.png", "a/z/2.png"]
+    assert [str(p.relative_to(root)) for p in classes["a"]] == [
+        "a/1.png", "a/b/3.png", "a/b/c/4.png", "a/b/far/7.png", "a/z/2.png"]
     assert [p.name for p in classes["b"]] == ["6.png"]
-    assert skipped == 2  # the link and notes.txt
+    assert skipped == 1  # notes.txt
 
 
 def test_folders_partition_makes_each_hospital_a_client_with_its_own_split(tmp_path, capsys):

@@ -95,7 +95,8 @@ def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
     """{class name: [image files]} of ``folder/<class>/<image>`` and the count of skipped files.
     A class folder's sub-folders are read too, as torchvision's ImageFolder reads them
     (``<class>/2019/a.png``): each folder's files in sorted order, then its sub-folders in sorted
-    order; hidden names are left out, and a link to a folder is not followed (a loop would not end)."""
+    order; hidden names are left out. A link to a folder is followed as torchvision follows it,
+    once: a folder already read for the class (a link back up, a loop) is not read again."""
     out, skipped = {}, 0
     for name in _listdir(folder):
         sub = folder / name
@@ -103,13 +104,17 @@ def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
             continue
         files = []
         pending = [sub]
+        seen = {os.path.realpath(sub)}
         while pending:
             here = pending.pop()
             inner = []
             for f in _listdir(here):
                 path = here / f
-                if path.is_dir() and not path.is_symlink():
-                    inner.append(path)
+                if path.is_dir():
+                    real = os.path.realpath(path)
+                    if real not in seen:
+                        seen.add(real)
+                        inner.append(path)
                 elif path.is_file() and Path(f).suffix.lower() in suffixes:
                     files.append(path)
                 else:
