@@ -170,6 +170,24 @@ def test_probes_are_read_and_averaged_by_samples(tmp_path):
     assert not s_shares([0] * 50).any()  # a client without samples: an empty row, not a division by zero
 
 
+def test_a_diverged_clients_nan_loss_as_a_run_wrote_it_is_read(tmp_path):
+    """A run under on_nonfinite=skip writes a diverged client's loss as NaN (and exits 0): the probe
+    reader refused the file ("'loss_aft' must be a finite number"), so fedcp-analyze and fedcp-report
+    failed on what the run itself wrote. The round's loss is then NaN; the other rounds stay."""
+    path = tmp_path / "analysis.jsonl"
+    path.write_text("\n".join([
+        '{"kind": "train", "round": 1, "client": 0, "samples": 10, "pir": 0.2, "loss_bef": 2.0, "loss_aft": 1.0}',
+        '{"kind": "train", "round": 2, "client": 0, "samples": 10, "pir": 0.2, "loss_bef": 1.0, "loss_aft": NaN}',
+        '{"kind": "train", "round": 2, "client": 1, "samples": 10, "pir": 0.2, "loss_bef": Infinity, "loss_aft": 0.5}',
+    ]) + "\n")
+    train, _ = read_probes(path)
+    losses = loss_by_round(train)
+    assert losses[1] == (2.0, 1.0) and all(math.isnan(v) or math.isinf(v) for v in losses[2])
+    path.write_text(path.read_text().replace('"pir": 0.2, "loss_bef": 1.0', '"pir": NaN, "loss_bef": 1.0'))
+    with pytest.raises(UserError, match="analysis.jsonl:2: 'pir' must be a finite number in"):  # still refused
+        read_probes(path)
+
+
 def test_s_distribution_map_draws_each_clients_shares_at_the_last_evaluation():
     from fedcp_dist.analysis.plots import plot_s_distribution, pyplot
     from fedcp_dist.analysis.records import EvalProbe, Run

@@ -28,8 +28,13 @@ from fedcp_dist.options import shown
 S_BINS = 50
 
 
-def _number(obj: dict, key: str, where: str, lo: float = -math.inf, hi: float = math.inf) -> float:
+def _number(obj: dict, key: str, where: str, lo: float = -math.inf, hi: float = math.inf,
+            finite: bool = True) -> float:
+    """``obj[key]`` as a number in [lo, hi]; ``finite=False``: NaN and ±inf too (a loss of a client
+    whose training diverged under ``on_nonfinite=skip``, as the run wrote it)."""
     v = obj.get(key)
+    if not finite and isinstance(v, float) and not math.isfinite(v):
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
         bound = f" in [{lo:g}, {hi:g}]" if math.isfinite(lo) or math.isfinite(hi) else ""
         raise UserError(f"{where}: '{key}' must be a finite number{bound}, got {shown(v)}")
@@ -71,7 +76,8 @@ def read_probes(path: Path) -> tuple[list, list]:
         if kind == "train":
             train.append(TrainProbe(_count(obj, "round", where, 1), _count(obj, "client", where),
                                     _count(obj, "samples", where), _number(obj, "pir", where, 0.0, 1.0),
-                                    _number(obj, "loss_bef", where), _number(obj, "loss_aft", where)))
+                                    _number(obj, "loss_bef", where, finite=False),
+                                    _number(obj, "loss_aft", where, finite=False)))
         elif kind == "eval":
             hist = obj.get("s_hist")
             if (not isinstance(hist, list) or len(hist) != S_BINS
