@@ -458,3 +458,21 @@ def test_every_checkpoint_damaged_tells_a_reader_its_own_way_out(tmp_path):
     assert str(exc.value).endswith("no intact models to read; restore the damaged file from a copy")
     with pytest.raises(UserError, match="overwrite=true to start afresh$"):
         ck.latest(warn=lambda *_: None)
+
+
+def test_the_result_table_says_a_rate_over_no_sample_is_undefined():
+    """A two-class run whose test splits held no positive sample printed "nan %" for its balanced
+    accuracy and positive-class recall."""
+    from fedcp_dist.rundir.present import result_table
+
+    s = {"method": "fedcp", "source": "csv", "num_clients": 2, "world_size": 1, "launcher": "single",
+         "device": "cpu", "rounds": 1, "best_acc": 0.995, "best_after_rounds": 1, "final_acc": 0.995,
+         "final_acc_client_mean": 0.99, "final_auc": 0.5, "final_balanced_acc": float("nan"),
+         "final_pos_recall": float("nan"), "seconds_per_round": 0.1}
+    rows = dict(line.split("  ", 1) for line in result_table(s).splitlines()[1:-1])
+    assert rows["final balanced accuracy"].strip() == "undefined (a class absent from the test splits)"
+    assert rows["final positive-class recall"].strip() == "undefined (no positive test sample)"
+    assert "nan" not in result_table(s)
+    rows = dict(line.split("  ", 1) for line in result_table({**s, "final_pos_recall": 0.5,
+                                                              "final_balanced_acc": 0.625}).splitlines()[1:-1])
+    assert rows["final balanced accuracy"].strip() == "62.50 %" and rows["final positive-class recall"].strip() == "50.00 %"

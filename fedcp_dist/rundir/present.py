@@ -48,6 +48,11 @@ def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
     return f"[round {record['round']:>{width}}/{rounds}] before training: {metrics}{tail}"
 
 
+def _percent(v, undefined: str) -> str:
+    """A share as a percentage; NaN (a rate over no sample) as "undefined" and why."""
+    return f"{100 * v:.2f} %" if isinstance(v, (int, float)) and math.isfinite(v) else f"undefined ({undefined})"
+
+
 def result_table(s: dict) -> str:
     """The table a finished run prints: method, data, ranks, accuracies and time per round."""
     rows = [
@@ -61,8 +66,8 @@ def result_table(s: dict) -> str:
         ("final accuracy", f"{100 * s['final_acc']:.2f} %"),
         ("final accuracy, client mean", f"{100 * s['final_acc_client_mean']:.2f} %"),
         ("final micro AUC", f"{s['final_auc']:.4f}"),
-        *([("final balanced accuracy", f"{100 * s['final_balanced_acc']:.2f} %"),
-           ("final positive-class recall", f"{100 * s['final_pos_recall']:.2f} %")]
+        *([("final balanced accuracy", _percent(s["final_balanced_acc"], "a class absent from the test splits")),
+           ("final positive-class recall", _percent(s["final_pos_recall"], "no positive test sample"))]
           if "final_balanced_acc" in s else []),
         ("seconds per round", f"{s['seconds_per_round']:.3f}"),
     ]
