@@ -930,3 +930,51 @@ def test_a_partition_block_for_several_schemes_and_an_explicit_client_count_stil
     assert [p.params["partition.partition"] for p in sw.points] == ["dir", "iid"]
     for p in sw.points:
         assert [o for o in p.overrides if o.startswith("data.num_clients=")] == ["data.num_clients=6"]
+
+
+def test_seeds_run_on_copies_of_one_shard_pool_into_one_cell(tmp_path, capsys, digits6):
+    """Seeds run on node-local copies of one shard (another data.path each) were never averaged:
+    each path was a column of one seed. The shard's content decides: the fingerprint a run's summary
+    records, or the file's own; shards of other content stay apart."""
+    import shutil
+
+    from fedcp_dist.data.shards import read_info
+    from fedcp_dist.run import run_config
+
+    copies = []
+    for node in ("node1", "node2"):
+        (tmp_path / node).mkdir()
+        copies.append(shutil.copy(digits6, tmp_path / node / "d.h5"))
+    run_config("configs/digits_fedavg.yaml", [f"data.path={copies[0]}", f"out_dir={tmp_path / 'real'}", "rounds=1",
+                                              "threads=1", "checkpoint_every=0"])
+    fingerprint = json.loads((tmp_path / "real" / "summary.json").read_text())["data_fingerprint"]
+    assert fingerprint and fingerprint == read_info(digits6).fingerprint
+
+    def runs_on(paths, root):
+        for seed, (path, acc) in enumerate(zip(paths, (0.80, 0.84)), 1):
+            fake_run(root / f"s{seed}", "fedcp", seed, 0.1, acc)
+            cfg = (root / f"s{seed}" / "config.yaml")
+            cfg.write_text(cfg.read_text().replace("path: data/x.h5", f"path: {path}"))
+        report.main([str(root), "--no-plots"])
+        return (root / "report.md").read_text()
+
+    md = runs_on(copies, tmp_path / "copies")  # the fingerprint read from each file
+    assert "| fedcp | 82.00 ± 2.00 |" in md and "data.path" not in md, md
+    other = tmp_path / "other.h5"
+    shutil.copy(digits6, other)
+    with __import__("h5py").File(other, "a") as f:
+        f.attrs["fingerprint"] = "sha256:another"
+    md = runs_on([copies[0], other], tmp_path / "apart")
+    assert "data.path=" in md and "| fedcp |" in md and "82.00" not in md, md
+    # copies gone from here (node-local disks): the fingerprint the summaries recorded
+    gone = [str(tmp_path / "gone1" / "d.h5"), str(tmp_path / "gone2" / "d.h5")]
+    root = tmp_path / "gone"
+    for seed in (1, 2):
+        fake_run(root / f"s{seed}", "fedcp", seed, 0.1, (0.80, 0.84)[seed - 1])
+        cfg = root / f"s{seed}" / "config.yaml"
+        cfg.write_text(cfg.read_text().replace("path: data/x.h5", f"path: {gone[seed - 1]}"))
+        summary = root / f"s{seed}" / "summary.json"
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), "data_fingerprint": fingerprint}))
+    report.main([str(root), "--no-plots"])
+    assert "| fedcp | 82.00 ± 2.00 |" in (root / "report.md").read_text()
+    capsys.readouterr()

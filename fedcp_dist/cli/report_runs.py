@@ -3,6 +3,7 @@ metrics (:func:`collect`, :class:`Run`, the metrics computed from records) and t
 make a table's columns (:func:`setting_keys`). The table itself is :mod:`fedcp_dist.cli.report_table`."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -355,6 +356,32 @@ def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> l
     return _differing(runs, row_keys)
 
 
+def _data_identity(run) -> str:
+    """What ``data.path`` stands for when runs are told apart: the shard's content (the fingerprint
+    its summary recorded, or the file's own), so that seeds run on copies of one shard (node-local
+    copies) pool into one cell; the path itself where neither is known."""
+    fingerprint = (run.summary or {}).get("data_fingerprint")
+    path = run.config.get("data.path")
+    if not fingerprint and isinstance(path, str):
+        fingerprint = _shard_fingerprint(path)
+    return f"shard {fingerprint}" if fingerprint else json.dumps(path, default=str)
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_fingerprint(path: str) -> str:
+    """The content fingerprint written into the shard at ``path`` ("" when it cannot be read or has none)."""
+    try:
+        import h5py
+
+        from fedcp_dist.data.shards import FINGERPRINT
+
+        with h5py.File(path, "r") as f:
+            v = f.attrs.get(FINGERPRINT, "")
+    except Exception:  # a shard gone or unreadable here (a node-local copy): told apart by its path
+        return ""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 def _differing(runs, row_keys=ROW_KEYS) -> list:
     keys: list = []
     for r in runs:
@@ -365,7 +392,10 @@ def _differing(runs, row_keys=ROW_KEYS) -> list:
     for k in keys:
         if k in row_keys or k in NOT_DEFINING:
             continue
-        values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
+        if k == "data.path":
+            values = {_data_identity(r) for r in runs}
+        else:
+            values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
         if len(values) > 1:
             out.append(k)
     return out

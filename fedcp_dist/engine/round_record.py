@@ -72,6 +72,8 @@ def summary_json(cfg, rt, setup, num_clients: int, records: list, final: dict, r
         # binary tasks (two classes) only
         **{f"final_{k}": final[k] for k in ("balanced_acc", "pos_recall") if k in final},
     }
+    if setup.info.fingerprint:  # copies of one shard (node-local) are one data set to fedcp-report
+        out["data_fingerprint"] = setup.info.fingerprint
     if cfg.data.clients is not None:
         out["shard_clients"] = setup.clients.tolist()
     if setup.eval_ids is not None and len(setup.eval_ids) < num_clients:
