@@ -47,6 +47,9 @@ UNSTABLE = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds", "al
 #: the byte counts every averaging run records (fedcp_dist.comm.compress.uplink_record): added after the
 #: digests were recorded, a function of the config and the cohort (tests/test_compress.py), left out
 ACCOUNTING = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_bytes_dense")
+#: what the summary says of the data it ran on (added after the digests were recorded; it names the
+#: shard, it is not a result), left out
+PROVENANCE = ("data_fingerprint",)
 #: every registered method, in the registry's order
 METHODS = tuple(ALGORITHMS)
 CASES = {
@@ -118,7 +121,7 @@ def digest_run(out: Path) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records = [{k: v for k, v in r.items() if k not in UNSTABLE + ACCOUNTING} for r in records]
     summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items()
-               if k not in UNSTABLE + ACCOUNTING}
+               if k not in UNSTABLE + ACCOUNTING + PROVENANCE}
     return {"global": g.hexdigest(), "clients": c.hexdigest(), "metrics": _sha(records), "summary": _sha(summary),
             "final_acc": summary["final_acc"], "best_acc": summary["best_acc"]}
 
