@@ -978,3 +978,29 @@ def test_seeds_run_on_copies_of_one_shard_pool_into_one_cell(tmp_path, capsys, d
     report.main([str(root), "--no-plots"])
     assert "| fedcp | 82.00 ± 2.00 |" in (root / "report.md").read_text()
     capsys.readouterr()
+
+
+def test_a_damaged_config_or_metrics_file_is_named_not_reported_as_a_result(tmp_path, capsys):
+    """A finished run whose config.yaml was emptied or cut became a row 'None' filed under every key
+    as null; a damaged line in metrics.jsonl made rounds_to_P 'not reached' and acc_after_R 'n/a'
+    for a run that got there. Both are listed apart with the reason."""
+    for seed, acc in ((1, 0.80), (2, 0.84), (3, 0.90)):
+        fake_run(tmp_path / "runs" / f"s{seed}", "fedcp", seed, 0.1, acc)
+    (tmp_path / "runs" / "s3" / "config.yaml").write_text("method: [unclosed\n")
+    report.main([str(tmp_path / "runs"), "--no-plots"])
+    md = (tmp_path / "runs" / "report.md").read_text()
+    assert "| fedcp | 82.00 ± 2.00 |" in md and "None" not in md and "null" not in md, md
+    assert "unreadable: 1 run(s) whose setting cannot be read, not averaged:" in md
+    assert f"- {tmp_path / 'runs' / 's3'} (config.yaml is damaged (not a YAML mapping): its setting is unknown)" in md
+    (tmp_path / "runs" / "s3" / "config.yaml").write_text("")
+    report.main([str(tmp_path / "runs"), "--no-plots"])
+    assert "config.yaml is damaged" in (tmp_path / "runs" / "report.md").read_text()
+
+    metrics = tmp_path / "runs" / "s2" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], '{"round": 3, "evalu', lines[2]]) + "\n")
+    report.main([str(tmp_path / "runs"), "--no-plots", "--metric", "rounds_to_50"])
+    md = (tmp_path / "runs" / "report.md").read_text()
+    assert "| fedcp | 2.0 ± 0.0 (1/2) |" in md, md  # s1 reached 50 % after 2 rounds; s2 is not "not reached"
+    assert "not reached" not in md and "line 2 is not a JSON object; the file is damaged" in md, md
+    capsys.readouterr()

@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     # the sweeps' names when every run is one of theirs, else the folder's (loose runs beside a sweep)
     in_sweeps = col.sweeps and all(r.sweep is not None for r in col.runs)
     title = f"Report: {', '.join(col.sweeps) if in_sweeps else Path(args.dir).resolve().name}"
-    md = markdown(tables, title, rows)
+    md = markdown(tables, title, rows, col.unreadable)
     atomic_write_bytes(out / "report.md", md.encode("utf-8"))
     write_csv(tables, out / "report.csv", rows)
     print(md, end="")

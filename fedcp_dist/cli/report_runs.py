@@ -103,6 +103,8 @@ class Run:
     #: a sweep point's run made under another version of the sweep file: the keys that differ
     stale: list = field(default_factory=list)
     _curve: Optional[list] = field(default=None, repr=False)
+    #: what is wrong with metrics.jsonl ("" while it reads whole): the metrics read from it have no value
+    records_problem: str = field(default="", repr=False)
 
     @property
     def finished(self) -> bool:
@@ -131,7 +133,13 @@ class Run:
         if not self.finished:
             return None
         if name not in self.summary and is_record_metric(name):
-            return record_metric(self.curve(), self.path, name)
+            if name.startswith("pir"):  # from analysis.jsonl
+                return record_metric([], self.path, name)
+            curve = self.curve()
+            if self.records_problem:  # not "not reached": unknown
+                self.why = self.records_problem
+                return None
+            return record_metric(curve, self.path, name)
         if name in DERIVED and name not in self.summary:
             return DERIVED[name](self.summary)
         return self.summary.get(name)
@@ -147,6 +155,7 @@ class Run:
                 records = RunDir(self.path).read_metrics()
             except UserError as exc:
                 print(f"warning: {exc}; its curve is left out", file=sys.stderr)
+                self.records_problem = f"{exc}"
                 records = []
             self._curve = _curve_of(records)
         return self._curve
@@ -238,6 +247,8 @@ class Collection:
     orders: dict = field(default_factory=dict)
     #: the points the sweeps' exclude rules kept from running: [(params, reason, sweep name)]
     excluded: list = field(default_factory=list)
+    #: run folders with a result whose setting cannot be read (a damaged config.yaml): [(path, why)]
+    unreadable: list = field(default_factory=list)
 
 
 def collect(root) -> Collection:
@@ -278,7 +289,7 @@ def collect(root) -> Collection:
         for point in m.get("excluded") or []:
             if isinstance(point, dict) and isinstance(point.get("params"), dict):
                 excluded.append((dict(point["params"]), str(point.get("reason", "")), name))
-    runs = []
+    runs, unreadable = [], []
     seen = set()
     for path, params, name, wanted in expected:
         if path in seen:
@@ -286,7 +297,9 @@ def collect(root) -> Collection:
         seen.add(path)
         config, summary, curve = _read(path)
         why, stale = "", []
-        if summary is None:
+        if summary is not None and path.exists() and _config_problem(path):
+            why, summary = _config_problem(path), None
+        elif summary is None:
             why = "not started" if not path.exists() else _no_summary(path)
         elif summary.get("status") == DIVERGED:
             why = DIVERGED_WHY
@@ -303,10 +316,18 @@ def collect(root) -> Collection:
         config, summary, curve = _read(path)
         why = (_no_summary(path) if summary is None
                else DIVERGED_WHY if summary.get("status") == DIVERGED else "")
+        problem = _config_problem(path)
+        if problem:  # no setting to file it under (nor a row): listed apart
+            unreadable.append((path, problem))
+            continue
         runs.append(Run(path, {}, config, summary, "", why, _curve=curve))
     if not runs:
+        if unreadable:
+            raise UserError(f"fedcp-report: no readable runs under {root}: {unreadable[0][0]}: {unreadable[0][1]}"
+                            + (f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""))
         raise UserError(f"fedcp-report: no runs under {root} (a run is a directory holding {CONFIG})")
-    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded)
+    return Collection(runs, grid_keys if manifest_paths and sweeps else None, method_order, sweeps, orders, excluded,
+                      unreadable)
 
 
 def _stale_keys(have: Optional[dict], wanted: dict) -> list:
@@ -325,6 +346,16 @@ def _shard_name(path) -> Optional[str]:
     """A shard's file name: a sweep's shards are named by their partition, and a sweep folder moved
     or copied with its shards (run again there, its points name the new copy) is the same sweep."""
     return os.path.basename(path) if isinstance(path, str) else None
+
+
+def _config_problem(path: Path) -> str:
+    """Why a finished run's config cannot tell its setting ("" when it can): a damaged or missing
+    config.yaml. Such a run is listed with the reason instead of filed under empty settings."""
+    if not (path / CONFIG).exists():
+        return f"no {CONFIG}: its setting is unknown"
+    if RunDir(path).read_config() is None:
+        return f"{CONFIG} is damaged (not a YAML mapping): its setting is unknown"
+    return ""
 
 
 def _no_summary(path: Path) -> str:

@@ -156,6 +156,9 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
             cell.diverged += 1
             continue
         value = r.metric(metric) if r.finished else None
+        if r.finished and r.records_problem and value is None:  # a damaged metrics.jsonl: unknown, not absent
+            missing.append(r)
+            continue
         if value == NOT_REACHED:
             cell.not_reached += 1
             continue
@@ -213,9 +216,10 @@ def _unit(metric: str) -> str:
     return f"100·{metric} (%)" if _is_percent(metric) else metric
 
 
-def markdown(table, title: str, row_name: str = "method") -> str:
+def markdown(table, title: str, row_name: str = "method", unreadable=()) -> str:
     """The report: one table, or a list of tables of several metrics side by side (a column per
-    setting and metric); missing runs and warnings below it."""
+    setting and metric); missing runs, ``unreadable`` ones ([(path, why)]: a damaged config) and
+    warnings below it."""
     tables = table if isinstance(table, list) else [table]
     first = tables[0]
     units = "; ".join(_unit(t.metric) for t in tables)
@@ -253,6 +257,11 @@ def markdown(table, title: str, row_name: str = "method") -> str:
         lines.append(f"missing: {len(missing)} run(s) without a result, not averaged:")
         for r in sorted(missing, key=lambda r: str(r.path)):
             lines.append(f"- {r.method} {r.label}: {r.path} ({r.why})")
+        lines.append("")
+    if unreadable:
+        lines.append(f"unreadable: {len(unreadable)} run(s) whose setting cannot be read, not averaged:")
+        for path, why in sorted(unreadable, key=lambda u: str(u[0])):
+            lines.append(f"- {path} ({why})")
         lines.append("")
     if first.excluded_notes:
         n = sum(k for *_, k in first.excluded_notes)
