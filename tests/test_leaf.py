@@ -164,6 +164,8 @@ def test_leaf_refuses_options_of_other_sources(tmp_path, capsys):
     expect_user_error(capsys, base + ["--num-clients", 3], "--num-clients is 3 but LEAF's files", "hold 5 users")
     expect_user_error(capsys, base + ["--max-len", 20], "--max-len applies to text sources")
     expect_user_error(capsys, base + ["--synthetic-alpha", 1], "--synthetic-alpha applies to --source synthetic only")
+    # the shard recorded seed -1 whatever --seed said
+    expect_user_error(capsys, base + ["--seed", 5], "--seed: --source leaf keeps LEAF's own users", "draws nothing")
     expect_user_error(capsys, ["--source", "mnist", "--leaf-task", "femnist", "--num-clients", 2, "--out", tmp_path / "o.h5"],
                       "--leaf-task applies to --source leaf only")
     expect_user_error(capsys, ["--source", "leaf", "--root", tmp_path, "--out", tmp_path / "o.h5"],
@@ -220,3 +222,25 @@ def test_fedrep_trains_the_lstm_in_its_own_loop(tmp_path, capsys):
                             "lstm_hidden=16", "lr=0.5", "local_epochs=2")
     assert "training: sequential" in start and "fedrep" in start
     assert rounds[1]["train_loss"] < rounds[0]["train_loss"], rounds
+
+
+def test_a_user_written_twice_or_a_file_link_to_nowhere_is_named(tmp_path, capsys):
+    """A user's data written twice in one file's user_data was accepted (the last copy won); a .json
+    that is a link to nowhere was passed over, then the folder said to hold no .json file."""
+    femnist_set(tmp_path / "leaf")
+    path = sorted((tmp_path / "leaf" / "train").glob("*.json"))[0]
+    text = path.read_text()
+    i = text.index('"user_data": {') + len('"user_data": {')
+    first = json.loads(text)["users"][0]
+    text = text[:i] + f'"{first}": {{"x": [], "y": []}}, ' + text[i:]
+    path.write_text(text)
+    args = ["--source", "leaf", "--root", tmp_path / "leaf", "--out", tmp_path / "o.h5"]
+    expect_user_error(capsys, args, f"{path}: not valid JSON", f"the key '{first}' appears twice in one object")
+    femnist_set(tmp_path / "leaf2")
+    for p in (tmp_path / "leaf2" / "train").glob("*.json"):
+        p.unlink()
+    (tmp_path / "leaf2" / "train" / "a.json").symlink_to(tmp_path / "gone.json")
+    expect_user_error(capsys, [*args[:3], tmp_path / "leaf2", *args[4:]],
+                      f"{tmp_path / 'leaf2' / 'train' / 'a.json'} is a symbolic link to {tmp_path / 'gone.json'}, "
+                      "which does not exist")
+    assert not (tmp_path / "o.h5").exists()

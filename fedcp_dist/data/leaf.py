@@ -23,6 +23,7 @@ file and the user; the shard is written only after every file was read and check
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -74,7 +75,11 @@ def leaf_folders(root) -> tuple[Path, Path]:
 
 
 def _json_files(folder: Path) -> list:
-    files = sorted(p for p in folder.iterdir() if p.suffix == ".json" and p.is_file())
+    named = sorted(p for p in folder.iterdir() if p.suffix == ".json")
+    for p in named:
+        if p.is_symlink() and not p.exists():  # a link to a file on a disk not mounted, say
+            raise UserError(f"{p} is a symbolic link to {os.readlink(p)}, which does not exist (or is a loop)")
+    files = [p for p in named if p.is_file()]
     if not files:
         raise UserError(f"{folder} holds no .json file")
     return files
@@ -89,10 +94,21 @@ class _Floats(dict):
         return value
 
 
+def _unique_keys(pairs: list) -> dict:
+    """json's object_pairs_hook: an object naming a key twice (a user's data written twice, of which
+    json would keep the last silently) is refused."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {twice!r} appears twice in one object")
+    return out
+
+
 def _load(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read(), parse_float=_Floats().__getitem__)
+            data = json.loads(f.read(), parse_float=_Floats().__getitem__, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

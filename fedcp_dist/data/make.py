@@ -129,9 +129,11 @@ class PartitionSpec:
         """An option of one split scheme given with another is refused: it would be ignored (with
         ``--partition iid`` a ``--beta 0.5`` wrote the same shard as none). For the command line: a
         sweep's partition block holds the options of every scheme its grid names."""
+        defaults = _defaults()
+        if self.source == "leaf" and self.seed != defaults["seed"]:  # the shard recorded seed -1
+            raise UserError("--seed: --source leaf keeps LEAF's own users and train/test split and draws nothing")
         if self.source in OWN_CLIENTS:  # their own check names the options they refuse
             return
-        defaults = _defaults()
         for key, scheme in (("beta", "dir"), ("max_tries", "dir"), ("classes_per_client", "pat"), ("unbalanced", "pat")):
             if getattr(self, key) != defaults[key] and self.partition != scheme:
                 raise UserError(f"{flag(key)} applies to --partition {scheme} only, not to --partition {self.partition}")
