@@ -430,6 +430,13 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     assert "'nothing'" in cli_error(capsys, report.main, [str(tmp_path / "runs"), "--by", "nothing"])
     assert "'best'" in cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", "best"])
     assert "no runs" in cli_error(capsys, report.main, [str(tmp_path / "out")])
+    # options that would do nothing or the same twice (duplicate columns)
+    runs = str(tmp_path / "runs")
+    assert cli_error(capsys, report.main, [runs, "--by", "lam,lam"]) == "error: fedcp-report: --by names 'lam' twice\n"
+    assert cli_error(capsys, report.main, [runs, "--metric", "best_acc, best_acc"]) == \
+        "error: fedcp-report: --metric names 'best_acc' twice\n"
+    assert "--selection draws selection_counts.png, which --no-plots leaves out" in cli_error(
+        capsys, report.main, [runs, "--selection", "--no-plots"])
     assert "not a directory" in cli_error(capsys, report.main, [str(tmp_path / "none")])
 
 

@@ -61,9 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     """Entry point of ``fedcp-report``."""
     args = build_parser().parse_args(argv)
-    col = collect(args.dir)
+    if args.selection and args.no_plots:  # --selection is a plot
+        raise UserError("fedcp-report: --selection draws selection_counts.png, which --no-plots leaves out; "
+                        "give one of them")
     by = [k.strip() for k in args.by.split(",") if k.strip()] if args.by else None
+    metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
+    for flag, names in (("--by", by or []), ("--metric", metrics)):
+        twice = [k for i, k in enumerate(names) if k in names[:i]]
+        if twice:
+            raise UserError(f"fedcp-report: {flag} names '{twice[0]}' twice")
     rows = args.rows.strip()
+    col = collect(args.dir)
     if rows != "method" and not any(r.value(rows) is not None for r in col.runs):
         known = sorted({k for r in col.runs for k in (*r.params, *r.config)})
         raise UserError(f"fedcp-report: --rows '{rows}' is not a key of any run; keys: {', '.join(known)}")
@@ -78,7 +86,6 @@ def main(argv=None) -> None:
               f"tell them apart (a cell pools only one method's seeds)", file=sys.stderr)
     for r in col.runs:
         r.label = _label({"seed": r.seed, **{k: r.value(k) for k in keys}}, [*keys, "seed"])
-    metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
     if not metrics:
         raise UserError("fedcp-report: --metric names no summary key")
     tables = [build_table(col, keys, m) for m in metrics]
