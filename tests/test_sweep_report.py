@@ -817,6 +817,12 @@ def test_a_run_whose_summary_gives_nan_is_missing_with_the_reason(tmp_path):
     col = report.collect(tmp_path / "runs")
     table = report.build_table(col, report.setting_keys(col, None), "best_acc")
     assert [(r.seed, r.why) for r in table.missing] == [(2, "summary.json gives 'best_acc' as nan")]
+    # a metric read from the records: the file it was read from is named (it said summary.json)
+    metrics = tmp_path / "runs" / "a" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"acc": 0.9}', '"acc": NaN}'))
+    col = report.collect(tmp_path / "runs")
+    table = report.build_table(col, report.setting_keys(col, None), "acc_after_4")
+    assert [(r.seed, r.why) for r in table.missing] == [(1, "metrics.jsonl gives 'acc_after_4' as nan")]
 
 
 @pytest.mark.parametrize("env, copies", [

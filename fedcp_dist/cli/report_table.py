@@ -18,7 +18,7 @@ from fedcp_dist.cli.report_runs import (
 )
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes
-from fedcp_dist.rundir.directory import DIVERGED, SUMMARY
+from fedcp_dist.rundir.directory import ANALYSIS, DIVERGED, METRICS, SUMMARY
 
 
 #: summary keys only some runs have (fedcp_dist.comm.compress.byte_totals: none for peer methods and runs saved
@@ -165,10 +165,12 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         if r.finished and value is None and metric not in r.summary:  # e.g. bytes a run that skips nothing lacks
             cell.not_recorded += 1
             continue
+        source = (SUMMARY if metric in (r.summary or {}) or not is_record_metric(metric)
+                  else ANALYSIS if metric.startswith("pir") else METRICS)  # where the value was read
         if r.finished and not isinstance(value, (int, float)):
-            r.why = f"{SUMMARY} has no numeric '{metric}'"
+            r.why = f"{source} has no numeric '{metric}'"
         elif r.finished and not (math.isfinite(value) or (metric in INFINITE_OK and math.isinf(value))):
-            r.why = f"{SUMMARY} gives '{metric}' as {value}"
+            r.why = f"{source} gives '{metric}' as {value}"
         if r.finished and isinstance(value, (int, float)) and (math.isfinite(value) or
                                                                 (metric in INFINITE_OK and math.isinf(value))):
             cell.values.append(scale * float(value))
