@@ -433,3 +433,36 @@ def test_fedcp_analyze_says_a_run_diverged(tmp_path, capsys):
     analyze.main([str(run), "--out", str(tmp_path / "out")])
     assert (f"note: {run} diverged (every update was non-finite; it learned nothing): its figures show the untrained "
             f"model, not a result") in capsys.readouterr().err
+
+
+def _fake_run(folder, rounds=2, method="fedcp"):
+    """A run folder with what the curves read: config.yaml and ``rounds`` evaluated rounds."""
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(f"method: {method}\nrounds: {rounds}\nout_dir: {folder}\n")
+    (folder / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "round", "round": r, "evaluated_after": r - 1, "acc": 0.1 * r}) + "\n"
+        for r in range(1, rounds + 1)))
+    return folder
+
+
+def test_a_sweeps_runs_analysed_again_leave_out_the_analysis_folder_among_them(tmp_path, capsys):
+    """Several runs are analysed into their parent's analysis/, which the same glob
+    (runs/sweeps/X/runs/*) matches the next time: that call was refused as not a run directory."""
+    from fedcp_dist.cli import analyze
+
+    points = [_fake_run(tmp_path / "runs" / name) for name in ("p1", "p2")]
+    analyze.main([str(p) for p in points])
+    folder = tmp_path / "runs" / "analysis"
+    assert (folder / "report.json").is_file()
+    capsys.readouterr()
+    analyze.main(sorted(str(p) for p in (tmp_path / "runs").iterdir()))  # the glob again: p1, p2 and analysis
+    err = capsys.readouterr().err
+    assert err == f"note: {folder} skipped: an analysis folder fedcp-analyze wrote (report.json), not a run\n"
+    assert [r["label"] for r in json.loads((folder / "report.json").read_text())["runs"]] == ["p1", "p2"]
+    assert _error(capsys, [folder]) == (f"error: {folder} is an analysis folder fedcp-analyze wrote (report.json), "
+                                        f"not a run directory")
+    # recognised by what fedcp-analyze writes there, not by the name
+    (tmp_path / "other" / "analysis").mkdir(parents=True)
+    (tmp_path / "other" / "analysis" / "report.md").write_text("# mine\n")
+    assert _error(capsys, [points[0], tmp_path / "other" / "analysis"]) == (
+        f"error: {tmp_path / 'other' / 'analysis'} is not a run directory (no config.yaml)")

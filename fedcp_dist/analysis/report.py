@@ -102,6 +102,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def is_report_folder(path) -> bool:
+    """Whether ``path`` is a folder :func:`update_report` wrote (its ``report.json``, an object with
+    ``figures``, beside ``report.md``) and not a run directory (no ``config.yaml``): the analysis
+    folder that a glob such as ``runs/sweeps/X/runs/*`` matches once fedcp-analyze wrote there."""
+    path = Path(path)
+    if (path / "config.yaml").exists() or not (path / REPORT_MD).is_file():
+        return False
+    try:
+        report = json.loads((path / REPORT_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and isinstance(report.get("figures"), dict)
+
+
 def update_report(out: Path, sections: dict) -> dict:
     """Merge ``sections`` into ``out/report.json`` (figures merged by name) and rewrite both files."""
     out = Path(out)

@@ -145,6 +145,19 @@ def _out_dir(runs: list, out: Optional[str]) -> Path:
     return path
 
 
+def _run_folders(paths: list) -> list:
+    """``paths`` less the analysis folders fedcp-analyze wrote (a note each): several runs' default
+    folder is their common parent's ``analysis/``, which the same glob given again matches."""
+    from fedcp_dist.analysis.report import REPORT_JSON, is_report_folder
+
+    reports = [p for p in paths if is_report_folder(p)]
+    if len(reports) == len(paths):
+        raise UserError(f"{reports[0]} is an analysis folder fedcp-analyze wrote ({REPORT_JSON}), not a run directory")
+    for p in reports:
+        print(f"note: {p} skipped: an analysis folder fedcp-analyze wrote ({REPORT_JSON}), not a run", file=sys.stderr)
+    return [p for p in paths if p not in reports]
+
+
 def _file_stems(labels: list) -> dict:
     """{label: a file name part}: letters, digits, '.', '_' and '-' only (a '/' made a folder of the
     name, a '#' or a space broke report.md's links to the figure), distinct for distinct labels."""
@@ -278,17 +291,18 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
     from fedcp_dist.analysis.records import read_run
     from fedcp_dist.analysis.report import run_numbers, update_report
 
-    run_dirs = [Path(r) for r in args.runs]
+    paths = _run_folders(args.runs)
+    run_dirs = [Path(r) for r in paths]
     for r in run_dirs:
         if not (r / "config.yaml").is_file():
             raise UserError(f"{r} is not a run directory (no config.yaml)")
         if RunDir(r).status() == DIVERGED:  # drawn all the same: what a diverged run looks like may be the question
             print(f"note: {r} diverged (every update was non-finite; it learned nothing): its figures show the "
                   f"untrained model, not a result", file=sys.stderr)
-    labels = _labels(args.runs, args.labels)
+    labels = _labels(paths, args.labels)
     _check_device_and_seed(args)
     chosen = _int_list(args.clients, "--clients") if args.clients is not None else None
-    out = _out_dir(args.runs, args.out)
+    out = _out_dir(paths, args.out)
     sections: dict = {"figures": {}}
     if do_curves:
         runs = [read_run(p, label) for p, label in zip(run_dirs, labels)]
