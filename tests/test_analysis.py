@@ -358,6 +358,15 @@ def test_fedcp_analyze_end_to_end(runs, tmp_path, capsys):
     rows = report["dlg"]["rows"]
     assert [(r["dp_clip"], r["dp_noise"]) for r in rows] == [(0.05, 0.0), (0.05, 1.0), (math.inf, 0.0)]
     assert "| fedavg C=0.05 σ=1 | fedavg | iDLG | 0.05 | 1 |" in report["dlg"]["table"]
+    # the folder reused for another run: FedAvg's DLG table and figures are not this run's (they were kept)
+    capsys.readouterr()
+    _main([runs["fedper"], "--out", dp_out])
+    assert capsys.readouterr().err == (f"note: {dp_out / 'report.json'} described other runs: its sections (dlg, "
+                                       f"figures, runs) are dropped, not merged with these runs'\n")
+    report = json.loads((dp_out / "report.json").read_text())
+    assert sorted(report) == ["figures", "run_dirs", "runs"] and list(report["figures"]) == ["accuracy"]
+    assert report["run_dirs"] == [str(runs["fedper"].resolve())]
+    assert "DLG" not in (dp_out / "report.md").read_text()
 
 
 def _error(capsys, argv) -> str:

@@ -1,20 +1,25 @@
 """``report.json`` and ``report.md`` in the analysis folder: the runs' numbers, the figures with a
 sentence each on what they show, and the Grad-CAM and DLG results.
 
-A later call that computes only some parts (say ``--dlg``) keeps the other parts of an existing
-report: the JSON is merged section by section and the Markdown rebuilt from it.
+A later call on the same runs that computes only some parts (say ``--dlg``) keeps the other parts
+of an existing report: the JSON is merged section by section and the Markdown rebuilt from it. A
+report of other runs (a reused ``--out``) is not merged: its sections are dropped, with a note.
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
+from typing import Callable
 
 from fedcp_dist.analysis.records import pir_by_round, loss_by_round
 from fedcp_dist.fileio import atomic_write_bytes
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
+#: report.json's list of the runs its sections describe (their resolved paths, sorted)
+RUN_DIRS = "run_dirs"
 
 CAPTIONS = {
     "accuracy": "Accuracy of the personalized models on their clients' test splits (sample-weighted, solid; "
@@ -116,10 +121,16 @@ def is_report_folder(path) -> bool:
     return isinstance(report, dict) and isinstance(report.get("figures"), dict)
 
 
-def update_report(out: Path, sections: dict) -> dict:
-    """Merge ``sections`` into ``out/report.json`` (figures merged by name) and rewrite both files."""
+def _note(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def update_report(out: Path, sections: dict, run_dirs: list, note: Callable[[str], None] = _note) -> dict:
+    """Merge ``sections`` of the runs ``run_dirs`` into ``out/report.json`` (figures merged by name)
+    and rewrite both files; the sections of a report of other runs are dropped (``note`` says so)."""
     out = Path(out)
     path = out / REPORT_JSON
+    runs = sorted(str(Path(r).resolve()) for r in run_dirs)
     report: dict = {}
     if path.is_file():
         try:
@@ -127,6 +138,13 @@ def update_report(out: Path, sections: dict) -> dict:
             report = old if isinstance(old, dict) else {}
         except (OSError, ValueError):
             report = {}
+    if report and report.get(RUN_DIRS) != runs:  # a reused --out: another run's DLG table is not these runs'
+        dropped = sorted(k for k, v in report.items() if k != RUN_DIRS and v)
+        if dropped:
+            whose = "described other runs" if RUN_DIRS in report else "does not name the runs it described"
+            note(f"note: {path} {whose}: its sections ({', '.join(dropped)}) are dropped, not merged with these runs'")
+        report = {}
+    report[RUN_DIRS] = runs
     figures = dict(report.get("figures", {}))
     figures.update(sections.pop("figures", {}))
     report.update(sections)

@@ -322,7 +322,7 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
         sections["figures"].update(figures)
         sections["dlg"] = info
     made = len(sections["figures"])
-    update_report(out, sections)
+    update_report(out, sections, run_dirs)
     print(f"wrote {made} figure(s) and {out / 'report.md'}")
 
 
