@@ -393,7 +393,7 @@ def test_one_line_errors(runs, tmp_path, capsys, digits6):
     # checks one line); FedAvg's run has no probe rows, so DLG, not the curves, refuses
     err = _error(capsys, [runs["fedavg"], "--dlg", "--clients", "9", "--out", tmp_path / "o"])
     assert err == f"error: client 9 is not in {runs['fedavg']} (clients 0..5)"
-    assert "'bogus' is not a torch device" in _error(capsys, [runs["fedcp"], "--device", "bogus", "--out", tmp_path / "o"])
+    assert "'bogus' is not a torch device" in _error(capsys, [runs["fedcp"], "--gradcam", "--device", "bogus", "--out", tmp_path / "o"])
     if not torch.cuda.is_available():
         assert "0 CUDA device(s)" in _error(capsys, [runs["fedcp"], "--dlg", "--device", "cuda:7", "--out", tmp_path / "o"])
     assert "--seed must be an integer in [0," in _error(capsys, [runs["fedcp"], "--dlg", "--seed", "-5", "--out", tmp_path / "o"])
@@ -475,3 +475,33 @@ def test_a_sweeps_runs_analysed_again_leave_out_the_analysis_folder_among_them(t
     (tmp_path / "other" / "analysis" / "report.md").write_text("# mine\n")
     assert _error(capsys, [points[0], tmp_path / "other" / "analysis"]) == (
         f"error: {tmp_path / 'other' / 'analysis'} is not a run directory (no config.yaml)")
+
+
+def test_options_that_would_do_nothing_and_values_given_twice_are_refused(tmp_path, capsys):
+    """fedcp-analyze RUN took --samples 3 without --gradcam and --knowledge oracle without --dlg, and
+    did nothing with them; --clients 0,0 attacked client 0 twice and --attacks dlg,dlg ran DLG twice."""
+    from fedcp_dist.cli.analyze import main_dlg
+
+    run = _fake_run(tmp_path / "run")
+    out = tmp_path / "out"
+    for argv, line in (
+        (["--samples", "3"], "--samples applies to --gradcam only"),
+        (["--layer", "conv1"], "--layer applies to --gradcam only"),
+        (["--knowledge", "oracle"], "--knowledge applies to --dlg only"),
+        (["--dp-clip", "1"], "--dp-clip applies to --dlg only"),
+        (["--gradcam", "--no-progress"], "--no-progress applies to --dlg only"),
+        (["--dlg", "--samples", "2"], "--samples applies to --gradcam only"),
+        (["--device", "cuda"], "--device applies to --gradcam or --dlg only"),
+        (["--data", "x.h5"], "--data applies to --gradcam or --dlg only"),
+        (["--clients", "0,3,0"], "--clients: client 0 is given twice"),
+        (["--dlg", "--attacks", "dlg,idlg,DLG"], "--attacks: dlg is given twice"),
+        (["--dlg", "--dp-clip", "0.1,inf,0.10"], "--dp-clip: 0.1 is given twice"),
+        (["--dlg", "--dp-clip", "1", "--dp-noise", "0,0.5,0.5"], "--dp-noise: 0.5 is given twice"),
+    ):
+        assert _error(capsys, [run, *argv, "--out", out]) == f"error: {line}", argv
+    for argv, line in ((["--clients", "1,1"], "--clients: client 1 is given twice"),
+                       (["--attacks", "idlg,idlg"], "--attacks: idlg is given twice")):
+        with pytest.raises(SystemExit) as exc:
+            main_dlg([str(run), *argv, "--out", str(out)])
+        assert exc.value.code == 2 and capsys.readouterr().err == f"error: {line}\n"
+    assert not out.exists()  # each refused before anything was computed or written

@@ -36,7 +36,16 @@ def _int_list(text: str, option: str) -> list:
         raise UserError(f"{option}: no client id in {text!r}")
     if any(c < 0 for c in out):
         raise UserError(f"{option}: client ids are >= 0, got {text!r}")
+    _once(out, option, "client ")
     return out
+
+
+def _once(values: list, option: str, what: str = "") -> None:
+    """Each value of a list option once: a client given twice was attacked twice, an attack run twice."""
+    twice = [v for i, v in enumerate(values) if v in values[:i]]
+    if twice:
+        shown = f"{twice[0]:g}" if isinstance(twice[0], float) else twice[0]
+        raise UserError(f"{option}: {what}{shown} is given twice")
 
 
 def _check_device_and_seed(args) -> None:
@@ -88,6 +97,8 @@ def _float_list(text: Optional[str], option: str) -> list:
 def dp_settings(clips: Optional[str], noises: Optional[str]) -> tuple:
     """The (C, σ) settings of --dp-clip × --dp-noise (σ > 0 with C = inf left out: no noise scale)."""
     c, n = _float_list(clips, "--dp-clip"), _float_list(noises, "--dp-noise")
+    _once(c, "--dp-clip")
+    _once(n, "--dp-noise")
     if n and not c:
         raise UserError("--dp-noise needs --dp-clip: the noise's standard deviation is σ·C")
     settings = tuple((clip, noise) for clip in c for noise in (n or [0.0]) if not (math.isinf(clip) and noise > 0))
@@ -116,6 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dlg", action="store_true", help="also run the DLG/iDLG privacy evaluation")
     _add_dlg_options(p)
     return p
+
+
+#: fedcp-analyze's options of Grad-CAM, of DLG and of both (the analyses that rebuild a run's models):
+#: without --gradcam or --dlg they have no effect
+GRADCAM_OPTIONS = ("samples", "layer")
+DLG_OPTIONS = ("batches", "batch_size", "local_steps", "attacks", "steps", "restarts", "knowledge", "seed", "dp_clip",
+               "dp_noise", "no_progress")
+MODEL_OPTIONS = ("data", "device")
+
+
+def check_options_used(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse an option of an analysis that is not asked for: it would be accepted and do nothing."""
+    for keys, asked, needs in ((GRADCAM_OPTIONS, args.gradcam, "--gradcam"), (DLG_OPTIONS, args.dlg, "--dlg"),
+                               (MODEL_OPTIONS, args.gradcam or args.dlg, "--gradcam or --dlg")):
+        given = [k for k in keys if getattr(args, k) != parser.get_default(k)]
+        if given and not asked:
+            raise UserError(f"--{given[0].replace('_', '-')} applies to {needs} only")
 
 
 def build_dlg_parser() -> argparse.ArgumentParser:
@@ -238,17 +266,26 @@ def gradcam(args, run_dirs: list, labels: list, out: Path, clients: list) -> tup
     return figures, {"note": "; ".join(notes)}
 
 
-def privacy(args, run_dirs: list, labels: list, out: Path, clients: list) -> tuple:
+def attack_setup(args, clients: list):
+    """The DLG attack of the command line, checked (before anything is computed)."""
+    from fedcp_dist.analysis import dlg
+
+    attacks = tuple(a.strip().lower() for a in args.attacks.split(",") if a.strip())
+    _once(list(attacks), "--attacks")
+    setup = dlg.AttackSetup(clients=clients, batches=args.batches, batch_size=args.batch_size,
+                            local_steps=args.local_steps, attacks=attacks, steps=args.steps, restarts=args.restarts,
+                            knowledge=args.knowledge, seed=args.seed, dp=dp_settings(args.dp_clip, args.dp_noise))
+    setup.check()
+    return setup
+
+
+def privacy(args, setup, run_dirs: list, labels: list, out: Path) -> tuple:
     import json
 
     from fedcp_dist.analysis import dlg, dlg_report, plots
     from fedcp_dist.fileio import atomic_write_bytes
 
-    attacks = tuple(a.strip().lower() for a in args.attacks.split(",") if a.strip())
-    setup = dlg.AttackSetup(clients=clients, batches=args.batches, batch_size=args.batch_size,
-                            local_steps=args.local_steps, attacks=attacks, steps=args.steps, restarts=args.restarts,
-                            knowledge=args.knowledge, seed=args.seed, dp=dp_settings(args.dp_clip, args.dp_noise))
-    setup.check()
+    attacks, clients = setup.attacks, setup.clients
     results = dlg.attack_runs(list(zip(run_dirs, labels)), setup, args.data, args.device,
                               progress=not args.no_progress)
     rows = dlg_report.summarise(results)
@@ -302,6 +339,7 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
     labels = _labels(paths, args.labels)
     _check_device_and_seed(args)
     chosen = _int_list(args.clients, "--clients") if args.clients is not None else None
+    setup = attack_setup(args, chosen or [0]) if do_dlg else None
     out = _out_dir(paths, args.out)
     sections: dict = {"figures": {}}
     if do_curves:
@@ -318,7 +356,7 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
         sections["figures"].update(figures)
         sections["gradcam"] = info
     if do_dlg:
-        figures, info = privacy(args, run_dirs, labels, out, chosen or [0])
+        figures, info = privacy(args, setup, run_dirs, labels, out)
         sections["figures"].update(figures)
         sections["dlg"] = info
     made = len(sections["figures"])
@@ -329,7 +367,9 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
 @cli_main
 def main(argv=None) -> None:
     """Entry point of ``fedcp-analyze``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_options_used(parser, args)
     _run(args, do_curves=True, do_gradcam=args.gradcam, do_dlg=args.dlg)
 
 
