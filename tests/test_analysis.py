@@ -505,3 +505,49 @@ def test_options_that_would_do_nothing_and_values_given_twice_are_refused(tmp_pa
             main_dlg([str(run), *argv, "--out", str(out)])
         assert exc.value.code == 2 and capsys.readouterr().err == f"error: {line}\n"
     assert not out.exists()  # each refused before anything was computed or written
+
+
+def _dlg_error(capsys, argv) -> str:
+    from fedcp_dist.cli.analyze import main_dlg
+
+    with pytest.raises(SystemExit) as exc:
+        main_dlg([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_a_run_without_a_round_a_checkpoint_or_a_finite_model_is_named_so(runs, tmp_path, capsys, monkeypatch):
+    """A failed sweep point (metrics.jsonl empty) gave 'wrote 0 figure(s)' and exit 0; one that failed
+    before its first checkpoint was told to set checkpoint_every, which it had; fedcp-dlg on a run whose
+    model went nan said the method had changed (its self-check's max difference nan)."""
+    from fedcp_dist.analysis import runstate
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    config = (runs["fedavg"] / "config.yaml").read_text()
+    assert "\ncheckpoint_every: 1\n" in config
+    (failed / "config.yaml").write_text(config.replace("\ncheckpoint_every: 1\n", "\ncheckpoint_every: 50\n"))
+    (failed / "metrics.jsonl").write_text("")
+    assert _error(capsys, [failed, "--out", tmp_path / "o"]) == (
+        f"error: {failed} has no recorded round (its metrics.jsonl holds none): the run stopped before its first "
+        f"round ended, or has not ended one yet")
+    assert _dlg_error(capsys, [failed, "--out", tmp_path / "o"]) == (
+        f"error: {failed} has no complete checkpoint: the run ended before its first one, due after round 2 "
+        f"(checkpoint_every=50), and the clients' states are kept only in checkpoints")
+
+    load = runstate.load_run_state
+
+    def diverged(*args, **kwargs):  # the checkpoint of a run whose model went nan
+        state = load(*args, **kwargs)
+        state.store.set_global({k: t.fill_(math.nan) if t.is_floating_point() else t
+                                for k, t in state.global_state.items()})
+        return state
+
+    monkeypatch.setattr(runstate, "load_run_state", diverged)
+    err = _dlg_error(capsys, [runs["fedavg"], "--clients", "1", "--batches", "1", "--steps", "1", "--out", tmp_path / "o"])
+    assert err == (f"error: the model checkpointed in {runs['fedavg']} after 2 round(s) is not finite "
+                   f"('{next(iter(load(runs['fedavg']).global_state))}'): the run diverged, and there is nothing to attack")
+    state = diverged(runs["fedavg"])
+    with pytest.raises(UserError, match=r"after 2 round\(s\) predicts non-finite values for client 0: the run diverged"):
+        dlg.self_check(state, 0, state.load_data([0])[0].train_batch()[0][:4])

@@ -360,6 +360,17 @@ def server_copy(state, cid: int, knowledge: str, local_steps: int) -> ServerCopy
     return ServerCopy(cfg.method, model, sent, private, cfg.lr * local_steps, info.mean, info.std, cfg.tau)
 
 
+def check_finite(state, clients) -> None:
+    """The models the attack starts from are finite: a diverged run's nan weights predict nan, and
+    the self-check took that for a copy of the method that had drifted from its code."""
+    for cid in clients:
+        for what, tensors in (("model", state.sent(cid)), (f"client {cid}'s state", state.store.get(cid) or {})):
+            bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            if bad:
+                raise UserError(f"the {what} checkpointed in {state.run_dir} after {state.rounds_done} round(s) is not "
+                                f"finite ('{bad[0]}'): the run diverged, and there is nothing to attack")
+
+
 def self_check(state, cid: int, x_norm: torch.Tensor) -> None:
     """The server's copy, given the client's true state, must predict what the method predicts:
     a guard against the copy drifting from the method's code."""
@@ -370,6 +381,9 @@ def self_check(state, cid: int, x_norm: torch.Tensor) -> None:
     ctx = Context(state.rounds_done, cid, torch.Generator(device=state.device).manual_seed(0))
     expected = state.algo.predict(client_state, x_norm, ctx)
     got = copy_.predict(x_norm)
+    if not bool(torch.isfinite(expected).all()):
+        raise UserError(f"the model checkpointed in {state.run_dir} after {state.rounds_done} round(s) predicts "
+                        f"non-finite values for client {cid}: the run diverged, and there is nothing to attack")
     diff = float((expected - got).abs().max())
     if not diff <= SELF_CHECK_TOL:
         raise UserError(f"the DLG attacker's copy of {state.cfg.method} does not reproduce the method's own "
@@ -492,6 +506,7 @@ def attack_runs(runs: list, setup: AttackSetup, data_path: Optional[str] = None,
         bad = [c for c in setup.clients if not 0 <= c < state.num_clients]
         if bad:
             raise UserError(f"client {bad[0]} is not in {run_dir} (clients 0..{state.num_clients - 1})")
+        check_finite(state, setup.clients)
         states.append((state, label))
     results = []
     with tqdm(total=per_run * len(runs), disable=not progress, desc="DLG", unit="it", mininterval=1.0) as bar:

@@ -107,6 +107,10 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, data_path, changes)
     ckpt = Checkpointer(str(run_dir), 0, 1, max(1, cfg.keep_checkpoints)).latest(warn=warn, reading=True)
+    if ckpt is None and cfg.checkpoint_every:
+        raise UserError(f"{run_dir} has no complete checkpoint: the run ended before its first one, due after round "
+                        f"{min(cfg.checkpoint_every, cfg.rounds)} (checkpoint_every={cfg.checkpoint_every}), and the "
+                        f"clients' states are kept only in checkpoints")
     if ckpt is None:
         raise UserError(
             f"{run_dir} has no complete checkpoint, and the clients' states are kept only in checkpoints: "

@@ -24,7 +24,7 @@ from typing import Optional
 
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.fileio import cannot_write_in
-from fedcp_dist.rundir.directory import DIVERGED, RunDir
+from fedcp_dist.rundir.directory import DIVERGED, METRICS, RunDir
 
 
 def _int_list(text: str, option: str) -> list:
@@ -344,6 +344,10 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
     sections: dict = {"figures": {}}
     if do_curves:
         runs = [read_run(p, label) for p, label in zip(run_dirs, labels)]
+        for r in runs:  # a failed sweep point: as refused as one without metrics.jsonl, not 0 figures and exit 0
+            if not r.rounds:
+                raise UserError(f"{r.path} has no recorded round (its {METRICS} holds none): the run stopped before "
+                                f"its first round ended, or has not ended one yet")
         present = {p.client for r in runs for p in (*r.train_probes, *r.eval_probes)}
         if chosen and present and not set(chosen) <= present:
             missing = sorted(set(chosen) - present)
