@@ -6,6 +6,7 @@ directory or hand-written runs, or calls the library in this process (one more 1
 """
 import csv
 import json
+import os
 import pickle
 import shutil
 import signal
@@ -209,6 +210,30 @@ def test_partitions_are_made_once_per_distinct_setting(tmp_path):
     assert sorted(p.name for p in made) == ["digits_dir0.5_n4_s2.h5", "digits_dir0.5_n6_s2.h5"]
     assert sorted(f.name for f in (tmp_path / "sweeps" / "t" / "data").iterdir()) == [p.name for p in sorted(made)]
     assert sweep.make_partitions(sw, say=lambda *_: None) == []  # already there
+
+
+def test_a_shard_another_sweep_finished_first_is_used(tmp_path, monkeypatch):
+    """Two sweeps with one partition block started together: the one that lost the race to write a
+    shard exited 2 ("written by another process … use it, or pass --force"), though the shard, named
+    by its partition, is the one it needs."""
+    from fedcp_dist.data.shards import write
+
+    path = write_sweep(tmp_path, grid={"seed": [1]}, partition=DIGITS6)
+    sw = sweep.load_sweep(path)
+    target = sw.points[0].data_path
+    make_shard(sw.points[0].partition, tmp_path / "theirs.h5")
+    real = write._write
+
+    def other_process_first(path, *args):  # the other sweep's shard lands while this one writes
+        os.link(tmp_path / "theirs.h5", target)
+        return real(path, *args)
+
+    monkeypatch.setattr(write, "_write", other_process_first)
+    said = []
+    assert sweep.make_partitions(sw, say=said.append) == []
+    assert said[-1] == f"partition {display_path(target)}: made by another process meanwhile; using it"
+    assert os.path.samefile(target, tmp_path / "theirs.h5")  # theirs, left as it was
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary left
 
 
 def test_make_shard_is_the_partition_command_as_a_function(tmp_path, capsys):

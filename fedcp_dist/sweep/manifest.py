@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedcp_dist.data.make import make_shard
+from fedcp_dist.data.shards.write import WrittenElsewhere
 from fedcp_dist.errors import UserError
 from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
 from fedcp_dist.sweep.names import display_path
@@ -36,6 +37,9 @@ def make_partitions(sweep: Sweep, points=None, say=print) -> list:
         say(f"partition {display_path(data_path)}: making it")
         try:
             make_shard(spec, data_path)
+        except WrittenElsewhere:  # a second sweep made it meanwhile: its name is its partition, so it is this one
+            say(f"partition {display_path(data_path)}: made by another process meanwhile; using it")
+            continue
         except UserError as exc:
             raise UserError(f"sweep partition {data_path.name}: {exc}") from None
         made.append(data_path)

@@ -24,6 +24,10 @@ from fedcp_dist.fileio import atomic_path, os_error_behind
 from fedcp_dist.errors import UserError
 
 
+class WrittenElsewhere(UserError):
+    """Another process finished a shard at the same path while this one wrote it; theirs is kept."""
+
+
 class _Fingerprint:
     """The running SHA-256 of a shard's content as it is written (see the package's docstring), and
     each array's digest (:mod:`fedcp_dist.data.shards.verify`)."""
@@ -336,7 +340,7 @@ def write_shard(path, clients: Iterable, *, source: str, num_classes: int, input
         _write(path, clients, source, num_classes, input_shape, mean, std, partition, partition_params, seed, kind,
                vocab, format_version, columns, ids, replace)
     except FileExistsError:
-        raise UserError(f"{path} was written by another process while this one wrote it (a second fedcp-partition "
+        raise WrittenElsewhere(f"{path} was written by another process while this one wrote it (a second fedcp-partition "
                         f"to the same --out?); it is left as that process wrote it: use it, or pass --force to "
                         f"replace it") from None
 
