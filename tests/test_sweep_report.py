@@ -664,6 +664,49 @@ def test_a_tasks_error_is_told_by_its_own_line_and_a_checkpointed_stop_is_not_a_
     assert slurm.task_outcome("just one line") == ("failed", "just one line")
 
 
+def test_a_slurm_sweep_run_again_submits_no_point_an_earlier_submission_still_holds(tmp_path, digits6):
+    """Run again while its array job was still queued, a SLURM sweep submitted every unfinished point
+    again; the second task of each then found it finished (or in use) and ended FAILED, and the
+    sweep exited 1. Now the points SLURM still holds are not submitted, and a task whose point is
+    finished or run by another task says so instead of failing."""
+    import fcntl
+
+    from fedcp_dist.sweep import slurm
+    from fedcp_dist.sweep.manifest import write_manifest
+
+    path = write_sweep(tmp_path, grid={"seed": [1, 2, 3]}, overrides={"rounds": 1, "data.path": str(digits6)})
+    sw = sweep.load_sweep(path)
+    names = [p.name for p in sw.points]
+    assert slurm.queued_points(sw, lambda jobs: "") == {}  # nothing submitted yet
+    write_manifest(sw, {"executor": "slurm", "array_job": "23", "jobs": {n: f"23_{i}" for i, n in enumerate(names)}})
+    write_manifest(sw, {"executor": "slurm", "array_job": "27", "jobs": {names[2]: "27_0"}})
+    asked = []
+
+    def squeue(jobs):
+        asked.append(jobs)
+        return "23_1\n27_0\n"  # 23_0 ended; 23_2 ended and was submitted again as 27_0, still pending
+
+    assert slurm.queued_points(sw, squeue) == {names[1]: "23_1", names[2]: "27_0"} and asked == [["23", "27"]]
+    assert slurm.queued_points(sw, lambda jobs: None) is None  # squeue did not answer
+
+    # a task whose point another task finished returns that run's summary and runs nothing
+    run_dir = sw.points[0].run_dir
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"best_acc": 0.5}))
+    task = sweep.SweepRun(cwd=str(REPO))
+    assert task(names[0], ["--config", "no-such.yaml", f"out_dir={run_dir}"]) == {"best_acc": 0.5}
+    # a task whose point another task runs now (the lock held): "elsewhere", not a failure
+    busy = sw.points[1].run_dir
+    busy.mkdir(parents=True)
+    with open(busy / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RuntimeError) as exc:
+            task(names[1], sw.run_args(sw.points[1]))
+    assert slurm.task_outcome(str(exc.value)) == (
+        "elsewhere", f"run {names[1]}'s out_dir is in use by another run (a task of another submission of this "
+                     f"sweep): that one runs it")
+
+
 def test_slurm_task_of_several_ranks_runs_the_config_in_process(digits6, tmp_path, monkeypatch):
     """Every task of a multi-task run calls fedcp_dist.run.run_config; a preempted run requeues through
     submitit's handler when it is installed, and is an error otherwise."""

@@ -19,8 +19,8 @@ from typing import Optional
 
 from fedcp_dist.errors import EXIT_REQUEUE, Preempted, UserError
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, SUMMARY, RunDir
-from fedcp_dist.sweep.local import pump, stderr_tail
-from fedcp_dist.sweep.manifest import make_partitions, write_manifest
+from fedcp_dist.sweep.local import IN_USE, pump, stderr_tail
+from fedcp_dist.sweep.manifest import MANIFEST, make_partitions, read_manifest, write_manifest
 from fedcp_dist.sweep.names import display_path, now
 from fedcp_dist.sweep.drift import drift_warning
 from fedcp_dist.sweep.points import Sweep
@@ -66,6 +66,9 @@ def _submitit_requeue() -> bool:
 #: how a task's error begins when its run checkpointed and stopped, so that the sweep run again
 #: resumes it: ``fedcp-sweep --wait`` counts such a point as stopped, not failed
 STOPPED = "stopped after a checkpoint:"
+#: how a task's error begins when another task or sweep runs its point (its out_dir's lock is held):
+#: ``fedcp-sweep --wait`` counts it as run elsewhere, not failed
+ELSEWHERE = "run elsewhere:"
 
 
 def slurm_task_fate(env=os.environ, scontrol=None) -> str:
@@ -139,9 +142,13 @@ class SweepRun:
         return state
 
     def __call__(self, name: str, args: list):
+        out_dir = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("out_dir=")), None)
+        done = RunDir(out_dir).read_summary() if out_dir else None
+        if done is not None and done.get("status") != DIVERGED:  # a task of an earlier submission finished it
+            print(f"fedcp-sweep: {name}: already finished (by another task or sweep); nothing to run", flush=True)
+            return done
         if self.in_process:
             return self._in_process(args)
-        out_dir = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("out_dir=")), None)
         cmd = [sys.executable, "-m", "fedcp_dist.run", *args]
         print(f"fedcp-sweep: {name}: {shlex.join(cmd)}", flush=True)
         tail: collections.deque = collections.deque(maxlen=40)
@@ -156,6 +163,9 @@ class SweepRun:
         summary = RunDir(out_dir).read_summary() if out_dir else None
         if summary is not None and summary.get("status") == DIVERGED:
             raise RuntimeError(f"run {name} diverged (it learned nothing): {stderr_tail(tail, 1)}")
+        if rc == 2 and any(IN_USE in line for line in tail):
+            raise RuntimeError(f"{ELSEWHERE} run {name}'s out_dir is in use by another run (a task of another "
+                               f"submission of this sweep): that one runs it")
         if rc != 0 or summary is None:
             why = f"exit status {rc}" if rc != 0 else f"no {SUMMARY} written"
             raise RuntimeError(f"run {name} failed ({why}): {stderr_tail(tail)}")
@@ -240,14 +250,16 @@ def _wait_for(pairs: list, array_id: str, poll_s: float = 5.0, grace_s: float = 
 
 
 def task_outcome(error_text: str) -> tuple:
-    """("stopped" | "failed", why) from the text of a task's error as submitit re-raises it (a header,
-    the task's traceback between two lines of dashes, then where its logs are): stopped where the
-    run checkpointed and the sweep run again resumes it (:data:`STOPPED`; submitit's "timed-out too
-    many times"), else failed; ``why`` is the error's own line, not the log paths after it."""
+    """("stopped" | "elsewhere" | "failed", why) from the text of a task's error as submitit re-raises
+    it (a header, the task's traceback between two lines of dashes, then where its logs are):
+    stopped where the run checkpointed and the sweep run again resumes it (:data:`STOPPED`;
+    submitit's "timed-out too many times"), elsewhere where another task runs the point
+    (:data:`ELSEWHERE`), else failed; ``why`` is the error's own line, not the log paths after it."""
     lines = [ln.strip() for ln in error_text.splitlines() if ln.strip()]
-    stopped = next((ln for ln in lines if STOPPED in ln), None)
-    if stopped is not None:
-        return "stopped", stopped[stopped.index(STOPPED) + len(STOPPED):].strip()
+    for mark, outcome in ((STOPPED, "stopped"), (ELSEWHERE, "elsewhere")):
+        said = next((ln for ln in lines if mark in ln), None)
+        if said is not None:
+            return outcome, said[said.index(mark) + len(mark):].strip()
     if any("timed-out too many times" in ln for ln in lines):
         return "stopped", ("the task reached its time limit more often than executor.slurm.max_num_timeout lets it "
                            "requeue (submitit's default: 3); its run checkpointed each time: run the sweep again to "
@@ -256,6 +268,37 @@ def task_outcome(error_text: str) -> tuple:
     if len(dashes) >= 2 and dashes[1] > dashes[0] + 1:
         return "failed", lines[dashes[1] - 1]
     return "failed", lines[-1] if lines else "no error text"
+
+
+def queued_points(sweep: Sweep, squeue=None) -> Optional[dict]:
+    """{point name: job id} of the points whose task of an earlier submission (``sweep.json``) SLURM
+    still holds, pending or running (None: squeue did not answer). Submitting them again would run
+    each point twice: the second task would find it finished or in use."""
+    manifest = read_manifest(sweep.dir / MANIFEST) or {}
+    recorded = {}
+    for sub in manifest.get("submissions") or []:
+        if isinstance(sub, dict) and sub.get("executor") == "slurm" and isinstance(sub.get("jobs"), dict):
+            recorded.update({str(k): str(v) for k, v in sub["jobs"].items()})  # a later submission's job wins
+    if not recorded:
+        return {}
+    arrays = sorted({job.split("_")[0] for job in recorded.values()})
+    try:
+        out = (squeue or _squeue_tasks)(arrays)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out is None:
+        return None
+    held = set(out.split())
+    return {name: job for name, job in recorded.items() if job in held}
+
+
+def _squeue_tasks(jobs: list) -> Optional[str]:
+    """squeue's ids of the tasks of ``jobs`` it holds, one per line (array tasks one by one)."""
+    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(jobs)], capture_output=True, text=True,
+                         timeout=60)
+    if out.returncode != 0:
+        return "" if "Invalid job id" in out.stderr else None
+    return out.stdout
 
 
 def run_slurm(sweep: Sweep, wait: bool) -> int:
@@ -267,15 +310,24 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
     if shutil.which("sbatch") is None or shutil.which("srun") is None:
         raise UserError("--executor slurm needs sbatch and srun on PATH; this machine has no SLURM client "
                         "(use --executor local)")
-    todo = [p for p in sweep.points if p.status() not in DONE]
-    print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(todo)} finished, "
-          f"{len(todo)} to submit (slurm)"
+    unfinished = [p for p in sweep.points if p.status() not in DONE]
+    queued = queued_points(sweep) if unfinished else {}
+    if queued is None:
+        print("note: squeue did not answer: points an earlier submission still runs are submitted again (a "
+              "second task of a point finds it finished or in use)", flush=True)
+        queued = {}
+    todo = [p for p in unfinished if p.name not in queued]
+    print(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.points) - len(unfinished)} finished, "
+          + (f"{len(queued)} queued or running (job {', '.join(sorted(set(queued.values()))[:4])}"
+             f"{', …' if len(set(queued.values())) > 4 else ''}), " if queued else "")
+          + f"{len(todo)} to submit (slurm)"
           + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),
           flush=True)
     drift_warning(sweep)
     if not todo:
         write_manifest(sweep)
-        print("nothing to submit: every point is finished")
+        print("nothing to submit: every point is finished" if not queued else
+              "nothing to submit: every unfinished point is queued or running already")
         return 0
     make_partitions(sweep, todo)
     folder = sweep.dir.resolve() / "submitit"
@@ -303,8 +355,8 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
     if not wait:
         print(f"not waiting: watch with `squeue -j {array_id}`; run this command again to resubmit what did not finish")
         return 0
-    print("waiting for the jobs ...", flush=True)
-    failed = stopped = 0
+    print(f"waiting for the jobs ... (Ctrl-C stops the waiting, not the jobs: `squeue -j {array_id}`)", flush=True)
+    failed = stopped = elsewhere = 0
     for job, p, gone in _wait_for(list(zip(jobs, todo)), array_id):
         if gone:  # left the queue without a result: killed, node failure, cancelled
             failed += 1
@@ -318,6 +370,9 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
             if outcome == "stopped":
                 stopped += 1
                 print(f"  {job.job_id}  {p.name}: stopped: {why}", flush=True)
+            elif outcome == "elsewhere":
+                elsewhere += 1
+                print(f"  {job.job_id}  {p.name}: elsewhere: {why}", flush=True)
             else:
                 failed += 1
                 print(f"  {job.job_id}  {p.name}: FAILED: {why}", flush=True)
@@ -327,7 +382,8 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
         print(f"  {job.job_id}  {p.name}: finished, {acc_text}", flush=True)
     done = sum(p.status() == FINISHED for p in sweep.points)
     print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, {failed} failed"
-          + (f", {stopped} stopped after a checkpoint" if stopped else ""), flush=True)
+          + (f", {stopped} stopped after a checkpoint" if stopped else "")
+          + (f", {elsewhere} run by another submission" if elsewhere else ""), flush=True)
     if stopped and not failed:
         raise Preempted(f"sweep {sweep.name}: {stopped} point(s) stopped after a checkpoint; run it again to resume them")
     return failed
