@@ -141,6 +141,40 @@ def test_a_ranks_launch_signalled_while_torch_loads_exits_75(sig, digits6_16px, 
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_a_local_sweep_of_two_rank_points_stops_a_point_as_a_run_does(digits6_16px, tmp_path):
+    """A local sweep with nproc 2 ran its points under bare torchrun: stopped, the point's log held
+    torchrun's traceback and the point said "exit status 1 once asked to stop". Under fedcp-run
+    --ranks the point checkpoints and says exit 75, without a traceback."""
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    spec = {"name": "two", "root": str(tmp_path / "sweeps"), "base": str(REPO / "configs" / "digits_fedcp.yaml"),
+            "overrides": {"rounds": 200, "threads": 1, "checkpoint_every": 2, "data.path": str(digits6_16px)},
+            "grid": {"seed": [1]},
+            "executor": {"kind": "local", "nproc": 2}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    p = subprocess.Popen([sys.executable, "-m", "fedcp_dist.cli.sweep", str(tmp_path / "s.yaml")], cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not list((tmp_path / "sweeps").glob("two/runs/*/checkpoints/*/COMPLETE")):
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 75, (out[-2000:], err[-2000:])
+    assert "checkpointed (exit 75); the sweep run again resumes it" in out, out[-2000:]
+    log = next((tmp_path / "sweeps" / "two" / "logs").glob("*.log")).read_text()
+    assert "Traceback" not in log and "fedcp-run --ranks: got SIGTERM; the ranks stopped after their checkpoint" in log
+
+
 def test_mpirun_matches_single_rank(single, digits6_16px, tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
     if mpirun is None:

@@ -856,8 +856,9 @@ def test_round_ticks_follow_the_evaluation_spacing():
 
 
 def test_dry_run_shows_the_launcher_it_runs(digits6, tmp_path, capsys, monkeypatch):
-    """--dry-run's command is the one the local executor runs: torchrun and its flags for nproc > 1
-    (they followed `python` before, a command that does not run), the interpreter for 1."""
+    """--dry-run's command is the one the local executor runs: fedcp-run --ranks N for nproc > 1
+    (torchrun behind it, which ends a stopped point with 75 and no traceback; bare torchrun printed
+    its traceback and exit status 1), the interpreter alone for 1."""
     import os
     import shlex
     import sys
@@ -865,15 +866,15 @@ def test_dry_run_shows_the_launcher_it_runs(digits6, tmp_path, capsys, monkeypat
     from fedcp_dist.cli import sweep as sweep_cli
 
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    for nproc, first in ((2, "torchrun"), (1, "python")):
+    for nproc in (2, 1):
         path = write_sweep(tmp_path, executor={"kind": "local", "nproc": nproc},
                            overrides={"rounds": 2, "data.path": str(digits6)})
         sweep_cli.main([str(path), "--dry-run"])
         lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[1/2]")]
         words = shlex.split(lines[0])
-        at = words.index("-m") - (3 if nproc == 2 else 1)
-        assert words[at] == first, lines
-        assert words[at + 1:at + 5] == (["--standalone", "--nproc_per_node=2", "-m", "fedcp_dist.run"] if nproc == 2
+        at = words.index("-m") - 1
+        assert words[at] == "python", lines
+        assert words[at + 1:at + 5] == (["-m", "fedcp_dist.run", "--ranks", "2"] if nproc == 2
                                         else ["-m", "fedcp_dist.run", "--config", words[at + 4]]), words
 
 

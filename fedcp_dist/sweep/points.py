@@ -93,12 +93,9 @@ class Sweep:
 
     def command(self, point: Point, nproc: Optional[int] = None) -> list:
         nproc = self.nproc if nproc is None else nproc
-        if nproc > 1:
-            torchrun = Path(sys.executable).with_name("torchrun")
-            prefix = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-            prefix += ["--standalone", f"--nproc_per_node={nproc}", "-m", "fedcp_dist.run"]
-        else:
-            prefix = [sys.executable, "-m", "fedcp_dist.run"]
+        prefix = [sys.executable, "-m", "fedcp_dist.run"]
+        if nproc > 1:  # torchrun behind fedcp-run --ranks: a stop ends the point as a run's (75), no traceback
+            prefix += ["--ranks", str(nproc)]
         return prefix + self.run_args(point)
 
     def display_command(self, point: Point) -> str:
@@ -110,9 +107,9 @@ class Sweep:
                 k, v = w.split("=", 1)
                 w = f"{k}={display_path(Path(v))}"
             words.append(w)
-        # the interpreter or torchrun beside it, by the short name that finds the same file on PATH
+        # the interpreter, by the short name that finds the same file on PATH
         first = self.command(point)[0]
-        for short in ("python", "torchrun"):
+        for short in ("python",):
             found = shutil.which(short)
             if found and os.path.abspath(found) == os.path.abspath(first) and Path(first).name.startswith(short):
                 words[0] = short
