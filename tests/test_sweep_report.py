@@ -389,6 +389,17 @@ def test_report_keeps_apart_the_runs_made_under_an_earlier_sweep_file(finished_s
     assert "| fedcp | – (0/2) |" in md and "| fedavg | – (0/2) |" in md, md
     assert md.count("made under an earlier sweep file (its config differs from the point's now in rounds)") == 4
     assert "0/4 runs finished, 4 made under an earlier sweep file" in out
+    # more rounds: the advice is fedcp-sweep's, to remove summary.json and resume (removing the folder
+    # threw the finished rounds away); fewer rounds cannot go on: the folder
+    assert md.count("remove its summary.json and run fedcp-sweep again (it resumes from its last checkpoint)") == 4
+    fewer = write_sweep(tmp_path, name="real", grid={"method": ["fedcp", "fedavg"], "seed": [1, 2]},
+                        partition=DIGITS6, overrides={"rounds": 1, "eval_every": 1, "participation": 0.5})
+    sweep.manifest.write_manifest(sweep.load_sweep(fewer))
+    report.main([str(copy), "--no-plots"])
+    capsys.readouterr()
+    md = (copy / "report.md").read_text()
+    assert md.count("remove its folder and run fedcp-sweep again") == 4 and "remove its summary.json" not in md
+    sweep.manifest.write_manifest(sweep.load_sweep(edited))
     # a manifest written before points said what they are: no run is judged
     old = json.loads((copy / "sweep.json").read_text())
     for p in old["points"]:

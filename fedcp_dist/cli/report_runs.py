@@ -19,6 +19,7 @@ from fedcp_dist.errors import UserError
 from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir,
                                          defining_changes)
 from fedcp_dist.rundir.present import format_value
+from fedcp_dist.sweep.drift import goes_on
 from fedcp_dist.sweep.manifest import MANIFEST, read_manifest
 
 #: keys that are never columns: a row is a method, a cell pools the seeds (and the keys that do not
@@ -82,6 +83,10 @@ SKIP_DIRS = ("submitit", "logs", "data", CHECKPOINTS, "__pycache__")
 #: why a sweep point's run made under another version of the sweep file has no result here
 STALE_WHY = ("made under an earlier sweep file (its config differs from the point's now in {keys}): not averaged "
              "in; remove its folder and run fedcp-sweep again")
+#: the same for a run that goes on to the point's values from its last checkpoint (more rounds, say)
+STALE_GOES_ON_WHY = ("made under an earlier sweep file (its config differs from the point's now in {keys}): not "
+                     "averaged in; remove its summary.json and run fedcp-sweep again (it resumes from its last "
+                     "checkpoint)")
 
 #: why a run whose summary says it diverged has no result
 DIVERGED_WHY = "diverged: it learned nothing (every client's update non-finite in every round)"
@@ -306,7 +311,9 @@ def collect(root) -> Collection:
         elif isinstance(wanted, dict):  # a manifest that says what the point is now (written since it does)
             stale = _stale_keys(RunDir(path).read_config(), wanted)
             if stale:
-                why = STALE_WHY.format(keys=", ".join(stale[:4]) + (", …" if len(stale) > 4 else ""))
+                extends = goes_on(RunDir(path), stale, {**flatten(Config().to_dict()), **wanted})
+                why = (STALE_GOES_ON_WHY if extends else STALE_WHY).format(
+                    keys=", ".join(stale[:4]) + (", …" if len(stale) > 4 else ""))
         runs.append(Run(path, params, config, summary, "", why, name, _curve=curve, stale=stale))
     for path in run_dirs:
         path = path.resolve()

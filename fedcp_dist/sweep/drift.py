@@ -45,17 +45,20 @@ def resume_drift(sweep: Sweep, point: Point) -> list:
 
 
 def _goes_on(sweep: Sweep, point: Point, changed: list) -> bool:
-    """Whether the finished run of ``point`` resumes to the sweep file's values once its summary.json
-    is gone: it has a checkpoint to resume from, and a change of rounds is to more rounds, of a
-    method whose training does not depend on the total."""
-    run = RunDir(point.run_dir)
-    if not run.has_checkpoint():  # checkpoint_every: 0 — it would train again from round 0
+    return goes_on(RunDir(point.run_dir), changed, flatten(point_config(sweep, point).to_dict()))
+
+
+def goes_on(run: RunDir, changed: list, wanted: dict) -> bool:
+    """Whether the finished run in ``run`` resumes to the values ``wanted`` (a flat config) once its
+    summary.json is gone: only keys a resume may change differ (``changed``), it has a checkpoint to
+    resume from, and a change of rounds is to more rounds, of a method whose training does not
+    depend on the total."""
+    if not set(changed) <= set(RESUMABLE_DEFINING) or not run.has_checkpoint():  # checkpoint_every: 0 — from round 0
         return False
     if "rounds" not in changed:
         return True
-    cfg = point_config(sweep, point)
-    done = (run.read_config() or {}).get("rounds")
-    return isinstance(done, int) and cfg.rounds >= done and not rounds_scheduled(cfg.to_dict())
+    done, rounds = (run.read_config() or {}).get("rounds"), wanted.get("rounds")
+    return isinstance(done, int) and isinstance(rounds, int) and rounds >= done and not rounds_scheduled(wanted)
 
 
 def drift_warning(sweep: Sweep) -> None:
