@@ -1097,3 +1097,22 @@ def test_a_damaged_config_or_metrics_file_is_named_not_reported_as_a_result(tmp_
     assert "| fedcp | 2.0 ± 0.0 (1/2) |" in md, md  # s1 reached 50 % after 2 rounds; s2 is not "not reached"
     assert "not reached" not in md and "line 2 is not a JSON object; the file is damaged" in md, md
     capsys.readouterr()
+
+
+def test_an_unfinished_point_whose_rounds_its_training_depends_on_changed_cannot_resume(tmp_path, digits6):
+    """A DP point with a target ε stopped, then the sweep's rounds changed: the sweep resumed it and
+    the run refused with 'use another out_dir, or overwrite=true', which a sweep refuses. Where the
+    training depends on the total (a target ε calibrates the noise to it), a change of rounds is one
+    that a resume refuses, and the sweep says to remove the folder instead."""
+    from fedcp_dist.sweep.drift import resume_drift
+    from fedcp_dist.sweep.points import point_config
+
+    for dp, refused in (({"dp": "central", "dp_target_epsilon": 8.0, "dp_delta": 0.01}, ["rounds"]), ({}, [])):
+        base = {"rounds": 3, "data": {"path": str(digits6)}, **dp}
+        sw = sweep.load_sweep(write_sweep(tmp_path, overrides=base, grid={"seed": [1]}))
+        point = sw.points[0]
+        point.run_dir.mkdir(parents=True, exist_ok=True)
+        ran = point_config(sw, point)
+        ran.rounds = 2  # the run was made under rounds: 2
+        (point.run_dir / "config.yaml").write_text(dump_config(ran))
+        assert resume_drift(sw, point) == refused, dp

@@ -35,13 +35,17 @@ def defining_config(sweep: Sweep, point: Point) -> dict:
 
 def resume_drift(sweep: Sweep, point: Point) -> list:
     """Keys an unfinished point's checkpointed run was made with another value of, that a resume
-    refuses (those outside RESUMABLE_CHANGES; ``data.path`` is checked by content when it runs):
+    refuses (those outside RESUMABLE_CHANGES, and ``rounds`` where the training depends on the
+    total: :func:`~fedcp_dist.rundir.directory.rounds_scheduled`; ``data.path`` is checked by
+    content when it runs):
     such a point cannot go on, and a sweep cannot overwrite it."""
     have = RunDir(point.run_dir).read_config()
     if have is None:
         return []
-    return [k for k in config_changes(have, point_config(sweep, point).to_dict())
-            if k not in RESUMABLE_CHANGES and k != "data.path"]
+    wanted = point_config(sweep, point).to_dict()
+    scheduled = bool(rounds_scheduled(flatten(wanted)))  # a total the training depends on (a target ε, say)
+    return [k for k in config_changes(have, wanted)
+            if (k not in RESUMABLE_CHANGES or (k == "rounds" and scheduled)) and k != "data.path"]
 
 
 def _goes_on(sweep: Sweep, point: Point, changed: list) -> bool:
