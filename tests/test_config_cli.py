@@ -435,7 +435,18 @@ def test_a_ranks_launch_clears_the_callers_status_file_first(tmp_path, monkeypat
     status = tmp_path / "status"
     status.write_text("finished\n")
     monkeypatch.setenv("FEDCP_STATUS_FILE", str(status))
-    code = ranks.main(["--standalone", "--nproc_per_node=1", "--no-python", "false"])  # a rank that fails at once
+    import signal
+
+    # torchrun (and ranks.main, for the signals it holds) installs handlers for this process's life, as
+    # a launcher's process may; in the test's process they are put back, or a later test in this worker
+    # that sends itself SIGINT gets torchrun's SignalException instead of its own handler
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                                              signal.SIGUSR2)}
+    try:
+        code = ranks.main(["--standalone", "--nproc_per_node=1", "--no-python", "false"])  # a rank that fails at once
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
     assert code == 1 and status.read_text() == ""
 
 
