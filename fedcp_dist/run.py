@@ -125,7 +125,10 @@ def local_ranks_command(n: int, config: Optional[str], overrides: Sequence[str],
     from fedcp_dist.runtime import _cpu_count, detect_launcher
     from fedcp_dist.sweep.local import run_env
 
-    if detect_launcher(env) != "single":
+    launcher = detect_launcher(env)
+    # a job step of one task (an srun --pty shell, a step that runs a local sweep) is one process to
+    # start the ranks from; the ranks see torchrun's variables before SLURM's
+    if launcher != "single" and not (launcher == "slurm" and env.get("SLURM_STEP_NUM_TASKS") == "1"):
         raise UserError("--ranks starts the ranks itself: under torchrun, mpirun or srun leave it out "
                         "(the launcher sets how many)")
     argv = [sys.executable, "-m", "fedcp_dist.cli.ranks", "--standalone", f"--nproc_per_node={n}",
@@ -149,57 +152,83 @@ def main(argv=None):
     fault_point("exit")  # the fault tests' hook: a signal between a finished run and the process's end
 
 
+def _start_ranks(args, stop: StopSignals) -> None:
+    """``--ranks N``: check what every rank would refuse once, then exec torchrun in this process's
+    place (:mod:`fedcp_dist.cli.ranks`); returns only for one rank (``--ranks auto`` on one core)."""
+    from fedcp_dist.config import load_config
+
+    n = parse_ranks(args.ranks)  # a bad value before the config is read
+    cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
+    n = n or auto_ranks(cfg.device)
+    if n > 1 and cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # each rank would say it, among torchrun's own lines
+            raise UserError("device=cuda but no CUDA device is visible to this process")
+    if n <= 1:
+        return
+    from fedcp_dist.data.shards import read_info
+    from fedcp_dist.engine.startup import check_shard
+
+    check_shard(cfg, read_info(cfg.data.path, label_counts=False))  # and so is a config the shard does not fit
+    if not cfg.overwrite:  # and an out_dir the ranks would refuse (rank 0 checks it again, under its lock)
+        from fedcp_dist.rundir.directory import RunDir
+        from fedcp_dist.rundir.out_dir import refusal
+
+        problem = refusal(RunDir(cfg.out_dir), cfg.resume)
+        if problem:
+            raise UserError(problem)
+    cmd, env = local_ranks_command(n, args.config, args.overrides)
+    if stop.signum is not None:  # asked to stop (before the signals were held) before the ranks started
+        write_status("preempted")
+        raise Preempted("stopped before the ranks were started")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fault_point("exec")  # the fault tests' hook: a signal in the last moment before the exec
+    os.execve(cmd[0], cmd, env)  # torchrun in this process's place (fedcp_dist.cli.ranks: its ending said as a run's)
+
+
 def _main(args, stop: StopSignals) -> None:
+    if args.ranks != "1" and not args.print_config:
+        from fedcp_dist.cli.ranks import HELD_ACROSS_EXEC  # (no torch)
+
+        # the stop signals are held from here, before torch loads (the config module loads it): a
+        # signal mask is a thread's, and the threads torch starts take the mask of the thread that
+        # starts them. Held, a stop signal waits across the exec for the launcher's handlers
+        # (fedcp_dist.cli.ranks), which stop before the ranks start (75); unheld, one that came
+        # while torch loaded there ended it (143, 140), and one that a thread of torch took here
+        # just before the exec was lost
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_ACROSS_EXEC)
+        try:
+            _before_start(args)
+            _start_ranks(args, stop)
+        finally:  # reached only without the exec (an error, or one rank): listening again
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    else:
+        _before_start(args)
+        if args.print_config:
+            _print_config(args)
+            return
+    run_config(args.config, args.overrides, stop=stop)
+
+
+def _before_start(args) -> None:
     check_address_space()  # before torch loads: under too low a limit some of its libraries abort the process
-    from fedcp_dist.config import dump_config, given_once, load_config
+    from fedcp_dist.config import given_once
 
     given_once(args.overrides)  # a key typed twice, before anything starts
-    if args.print_config:
-        cfg = load_config(args.config, args.overrides, validate=False).validate(data_file=False)
-        print(dump_config(cfg), end="")
-        if not os.path.isfile(cfg.data.path):  # printed all the same: the file may be made later
-            what = (f"{cfg.data.path} is not a regular file" if os.path.exists(cfg.data.path) else
-                    f"{cfg.data.path} does not exist") if cfg.data.path else "is not set"
-            print(f"note: data.path {what}; a run needs the HDF5 partition written by fedcp-partition",
-                  file=sys.stderr, flush=True)
-        return
-    if args.ranks != "1":
-        n = parse_ranks(args.ranks)  # a bad value before the config is read
-        cfg = load_config(args.config, args.overrides)  # a bad config is one error here, not one per rank
-        n = n or auto_ranks(cfg.device)
-        if n > 1 and cfg.device == "cuda":
-            import torch
 
-            if not torch.cuda.is_available():  # each rank would say it, among torchrun's own lines
-                raise UserError("device=cuda but no CUDA device is visible to this process")
-        if n > 1:
-            from fedcp_dist.data.shards import read_info
-            from fedcp_dist.engine.startup import check_shard
 
-            check_shard(cfg, read_info(cfg.data.path, label_counts=False))  # and so is a config the shard does not fit
-            if not cfg.overwrite:  # and an out_dir the ranks would refuse (rank 0 checks it again, under its lock)
-                from fedcp_dist.rundir.directory import RunDir
-                from fedcp_dist.rundir.out_dir import refusal
+def _print_config(args) -> None:
+    from fedcp_dist.config import dump_config, load_config
 
-                problem = refusal(RunDir(cfg.out_dir), cfg.resume)
-                if problem:
-                    raise UserError(problem)
-            cmd, env = local_ranks_command(n, args.config, args.overrides)
-            from fedcp_dist.cli.ranks import HELD_ACROSS_EXEC
-
-            # a stop signal from here until the new program's handlers are in place (while it loads
-            # torch) would end it at once with 128 + its number: blocked, it waits for them instead
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_ACROSS_EXEC)
-            try:
-                if stop.signum is not None:  # asked to stop before the ranks were started: nothing ran
-                    write_status("preempted")
-                    raise Preempted("stopped before the ranks were started")
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.execve(cmd[0], cmd, env)  # torchrun in this process's place (fedcp_dist.cli.ranks: its ending said as a run's)
-            finally:  # reached only when the exec did not happen
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    run_config(args.config, args.overrides, stop=stop)
+    cfg = load_config(args.config, args.overrides, validate=False).validate(data_file=False)
+    print(dump_config(cfg), end="")
+    if not os.path.isfile(cfg.data.path):  # printed all the same: the file may be made later
+        what = (f"{cfg.data.path} is not a regular file" if os.path.exists(cfg.data.path) else
+                f"{cfg.data.path} does not exist") if cfg.data.path else "is not set"
+        print(f"note: data.path {what}; a run needs the HDF5 partition written by fedcp-partition",
+              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

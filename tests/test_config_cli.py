@@ -340,6 +340,12 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
     with pytest.raises(UserError, match="leave it out"):
         run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
                                                       "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+    # a SLURM job step of one task (an srun --pty shell, a step running a local sweep of 2-rank points)
+    # starts its ranks (local sweeps' points failed there); a step of several tasks is a launcher
+    one_task = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_ID": "7"}
+    assert run_mod.local_ranks_command(2, None, [], env=one_task)[0][2] == "fedcp_dist.cli.ranks"
+    with pytest.raises(UserError, match="leave it out"):
+        run_mod.local_ranks_command(2, None, [], env={**one_task, "SLURM_STEP_NUM_TASKS": "2"})
     assert run_mod.parse_ranks("3") == 3 and run_mod.parse_ranks("auto") is None
     assert run_mod.auto_ranks("cpu") == _cpu_count()
     for bad in ("0", "-1", "two", "1.5"):

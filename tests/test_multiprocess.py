@@ -110,6 +110,20 @@ def test_fedcp_run_ranks_ends_as_a_run_does(digits6_16px, tmp_path):
     assert any((d / "COMPLETE").exists() for d in (out / "checkpoints").iterdir())
 
 
+def test_a_ranks_launch_signalled_just_before_its_exec_exits_75(digits6_16px, tmp_path):
+    """A SIGTERM in the last moment before fedcp-run --ranks exec'd torchrun was noted after the last
+    look and lost across the exec: the ranks trained every round and the launch exited 0. Held from
+    before torch loads (a thread torch starts takes the mask: held only from just before the exec,
+    in the main thread, one could still take it), it is taken after the exec as a stop (75)."""
+    out = tmp_path / "run"
+    r = run_cmd([str(BIN / "fedcp-run"), "--ranks", "2", "--config", "configs/digits_fedcp.yaml",
+                 f"data.path={digits6_16px}", f"out_dir={out}", "rounds=2", "threads=1"],
+                env_extra={"FEDCP_FAULT_AT": "exec:SIGTERM"})
+    assert r.returncode == 75 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
+    assert r.stderr.splitlines()[-1] == "fedcp-run --ranks: got SIGTERM before the ranks started; nothing ran"
+    assert not (out / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR2"])
 def test_a_ranks_launch_signalled_while_torch_loads_exits_75(sig, digits6_16px, tmp_path):
     """A stop signal after ``fedcp-run --ranks`` exec'd into torchrun and before torchrun's handlers

@@ -100,12 +100,14 @@ def test_a_class_folders_sub_folders_are_read_in_order_and_a_folder_link_once(tm
     (root / "a" / "b" / "loop").symlink_to(root / "a", target_is_directory=True)  # would never end
     (root / "a" / "b" / "far").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (root / "b" / "notes.txt").write_text("x")
+    (root / "a" / "up").symlink_to(root, target_is_directory=True)  # b's images would be a's too
+    (root / "a" / "other").symlink_to(root / "b", target_is_directory=True)
     classes, skipped = _class_files(root, _image_suffixes())
     # a folder's files first, then its sub-folders in sorted order, depth first; hidden ones left out
     assert [str(p.relative_to(root)) for p in classes["a"]] == [
         "a/1.png", "a/b/3.png", "a/b/c/4.png", "a/b/far/7.png", "a/z/2.png"]
     assert [p.name for p in classes["b"]] == ["6.png"]
-    assert skipped == 1  # notes.txt
+    assert skipped == 3  # notes.txt, and the links into ROOT outside class a's folder
 
 
 def test_folders_partition_makes_each_hospital_a_client_with_its_own_split(tmp_path, capsys):

@@ -731,7 +731,9 @@ def test_slurm_task_of_several_ranks_runs_the_config_in_process(digits6, tmp_pat
     def preempted(*_):
         raise Preempted("checkpointed after 1 rounds")
 
+    assert task("p", args) == summary  # run again (a task of another submission): the finished run's result
     monkeypatch.setattr(fedcp_run, "run_config", preempted)
+    args[-1] = f"out_dir={tmp_path / 'unfinished'}"
     with pytest.raises(Preempted):
         task("p", args)
     calls = []

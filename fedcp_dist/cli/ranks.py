@@ -85,22 +85,21 @@ def main(argv=None) -> int:
     asked: list = []
     early: list = []  # signals that came before torchrun put its own handlers in place
 
-    def before_torchrun(signum, _frame):
-        # torchrun installs its handlers (for SIGTERM, SIGINT, SIGHUP) just before it starts the
-        # ranks: while this one is SIGTERM's, no rank runs yet
+    def stop(signum, _frame):
         asked.append(signum)
-        early.append(signum)
-        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signum)
-
-    def as_sigterm(signum, _frame):
-        # torchrun's own handler for SIGTERM raises this; its agent then sends SIGTERM to the ranks
-        if signal.getsignal(signal.SIGTERM) is before_torchrun:
-            before_torchrun(signum, _frame)
-        asked.append(signum)
+        if signal.getsignal(signal.SIGTERM) is stop:
+            # torchrun installs its handlers (SIGTERM, SIGINT, SIGHUP) just before it starts the
+            # ranks: while this one is still SIGTERM's, no rank runs yet
+            early.append(signum)
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signum)
+        # a signal torchrun does not listen to (SIGUSR2, or one TORCHELASTIC_SIGNALS_TO_HANDLE leaves
+        # out), taken as its SIGTERM: torchrun's handler raises this, and its agent then sends SIGTERM
+        # to the ranks
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
 
     for sig in HELD_ACROSS_EXEC:
-        signal.signal(sig, as_sigterm if sig in UNHEARD else before_torchrun)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored by the caller (nohup): left so
+            signal.signal(sig, stop)
     own = None
     if not os.environ.get("FEDCP_STATUS_FILE"):
         try:

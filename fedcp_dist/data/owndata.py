@@ -91,20 +91,29 @@ def _listdir(folder: Path) -> list:
         raise UserError(f"{folder} could not be listed: {one_line(exc)}") from None
 
 
+def _inside(path: str, folder: str) -> bool:
+    """Whether the real path ``path`` is ``folder`` or lies under it."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
     """{class name: [image files]} of ``folder/<class>/<image>`` and the count of skipped files.
     A class folder's sub-folders are read too, as torchvision's ImageFolder reads them
     (``<class>/2019/a.png``): each folder's files in sorted order, then its sub-folders in sorted
     order; hidden names are left out. A link to a folder is followed as torchvision follows it,
-    once: a folder already read for the class (a link back up, a loop) is not read again."""
+    once: a folder already read for the class (a link back up, a loop) is not read again, and a
+    link into ROOT outside the class's own folder (up to ROOT, into another class) is skipped and
+    counted: its images are another class's."""
     out, skipped = {}, 0
+    root = os.path.realpath(folder)
     for name in _listdir(folder):
         sub = folder / name
         if not sub.is_dir():
             continue
         files = []
         pending = [sub]
-        seen = {os.path.realpath(sub)}
+        own = os.path.realpath(sub)
+        seen = {own}
         while pending:
             here = pending.pop()
             inner = []
@@ -112,7 +121,9 @@ def _class_files(folder: Path, suffixes: set) -> tuple[dict, int]:
                 path = here / f
                 if path.is_dir():
                     real = os.path.realpath(path)
-                    if real not in seen:
+                    if _inside(real, root) and not _inside(real, own):
+                        skipped += 1
+                    elif real not in seen:
                         seen.add(real)
                         inner.append(path)
                 elif path.is_file() and Path(f).suffix.lower() in suffixes:

@@ -28,8 +28,9 @@ ENV = "FEDCP_FAULT_AT"
 #: where the engine calls :func:`fault_point`: a run's start (before its config is read), its
 #: shard's load, a round's training and evaluation, a checkpoint half-written (one part on disk,
 #: not the others), the final write (final_global.pt written, summary.json not yet), the end of a
-#: finished run (its files written, fedcp-run returning), and a local sweep about to launch a point
-PHASES = ("startup", "shard", "train", "eval", "checkpoint", "final", "exit", "sweep_point")
+#: finished run (its files written, fedcp-run returning), a local sweep about to launch a point, and
+#: ``fedcp-run --ranks`` about to exec torchrun
+PHASES = ("startup", "shard", "train", "eval", "checkpoint", "final", "exit", "sweep_point", "exec")
 #: longest a ``wait=`` action holds the process
 WAIT_S = 60.0
 
