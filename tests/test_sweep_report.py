@@ -1061,6 +1061,16 @@ def test_seeds_run_on_copies_of_one_shard_pool_into_one_cell(tmp_path, capsys, d
         f.attrs["fingerprint"] = "sha256:another"
     md = runs_on([copies[0], other], tmp_path / "apart")
     assert "data.path=" in md and "| fedcp |" in md and "82.00" not in md, md
+    # copies beside another shard: a data.path column, the copies in one cell of it
+    mixed = tmp_path / "mixed"
+    runs_on(copies, mixed)
+    fake_run(mixed / "s9", "fedcp", 9, 0.1, 0.5)
+    cfg = mixed / "s9" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("path: data/x.h5", f"path: {other}"))
+    report.main([str(mixed), "--no-plots"])
+    md = (mixed / "report.md").read_text()
+    assert f"| method | data.path={copies[0]} | data.path={other} |" in md, md
+    assert "| fedcp | 82.00 ± 2.00 | 50.00 ± 0.00 (n=1) |" in md, md
     # copies gone from here (node-local disks): the fingerprint the summaries recorded
     gone = [str(tmp_path / "gone1" / "d.h5"), str(tmp_path / "gone2" / "d.h5")]
     root = tmp_path / "gone"

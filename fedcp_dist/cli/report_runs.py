@@ -373,6 +373,22 @@ def _no_summary(path: Path) -> str:
 
 
 def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:
+    keys = _setting_keys(col, by, rows)
+    if "data.path" in keys:
+        _pool_copies(col.runs)
+    return keys
+
+
+def _pool_copies(runs: list) -> None:
+    """Runs on copies of one shard (:func:`_data_identity`) under one ``data.path`` value, the first
+    of their paths, so that a ``data.path`` column pools them too."""
+    first: dict = {}
+    for r in sorted(runs, key=lambda r: str(r.config.get("data.path"))):
+        if "data.path" not in r.params and r.config.get("data.path") is not None:
+            r.params["data.path"] = first.setdefault(_data_identity(r), r.config["data.path"])
+
+
+def _setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:
     runs = col.runs
     row_keys = ROW_KEYS if rows == "method" else ("seed", rows)
     if by:
@@ -400,7 +416,7 @@ def _data_identity(run) -> str:
     copies) pool into one cell; the path itself where neither is known."""
     fingerprint = (run.summary or {}).get("data_fingerprint")
     path = run.config.get("data.path")
-    if not fingerprint and isinstance(path, str):
+    if not fingerprint and isinstance(path, str) and os.path.isabs(path):  # relative: to where the run started
         fingerprint = _shard_fingerprint(path)
     return f"shard {fingerprint}" if fingerprint else json.dumps(path, default=str)
 
