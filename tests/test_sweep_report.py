@@ -675,7 +675,7 @@ def test_a_tasks_error_is_told_by_its_own_line_and_a_checkpointed_stop_is_not_a_
     assert slurm.task_outcome("just one line") == ("failed", "just one line")
 
 
-def test_a_slurm_sweep_run_again_submits_no_point_an_earlier_submission_still_holds(tmp_path, digits6):
+def test_a_slurm_sweep_run_again_submits_no_point_an_earlier_submission_still_holds(tmp_path, digits6, monkeypatch):
     """Run again while its array job was still queued, a SLURM sweep submitted every unfinished point
     again; the second task of each then found it finished (or in use) and ended FAILED, and the
     sweep exited 1. Now the points SLURM still holds are not submitted, and a task whose point is
@@ -716,6 +716,19 @@ def test_a_slurm_sweep_run_again_submits_no_point_an_earlier_submission_still_ho
     assert slurm.task_outcome(str(exc.value)) == (
         "elsewhere", f"run {names[1]}'s out_dir is in use by another run (a task of another submission of this "
                      f"sweep): that one runs it")
+
+    # --wait waits for the points it left to an earlier submission, then says how each ended
+    answers = iter(["23_1\n27_0\n", "27_0\n", ""])
+    said = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: said.append(" ".join(map(str, a))))
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    left = slurm._wait_for_earlier(sw, {names[0]: "23_0", names[1]: "23_1", names[2]: "27_0"},
+                                   squeue=lambda jobs: next(answers))
+    monkeypatch.undo()
+    assert left == 2 and next(answers, "done") == "done"  # polled until SLURM held none of them
+    assert said[0] == f"  23_0  {names[0]}: finished (a task of an earlier submission)"
+    assert said[1].startswith(f"  23_1  {names[1]}: not finished by its task of an earlier submission")
+    assert slurm._wait_for_earlier(sw, {names[1]: "23_1"}, squeue=lambda jobs: None) == 1  # squeue silent
 
 
 def test_slurm_task_of_several_ranks_runs_the_config_in_process(digits6, tmp_path, monkeypatch):

@@ -178,6 +178,10 @@ class SweepRun:
         opts = run.build_parser().parse_args(list(args))
         try:
             return run.run_config(opts.config, opts.overrides)
+        except UserError as exc:
+            if IN_USE in str(exc):  # another task of another submission runs the point
+                raise RuntimeError(f"{ELSEWHERE} {exc}") from None
+            raise
         except Preempted:
             if _after_checkpoint(" ".join(args)):  # checkpointed: requeued
                 return None
@@ -326,9 +330,14 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
     drift_warning(sweep)
     if not todo:
         write_manifest(sweep)
-        print("nothing to submit: every point is finished" if not queued else
-              "nothing to submit: every unfinished point is queued or running already")
-        return 0
+        if not queued:
+            print("nothing to submit: every point is finished")
+            return 0
+        print("nothing to submit: every unfinished point is queued or running already")
+        if not wait:
+            return 0
+        print("waiting for them ... (Ctrl-C stops the waiting, not the jobs)", flush=True)
+        return _wait_summary(sweep, 0, 0, 0, _wait_for_earlier(sweep, queued))
     make_partitions(sweep, todo)
     folder = sweep.dir.resolve() / "submitit"
     params = slurm_parameters(sweep)
@@ -380,10 +389,47 @@ def run_slurm(sweep: Sweep, wait: bool) -> int:
         acc = (summary or RunDir(p.run_dir).read_summary() or {}).get("best_acc")
         acc_text = f"best_acc {acc:.4f}" if isinstance(acc, (int, float)) else "no summary"
         print(f"  {job.job_id}  {p.name}: finished, {acc_text}", flush=True)
+    return _wait_summary(sweep, failed, stopped, elsewhere, _wait_for_earlier(sweep, queued) if queued else 0)
+
+
+def _wait_summary(sweep: Sweep, failed: int, stopped: int, elsewhere: int, earlier_unfinished: int) -> int:
+    """``--wait``'s last line; the number of points that failed (or that an earlier submission left
+    unfinished), or :class:`Preempted` where points stopped after a checkpoint and none failed."""
+    failed += earlier_unfinished
     done = sum(p.status() == FINISHED for p in sweep.points)
     print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, {failed} failed"
+          + (f" (of which {earlier_unfinished} left unfinished by an earlier submission)" if earlier_unfinished else "")
           + (f", {stopped} stopped after a checkpoint" if stopped else "")
           + (f", {elsewhere} run by another submission" if elsewhere else ""), flush=True)
     if stopped and not failed:
         raise Preempted(f"sweep {sweep.name}: {stopped} point(s) stopped after a checkpoint; run it again to resume them")
     return failed
+
+
+def _wait_for_earlier(sweep: Sweep, queued: dict, poll_s: float = 5.0, squeue=None) -> int:
+    """``--wait`` for the points an earlier submission's tasks hold (``queued``: {point name: job id},
+    not submitted again): until SLURM holds none of those tasks; then each point's state. Returns how
+    many of them are not finished (failed, or stopped after a checkpoint: run the sweep again)."""
+    arrays = sorted({job.split("_")[0] for job in queued.values()})
+    held = set(queued.values())
+    while held:
+        try:
+            out = (squeue or _squeue_tasks)(arrays)
+        except (OSError, subprocess.SubprocessError):
+            out = None
+        if out is None:
+            print("note: squeue did not answer: the earlier submission's tasks are not waited for", flush=True)
+            break
+        held &= set(out.split())
+        if held:
+            time.sleep(poll_s)
+    points = {p.name: p for p in sweep.points}
+    unfinished = 0
+    for name, job in sorted(queued.items(), key=lambda item: item[1]):
+        if points[name].status() == FINISHED:
+            print(f"  {job}  {name}: finished (a task of an earlier submission)", flush=True)
+        else:
+            unfinished += 1
+            print(f"  {job}  {name}: not finished by its task of an earlier submission (its log: "
+                  f"{display_path(sweep.dir / 'submitit')}); run the sweep again to resume it", flush=True)
+    return unfinished
