@@ -309,6 +309,12 @@ def test_a_sweep_task_cancelled_stops_and_one_requeued_by_slurm_resumes(cluster,
             time.sleep(0.5)
         manifest = json.loads((tmp_path / "sweeps" / "stops" / "sweep.json").read_text())
         cancelled, requeued = sorted(manifest["submissions"][-1]["jobs"].values())
+        # the same sweep run again meanwhile submits neither point a second time (squeue holds both)
+        again = subprocess.run([str(BIN / "fedcp-sweep"), str(sweep)], cwd=REPO, env=_env(), capture_output=True,
+                               text=True, timeout=120)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert f"2 queued or running (job {cancelled}, {requeued}), 0 to submit" in again.stdout, again.stdout
+        assert "nothing to submit: every unfinished point is queued or running already" in again.stdout
         assert subprocess.run(["scancel", cancelled], env=_env(), timeout=30).returncode == 0
         assert subprocess.run(["scontrol", "requeue", requeued], env=_env(), timeout=30).returncode == 0
         out, err = watcher.communicate(timeout=420)
