@@ -236,7 +236,10 @@ class Runtime:
     def _fail(self, exc: Exception) -> None:
         self.failed = True
         if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
-            # the launcher died and took the job's store with it: that is why the peer is gone
+            # the launcher died and took the job's store with it: that is why the peer is gone. Its
+            # watch (watch_launcher, which set launcher_pid) says so and ends the process within its
+            # interval: waiting for it keeps the line one (both said it, at times); this, if it has not
+            time.sleep(4 * LAUNCHER_POLL_S)
             raise RunFailure(f"rank {self.rank}, {self.phase}: its launcher (pid {self.launcher_pid}) is gone; stopping "
                              f"(the last complete checkpoint is kept)") from None
         first = first_line(exc)
