@@ -47,6 +47,16 @@ class Option:
         return self.kind if self.kind is not None else type(self.default)
 
 
+def repeated(values) -> Any:
+    """The first of ``values`` that an earlier one equals (None: each is there once)."""
+    seen: list = []
+    for v in values:
+        if v in seen:
+            return v
+        seen.append(v)
+    return None
+
+
 def type_ok(value: Any, tp) -> bool:
     """Whether ``value`` (as YAML reads it) has the type ``tp`` a key takes: bool, int, float (an int
     too), str, list, None, or a Union of them (``Optional[...]``)."""

@@ -24,6 +24,7 @@ from typing import Optional
 
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.fileio import cannot_write_in
+from fedcp_dist.options import repeated
 from fedcp_dist.rundir.directory import DIVERGED, METRICS, RunDir
 
 
@@ -42,9 +43,9 @@ def _int_list(text: str, option: str) -> list:
 
 def _once(values: list, option: str, what: str = "") -> None:
     """Each value of a list option once: a client given twice was attacked twice, an attack run twice."""
-    twice = [v for i, v in enumerate(values) if v in values[:i]]
-    if twice:
-        shown = f"{twice[0]:g}" if isinstance(twice[0], float) else twice[0]
+    twice = repeated(values)
+    if twice is not None:
+        shown = f"{twice:g}" if isinstance(twice, float) else twice
         raise UserError(f"{option}: {what}{shown} is given twice")
 
 

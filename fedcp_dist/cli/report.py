@@ -32,6 +32,7 @@ from fedcp_dist.cli.report_runs import _label, collect, setting_keys
 from fedcp_dist.cli.report_table import build_table, markdown, write_csv
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
+from fedcp_dist.options import repeated
 
 
 # ----------------------------------------------------------------------------- command line
@@ -67,9 +68,9 @@ def main(argv=None) -> None:
     by = [k.strip() for k in args.by.split(",") if k.strip()] if args.by else None
     metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
     for flag, names in (("--by", by or []), ("--metric", metrics)):
-        twice = [k for i, k in enumerate(names) if k in names[:i]]
-        if twice:
-            raise UserError(f"fedcp-report: {flag} names '{twice[0]}' twice")
+        twice = repeated(names)
+        if twice is not None:
+            raise UserError(f"fedcp-report: {flag} names '{twice}' twice")
     rows = args.rows.strip()
     col = collect(args.dir)
     if rows != "method" and not any(r.value(rows) is not None for r in col.runs):

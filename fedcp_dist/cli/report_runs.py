@@ -173,13 +173,15 @@ def _curve_of(records: list) -> list:
 
 
 def _read(path: Path) -> tuple:
-    """(flat config, summary, curve) of the run in ``path``; {}, None and None (the curve read when
-    asked, naming a damaged file) for what it lacks. metrics.jsonl is read once, for the curve and
+    """(flat config, summary, curve, what is wrong with its config.yaml) of the run in ``path``; {},
+    None, None (the curve read when asked, naming a damaged file) and "" for what it lacks. metrics.jsonl is read once, for the curve and
     for ``eval_every``: a run resumed under another (a key a resume may change) has config.yaml's
     last value only, so its value is then :func:`_eval_every_as_run`'s, and it is not reported
     beside the runs evaluated on that schedule throughout."""
     run = RunDir(path)
-    config = run.read_config() or {}
+    config = run.read_config()
+    problem = _config_problem(path, config)
+    config = config or {}
     try:
         records = run.read_metrics()
     except UserError:
@@ -187,7 +189,7 @@ def _read(path: Path) -> tuple:
     changed = _eval_every_as_run(records or [], config.get("eval_every"))
     if changed:
         config["eval_every"] = changed
-    return config, run.read_summary(), None if records is None else _curve_of(records)
+    return config, run.read_summary(), None if records is None else _curve_of(records), problem
 
 
 def _eval_every_as_run(records: list, every) -> str:
@@ -300,10 +302,10 @@ def collect(root) -> Collection:
         if path in seen:
             continue
         seen.add(path)
-        config, summary, curve = _read(path)
+        config, summary, curve, problem = _read(path)
         why, stale = "", []
-        if summary is not None and path.exists() and _config_problem(path):
-            why, summary = _config_problem(path), None
+        if summary is not None and problem:
+            why, summary = problem, None
         elif summary is None:
             why = "not started" if not path.exists() else _no_summary(path)
         elif summary.get("status") == DIVERGED:
@@ -320,10 +322,9 @@ def collect(root) -> Collection:
         if path in seen:
             continue
         seen.add(path)
-        config, summary, curve = _read(path)
+        config, summary, curve, problem = _read(path)
         why = (_no_summary(path) if summary is None
                else DIVERGED_WHY if summary.get("status") == DIVERGED else "")
-        problem = _config_problem(path)
         if problem:  # no setting to file it under (nor a row): listed apart
             unreadable.append((path, problem))
             continue
@@ -355,12 +356,13 @@ def _shard_name(path) -> Optional[str]:
     return os.path.basename(path) if isinstance(path, str) else None
 
 
-def _config_problem(path: Path) -> str:
-    """Why a finished run's config cannot tell its setting ("" when it can): a damaged or missing
-    config.yaml. Such a run is listed with the reason instead of filed under empty settings."""
+def _config_problem(path: Path, config: Optional[dict]) -> str:
+    """Why a run's config (``config``: its config.yaml as read) cannot tell its setting ("" when it
+    can): a damaged or missing config.yaml. Such a finished run is listed with the reason instead of
+    filed under empty settings."""
     if not (path / CONFIG).exists():
         return f"no {CONFIG}: its setting is unknown"
-    if RunDir(path).read_config() is None:
+    if config is None:
         return f"{CONFIG} is damaged (not a YAML mapping): its setting is unknown"
     return ""
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from fedcp_dist.data.common import NORM_MEAN, NORM_STD, one_line, progress
 from fedcp_dist.errors import UserError
+from fedcp_dist.options import repeated
 
 TASKS = ("femnist", "shakespeare")
 #: LEAF's Shakespeare symbols in index order (``ALL_LETTERS`` of its ``models/utils/language_utils.py``):
@@ -99,9 +100,7 @@ def _unique_keys(pairs: list) -> dict:
     json would keep the last silently) is refused."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"the key {twice!r} appears twice in one object")
+        raise ValueError(f"the key {repeated(k for k, _ in pairs)!r} appears twice in one object")
     return out
 
 

@@ -217,12 +217,10 @@ def _file_tail(path, n: int = 3) -> str:
 def _in_queue(job_id: str) -> Optional[bool]:
     """Whether squeue still lists any task of ``job_id`` (None: squeue did not answer)."""
     try:
-        out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
+        out = _squeue_tasks([job_id])
+    except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return False if "Invalid job id" in out.stderr else None
-    return bool(out.stdout.strip())
+    return None if out is None else bool(out.strip())
 
 
 def _wait_for(pairs: list, array_id: str, poll_s: float = 5.0, grace_s: float = 30.0):
