@@ -6,6 +6,7 @@
     python bench/kernels.py --device cuda --slots 64 --compile       # on a GPU (CUDA graphs: see bench/gpu.sh)
     python bench/kernels.py --split                  # where the real step's operations spend their CPU time
     python bench/kernels.py --linear-forms           # the per-client Linear's products written other ways
+    python bench/kernels.py --slot-scan --steps 0    # the real step's time with 1, 2, … --slots clients
 
 A fused FedCP step (``fused: auto``) of ``--slots`` clients with ``--batch`` samples each runs, for
 every convolution and Linear layer of the model's feature extractor and for the CPN, the kernels
@@ -32,6 +33,10 @@ difference to launching them one by one is what graphs of the fused step could s
 ``--split`` (CPU) times every aten operation of the real step around its call, in CPU time, and
 sorts them by kind (products and convolutions, max-pooling, random draws, copies and fills, the
 rest): the operations beside the products are the step's non-kernel rest that a leaner step cuts.
+``--slot-scan`` times the real step with 1, 2, … ``--slots`` clients (CPU time on a CPU) and fits
+a fixed part plus a part per client to it: what a step costs however few of its slots are active,
+beside what each active client adds (``bench/round.py`` prints how many slots a run's fused steps
+have active on average).
 ``--linear-forms`` (CPU) times the largest per-client Linear layer's products written other ways
 (another weight layout, one product per slot, a grouped 1×1 convolution, more rows a client; the
 backward with the cache flushed first, and interleaved slot by slot): what the per-client products,
@@ -426,6 +431,39 @@ def print_split(split: dict, width: int) -> None:
           f"{split['rest_over_products']:.2f}× the products' and convolutions' time in the same step")
 
 
+def fit_step_cost(slots: List[int], seconds: List[float]) -> tuple:
+    """(fixed, per slot): the least-squares line ``seconds ≈ fixed + per_slot · k`` through the
+    step times ``seconds`` measured with ``slots`` = k active clients (at least two distinct k)."""
+    n = len(slots)
+    mk, ms = sum(slots) / n, sum(seconds) / n
+    var = sum((k - mk) ** 2 for k in slots)
+    if n < 2 or var == 0:
+        raise ValueError("a fit of the step's cost needs at least two different slot counts")
+    per_slot = sum((k - mk) * (s - ms) for k, s in zip(slots, seconds)) / var
+    return ms - per_slot * mk, per_slot
+
+
+def slot_scan(model_name: str, input_shape, classes: int, slots: int, b: int, steps: int, repeats: int,
+              device: torch.device) -> dict:
+    """The real fused step's seconds with k = 1 … ``slots`` clients (the best of ``repeats`` rounds
+    of ``steps`` steps each, in CPU time on a CPU), and the fit of :func:`fit_step_cost`."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    ks = list(range(1, slots + 1))
+    secs = [time_call(real_round(model_name, input_shape, classes, k, b, steps, device), 1, repeats, clock=clock) / steps
+            for k in ks]
+    fixed, per_slot = fit_step_cost(ks, secs)
+    return {"slots": ks, "step_seconds": secs, "fixed_seconds": fixed, "per_slot_seconds": per_slot}
+
+
+def print_slot_scan(scan: dict) -> None:
+    """Prints :func:`slot_scan`'s figures."""
+    fixed, per = scan["fixed_seconds"], scan["per_slot_seconds"]
+    print(f"the real step with k active clients (ms a step; the fit: {1e3 * fixed:.2f} ms + {1e3 * per:.2f} ms per "
+          f"client, the fixed part {fixed / per:.2f} clients' worth):")
+    for k, s in zip(scan["slots"], scan["step_seconds"]):
+        print(f"  k = {k:2d}  {1e3 * s:7.2f} ms a step, {1e3 * s / k:6.2f} ms a client, fit {1e3 * (fixed + per * k):7.2f} ms")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="cnn", choices=["cnn"], help="the model (the fused path's image CNN)")
@@ -443,6 +481,8 @@ def main(argv=None):
                    help="also time every aten operation of the real step (CPU only): where the rest beyond the kernels goes")
     p.add_argument("--linear-forms", action="store_true",
                    help="also time the largest per-client Linear layer's products written other ways (CPU only)")
+    p.add_argument("--slot-scan", action="store_true",
+                   help="also time the real step with 1, 2, … --slots clients and fit a fixed part plus a part per client")
     p.add_argument("--keep-freed-memory", default="auto", choices=["auto", "true", "false"],
                    help="the allocator setting, as the engine's config key keep_freed_memory (default auto: on)")
     p.add_argument("--json", default=str(REPO / "bench" / "kernels.json"))
@@ -457,6 +497,8 @@ def main(argv=None):
         p.error("--steps must be at least 0")
     if args.split and args.steps == 0:
         p.error("--split times the real step: it needs --steps of at least 1")
+    if args.slot_scan and args.slots < 2:
+        p.error("--slot-scan fits the step's cost over 1 … --slots clients: --slots must be at least 2")
     for flag in ("slots", "batch", "threads", "calls", "repeats"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be at least 1")
@@ -485,6 +527,8 @@ def main(argv=None):
     real = real_step_seconds(args.model, input_shape, args.classes, k, b, args.steps, args.repeats, device) if args.steps else None
     split = (split_step(real_round(args.model, input_shape, args.classes, k, b, args.steps, device), args.steps, args.repeats)
              if args.split else None)
+    scan = (slot_scan(args.model, input_shape, args.classes, k, b, args.steps or 20, args.repeats, device)
+            if args.slot_scan else None)
     with on:
         peak_after = matmul_peak_gflops(device)
     peak = max(peak_before, peak_after)  # the machine's speed moves: the better of the two
@@ -520,12 +564,16 @@ def main(argv=None):
               f"mean of {args.steps} steps of {k} synthetic clients)")
     if split is not None:
         print_split(split, w)
+    if scan is not None:
+        print_slot_scan(scan)
     out = {"model": args.model, "input": list(input_shape), "slots": k, "batch": b, "threads": args.threads,
            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "cpu_model": cpu_model(), "keep_freed_memory": keep, "matmul_peak_gflops": [peak_before, peak_after],
            "kernels": [asdict(r) for r in rows], **summary}
     if split is not None:
         out["split"] = split
+    if scan is not None:
+        out["slot_scan"] = scan
     if args.linear_forms:
         lin = [m for m in model.features.modules() if isinstance(m, nn.Linear)]
         big = max(lin, key=lambda m: m.in_features * m.out_features)

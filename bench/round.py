@@ -35,6 +35,9 @@ and then ``rounds`` timed rounds on the launcher it was started under, and print
 * the ranks' local steps (batches × epochs) when every client trains, how the clients were placed
   (config key ``placement``) and the imbalance max/mean steps per rank, for all clients and
   averaged over the timed rounds' cohorts;
+* with ``fused``, the fused steps each rank takes when every client trains and how many of the
+  slots are active a step on average (a step costs a fixed part plus a part per active client,
+  ``bench/kernels.py --slot-scan``: unequal clients in a group leave the fixed part to few);
 * bytes and seconds of the round's all-reduce;
 * peak memory per rank (RSS on CPU, the process's peak so far, so with ``--compare`` the fused
   figure includes the sequential run's; max allocated on CUDA, per variant).
@@ -74,6 +77,7 @@ sys.path.insert(0, str(REPO))
 
 from fedcp_dist.fused import groups as fused_groups  # noqa: E402
 from fedcp_dist.fused import memory as fused_memory  # noqa: E402
+from fedcp_dist.fused.slots import slot_occupancy  # noqa: E402
 from fedcp_dist.algorithms.base import Context  # noqa: E402
 from fedcp_dist.config import load_config, merged_overrides  # noqa: E402
 from fedcp_dist.state.placement import STREAM_EVAL, STREAM_TRAIN, client_steps, imbalance, sample_cohort, steps_per_rank  # noqa: E402
@@ -452,8 +456,31 @@ def placement_figures(sim, cfg, rt, rounds) -> dict:
         cohort = sample_cohort(cfg.seed, r["round"] - 1, sim.num_clients, cfg.participation, cfg.participation_range,
                                cfg.participation_draw)
         per_round.append(imbalance(steps_per_rank(steps[cohort], sim.owner[cohort], rt.world_size)))
-    return {"placement": sim.setup.placement, "steps_per_rank": sim.setup.rank_steps.tolist(),
-            "steps_imbalance": sim.setup.imbalance, "cohort_steps_imbalance": float(np.mean(per_round))}
+    out = {"placement": sim.setup.placement, "steps_per_rank": sim.setup.rank_steps.tolist(),
+           "steps_imbalance": sim.setup.imbalance, "cohort_steps_imbalance": float(np.mean(per_round))}
+    trainer = getattr(sim.trainer, "groups", None)
+    if sim.fused and trainer is not None and trainer.slots is not None:
+        out.update(fused_occupancy(sim, cfg, rt, steps, trainer.slots))
+    return out
+
+
+def fused_occupancy(sim, cfg, rt, steps, slots: int) -> dict:
+    """The fused steps each rank takes in a round in which every client trains (a phase of
+    ``local_epochs`` epochs) and the active slots per step on average: each of its groups (all of
+    them as one on a device that trains a rank's groups jointly) scheduled as
+    :func:`~fedcp_dist.fused.slots.slot_occupancy` says. A step costs a fixed part plus a part per
+    active slot (``bench/kernels.py --slot-scan``), so few active slots a step mean the fixed part
+    weighs more."""
+    fused_steps, slot_steps = [], []
+    for r in range(rt.world_size):
+        groups = [list(g) for g in sim.setup.owned_groups(r)]
+        if fused_groups.trains_jointly(cfg, rt.device) and len(groups) > 1:
+            groups = [[c for g in groups for c in g]]
+        occ = [k for g in groups for k in slot_occupancy([int(steps[c]) for c in g], slots)]
+        fused_steps.append(len(occ))
+        slot_steps.append(int(sum(occ)))
+    return {"fused_steps_per_rank": fused_steps, "slot_steps_per_rank": slot_steps, "fused_step_slots": slots,
+            "mean_active_slots_per_rank": [s / n if n else 0.0 for s, n in zip(slot_steps, fused_steps)]}
 
 
 def print_table(res: dict, warmup: int) -> None:
@@ -468,6 +495,12 @@ def print_table(res: dict, warmup: int) -> None:
         ("CPU instruction set", res.get("cpu_isa", "?")),
         ("steps per rank", f"{'/'.join(str(v) for v in res['steps_per_rank'])} (placed by {res['placement']}), max/mean "
                            f"{res['steps_imbalance']:.3f}; timed rounds' cohorts {res['cohort_steps_imbalance']:.3f}"),
+    ]
+    if "fused_steps_per_rank" in res:
+        rows.append(("fused steps per rank", f"{'/'.join(str(v) for v in res['fused_steps_per_rank'])}, "
+                                             f"{'/'.join(f'{v:.2f}' for v in res['mean_active_slots_per_rank'])} of "
+                                             f"{res['fused_step_slots']} slots active a step on average"))
+    rows += [
         ("seconds per round", f"{res['seconds_per_round']:.2f}  (mean of {res['timed_rounds']} after {warmup} warm-up)"),
         ("  local training", f"{res['train_seconds']:.2f}"),
         ("  evaluation", f"{res['eval_seconds']:.2f}"),

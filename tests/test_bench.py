@@ -5,6 +5,7 @@ what it counts and prints is computed right.
 """
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
@@ -129,6 +130,13 @@ def test_bench_compare_table(digits6, tmp_path):
     for v in (seq, fus):
         assert v["steps_per_rank"] == [steps] and v["steps_imbalance"] == v["cohort_steps_imbalance"] == 1.0
     assert f"{steps} (placed by steps), max/mean 1.000; timed rounds' cohorts 1.000" in r.stdout
+    # the fused steps: the six clients in one group of 8 slots all train at once, so the group
+    # takes as many steps as its largest client, with every client's steps among them
+    longest = max((int(n) // 10 if n >= 10 else 1) if n else 0 for n in counts)
+    assert fus["fused_step_slots"] == 8 and fus["slot_steps_per_rank"] == [steps]
+    assert fus["fused_steps_per_rank"] == [longest] and fus["mean_active_slots_per_rank"] == [pytest.approx(steps / longest)]
+    assert re.search(rf"^fused steps per rank +{longest}, {steps / longest:.2f} of 8 slots active", r.stdout, re.M)
+    assert "fused_steps_per_rank" not in seq
     assert "training / peak" in r.stdout and "fused / sequential" in r.stdout
     # the FLOP floor: every client trained and evaluated once a round, at the measured peak
     tests = int(sum(read_info(digits6).test_counts))
@@ -201,6 +209,16 @@ def test_kernel_bench_covers_the_fused_steps_products_and_convolutions():
         assert out.shape[0] in (B, k, 1, k * B)
 
 
+def test_step_cost_fit_by_hand():
+    """fit_step_cost is the least-squares line: exact through points on a line, and by hand
+    through (1, 4), (2, 7), (3, 8), (4, 11): slope 11 / 5 = 2.2, intercept 7.5 − 2.2 · 2.5 = 2."""
+    kb = _load_kernels()
+    assert kb.fit_step_cost([1, 2, 3], [5.0, 7.0, 9.0]) == pytest.approx((3.0, 2.0))
+    assert kb.fit_step_cost([1, 2, 3, 4], [4.0, 7.0, 8.0, 11.0]) == pytest.approx((2.0, 2.2))
+    with pytest.raises(ValueError, match="two different slot counts"):
+        kb.fit_step_cost([3, 3], [1.0, 2.0])
+
+
 def test_kernel_bench_summary_and_json(tmp_path):
     """The ceiling is the kernels' FLOPs over the sum of their times, against the better of the
     run's two peaks; the real step's rate uses the same FLOPs; the JSON holds what was printed."""
@@ -212,7 +230,7 @@ def test_kernel_bench_summary_and_json(tmp_path):
 
     out = tmp_path / "k.json"
     r = run_cmd([sys.executable, "bench/kernels.py", "--slots", "2", "--calls", "1", "--repeats", "1", "--steps", "2",
-                 "--split", "--linear-forms", "--json", str(out)], timeout=300)
+                 "--split", "--linear-forms", "--slot-scan", "--json", str(out)], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     peak = max(res["matmul_peak_gflops"])
@@ -233,6 +251,12 @@ def test_kernel_bench_summary_and_json(tmp_path):
     for f in forms:
         assert f["gflops"] == pytest.approx(f["mflop"] / f["ms"], rel=1e-9)
         assert f["fraction_of_peak"] == pytest.approx(f["gflops"] / peak, rel=1e-9)
+    # --slot-scan: the real step with 1 and 2 clients, the line through both points
+    scan = res["slot_scan"]
+    assert scan["slots"] == [1, 2] and len(scan["step_seconds"]) == 2 and min(scan["step_seconds"]) > 0
+    for k, sec in zip(scan["slots"], scan["step_seconds"]):
+        assert scan["fixed_seconds"] + k * scan["per_slot_seconds"] == pytest.approx(sec, rel=1e-9)
+    assert "the real step with k active clients" in r.stdout
     # --split: every traced operation in one kind; the rest is what is not a product or convolution
     sp = res["split"]
     kinds = [kind for kind, _ in kb.OP_KINDS] + [kb.OTHER_OPS]

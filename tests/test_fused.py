@@ -755,3 +755,27 @@ def test_host_memory_without_psutil_reads_proc_meminfo(monkeypatch):
     monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now raises ImportError
     assert fused_memory.total_memory(CPU) == meminfo["MemTotal"]
     assert abs(fused_memory.available_memory(CPU) - meminfo["MemAvailable"]) < meminfo["MemTotal"] // 20
+
+
+def test_slot_occupancy_is_the_active_slots_of_every_fused_step(monkeypatch):
+    """slot_occupancy gives, step by step, the active slots train_fused runs: by hand for clients
+    of 3, 1, 5 and 0 steps with 2 slots (5 and 3 enter; after step 3 the 1-step client takes the
+    freed slot), and against a real fused FedAvg group with fewer slots than clients."""
+    assert fused.slot_occupancy([3, 1, 5, 0], 2) == [2, 2, 2, 2, 1]
+    assert fused.slot_occupancy([3, 1, 5, 0], 8) == [3, 2, 2, 1, 1]
+    assert fused.slot_occupancy([0, 0], 4) == []
+    seen = []
+    real = fused.sgd_step
+
+    def spy(phase, views, batch, *a, **kw):
+        seen.append(batch.k)
+        return real(phase, views, batch, *a, **kw)
+
+    monkeypatch.setattr(fused, "sgd_step", spy)
+    algo, _ = _algo(FedAvg, shape=(1, 16, 16), drop_last=False)
+    sizes = (23, 7, 40, 31, 12)  # 3, 1, 4, 4, 2 steps at B = 10
+    datas = [_client(c, n, shape=(1, 16, 16)) for c, n in enumerate(sizes)]
+    train_group(algo, _items(algo, datas), slots=3)
+    steps = [num_batches(n, 10, 1, False) for n in sizes]
+    assert seen == fused.slot_occupancy(steps, 3) == [3, 3, 3, 3, 2]
+    assert sum(seen) == sum(steps)

@@ -273,6 +273,29 @@ def train_fused(
     return all_outcomes(outcomes)
 
 
+def slot_occupancy(steps: Sequence[int], slots: int) -> List[int]:
+    """The active slots of every step :func:`train_fused` takes for clients of ``steps`` local
+    steps each with ``slots`` slots: the clients enter longest first (ties: the lower index), a
+    finished client's slot is taken by the next waiting one. A step costs a fixed part plus a part
+    per active slot (``bench/kernels.py --slot-scan``), so this says how much of a group's time the
+    fixed part takes: ``len`` of it is the group's steps, its sum the clients' steps."""
+    queue = sorted((i for i in range(len(steps)) if steps[i] > 0), key=lambda i: (-int(steps[i]), i))
+    if not queue:
+        return []
+    width = max(1, min(int(slots), len(queue)))
+    left = [int(steps[i]) for i in queue[:width]]
+    waiting = [int(steps[i]) for i in queue[width:]]
+    out: List[int] = []
+    while left:
+        out.append(len(left))
+        left = [n - 1 for n in left]
+        for j, n in enumerate(left):
+            if n == 0 and waiting:
+                left[j] = waiting.pop(0)
+        left = [n for n in left if n > 0]
+    return out
+
+
 def all_outcomes(outcomes: List[Optional[PhaseOutcome]]) -> List[PhaseOutcome]:
     """The outcomes, every client's present."""
     done = [o for o in outcomes if o is not None]
