@@ -493,6 +493,10 @@ def test_options_that_would_do_nothing_and_values_given_twice_are_refused(tmp_pa
         (["--dlg", "--samples", "2"], "--samples applies to --gradcam only"),
         (["--device", "cuda"], "--device applies to --gradcam or --dlg only"),
         (["--data", "x.h5"], "--data applies to --gradcam or --dlg only"),
+        # at their default values too: given, they would still do nothing
+        (["--steps", "100"], "--steps applies to --dlg only"),
+        (["--samples=6"], "--samples applies to --gradcam only"),
+        (["--device", "cpu"], "--device applies to --gradcam or --dlg only"),
         (["--clients", "0,3,0"], "--clients: client 0 is given twice"),
         (["--dlg", "--attacks", "dlg,idlg,DLG"], "--attacks: dlg is given twice"),
         (["--dlg", "--dp-clip", "0.1,inf,0.10"], "--dp-clip: 0.1 is given twice"),
