@@ -261,3 +261,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UserError(f"{self.prog}: {message}")
+
+    def given(self, argv) -> set:
+        """The destinations of the options (and positionals) ``argv`` names, at their default value
+        too: parsed into a namespace whose every destination holds a mark, which argparse replaces
+        only for what the command line gives (an option that applies only with another is then
+        refused even when given at its default)."""
+        mark = object()
+        ns = argparse.Namespace(**{a.dest: mark for a in self._actions if a.dest != argparse.SUPPRESS})
+        self.parse_args(argv, namespace=ns)
+        return {k for k, v in vars(ns).items() if v is not mark}

@@ -176,7 +176,17 @@ def test_partition_options_that_would_be_ignored_are_refused(digits6, tmp_path, 
                                                                 "--partition pat"),
             ([*digits, "--num-classes", 3], "--num-classes applies to --from-npz only"),
             ([*digits, "--allow-pickle"], "--allow-pickle applies to --from-npz only"),
-            ([*digits, "--root", tmp_path], "--root: --source digits is embedded (scikit-learn's) and reads no files")):
+            ([*digits, "--root", tmp_path], "--root: --source digits is embedded (scikit-learn's) and reads no files"),
+            # given at their default values, they would be ignored all the same
+            ([*npz, "--seed", 1], "--seed does not apply to --from-npz, which keeps the clients as stored"),
+            ([*npz, "--train-ratio=0.75"], "--train-ratio does not apply to --from-npz, which keeps the clients as "
+                                           "stored"),
+            ([*digits, "--partition", "iid", "--beta", 0.1], "--beta applies to --partition dir only, not to "
+                                                             "--partition iid"),
+            ([*digits, "--classes-per-client", 2], "--classes-per-client applies to --partition pat only, not to "
+                                                   "--partition dir"),
+            ([*digits, "--synthetic-min-samples", 50], "--synthetic-min-samples applies to --source synthetic only, "
+                                                       "not to 'digits'")):
         expect_user_error(capsys, argv, said)
     assert not (tmp_path / "x.h5").exists()
     main([str(a) for a in (*digits, "--partition", "pat", "--classes-per-client", 4, "--unbalanced")])  # its own scheme

@@ -138,19 +138,9 @@ DLG_OPTIONS = ("batches", "batch_size", "local_steps", "attacks", "steps", "rest
 MODEL_OPTIONS = ("data", "device")
 
 
-def given_options(argv) -> set:
-    """The destinations of the options ``argv`` names: parsed again with every default left out,
-    so that an option given at its default value counts as given."""
-    parser = build_parser()
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    given, _ = parser.parse_known_args(argv)
-    return set(vars(given))
-
-
 def check_options_used(args, given: set) -> None:
     """Refuse an option of an analysis that is not asked for, even at its default value: it would
-    be accepted and do nothing. ``given``: :func:`given_options` of the command line."""
+    be accepted and do nothing. ``given``: what the command line names (``ArgumentParser.given``)."""
     for keys, asked, needs in ((GRADCAM_OPTIONS, args.gradcam, "--gradcam"), (DLG_OPTIONS, args.dlg, "--dlg"),
                                (MODEL_OPTIONS, args.gradcam or args.dlg, "--gradcam or --dlg")):
         named = [k for k in keys if k in given]
@@ -384,8 +374,9 @@ def _run(args, do_curves: bool, do_gradcam: bool, do_dlg: bool) -> None:
 def main(argv=None) -> None:
     """Entry point of ``fedcp-analyze``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    check_options_used(args, given_options(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_options_used(args, parser.given(argv))
     _run(args, do_curves=True, do_gradcam=args.gradcam, do_dlg=args.dlg)
 
 

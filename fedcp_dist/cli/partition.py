@@ -159,10 +159,11 @@ def _out_arg(args) -> str:
     return args.out
 
 
-def _partition(args) -> None:
+def _partition(args, given: set) -> None:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(PartitionSpec)}
     spec = PartitionSpec(**{**options, "source": args.source or "digits"})
-    spec.check_scheme_options()
+    spec.check_scheme_options(given)
+    spec.check(given)
     make_shard(spec, _out_arg(args), force=args.force, say=_say)
 
 
@@ -389,8 +390,10 @@ def main(argv=None) -> None:
 
 
 def _main(argv) -> None:
-    defaults = _build_parser()
-    args = defaults.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    given = parser.given(argv)  # an option that does not apply is refused at its default value too
     _check_export_args(args)
     if args.describe and args.from_npz:
         raise UserError("--describe and --from-npz cannot be used together")
@@ -399,7 +402,7 @@ def _main(argv) -> None:
     if args.describe or args.from_npz or args.shard:
         own = [key for key in ("leaf_task", "synthetic_alpha", "synthetic_beta", "synthetic_iid",
                                "synthetic_min_samples", "synthetic_max_samples")
-               if getattr(args, key) != defaults.get_default(key)]
+               if key in given]
         if own:
             raise UserError(f"--{own[0].replace('_', '-')} applies to --source "
                             f"{'leaf' if own[0] == 'leaf_task' else 'synthetic'} only")
@@ -411,12 +414,12 @@ def _main(argv) -> None:
         raise UserError("--all applies to --describe only")
     if not args.from_npz:
         for key in ("num_classes", "allow_pickle"):
-            if getattr(args, key) != defaults.get_default(key):
+            if key in given:
                 raise UserError(f"--{key.replace('_', '-')} applies to --from-npz only")
     if args.from_npz or args.describe or args.shard:  # the clients are kept as stored: no split of ours applies
         used = "--describe" if args.describe else "--from-npz" if args.from_npz else "--shard"
         split = [key for key in (*SPLIT_OPTIONS, "num_clients", "train_ratio", "seed", "root", "download")
-                 if getattr(args, key) != defaults.get_default(key)]
+                 if key in given]
         if split:
             raise UserError(f"--{split[0].replace('_', '-')} does not apply to {used}, which keeps the clients as "
                             f"stored")
@@ -429,7 +432,7 @@ def _main(argv) -> None:
         if args.to_npz:
             _to_npz(args, args.out)
     else:
-        _partition(args)
+        _partition(args, given)
         if args.to_npz:
             _to_npz(args, args.out)
 

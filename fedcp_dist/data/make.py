@@ -125,31 +125,33 @@ class PartitionSpec:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def check_scheme_options(self) -> None:
+    def check_scheme_options(self, given: Optional[set] = None) -> None:
         """An option of one split scheme given with another is refused: it would be ignored (with
         ``--partition iid`` a ``--beta 0.5`` wrote the same shard as none). For the command line: a
-        sweep's partition block holds the options of every scheme its grid names."""
+        sweep's partition block holds the options of every scheme its grid names. ``given``: the
+        options the command line names (at their default value too; None: those that differ from it)."""
         defaults = _defaults()
-        if self.source == "leaf" and self.seed != defaults["seed"]:  # the shard recorded seed -1
+        if self.source == "leaf" and _named(self, "seed", defaults, given):  # the shard recorded seed -1
             raise UserError("--seed: --source leaf keeps LEAF's own users and train/test split and draws nothing")
         if self.source in OWN_CLIENTS:  # their own check names the options they refuse
             return
         for key, scheme in (("beta", "dir"), ("max_tries", "dir"), ("classes_per_client", "pat"), ("unbalanced", "pat")):
-            if getattr(self, key) != defaults[key] and self.partition != scheme:
+            if _named(self, key, defaults, given) and self.partition != scheme:
                 raise UserError(f"{flag(key)} applies to --partition {scheme} only, not to --partition {self.partition}")
         if self.source == "digits" and (self.root is not None or self.download):
             raise UserError(f"{'--root' if self.root is not None else '--download'}: --source digits is embedded "
                             f"(scikit-learn's) and reads no files")
 
-    def check(self) -> None:
-        """Refuse impossible values (before any data is loaded)."""
+    def check(self, given: Optional[set] = None) -> None:
+        """Refuse impossible values (before any data is loaded). ``given``: as for
+        :meth:`check_scheme_options`."""
         check_option_values(self)
         if not 0 <= self.seed <= SEED_MAX:
             raise UserError(f"--seed must be an integer in [0, {SEED_MAX}] (a seed torch and numpy both take), "
                             f"got {self.seed}")
         if not 0 < self.train_ratio < 1:
             raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {self.train_ratio}")
-        _check_own_clients(self)
+        _check_own_clients(self, given)
         if self.partition not in SCHEMES:
             raise UserError(f"--partition must be one of {', '.join(SCHEMES)}, got {self.partition!r}")
         natural = NATURAL.get(self.partition)
@@ -207,23 +209,29 @@ class PartitionSpec:
         return {}
 
 
-def _check_own_clients(spec: PartitionSpec) -> None:
+def _named(spec: PartitionSpec, key: str, defaults: dict, given: Optional[set]) -> bool:
+    """Whether option ``key`` is set: named on the command line (``given``, at its default value
+    too), else (None) given a value other than its default."""
+    return key in given if given is not None else getattr(spec, key) != defaults[key]
+
+
+def _check_own_clients(spec: PartitionSpec, given: Optional[set] = None) -> None:
     """Sources with their own clients (:data:`OWN_CLIENTS`) refuse the split schemes' options, and
     their own options belong to them alone."""
     defaults = _defaults()
-    given = [key for key in SPLIT_OPTIONS if getattr(spec, key) != defaults[key]]
-    if spec.source in OWN_CLIENTS and given:
+    split = [key for key in SPLIT_OPTIONS if _named(spec, key, defaults, given)]
+    if spec.source in OWN_CLIENTS and split:
         what = "LEAF's users" if spec.source == "leaf" else "its generated clients"
-        raise UserError(f"{flag(given[0])} applies to sources split among clients; --source {spec.source} keeps "
+        raise UserError(f"{flag(split[0])} applies to sources split among clients; --source {spec.source} keeps "
                         f"{what} as the clients")
     if spec.leaf_task is not None and spec.source != "leaf":
         raise UserError(f"--leaf-task applies to --source leaf only, not to '{spec.source}'")
     own = [f.name for f in dataclasses.fields(spec) if f.name.startswith("synthetic_")
-           and getattr(spec, f.name) != defaults[f.name]]
+           and _named(spec, f.name, defaults, given)]
     if own and spec.source != "synthetic":
         raise UserError(f"{flag(own[0])} applies to --source synthetic only, not to '{spec.source}'")
     if spec.source == "leaf":
-        if spec.train_ratio != defaults["train_ratio"]:
+        if _named(spec, "train_ratio", defaults, given):
             raise UserError("--train-ratio: LEAF's files hold their own train/test split (preprocess.sh --tf); "
                             "--source leaf keeps it")
         if spec.download:
