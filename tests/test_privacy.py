@@ -204,6 +204,30 @@ def test_a_noise_no_float_holds_is_refused_before_start(kw, key):
         dp_config(num_clients=4), 4)).nonfinite_hint()
 
 
+@pytest.mark.parametrize("kw, key", [
+    ({"participation": 0.5, "dp_noise_multiplier": 3e8}, "dp_noise_multiplier"),  # fixed cohorts: a math domain error
+    ({"participation": 0.5, "dp_clip": "adaptive", "dp_noise_multiplier": 1e9}, "dp_noise_multiplier"),
+    ({"participation": 0.5, "participation_sampling": "poisson", "dp_noise_multiplier": 1e50}, "dp_noise_multiplier"),
+])
+def test_a_noise_multiplier_beyond_the_accountant_or_float_is_refused_naming_it(kw, key):
+    """The library's RDP routine for sampling without replacement fails with a ValueError ("math
+    domain error") from about σ = 3e8 on, which left the run with a traceback (only σ = 1e300's
+    OverflowError was caught); and σ·C beyond float32 named dp_clip (choose a smaller C) where σ
+    was the value out of range."""
+    cfg = dp_config(num_clients=20, **kw)
+    with pytest.raises(UserError, match=f"^config key '{key}': ") as exc:
+        CentralDP(cfg, plan_run(cfg, 20))
+    assert "\n" not in str(exc.value)
+
+
+def test_a_calibration_the_accountant_cannot_compute_is_refused_in_one_line():
+    """σ_b = 1e9 sets the calibration's upper end at 2σ_b, where the accountant fails (fixed cohorts)."""
+    cfg = dp_config(num_clients=20, participation=0.5, dp_clip="adaptive", dp_clip_count_stddev=1e9,
+                    dp_target_epsilon=5.0, rounds=1)
+    with pytest.raises(UserError, match="^config key 'dp_clip_count_stddev': calibrating σ for ε = 5 "):
+        plan_run(cfg, 20)
+
+
 # ---------------------------------------------------------------- the accountant against the library
 
 @pytest.mark.parametrize("kind", ["fixed", "poisson"])

@@ -42,7 +42,7 @@ import torch
 
 from fedcp_dist.comm.aggregate import Sums
 from fedcp_dist.comm.keys import ADAPTIVE, start_up_problem
-from fedcp_dist.comm.privacy_accounting import Accountant, Sampling, calibrate_noise, round_event
+from fedcp_dist.comm.privacy_accounting import LIBRARY_FAILURES, Accountant, Sampling, calibrate_noise, round_event
 from fedcp_dist.errors import UserError
 from fedcp_dist.state.placement import STREAM_DP_COUNT, STREAM_DP_NOISE, cohort_size, stream_seed
 
@@ -202,13 +202,19 @@ class CentralDP:
             self.accountant = Accountant(plan.sampling, round_event(plan.sampling, plan.update_multiplier,
                                                                     plan.count_stddev if self.adaptive else None),
                                          plan.delta)
-        except OverflowError:
-            raise UserError(f"config key 'dp_noise_multiplier': σ = {plan.sigma:g} overflows the privacy accountant "
-                            f"(dp-accounting); choose a σ a run could use (ε is ~0 long before)") from None
+        except LIBRARY_FAILURES as e:
+            raise UserError(f"config key 'dp_noise_multiplier': σ = {plan.sigma:g} is beyond what the privacy "
+                            f"accountant (dp-accounting) computes ({type(e).__name__}: {e}); choose a σ a run could "
+                            f"use (ε is ~0 long before)") from None
         if not self._noise_fits(self.clip):
-            key = "dp_clip_init" if self.adaptive else "dp_clip"
+            # the larger factor is the one to name (σ = 1e50 beside the default C was blamed on C)
+            if plan.update_multiplier * plan.scale > self.clip:
+                key, way_out = "dp_noise_multiplier", "choose a smaller σ"
+            else:
+                key, way_out = ("dp_clip_init" if self.adaptive else "dp_clip"), "choose a smaller C"
             raise UserError(f"config key '{key}': the noise's standard deviation σ·C = {self.noise_std():g} per value "
-                            f"would overflow the float32 sum it is added to; choose a smaller C")
+                            f"(σ = {plan.sigma:g}, C = {self.clip:g}) would overflow the float32 sum it is added "
+                            f"to; {way_out}")
         #: this rank's Σ(b_i − ½) of the round
         self.local = PrivacySums()
 

@@ -38,6 +38,10 @@ from fedcp_dist.errors import UserError
 MAX_NOISE_MULTIPLIER = 1e4
 #: the calibration's tolerance on the noise multiplier
 CALIBRATION_TOL = 1e-5
+#: what the library's RDP routines raise for a noise multiplier beyond their arithmetic: σ = 1e300
+#: overflows, and sampling without replacement (fixed cohorts) fails with "math domain error" from
+#: about σ = 3e8 on (far past any ε of interest: ε is ~0 there)
+LIBRARY_FAILURES = (OverflowError, ValueError, ZeroDivisionError, FloatingPointError)
 
 
 def _quiet_library() -> None:
@@ -137,6 +141,19 @@ def calibrate_noise(sampling: Sampling, event_of, target: float, rounds: int, de
     within ε = ``target`` at ``delta`` (the library's calibration, within :data:`CALIBRATION_TOL`,
     never above the target). A target the limit does not reach is a one-line UserError, naming
     what sets the limit (``limited_by``) when it is not :data:`MAX_NOISE_MULTIPLIER`."""
+    key = "dp_clip_count_stddev" if limited_by else "dp_target_epsilon"
+    try:
+        return _calibrate(sampling, event_of, target, rounds, delta, limit, limited_by)
+    except LIBRARY_FAILURES as e:
+        raise UserError(f"config key '{key}': calibrating σ for ε = {target:g} needs the privacy accountant "
+                        f"(dp-accounting) at noise multipliers up to {limit:.4g}, where it fails "
+                        f"({type(e).__name__}: {e}); "
+                        + ("lower dp_clip_count_stddev, or leave it unset" if limited_by
+                           else "raise dp_target_epsilon")) from None
+
+
+def _calibrate(sampling: Sampling, event_of, target: float, rounds: int, delta: float, limit: float,
+               limited_by: str) -> float:
     top = epsilon_after(sampling, event_of, limit, rounds, delta)
     if top > target:
         why = f" (it stays below {limit:.4g}: {limited_by})" if limited_by else ""
