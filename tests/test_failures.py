@@ -15,7 +15,7 @@ import h5py
 import pytest
 
 from conftest import BIN, REPO, run_cmd
-from helpers import descendants, documented, nonfinite_at, rank_envs, run
+from helpers import descendants, documented, nonfinite_at, rank_envs, run, wait_for
 from helpers import kill_job as _kill_job
 from helpers import start as _start
 
@@ -117,6 +117,36 @@ def test_dead_rank_under_mpirun(digits6_16px, tmp_path):
     assert proc.returncode != 0 and time.time() - t0 < 90, out[-3000:]
     # mpirun names the dead rank ("process rank 1 with PID ... exited on signal 9"), or the survivor does
     assert "rank 1" in out or "rank(s) 1" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_launch_mpirun_sh_checkpoints_the_round_and_exits_75(digits6_16px, tmp_path):
+    """Open MPI's mpirun kills its ranks within a second of a SIGTERM (no checkpoint, exit 1, no
+    line), so the launch script passed it on by exec lost the round under way: it now passes
+    SIGTERM to mpirun as SIGUSR2, which mpirun forwards, and exits with the ranks' 75. The ranks
+    are held in round 3's training while the signal comes (a round longer than mpirun's grace)."""
+    if shutil.which("mpirun", path=str(BIN)) is None:
+        pytest.skip("mpirun not installed (pip install '.[mpi]')")
+    held = tmp_path / "held"
+    out = tmp_path / "run"
+    proc = _start(["bash", "launch/mpirun.sh", "2", "configs/digits_fedcp.yaml",
+                   *merged_overrides(["eval_every=1", f"data.path={digits6_16px}", f"out_dir={out}", "threads=1"],
+                                     ["rounds=6"])],
+                  MPIRUN_FLAGS="--oversubscribe", FEDCP_FAULT_AT=f"train@3:wait={held}",
+                  FEDCP_STATUS_FILE=str(tmp_path / "status"))
+    try:
+        wait_for(held, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(3)  # mpirun would have killed the ranks by now
+        held.unlink(missing_ok=True)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_job(proc)
+    assert proc.returncode == 75, text[-3000:]
+    assert (tmp_path / "status").read_text().strip() == "preempted"
+    latest = Checkpointer(str(out), 0, 2, 6).latest()
+    assert latest is not None and latest.name == "round_0000003", text[-3000:]
 
 
 @pytest.mark.slow
