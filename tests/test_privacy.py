@@ -220,12 +220,15 @@ def test_a_noise_multiplier_beyond_the_accountant_or_float_is_refused_naming_it(
     assert "\n" not in str(exc.value)
 
 
-def test_a_calibration_the_accountant_cannot_compute_is_refused_in_one_line():
-    """σ_b = 1e9 sets the calibration's upper end at 2σ_b, where the accountant fails (fixed cohorts)."""
-    cfg = dp_config(num_clients=20, participation=0.5, dp_clip="adaptive", dp_clip_count_stddev=1e9,
+@pytest.mark.parametrize("count_stddev", [1e9, 1e-300])
+def test_a_calibration_the_accountant_cannot_compute_is_refused_in_one_line(count_stddev):
+    """σ_b sets the calibration's upper end at 2σ_b, where the accountant fails: a ValueError at
+    2e9 (fixed cohorts), an OverflowError at 2e-300; both were tracebacks."""
+    cfg = dp_config(num_clients=20, participation=0.5, dp_clip="adaptive", dp_clip_count_stddev=count_stddev,
                     dp_target_epsilon=5.0, rounds=1)
-    with pytest.raises(UserError, match="^config key 'dp_clip_count_stddev': calibrating σ for ε = 5 "):
+    with pytest.raises(UserError, match="^config key 'dp_clip_count_stddev': calibrating σ for ε = 5 ") as exc:
         plan_run(cfg, 20)
+    assert "leave it unset" in str(exc.value) and "\n" not in str(exc.value)
 
 
 # ---------------------------------------------------------------- the accountant against the library
@@ -304,6 +307,9 @@ def _refusal(**flat) -> str:
     ({"dp": "central", "dp_target_epsilon": 0.0}, "dp_target_epsilon", "> 0"),
     ({"dp": "central", "dp_target_epsilon": 2.0, "dp_noise_multiplier": 0.5}, "dp_noise_multiplier", "dp_target_epsilon"),
     ({"dp": "central", "dp_clip": "adaptive", "dp_clip_count_stddev": 0.4}, "dp_clip_count_stddev", "dp_noise_multiplier"),
+    # no count noise beside a target: the calibration divided by σ_b = 0 (a ZeroDivisionError traceback)
+    ({"dp": "central", "dp_clip": "adaptive", "dp_clip_count_stddev": 0.0, "dp_target_epsilon": 5.0},
+     "dp_clip_count_stddev", "without noise"),
     ({"dp": "central", "dp_noise_cohort_size": 5, "participation": 0.5, "data.num_clients": 20},
      "dp_noise_cohort_size", "expected cohort"),
     ({"dp": "central", "participation_range": [0.2, 0.5]}, "participation_range", "dp=central"),

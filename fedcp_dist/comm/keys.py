@@ -176,6 +176,10 @@ class Privacy(Component):
             return "dp_noise_multiplier", (f"is calibrated from dp_target_epsilon={cfg.dp_target_epsilon:g}; leave "
                                            f"dp_noise_multiplier unset (or drop dp_target_epsilon)")
         sigma_b = cfg.dp_clip_count_stddev
+        if adaptive and sigma_b == 0 and cfg.dp_target_epsilon is not None:
+            return "dp_clip_count_stddev", (f"0 releases adaptive clipping's count without noise, so no noise multiplier "
+                                            f"reaches dp_target_epsilon={cfg.dp_target_epsilon:g}; set it > 0, or "
+                                            f"leave it unset to let it grow with σ")
         if adaptive and sigma_b is not None and cfg.dp_target_epsilon is None and cfg.dp_noise_multiplier > 0 \
                 and not cfg.dp_noise_multiplier < 2 * sigma_b:
             return "dp_clip_count_stddev", (f"{sigma_b:g} is too small for dp_noise_multiplier="

@@ -141,15 +141,16 @@ def calibrate_noise(sampling: Sampling, event_of, target: float, rounds: int, de
     within ε = ``target`` at ``delta`` (the library's calibration, within :data:`CALIBRATION_TOL`,
     never above the target). A target the limit does not reach is a one-line UserError, naming
     what sets the limit (``limited_by``) when it is not :data:`MAX_NOISE_MULTIPLIER`."""
-    key = "dp_clip_count_stddev" if limited_by else "dp_target_epsilon"
     try:
         return _calibrate(sampling, event_of, target, rounds, delta, limit, limited_by)
     except LIBRARY_FAILURES as e:
-        raise UserError(f"config key '{key}': calibrating σ for ε = {target:g} needs the privacy accountant "
-                        f"(dp-accounting) at noise multipliers up to {limit:.4g}, where it fails "
-                        f"({type(e).__name__}: {e}); "
-                        + ("lower dp_clip_count_stddev, or leave it unset" if limited_by
-                           else "raise dp_target_epsilon")) from None
+        failed = f"the privacy accountant (dp-accounting) fails there ({type(e).__name__}: {e})"
+        if limited_by:
+            raise UserError(f"config key 'dp_clip_count_stddev': calibrating σ for ε = {target:g} searches noise "
+                            f"multipliers up to {limit:.4g} (σ < 2·dp_clip_count_stddev), and {failed}; choose a "
+                            f"dp_clip_count_stddev a run could use, or leave it unset to let it grow with σ") from None
+        raise UserError(f"config key 'dp_target_epsilon': calibrating σ for ε = {target:g} searches noise multipliers "
+                        f"up to {limit:.4g}, and {failed}") from None
 
 
 def _calibrate(sampling: Sampling, event_of, target: float, rounds: int, delta: float, limit: float,
