@@ -271,3 +271,9 @@ class ArgumentParser(argparse.ArgumentParser):
         ns = argparse.Namespace(**{a.dest: mark for a in self._actions if a.dest != argparse.SUPPRESS})
         self.parse_args(argv, namespace=ns)
         return {k for k, v in vars(ns).items() if v is not mark}
+
+    def parse_args(self, args=None, namespace=None):
+        """Positional arguments on either side of an option: ``fedcp-run --config F rounds=3
+        --print-config lam=1`` and ``fedcp-analyze runs/a --gradcam runs/b`` (plain argparse took
+        the positionals after the option for unrecognized arguments)."""
+        return self.parse_intermixed_args(args, namespace)

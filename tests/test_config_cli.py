@@ -548,3 +548,16 @@ def test_a_refused_start_leaves_no_folder_it_made(tmp_path, capsys):
         main(["--config", "configs/digits_fedcp.yaml", f"data.path={bad}", f"out_dir={tmp_path / 'new' / 'a' / 'b'}"])
     capsys.readouterr()
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["other"]
+
+
+def test_overrides_and_run_folders_may_come_on_either_side_of_an_option(capsys):
+    """`fedcp-run --config F rounds=3 --print-config lam=1` said `unrecognized arguments: lam=1`
+    (argparse took the positionals after an option for strays); so did `fedcp-analyze runs/a
+    --gradcam runs/b` for its second run."""
+    main(["--config", "configs/digits_fedcp.yaml", "rounds=3", "--print-config", "lam=1"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["rounds"], printed["lam"]) == (3, 1.0)
+    from fedcp_dist.cli.analyze import build_parser as analyze_parser
+
+    args = analyze_parser().parse_args(["runs/a", "--gradcam", "runs/b"])
+    assert args.runs == ["runs/a", "runs/b"] and args.gradcam
