@@ -191,3 +191,23 @@ def test_partition_options_that_would_be_ignored_are_refused(digits6, tmp_path, 
     assert not (tmp_path / "x.h5").exists()
     main([str(a) for a in (*digits, "--partition", "pat", "--classes-per-client", 4, "--unbalanced")])  # its own scheme
     assert read_info(tmp_path / "x.h5").num_clients == 5
+
+
+def test_options_that_describe_an_export_or_an_import_would_ignore_are_refused(digits6, tmp_path, capsys):
+    """`--describe FILE` with `--out`, `--force`, `--source` or an own-data option (`--image-size`,
+    `--label-col` …), and `--from-npz` or `--shard` with an own-data option, exited 0 as if the
+    option were not there (the same options are refused beside a built-in source)."""
+    main(["--to-npz", str(tmp_path / "E"), "--shard", str(digits6)])
+    describe = ["--describe", digits6]
+    npz = ["--from-npz", tmp_path / "E", "--allow-pickle", "--out", tmp_path / "x.h5"]
+    export = ["--shard", digits6, "--to-npz", tmp_path / "F"]
+    for argv, said in (
+            ([*describe, "--out", tmp_path / "y.h5"], "--out does not apply to --describe, which only reads FILE"),
+            ([*describe, "--force"], "--force does not apply to --describe, which only reads FILE"),
+            ([*describe, "--source", "mnist"], "--source does not apply to --describe, which only reads FILE"),
+            ([*describe, "--image-size", 32], "--image-size applies to --source imagefolder only"),
+            ([*describe, "--label-col", "y"], "--label-col applies to --source csv only"),
+            ([*npz, "--channels", 3], "--channels applies to --source imagefolder only"),
+            ([*export, "--drop-cols", "a"], "--drop-cols applies to --source csv only")):
+        expect_user_error(capsys, argv, said)
+    assert not (tmp_path / "x.h5").exists() and not (tmp_path / "F").exists() and not (tmp_path / "y.h5").exists()

@@ -400,12 +400,18 @@ def _main(argv) -> None:
     if (args.describe or args.from_npz or args.shard) and args.include_val:
         raise UserError("--include-val applies to --source tinyimagenet only")
     if args.describe or args.from_npz or args.shard:
-        own = [key for key in ("leaf_task", "synthetic_alpha", "synthetic_beta", "synthetic_iid",
-                               "synthetic_min_samples", "synthetic_max_samples")
-               if key in given]
+        own_source = {"leaf_task": "leaf", "synthetic_alpha": "synthetic", "synthetic_beta": "synthetic",
+                      "synthetic_iid": "synthetic", "synthetic_min_samples": "synthetic",
+                      "synthetic_max_samples": "synthetic", "image_size": "imagefolder",
+                      "channels": "imagefolder", "label_col": "csv", "client_col": "csv", "drop_cols": "csv"}
+        own = [key for key in own_source if key in given]
         if own:
-            raise UserError(f"--{own[0].replace('_', '-')} applies to --source "
-                            f"{'leaf' if own[0] == 'leaf_task' else 'synthetic'} only")
+            raise UserError(f"--{own[0].replace('_', '-')} applies to --source {own_source[own[0]]} only")
+    if args.describe:  # it only reads FILE: an --out, --force or --source would be ignored
+        named = [flag for flag, key in (("--source", "source"), ("--out", "out"), ("--force", "force"))
+                 if key in given]
+        if named:
+            raise UserError(f"{named[0]} does not apply to --describe, which only reads FILE")
     if args.describe or args.from_npz or args.shard:
         text_options(args.max_len, args.vocab_size, args.min_freq, "image",
                      "--describe" if args.describe else "--from-npz" if args.from_npz else "--shard",
