@@ -555,3 +555,17 @@ def test_a_run_without_a_round_a_checkpoint_or_a_finite_model_is_named_so(runs, 
     state = diverged(runs["fedavg"])
     with pytest.raises(UserError, match=r"after 2 round\(s\) predicts non-finite values for client 0: the run diverged"):
         dlg.self_check(state, 0, state.load_data([0])[0].train_batch()[0][:4])
+
+
+def test_a_run_given_twice_is_refused_and_its_report_kept(tmp_path, capsys):
+    """`fedcp-analyze runs/a runs/a` drew the run beside itself (labels a#0, a#1) into its own
+    analysis/ and dropped that report's sections (Grad-CAM's among them) as another run's."""
+    from fedcp_dist.cli import analyze
+
+    run = _fake_run(tmp_path / "runs" / "a")
+    analyze.main([str(run)])
+    report = (run / "analysis" / "report.json").read_text()
+    capsys.readouterr()
+    assert _error(capsys, [run, run]) == f"error: run {str(run)!r} is given twice; give each run once"
+    assert _error(capsys, [run, f"{run}/"]) == f"error: {str(run)!r} and {str(run) + '/'!r} are one run; give each run once"
+    assert (run / "analysis" / "report.json").read_text() == report

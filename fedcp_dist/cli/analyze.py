@@ -185,7 +185,14 @@ def _run_folders(paths: list) -> list:
         raise UserError(f"{reports[0]} is an analysis folder fedcp-analyze wrote ({REPORT_JSON}), not a run directory")
     for p in reports:
         print(f"note: {p} skipped: an analysis folder fedcp-analyze wrote ({REPORT_JSON}), not a run", file=sys.stderr)
-    return [p for p in paths if p not in reports]
+    runs = [p for p in paths if p not in reports]
+    resolved = [Path(p).resolve() for p in runs]
+    twice = repeated(resolved)
+    if twice is not None:  # it was drawn beside itself, and its own report's sections were dropped as another run's
+        first, second = [runs[i] for i, r in enumerate(resolved) if r == twice][:2]
+        said = f"run {first!r} is given twice" if first == second else f"{first!r} and {second!r} are one run"
+        raise UserError(f"{said}; give each run once")
+    return runs
 
 
 def _file_stems(labels: list) -> dict:
