@@ -493,7 +493,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     if values is not None:
         _apply(cfg, copy.deepcopy(values))
     elif path is not None:
-        _apply(cfg, read_yaml_mapping(path))
+        values = read_yaml_mapping(path)
+        if {"name", "base"} <= set(values) and {"grid", "variants"} & set(values):
+            raise UserError(f"{path} is a sweep file (name, base, grid), not a run's config: run it with "
+                            f"fedcp-sweep {path}")
+        _apply(cfg, values)
     if overrides:
         _apply(cfg, parse_overrides(overrides, keep_text=True))
     if validate:

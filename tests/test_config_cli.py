@@ -561,3 +561,21 @@ def test_overrides_and_run_folders_may_come_on_either_side_of_an_option(capsys):
 
     args = analyze_parser().parse_args(["runs/a", "--gradcam", "runs/b"])
     assert args.runs == ["runs/a", "runs/b"] and args.gradcam
+
+
+def test_a_sweep_file_given_to_run_and_a_run_config_given_to_sweep_are_named(capsys):
+    """`fedcp-run --config configs/sweeps/X.yaml` said `unknown config key 'name'`, and `fedcp-sweep
+    configs/digits_fedcp.yaml` `unknown key 'method'`: true, but not what went wrong."""
+    from fedcp_dist.cli.sweep import main as sweep_main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "configs/sweeps/tutorial_mnist.yaml", "--print-config"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("error: configs/sweeps/tutorial_mnist.yaml is a sweep file (name, base, grid), "
+                                       "not a run's config: run it with fedcp-sweep configs/sweeps/tutorial_mnist.yaml\n")
+    with pytest.raises(SystemExit) as stop:
+        sweep_main(["configs/digits_fedcp.yaml", "--dry-run"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("error: configs/digits_fedcp.yaml is a run's config (its keys are a run's: "
+                                       "method, ...), not a sweep file: run it with fedcp-run --config "
+                                       "configs/digits_fedcp.yaml, or name it as a sweep file's base\n")

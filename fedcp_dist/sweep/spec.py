@@ -21,6 +21,7 @@ them with their reasons.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -93,7 +94,11 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     raw = read_yaml_mapping(path, "sweep file")
     if not raw:
         raise UserError(f"sweep file {path} must hold a mapping (name, base, grid, ...)")
+    run_keys = {f.name for f in dataclasses.fields(Config)} - set(TOP_KEYS)
     for key in raw:
+        if key in run_keys and not set(raw) & set(TOP_KEYS):  # a run's config, given where a sweep file goes
+            raise UserError(f"{path} is a run's config (its keys are a run's: {key}, ...), not a sweep file: run "
+                            f"it with fedcp-run --config {path}, or name it as a sweep file's base")
         if key not in TOP_KEYS:
             raise UserError(f"sweep file {path}: unknown key '{key}'{did_you_mean(key, TOP_KEYS)}; "
                             f"known: {', '.join(TOP_KEYS)}")
