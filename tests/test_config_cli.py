@@ -320,10 +320,12 @@ def test_openmp_threads_wait_asleep_unless_the_user_says_otherwise():
     assert env == {}
 
 
-def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch, digits6):
+def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch, digits6, tmp_path):
     """``fedcp-run --ranks N`` is ``torchrun --standalone --nproc_per_node=N -m fedcp_dist.run`` with
     the same arguments, each rank its share of the cores, torchrun's SIGTERM grace raised; a bad
-    value, a bad config or a launcher already present end in one line before anything starts."""
+    value, a bad config or a launcher already present end in one line before anything starts. The
+    launch goes to an out_dir of its own: the config's, runs/digits_fedcp, holds `make run`'s
+    finished run, which --ranks refuses (`make run` then `make test` failed here)."""
     import os
 
     from fedcp_dist import run as run_mod
@@ -374,7 +376,7 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
         err = capsys.readouterr().err
         assert exc.value.code == 2 and word in err and err.count("\n") == 1, err
     with pytest.raises(Started):
-        main(["--ranks", "2", "--config", "configs/digits_fedcp.yaml", shard, "rounds=1"])
+        main(["--ranks", "2", "--config", "configs/digits_fedcp.yaml", shard, "rounds=1", f"out_dir={tmp_path / 'run'}"])
     assert len(started) == 1 and started[0][0] == sys.executable and "--nproc_per_node=2" in started[0][1]
 
 
