@@ -441,3 +441,16 @@ def test_the_changelog_page_includes_the_changelog_and_the_api_page_names_real_o
         except ImportError:
             obj = getattr(importlib.import_module(module), name, None)
         assert obj is not None, target
+
+
+def test_the_models_page_and_getting_started_name_every_model():
+    """`model: lstm` (LEAF's Shakespeare) had no row on the Models page, and Getting started's key
+    table listed the models without it."""
+    from fedcp_dist.models import MODELS
+
+    rows = (DOCS / "models.md").read_text(encoding="utf-8")
+    start = next(line for line in (DOCS / "index.md").read_text(encoding="utf-8").splitlines()
+                 if line.startswith("| `model` |"))
+    for name in MODELS:
+        assert f"\n| `{name}` |" in rows, name
+        assert f"`{name}`" in start, name
