@@ -181,7 +181,7 @@ class _ConfigMethods:
             bad("data.path", f"{self.data.path} is not a regular file (a device, a pipe or a socket); name the HDF5 "
                              f"partition file")
         if data_file and not os.path.isfile(self.data.path):
-            bad("data.path", f"no such file: {self.data.path}")
+            bad("data.path", f"no such file: {self.data.path}{from_here(self.data.path)}")
         return self
 
     def _other_methods_classes(self) -> list:
@@ -426,6 +426,18 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def from_here(path) -> str:
+    """For a file that is not there: where a relative ``path`` was looked for. Paths in configs, sweep
+    files and on the command line are read from the current directory, not from the file naming
+    them, so a command run from another folder misses them."""
+    if os.path.isabs(path):
+        return ""
+    try:
+        return f" (a relative path, read from the current directory {os.getcwd()})"
+    except OSError:  # the current directory was removed
+        return " (a relative path, read from the current directory)"
+
+
 def read_yaml_mapping(path, what: str = "config file") -> dict:
     """A YAML file that must hold a mapping (empty → {}); every problem is a one-line UserError,
     a key written twice in one mapping included."""
@@ -436,7 +448,7 @@ def read_yaml_mapping(path, what: str = "config file") -> dict:
         raise UserError(f"{what} {path}: key {exc.key!r} is set twice (lines {exc.first} and {exc.again}); "
                         f"keep one") from None
     except FileNotFoundError:
-        raise UserError(f"{what} not found: {path}") from None
+        raise UserError(f"{what} not found: {path}{from_here(path)}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{what} {path} cannot be read: {exc}") from None
     except ValueError as exc:  # a name the system cannot take (a NUL byte)

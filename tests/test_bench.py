@@ -376,7 +376,8 @@ def test_ab_step_refuses_what_is_not_a_tree(tmp_path, capsys):
     (["bench/soak.py", "no/such/run"], "error: no/such/run/metrics.jsonl cannot be read (No such file or directory): "
                                        "give the folder of a run (its out_dir)"),
     (["bench/cohort.py", "--config", "configs/digits_fedcp.yaml", "data.path=no/such.h5"],
-     "error: config key 'data.path': no such file: no/such.h5"),
+     f"error: config key 'data.path': no such file: no/such.h5 (a relative path, read from the current directory "
+     f"{REPO})"),
 ])
 def test_a_benchmark_given_bad_input_says_so_in_one_line(argv, line):
     r = run_cmd([sys.executable, *argv], timeout=120)

@@ -581,3 +581,26 @@ def test_a_sweep_file_given_to_run_and_a_run_config_given_to_sweep_are_named(cap
     assert capsys.readouterr().err == ("error: configs/digits_fedcp.yaml is a run's config (its keys are a run's: "
                                        "method, ...), not a sweep file: run it with fedcp-run --config "
                                        "configs/digits_fedcp.yaml, or name it as a sweep file's base\n")
+
+
+def test_a_missing_relative_path_says_it_was_read_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    """Run from another folder, `fedcp-run --config /repo/configs/digits_fedcp.yaml` said only `no such
+    file: data/digits_dir0.1_n20.h5`, and `fedcp-sweep /repo/configs/sweeps/X.yaml` `config file not
+    found: configs/...`: paths are read from the current directory, not from the file naming them."""
+    from fedcp_dist.cli.sweep import main as sweep_main
+    from conftest import REPO
+
+    monkeypatch.chdir(tmp_path)
+    here = f"(a relative path, read from the current directory {tmp_path})"
+    for call, argv, line in (
+            (main, ["--config", str(REPO / "configs" / "digits_fedcp.yaml")],
+             f"error: config key 'data.path': no such file: data/digits_dir0.1_n20.h5 {here}"),
+            (main, ["--config", "configs/digits_fedcp.yaml"], f"error: config file not found: configs/digits_fedcp.yaml {here}"),
+            (sweep_main, [str(REPO / "configs" / "sweeps" / "tutorial_mnist.yaml"), "--dry-run"],
+             f"error: sweep key 'base': config file not found: configs/mnist_dir0.1_fedcp.yaml {here}")):
+        with pytest.raises(SystemExit) as stop:
+            call(argv)
+        assert (stop.value.code, capsys.readouterr().err) == (2, line + "\n")
+    with pytest.raises(SystemExit):  # an absolute path is named as it is
+        main(["--config", str(REPO / "configs" / "digits_fedcp.yaml"), f"data.path={tmp_path / 'none.h5'}"])
+    assert capsys.readouterr().err == f"error: config key 'data.path': no such file: {tmp_path / 'none.h5'}\n"

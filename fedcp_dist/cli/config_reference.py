@@ -61,7 +61,9 @@ number with a whole value (`1e3`, `1000.0`); a list's items are read the same wa
 are refused for every key. A key that takes text takes a `key=value` override as typed
 (`out_dir=2024`, `client_state_dir=0755`); a ` #` that YAML would read as a comment is refused
 (quote the value, `out_dir='"runs/a #b"'`, to keep it). A key given twice, in a config file or in the
-overrides, is refused.
+overrides, is refused. A relative path (`data.path`, `out_dir`, `client_state_dir`, a sweep file's
+`base` and `root`) is read from the current directory, not from the folder of the file that names
+it: run the commands from the repository's root, as the pages do, or give absolute paths.
 
 Under each component, *acts on* names the methods whose runs its keys change (another method's
 keys are accepted, have no effect and are named in the run's start line). In the last column,

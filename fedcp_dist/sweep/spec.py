@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from fedcp_dist.config import Config, flatten, load_config, read_yaml_mapping
+from fedcp_dist.config import Config, flatten, from_here, load_config, read_yaml_mapping
 from fedcp_dist.data.make import check_option, option_types
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import shown, type_ok
@@ -122,7 +122,7 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
     if not isinstance(base, str) or not base:
         raise UserError("sweep key 'base' is required: the run config every point starts from")
     if not Path(base).is_file():
-        raise UserError(f"sweep key 'base': config file not found: {base}")
+        raise UserError(f"sweep key 'base': config file not found: {base}{from_here(base)}")
     base_path = Path(base).resolve()
 
     # executor
