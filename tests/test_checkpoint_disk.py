@@ -204,6 +204,30 @@ def test_a_store_file_that_cannot_be_read_fails_the_checkpoint_naming_it(tmp_pat
     assert ck.latest() == first and ck.load(first, [1], "cpu")[2][1]["w"].tolist() == [1.0] * 4
 
 
+def test_a_store_file_changed_on_disk_before_its_copy_fails_the_checkpoint(tmp_path):
+    """A changed client's file whose bytes changed on disk after the store wrote them (a flipped
+    bit torch's reader would take): the checkpoint would hash the damaged copy and pass it for
+    intact, so a resume would go on from the wrong state. The copy is checked against what the store
+    wrote: the checkpoint fails naming the file, nothing of it is left, the previous one is intact."""
+    from fedcp_dist.errors import RunFailure
+
+    store, ck = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s")), Checkpointer(str(tmp_path / "run"), 0, 1, 2)
+    for c in range(3):
+        store.put(c, {"w": torch.full((4,), float(c))}, {})
+    first = ck.save(1, {"g": torch.zeros(2)}, store.checkpoint_part(), META, lambda ok: ok)
+    store.put(1, {"w": torch.full((4,), 10.0)}, {})
+    store.flush()
+    bad = tmp_path / "s" / "client_0000001.pt"
+    _flip_byte(bad)
+    with pytest.raises(RunFailure, match=rf"after round 2 could not be written \({bad}: it is not what the run wrote "
+                                         rf"there \(changed on disk since; resume from the previous checkpoint\)\); "
+                                         rf"the previous complete checkpoint in \S+ is intact"):
+        ck.save(2, {"g": torch.zeros(2)}, store.checkpoint_part(), META, lambda ok: ok)
+    store.close()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == [first.name]
+    assert ck.latest() == first and ck.load(first, [1], "cpu")[2][1]["w"].tolist() == [1.0] * 4
+
+
 # -- a whole run ---------------------------------------------------------------------------------
 
 def _ditto(shard, out, *extra):

@@ -163,6 +163,48 @@ def test_disk_store_names_a_damaged_client_file_in_one_line(tmp_path, damage):
     store.close()
 
 
+def _flip_a_tensor_byte(path: Path) -> None:
+    """Flip one byte inside the first tensor's data record of the .pt file ``path`` (same size, the
+    zip structure intact, so torch's reader takes the file and reads another value)."""
+    import struct
+    import zipfile
+
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith("/data/0"))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_a_client_file_changed_on_disk_between_rounds_is_refused_not_trained_on(tmp_path):
+    """A flipped bit in a client's file (a failing disk, another process) leaves a file that torch
+    reads without a word, with another value in it: the store checks each file against what it
+    wrote there, so the run stops in one line instead of training on, and checkpointing, the wrong
+    state."""
+    store = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s"))
+    store.put(3, {"w": torch.full((3,), 3.0)}, {})
+    store.put(4, {"w": torch.full((3,), 4.0)}, {})
+    store.flush()
+    store._recent.clear()
+    assert store.get(4)["w"].tolist() == [4.0] * 3  # an intact file reads as written
+    path = tmp_path / "s" / "client_0000003.pt"
+    size = path.stat().st_size
+    _flip_a_tensor_byte(path)
+    assert path.stat().st_size == size
+    assert torch.load(path, weights_only=True)["w"].tolist() != [3.0] * 3  # torch takes it
+    store._recent.clear()
+    with pytest.raises(RunFailure) as exc:
+        store.get(3)
+    msg = str(exc.value)
+    assert msg == (f"cannot read the client state file {path}: it is damaged (its bytes are not what the run wrote "
+                   f"there: changed on disk since); the run's newest checkpoint holds every client's state: run the "
+                   f"same command again to resume from it")
+    store.close()
+
+
 def test_disk_store_writes_a_clients_state_and_residual_in_one_file_write(tmp_path):
     store = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s"))
     writes = []

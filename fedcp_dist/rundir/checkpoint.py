@@ -34,6 +34,7 @@ Every file is written to a temporary name, flushed to disk and renamed.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -329,6 +330,10 @@ class Checkpointer:
                         continue
             dst.unlink(missing_ok=True)
             index[c] = _copy(src, dst)
+            if c in files.digests and index[c][0] != files.digests[c]:  # changed on disk since the store wrote it
+                dst.unlink(missing_ok=True)
+                raise OSError(errno.EIO, "it is not what the run wrote there (changed on disk since; resume from "
+                                         "the previous checkpoint)", str(src))
         _fsync(folder)
         return index
 

@@ -13,7 +13,7 @@ keeps them on disk is :mod:`fedcp_dist.state.disk_store`, and which one a run ge
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Optional, Set, Union
 
@@ -34,10 +34,13 @@ class ClientFiles:
     """What a disk store hands a checkpoint: each client's file (in the checkpoint's layout, never
     changed in place: a new state is a new file renamed over the old name) and the clients whose
     file was written since the last checkpoint; ``saved()`` tells the store the checkpoint is
-    complete (those clients then count as unchanged)."""
+    complete (those clients then count as unchanged). ``digests``: the SHA-256 (hex) of what the
+    store wrote in each file, so that a checkpoint copying a file changed on disk since (a flipped
+    bit, another process) refuses it instead of recording the damage as the client's state."""
     paths: Dict[int, Path]
     changed: Set[int]
     saved: Callable[[], None]
+    digests: Dict[int, str] = field(default_factory=dict)
 
 
 class ClientStore:

@@ -60,6 +60,9 @@ class DiskClientStore(ClientStore):
             raise UserError(f"client_state_dir {self.dir} cannot be cleared: {exc.strerror or exc}") from None
         self.saved: set = set()  # clients with a file
         self.changed: set = set()  # clients whose file was written since the last checkpoint
+        #: SHA-256 of what this store wrote in each client's file: a read (and a checkpoint's copy)
+        #: checks the file against it, so that a file changed on disk since is never trained on
+        self._digest: Dict[int, bytes] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="client-state")
         self._writing: Dict[int, tuple] = {}  # client -> (entry, future) until its file is written
         self._older: list = []  # futures of writes overtaken by a later write of the same client
@@ -115,22 +118,30 @@ class DiskClientStore(ClientStore):
 
     def _read(self, cid: int) -> State:
         path = self._path(cid)
+        resume = ("the run's newest checkpoint holds every client's state: run the same command again to resume "
+                  "from it")
         try:
+            expected = self._digest.get(cid)
+            if expected is not None and _file_sha256(path) != expected:  # a flipped bit that torch's reader takes
+                raise RunFailure(f"cannot read the client state file {path}: it is damaged (its bytes are not what "
+                                 f"the run wrote there: changed on disk since); {resume}")
             return torch.load(path, map_location=self.device, weights_only=True)
         except OSError as exc:
             raise RunFailure(f"cannot read the client state file {path}: {exc.strerror or exc}") from None
         except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # torch's reader on a cut or garbled file
             first = first_line(exc, 160)
-            raise RunFailure(f"cannot read the client state file {path}: it is damaged ({first}); the run's newest "
-                             f"checkpoint holds every client's state: run the same command again to resume from it") from None
+            raise RunFailure(f"cannot read the client state file {path}: it is damaged ({first}); {resume}") from None
 
     def _write(self, cid: int, state: State) -> None:
         """Client ``cid``'s file, written whole under a temporary name and renamed (not synced: the files
-        are this run's working space, not its record); on an error the temporary file is removed, an
-        earlier file stays as it was, and a RunFailure names the file."""
+        are this run's working space, not its record), its SHA-256 kept for the reads and the
+        checkpoints' copies; on an error the temporary file is removed, an earlier file stays as it
+        was, and a RunFailure names the file."""
         path = self._path(cid)
+        self._digest.pop(cid, None)
         try:
             atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, path, durable=False)
+            self._digest[cid] = _file_sha256(path)  # read back from the page cache
         except OSError as exc:
             raise RunFailure(f"cannot write the client state file {path}: {exc.strerror or exc}") from None
 
@@ -261,7 +272,8 @@ class DiskClientStore(ClientStore):
         self.flush()
         changed = set(self.changed)
         return ClientFiles({c: self._path(c) for c in sorted(self.saved)}, changed,
-                           lambda: self.changed.difference_update(changed))
+                           lambda: self.changed.difference_update(changed),
+                           {c: self._digest[c].hex() for c in changed if c in self._digest})
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
         """Write the checkpointed states as the clients' files (not counted as changed)."""
@@ -270,6 +282,15 @@ class DiskClientStore(ClientStore):
             if state:
                 self._write(c, dict(state))
                 self.saved.add(c)
+
+
+def _file_sha256(path: Path) -> bytes:
+    """The SHA-256 of ``path``'s bytes, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()
 
 
 def lock_dir(directory: Path, run: str = ""):
