@@ -165,6 +165,14 @@ def test_the_writer_takes_one_client_at_a_time_as_it_is_generated(monkeypatch, t
     (["--synthetic-iid", "--synthetic-beta", 1, "--num-clients", 5], ["--synthetic-beta does not apply to --synthetic-iid"]),
     (["--synthetic-iid", "--num-clients", 5, "--synthetic-min-samples", 1], ["--synthetic-min-samples must be >= 2"]),
     (["--synthetic-iid", "--num-clients", 5, "--synthetic-max-samples", 10], ["--synthetic-max-samples (10) must be >= --synthetic-min-samples (50)"]),
+    # beyond any machine: refused at once (10**13 clients ran on for a million hours; a huge smallest
+    # client was numpy's MemoryError or "Maximum allowed dimension exceeded" traceback)
+    (["--synthetic-iid", "--num-clients", 10**13], ["--num-clients must be at most 100,000,000 with --source synthetic",
+                                                    "got 10,000,000,000,000"]),
+    (["--synthetic-iid", "--num-clients", 1, "--synthetic-min-samples", 10**12],
+     ["--synthetic-min-samples must be at most 10,000,000", "got 1,000,000,000,000"]),
+    (["--synthetic-iid", "--num-clients", 1, "--synthetic-min-samples", 2**63 - 1],
+     ["--synthetic-min-samples must be at most 10,000,000"]),
     (["--synthetic-iid", "--num-clients", 5, "--beta", 0.5], ["--beta applies to sources split among clients"]),
     (["--synthetic-iid", "--num-clients", 5, "--partition", "pat"], ["--partition applies to sources split among clients"]),
     (["--synthetic-iid", "--num-clients", 5, "--root", "data"], ["--root: --source synthetic generates its data"]),

@@ -53,6 +53,12 @@ COV_DIAG = np.arange(1, DIMENSION + 1, dtype=np.float64) ** -1.2
 _SCALE = np.sqrt(COV_DIAG)
 #: rows generated at once
 ROW_BLOCK = 4096
+#: the most clients and the largest smallest client a shard is generated with: beyond them the
+#: writer's per-client counts (about 60 bytes a client) or one client held whole while it is
+#: generated (248 bytes a sample) outgrow any machine, and 10**13 clients ran for a million hours
+#: before the memory ran out (the docs measure up to 10**6 clients)
+MAX_CLIENTS = 10**8
+MAX_MIN_SAMPLES = 10**7
 
 
 @dataclass(frozen=True)
@@ -77,12 +83,19 @@ class SyntheticSpec:
                 raise UserError(f"{name} must be a finite number >= 0, got {value}")
         if self.num_clients < 1:
             raise UserError(f"--num-clients must be >= 1, got {self.num_clients}")
+        if self.num_clients > MAX_CLIENTS:
+            raise UserError(f"--num-clients must be at most {MAX_CLIENTS:,} with --source synthetic (the writer keeps "
+                            f"about 60 bytes a client in memory, and each client holds at least "
+                            f"--synthetic-min-samples samples of 240 bytes), got {self.num_clients:,}")
         if not 0 < self.train_ratio < 1:
             raise UserError(f"--train-ratio must be between 0 and 1 (exclusive), got {self.train_ratio}")
         least = min_split_samples(self.train_ratio)
         if self.min_samples < least:
             raise UserError(f"--synthetic-min-samples must be >= {least} (one train and one test sample at "
                             f"--train-ratio {self.train_ratio:g}), got {self.min_samples}")
+        if self.min_samples > MAX_MIN_SAMPLES:
+            raise UserError(f"--synthetic-min-samples must be at most {MAX_MIN_SAMPLES:,} (a client is generated "
+                            f"whole in memory, 248 bytes a sample), got {self.min_samples:,}")
         if self.max_samples is not None and self.max_samples < self.min_samples:
             raise UserError(f"--synthetic-max-samples ({self.max_samples}) must be >= --synthetic-min-samples "
                             f"({self.min_samples})")
