@@ -105,6 +105,9 @@ def _add(data, user, entry):
     ("test", lambda d: _drop(d, "f0001_12"), ["train/all_data_0", "user 'f0001_12' has no test samples"]),
     ("train", lambda d: _add(d, "f0010_07", d["user_data"]["f0001_12"]),
      ["train/all_data_0", "user 'f0010_07' is also in", "all_data_1_niid_05_keep_0_train_9.json"]),
+    # named twice in one file's users, its one user_data entry counted twice: "is also in" the same file
+    ("train", lambda d: d["users"].append("f0001_12") or d["num_samples"].append(d["num_samples"][1]),
+     ["train/all_data_0", "user 'f0001_12' is named twice in 'users'"]),
     ("train", lambda d: d["user_data"]["f0001_12"]["x"][3].__setitem__(5, 1.5),
      ["user 'f0001_12' sample 3: pixel values must lie in [0, 1]"]),
     ("train", lambda d: d["user_data"]["f0001_12"]["x"][2].pop(), ["user 'f0001_12' sample 2: x holds 783 values"]),

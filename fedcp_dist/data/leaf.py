@@ -193,6 +193,8 @@ def _read_split(folder: Path, split: str, task: Optional[str]) -> tuple[str, dic
             if not isinstance(entry, dict) or not isinstance(entry.get("x"), list) or not isinstance(entry.get("y"), list):
                 raise UserError(f"{path}: user {user!r} has no {{'x': [...], 'y': [...]}} entry in 'user_data'")
             if user in out:
+                if where_of[user] == path:  # its one entry in user_data would serve for both
+                    raise UserError(f"{path}: user {user!r} is named twice in 'users'")
                 raise UserError(f"{path}: user {user!r} is also in {where_of[user]} ({split} split)")
             x, y = entry["x"], entry["y"]
             where = f"{path}: user {user!r}"
