@@ -149,7 +149,10 @@ def main(argv=None):
         fault_point("startup")  # the fault tests' hook
         _main(build_parser().parse_args(argv), stop)
         stop.finished()
-    fault_point("exit")  # the fault tests' hook: a signal between a finished run and the process's end
+    try:
+        fault_point("exit")  # the fault tests' hook: a signal between a finished run and the process's end
+    finally:
+        stop.interruptible()  # for a caller in this process; a process ending here ends with 0
 
 
 def _start_ranks(args, stop: StopSignals) -> None:

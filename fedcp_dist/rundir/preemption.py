@@ -24,6 +24,7 @@ class StopSignals:
         self.rank, self.names, self.signum = rank, sorted(set(names)), None
         self._previous: dict = {}
         self._depth = 0
+        self._interrupt = None  # SIGINT's handler while a finished run ignores it
 
     def _note(self, signum, frame) -> None:
         if self.signum is None:
@@ -54,9 +55,20 @@ class StopSignals:
         """The run's final files are written: from here to the process's end (the interpreter's
         shutdown, torch's and the collectives' teardown) a stop signal has nothing left to stop, so
         the signals listened to are ignored instead of given back to their default action, which
-        would end a finished run with 128 + the signal's number."""
+        would end a finished run with 128 + the signal's number. A Ctrl-C alike, which would say
+        "interrupted" and exit 130, until :meth:`interruptible` gives its handler back."""
         for sig in self._previous:
             self._previous[sig] = signal.SIG_IGN
+        try:
+            self._interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread (embedded use): signals stay the caller's
+            pass
+
+    def interruptible(self) -> None:
+        """A Ctrl-C's handler back as it was before :meth:`finished` (for a caller that goes on)."""
+        if self._interrupt is not None:
+            signal.signal(signal.SIGINT, self._interrupt)
+            self._interrupt = None
 
     def __enter__(self) -> "StopSignals":
         if self._depth == 0:
