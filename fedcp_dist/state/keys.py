@@ -77,10 +77,10 @@ class Participation(Component):
         Option("participation_range", None, "if set, [ρ_min, ρ_max]: ρ is drawn uniformly from this range each round "
                "(drop-out study)", described("null or [ρ_min, ρ_max], 0 < ρ_min <= ρ_max <= 1", _rho_range),
                kind=Optional[list]),
-        Option("participation_sampling", "fixed", "how a round's cohort is drawn: fixed (⌊ρN⌋ clients uniformly "
+        Option("participation_sampling", "fixed", "how a round's cohort is drawn: fixed (⌊ρN⌋ clients, at least one, uniformly "
                "without replacement) | poisson (each client on its own with probability ρ: the cohort's size varies, "
                "and may be 0)", one_of(*PARTICIPATION_SAMPLINGS)),
-        Option("participation_draw", "rho", "with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients; "
+        Option("participation_draw", "rho", "with participation_range: rho draws ρ uniformly and trains ⌊ρN⌋ clients (at least one); "
                "count draws the number of participants uniformly from {⌊ρ_min·N⌋ … ⌊ρ_max·N⌋} (the reference "
                "library's rule, which reaches N)", one_of(*PARTICIPATION_DRAWS)),
         Option("placement", "auto", "what clients are weighted by when placed on ranks (largest first, to the "
