@@ -7,6 +7,7 @@ impossible (``None``: it is fine); the loader turns that into a one-line error n
 """
 from __future__ import annotations
 
+import difflib
 import math
 import reprlib
 import typing
@@ -45,6 +46,12 @@ class Option:
     @property
     def type(self) -> type:
         return self.kind if self.kind is not None else type(self.default)
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``word``, else ""."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def repeated(values) -> Any:

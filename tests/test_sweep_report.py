@@ -465,6 +465,12 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     capsys.readouterr()
     assert "'nothing'" in cli_error(capsys, report.main, [str(tmp_path / "runs"), "--by", "nothing"])
     assert "'best'" in cli_error(capsys, report.main, [str(tmp_path / "runs"), "--metric", "best"])
+    # a mistyped key: the closest one, not the list of every key the runs hold
+    for argv, said in ((["--by", "metod"], "--by 'metod' is not a key of any run (did you mean 'method'?)"),
+                       (["--rows", "seeed"], "--rows 'seeed' is not a key of any run (did you mean 'seed'?)"),
+                       (["--metric", "fianl_acc"], "--metric 'fianl_acc' is in no summary.json (did you mean "
+                                                   "'final_acc'?)")):
+        assert cli_error(capsys, report.main, [str(tmp_path / "runs"), *argv]) == f"error: fedcp-report: {said}\n"
     assert "no runs" in cli_error(capsys, report.main, [str(tmp_path / "out")])
     # options that would do nothing or the same twice (duplicate columns)
     runs = str(tmp_path / "runs")

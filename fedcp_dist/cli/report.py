@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from fedcp_dist.cli.report_plots import plot_against_keys, plot_curves, plot_selection
-from fedcp_dist.cli.report_runs import _label, collect, setting_keys
+from fedcp_dist.cli.report_runs import _keys_hint, _label, collect, setting_keys
 from fedcp_dist.cli.report_table import build_table, markdown, write_csv
 from fedcp_dist.errors import ArgumentParser, UserError, cli_main
 from fedcp_dist.fileio import atomic_write_bytes, cannot_write_in
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     col = collect(args.dir)
     if rows != "method" and not any(r.value(rows) is not None for r in col.runs):
         known = sorted({k for r in col.runs for k in (*r.params, *r.config)})
-        raise UserError(f"fedcp-report: --rows '{rows}' is not a key of any run; keys: {', '.join(known)}")
+        raise UserError(f"fedcp-report: --rows '{rows}' is not a key of any run{_keys_hint(rows, known)}")
     for r in col.runs:
         r.row_key = rows
     keys = setting_keys(col, by, rows)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from fedcp_dist.analysis.records import read_probes, weighted_mean
 from fedcp_dist.config import Config, flatten
 from fedcp_dist.errors import UserError
+from fedcp_dist.options import did_you_mean
 from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir,
                                          defining_changes)
 from fedcp_dist.rundir.present import format_value
@@ -397,7 +398,7 @@ def _setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> 
         for key in by:
             if not any(r.value(key) is not None for r in runs):
                 known = sorted({k for r in runs for k in (*r.params, *r.config)})
-                raise UserError(f"fedcp-report: --by '{key}' is not a key of any run; keys: {', '.join(known)}")
+                raise UserError(f"fedcp-report: --by '{key}' is not a key of any run{_keys_hint(key, known)}")
         return list(by)
     if col.grid_keys is not None:
         keys = [k for k in col.grid_keys if k not in row_keys]
@@ -462,3 +463,8 @@ def _differing(runs, row_keys=ROW_KEYS) -> list:
 
 def _numeric(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _keys_hint(key: str, known) -> str:
+    """What to say of an unknown ``key``: the closest known key, else the list of them."""
+    return did_you_mean(key, known) or f"; keys: {', '.join(known)}"

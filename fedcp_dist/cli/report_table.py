@@ -17,6 +17,7 @@ from fedcp_dist.cli.report_runs import (
     _ROUNDS_TO, DERIVED, NOT_REACHED, RECORD_METRICS, Collection, _label, _sort_key, is_record_metric,
 )
 from fedcp_dist.errors import UserError
+from fedcp_dist.options import did_you_mean
 from fedcp_dist.fileio import atomic_write_bytes
 from fedcp_dist.rundir.directory import ANALYSIS, DIVERGED, METRICS, SUMMARY
 
@@ -140,7 +141,9 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         raise UserError(f"fedcp-report: --metric {metric}: P must be a percentage in (0, 100], got {m.group(1)}")
     if finished and metric not in OPTIONAL and not is_record_metric(metric) and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-        raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
+        hint = did_you_mean(metric, [*known, *DERIVED, *RECORD_METRICS])
+        raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}{hint}" if hint else
+                        f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
                         f" (and, computed from them: {', '.join(DERIVED)}; from the records: {', '.join(RECORD_METRICS)})")
     cells: dict = {}
     settings: dict = {}

@@ -7,7 +7,6 @@ next, which is how a re-run finds what is done.
 from __future__ import annotations
 
 import datetime
-import difflib
 import hashlib
 import json
 import os
@@ -99,9 +98,6 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
-def did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def now() -> str:

@@ -32,7 +32,8 @@ from fedcp_dist.data.make import check_option, option_types
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import shown, type_ok
 from fedcp_dist.rundir.directory import RunDir
-from fedcp_dist.sweep.names import did_you_mean, yaml_value
+from fedcp_dist.options import did_you_mean
+from fedcp_dist.sweep.names import yaml_value
 from fedcp_dist.sweep.points import VARIANT, Sweep, expand, same_value
 
 DEFAULT_ROOT = "runs/sweeps"
