@@ -226,6 +226,11 @@ def _print_config(args) -> None:
     from fedcp_dist.config import dump_config, load_config
 
     cfg = load_config(args.config, args.overrides, validate=False).validate(data_file=False)
+    if os.path.isfile(cfg.data.path):  # the config against the shard, as a run checks it
+        from fedcp_dist.data.shards import read_info
+        from fedcp_dist.engine.startup import check_shard
+
+        check_shard(cfg, read_info(cfg.data.path, label_counts=False))
     print(dump_config(cfg), end="")
     if not os.path.isfile(cfg.data.path):  # printed all the same: the file may be made later
         what = (f"{cfg.data.path} is not a regular file" if os.path.exists(cfg.data.path) else

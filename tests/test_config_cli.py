@@ -188,6 +188,19 @@ def test_print_config_does_not_need_the_data_file(tmp_path, capsys):
     assert exc.value.code == 2 and "'rounds'" in capsys.readouterr().err
 
 
+def test_print_config_checks_the_config_against_a_shard_that_is_there(digits6, capsys):
+    """With the shard in place, --print-config refuses what a run would refuse of it (clients it
+    does not hold, another client count), as it refuses every other check: it printed the config
+    and exited 0."""
+    for override, said in (("data.clients=[25]", "data.clients"), ("data.num_clients=20", "'data.num_clients' is 20")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6}", override, "--print-config"])
+        out, err = capsys.readouterr()
+        assert exc.value.code == 2 and out == "" and said in err and err.count("\n") == 1, err
+    main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6}", "data.clients=[5]", "--print-config"])
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["clients"] == [5]
+
+
 def test_missing_and_broken_config_files(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rounds: [1, 2\n")
