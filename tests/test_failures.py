@@ -149,6 +149,44 @@ def test_a_sigterm_to_launch_mpirun_sh_checkpoints_the_round_and_exits_75(digits
     assert latest is not None and latest.name == "round_0000003", text[-3000:]
 
 
+@pytest.mark.parametrize("sig, status", [("SIGUSR2", 75), ("SIGINT", 1)])
+def test_launch_mpirun_sh_passes_a_usr2_or_int_on_to_mpirun(tmp_path, sig, status):
+    """SIGUSR2 (the default preempt_signal) and SIGINT to launch/mpirun.sh reach mpirun, as when the
+    script exec'd it: the shell's default action for them killed the script alone, and mpirun and
+    its ranks trained on, out of the job's reach. Ranks here are a stand-in ``python`` that says
+    which signal came (75 for SIGUSR2)."""
+    if shutil.which("mpirun", path=str(BIN)) is None:
+        pytest.skip("mpirun not installed (pip install '.[mpi]')")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text("#!/usr/bin/env bash\n"
+                                 f"trap 'echo got USR2; exit 75' USR2\ntrap 'echo got INT; exit 130' INT\n"
+                                 f"echo started >> {tmp_path / 'started'}\n"
+                                 "for i in $(seq 1 120); do sleep 0.25; done\necho finished\n")
+    (fake / "python").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+               MPIRUN_FLAGS="--oversubscribe")
+    proc = subprocess.Popen(["bash", "launch/mpirun.sh", "2", "x"], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.time()
+        while not ((tmp_path / "started").exists() and len((tmp_path / "started").read_text().split()) == 2):
+            assert proc.poll() is None and time.time() - t0 < 60, proc.stdout.read() if proc.poll() is not None else ""
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(getattr(signal, sig))
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == status, out
+        assert "finished" not in out, out
+    finally:
+        if proc.poll() is None:
+            _kill_job(proc)
+    left = subprocess.run(["pgrep", "-f", str(fake / "python")], capture_output=True, text=True).stdout.split()
+    for pid in left:
+        os.kill(int(pid), signal.SIGKILL)
+    assert not left, "ranks left running after the script ended"
+
+
 @pytest.mark.slow
 def test_a_hung_rank_under_mpirun_ends_the_job_after_collective_timeout(digits6_16px, tmp_path):
     """A rank that hangs (SIGSTOP here; a rank stuck on a file system alike) rather than dies: the
