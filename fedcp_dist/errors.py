@@ -260,6 +260,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """An argument parser whose errors are one-line :class:`UserError` s (exit 2, no usage dump)."""
 
     def error(self, message):
+        for mark, arg in getattr(self, "_marks", {}).items():  # the stand-ins of parse_args, as typed
+            message = message.replace(mark, arg)
         raise UserError(f"{self.prog}: {message}")
 
     def given(self, argv) -> set:
@@ -275,5 +277,24 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """Positional arguments on either side of an option: ``fedcp-run --config F rounds=3
         --print-config lam=1`` and ``fedcp-analyze runs/a --gradcam runs/b`` (plain argparse took
-        the positionals after the option for unrecognized arguments)."""
-        return self.parse_intermixed_args(args, namespace)
+        the positionals after the option for unrecognized arguments). What follows a ``--`` is
+        positional, as in plain argparse, even where it begins with a dash (intermixed parsing
+        takes it for options again): it is parsed as stand-ins no option takes, then put back."""
+        args = sys.argv[1:] if args is None else list(args)
+        if "--" not in args:
+            return self.parse_intermixed_args(args, namespace)
+        cut = args.index("--")
+        after = args[cut + 1:]
+        marks = [f"\0{i}\0" for i in range(len(after))]
+        self._marks = dict(zip(marks, after))
+        try:
+            ns = self.parse_intermixed_args(args[:cut] + ["--"] + marks, namespace)
+        finally:
+            back, self._marks = self._marks, {}
+        for action in self._get_positional_actions():
+            value = getattr(ns, action.dest, None)
+            if isinstance(value, list):
+                setattr(ns, action.dest, [back.get(v, v) if isinstance(v, str) else v for v in value])
+            elif isinstance(value, str):
+                setattr(ns, action.dest, back.get(value, value))
+        return ns

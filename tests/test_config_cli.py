@@ -578,6 +578,25 @@ def test_overrides_and_run_folders_may_come_on_either_side_of_an_option(capsys):
     assert args.runs == ["runs/a", "runs/b"] and args.gradcam
 
 
+def test_what_follows_a_double_dash_stays_positional_with_options_on_either_side():
+    """Intermixed parsing took what follows `--` for options again: `fedcp-analyze -- --odd`
+    said RUN_DIR was missing, `fedcp-run -- -x=1` said `unrecognized arguments`, and `fedcp-run --
+    rounds=3 --print-config` printed the config. As in plain argparse, `--` ends the options."""
+    from fedcp_dist.cli.analyze import build_parser as analyze_parser
+    from fedcp_dist.run import build_parser as run_parser
+
+    args = run_parser().parse_args(["--config", "F", "a=1", "--print-config", "--", "--print-config", "-x=1"])
+    assert args.print_config and args.overrides == ["a=1", "--print-config", "-x=1"]
+    assert not run_parser().parse_args(["--", "rounds=3", "--print-config"]).print_config
+    parser = analyze_parser()
+    args = parser.parse_args(["runs/a", "--dlg", "--", "--gradcam", "-b"])
+    assert args.runs == ["runs/a", "--gradcam", "-b"] and args.dlg and not args.gradcam
+    assert parser.given(["--steps", "5", "--", "--dlg"]) == {"steps", "runs"}
+    with pytest.raises(UserError, match=r"^fedcp-report: unrecognized arguments: -e$"):
+        from fedcp_dist.cli.report import build_parser as report_parser
+        report_parser().parse_args(["d", "--", "-e"])
+
+
 def test_a_sweep_file_given_to_run_and_a_run_config_given_to_sweep_are_named(capsys):
     """`fedcp-run --config configs/sweeps/X.yaml` said `unknown config key 'name'`, and `fedcp-sweep
     configs/digits_fedcp.yaml` `unknown key 'method'`: true, but not what went wrong."""
