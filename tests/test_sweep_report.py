@@ -469,7 +469,12 @@ def test_report_without_a_manifest_uses_the_keys_that_differ(tmp_path, capsys):
     for argv, said in ((["--by", "metod"], "--by 'metod' is not a key of any run (did you mean 'method'?)"),
                        (["--rows", "seeed"], "--rows 'seeed' is not a key of any run (did you mean 'seed'?)"),
                        (["--metric", "fianl_acc"], "--metric 'fianl_acc' is in no summary.json (did you mean "
-                                                   "'final_acc'?)")):
+                                                   "'final_acc'?)"),
+                       # a record metric with the number typed, not its pattern (rounds_to_P is refused)
+                       (["--metric", "round_to_95"], "--metric 'round_to_95' is in no summary.json (did you mean "
+                                                     "'rounds_to_95'?)"),
+                       (["--metric", "acc_afer_10"], "--metric 'acc_afer_10' is in no summary.json (did you mean "
+                                                     "'acc_after_10'?)")):
         assert cli_error(capsys, report.main, [str(tmp_path / "runs"), *argv]) == f"error: fedcp-report: {said}\n"
     assert "no runs" in cli_error(capsys, report.main, [str(tmp_path / "out")])
     # options that would do nothing or the same twice (duplicate columns)

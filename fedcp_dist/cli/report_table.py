@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -131,6 +132,16 @@ class Table:
         return s
 
 
+def _record_metrics_like(metric: str) -> list:
+    """The record metrics with the number a mistyped ``metric`` ends in (``round_to_95``:
+    rounds_to_95, not the pattern ``rounds_to_P``, which --metric refuses); none without one (the
+    error's list then says what P and R are)."""
+    m = re.search(r"(\d+(?:\.\d+)?)$", metric)
+    if m is None:
+        return []
+    return [f"rounds_to_{m.group(1)}"] + ([f"acc_after_{m.group(1)}"] if m.group(1).isdigit() else [])
+
+
 def build_table(col: Collection, keys: list, metric: str) -> Table:
     runs = col.runs
     scale = 100.0 if _is_percent(metric) else 1.0
@@ -141,7 +152,7 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
         raise UserError(f"fedcp-report: --metric {metric}: P must be a percentage in (0, 100], got {m.group(1)}")
     if finished and metric not in OPTIONAL and not is_record_metric(metric) and not any(isinstance(r.metric(metric), (int, float)) for r in finished):
         known = sorted(k for k, v in finished[0].summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-        hint = did_you_mean(metric, [*known, *DERIVED, *RECORD_METRICS])
+        hint = did_you_mean(metric, [*known, *DERIVED, *_record_metrics_like(metric)])
         raise UserError(f"fedcp-report: --metric '{metric}' is in no {SUMMARY}{hint}" if hint else
                         f"fedcp-report: --metric '{metric}' is in no {SUMMARY}; numeric keys: {', '.join(known)}"
                         f" (and, computed from them: {', '.join(DERIVED)}; from the records: {', '.join(RECORD_METRICS)})")
