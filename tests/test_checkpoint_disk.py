@@ -228,6 +228,24 @@ def test_a_store_file_changed_on_disk_before_its_copy_fails_the_checkpoint(tmp_p
     assert ck.latest() == first and ck.load(first, [1], "cpu")[2][1]["w"].tolist() == [1.0] * 4
 
 
+def test_a_resumed_store_file_changed_on_disk_fails_the_checkpoint_that_copies_it(tmp_path):
+    """States a resume wrote into the store (load_state_dict: not changed) are copied, not linked,
+    by a checkpoint with no previous one of client files to link to (a resume from a checkpoint of
+    another client_state, which client_state: auto may choose on another machine): such a copy of
+    a file changed on disk since was taken for the client's state, unchecked."""
+    from fedcp_dist.errors import RunFailure
+
+    store, ck = DiskClientStore(_Algo(), {}, directory=str(tmp_path / "s")), Checkpointer(str(tmp_path / "run"), 0, 1, 2)
+    store.load_state_dict({c: {"w": torch.full((4,), float(c))} for c in range(3)})
+    store.flush()
+    bad = tmp_path / "s" / "client_0000001.pt"
+    _flip_byte(bad)
+    with pytest.raises(RunFailure, match=rf"after round 1 could not be written \({bad}: it is not what the run wrote "):
+        ck.save(1, {"g": torch.zeros(2)}, store.checkpoint_part(), META, lambda ok: ok)
+    store.close()
+    assert ck.latest() is None
+
+
 # -- a whole run ---------------------------------------------------------------------------------
 
 def _ditto(shard, out, *extra):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Optional, Set, Union
+from typing import Callable, Dict, Mapping, Optional, Set, Union
 
 import torch
 
@@ -40,7 +40,7 @@ class ClientFiles:
     paths: Dict[int, Path]
     changed: Set[int]
     saved: Callable[[], None]
-    digests: Dict[int, str] = field(default_factory=dict)
+    digests: Mapping[int, str] = field(default_factory=dict)
 
 
 class ClientStore:

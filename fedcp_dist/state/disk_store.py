@@ -10,6 +10,7 @@ import os
 import pickle
 import socket
 from collections import OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Optional
@@ -271,9 +272,10 @@ class DiskClientStore(ClientStore):
         in it, so they do not count as changed): a checkpoint writes only those."""
         self.flush()
         changed = set(self.changed)
+        # every client's digest, not only the changed ones': an unchanged client is copied too where
+        # there is no previous checkpoint's file to link (a resume from another client_state)
         return ClientFiles({c: self._path(c) for c in sorted(self.saved)}, changed,
-                           lambda: self.changed.difference_update(changed),
-                           {c: self._digest[c].hex() for c in changed if c in self._digest})
+                           lambda: self.changed.difference_update(changed), _HexDigests(self._digest))
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
         """Write the checkpointed states as the clients' files (not counted as changed)."""
@@ -282,6 +284,25 @@ class DiskClientStore(ClientStore):
             if state:
                 self._write(c, dict(state))
                 self.saved.add(c)
+
+
+class _HexDigests(Mapping):
+    """The store's digests as hex, read as they are asked for (no copy of 10**5 of them a checkpoint)."""
+
+    def __init__(self, digests: Dict[int, bytes]):
+        self._d = digests
+
+    def __getitem__(self, cid: int) -> str:
+        return self._d[cid].hex()
+
+    def __contains__(self, cid) -> bool:
+        return cid in self._d
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 def _file_sha256(path: Path) -> bytes:
