@@ -50,9 +50,12 @@ class MeanEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         emb = self.embedding(ids)  # (B, L, dim)
-        if self.mean == "padded":
-            return emb.mean(dim=1)
         keep = (ids != PAD_ID).unsqueeze(-1)  # (B, L, 1)
+        if self.mean == "padded":
+            # the padding positions pass no gradient, as padding_idx says; torch.vmap (fused training)
+            # keeps padding_idx for the first client's table only and trained every other's padding
+            # row. The same values forward, the same gradient for every other row, bit for bit.
+            return torch.where(keep, emb, emb.detach()).mean(dim=1)
         total = (emb * keep.to(emb.dtype)).sum(dim=1)
         count = keep.sum(dim=1).clamp_min(1).to(emb.dtype)  # (B, 1)
         return total / count
