@@ -594,3 +594,56 @@ def test_an_io_error_nothing_else_names_is_one_line_naming_rank_phase_and_file(d
     err = capsys.readouterr().err
     assert exc.value.code == 1 and "Traceback" not in err, err
     assert err == f"error: rank 0, checkpoint after round 2: {bad[0]}: Input/output error\n"
+
+
+class _DamageBankAt(PreemptAt):
+    """As round ``r`` begins, ``damage(path)`` the rank's bank file (``global_bank.f32`` of the
+    disk store) as another process would."""
+
+    def __init__(self, algo, r, path, damage):
+        super().__init__(algo, r)
+        self.__dict__.update(path=path, damage=damage)
+
+    def begin_round(self, t):
+        if t + 1 == self.r:
+            self.damage(self.path)
+        return self.algo.begin_round(t)
+
+    def local_train(self, state, data, ctx):
+        return self.algo.local_train(state, data, ctx)
+
+
+def _flip_bank_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(4 * 7)  # row 0, a value every round's mixing reads
+        b = f.read(1)
+        f.seek(4 * 7)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("method, damage, says", [
+    ("fedamp", _flip_bank_byte, "(row 0 is not what the run wrote there)"),
+    ("fedfomo", _flip_bank_byte, "(row 0 is not what the run wrote there)"),
+    ("fedamp", lambda p: os.truncate(p, 100), "was cut to 100 of its"),
+])
+def test_a_peer_bank_file_changed_on_disk_stops_the_run_and_the_resume_is_exact(method, damage, says, digits6,
+                                                                                 tmp_path):
+    """FedAMP's and FedFomo's banks are files mapped into memory: a byte changed there (another
+    process, a failing disk) was read by the next rounds, checkpointed with a fresh checksum and
+    reported, exit 0 with other results; a truncated file ended the process with SIGBUS. The run
+    now stops in one line naming the file, its previous checkpoint intact, and the resume ends
+    where an uninterrupted run does."""
+    cfg = f"configs/digits_{method}.yaml"
+    ref, out = tmp_path / "ref", tmp_path / "damaged"
+    run(cfg, _ditto(digits6, ref, "client_state=disk", "rounds=4", "checkpoint_every=2"))
+    args = _ditto(digits6, out, "client_state=disk", "rounds=4", "checkpoint_every=2")
+    bank = out / "client_state" / "rank_0" / "global_bank.f32"
+    with pytest.raises(RunFailure) as exc:
+        run(cfg, args, wrap=lambda a: _DamageBankAt(a, 3, bank, damage))
+    assert str(bank) in str(exc.value) and says in str(exc.value) and "\n" not in str(exc.value)
+    assert not (out / "summary.json").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["round_0000002"]
+    run(cfg, args)
+    assert _records(ref) == _records(out)
+    (ga, _), (gb, _) = _final(ref), _final(out)
+    assert all(torch.equal(ga[k], gb[k]) for k in ga)

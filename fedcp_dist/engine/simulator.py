@@ -115,9 +115,22 @@ class Simulator:
         t0 = time.perf_counter()
         self.rt.phase = f"round {t + 1}: peer exchange"
         peers = exchange_peers(self.rt, self.owner, cohort, payloads, self.exchange.peer_dim)
+        self._check_banks(sorted(peers))  # the rows about to be replaced were read this round
         self.store.set_global(self.exchange.receive_peers(t, self.global_state, peers))
         self.rt.phase = f"round {t + 1}"
         return time.perf_counter() - t0
+
+    def _check_banks(self, rows=None) -> None:
+        """With per-client banks in files (FedAMP, FedFomo, ``client_state: disk``): stop every rank
+        in one line when a rank's bank file changed on disk since the run wrote it (in ``rows``, or
+        anywhere), rather than train on, checkpoint or report what was read from it."""
+        if not getattr(self.store, "mapped_keys", ()):
+            return
+        problem = self.store.bank_problem(rows)
+        if not startup.all_ok(self.rt, problem is None):
+            raise RunFailure(f"rank {self.rt.rank}: {problem}" if problem else
+                             "another rank's per-client bank file changed on disk since the run wrote it (its line "
+                             "names it): run the same command again to resume from the newest checkpoint")
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -233,6 +246,7 @@ class Simulator:
         report takes the untrained model's accuracy for a result."""
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
+        self._check_banks()  # the rounds since the last checkpoint read them
         probes = RoundProbes(self.probe_every, self.setup.max_cohort, cfg.rounds, evaluated=True,
                              layout=self.probe_layout, final=True, eval_ids=self.eval_ids)
         # the rounds' reduction, with no upload in the buffer: the sums (per-client fractions in client

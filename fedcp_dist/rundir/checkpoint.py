@@ -253,6 +253,7 @@ class Checkpointer:
                 d.unlink(missing_ok=True)  # a file in the place of this round's folder is no checkpoint (a stray copy)
             d.mkdir(exist_ok=True)
             if files is not None:
+                files.check()
                 target = d / CLIENT_DIR
                 index = self._write_client_files(d, files)
                 target = d / f"clients_{self.rank}.json"

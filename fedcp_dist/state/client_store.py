@@ -41,6 +41,9 @@ class ClientFiles:
     changed: Set[int]
     saved: Callable[[], None]
     digests: Mapping[int, str] = field(default_factory=dict)
+    #: raises an OSError when something the checkpoint copies from memory (a per-client bank mapped
+    #: from a file) changed on disk since the run wrote it
+    check: Callable[[], None] = lambda: None
 
 
 class ClientStore:

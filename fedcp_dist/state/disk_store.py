@@ -4,6 +4,7 @@ choice of store (``client_state``: device, host, disk or auto).
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -74,6 +75,10 @@ class DiskClientStore(ClientStore):
         #: global tensors with a row per client (FedAMP's and FedFomo's banks) mapped from files here
         self.mapped_keys = tuple(getattr(algo, "bank_keys", ())) if banks_in_files("disk", self.device) else ()
         self._mapped: Dict[str, torch.Tensor] = {}
+        #: SHA-256 of each row of each mapped bank as the run last wrote it, and the file's inode: a
+        #: bank file changed on disk since (a flipped bit, a truncation) is named by :meth:`bank_problem`
+        self._rows: Dict[str, list] = {}
+        self._inode: Dict[str, int] = {}
         super().__init__(algo, global_state, bn_keys)
 
     def set_global(self, global_state: State) -> None:
@@ -83,7 +88,61 @@ class DiskClientStore(ClientStore):
         for key in self.mapped_keys:
             if key in global_state and global_state[key] is not self._mapped.get(key):
                 global_state[key] = self._map(key, global_state[key])
+            elif key in self._mapped:  # updated in place: the peer exchange writes the rows it marks fresh
+                fresh = global_state.get("fresh")
+                rows = (range(self._mapped[key].shape[0]) if fresh is None
+                        else torch.nonzero(fresh).flatten().tolist())
+                self._note_rows(key, rows)
         super().set_global(global_state)
+
+    def _row_bytes(self, key: str, i: int) -> bytes:
+        row = self._mapped[key].reshape(self._mapped[key].shape[0], -1)[i]
+        return hashlib.sha256(row.numpy().view("uint8").data).digest()
+
+    def _note_rows(self, key: str, rows) -> None:
+        digests = self._rows.setdefault(key, [b""] * self._mapped[key].shape[0])
+        for i in rows:
+            digests[i] = self._row_bytes(key, i)
+
+    def _bank_damage(self, rows=None) -> Optional[tuple]:
+        """(key, file, what is wrong) for the first mapped bank file that changed on disk since the run
+        last wrote it (in ``rows``, or in any row); None when every one holds the run's bytes (each
+        row's SHA-256; the file's size first, as a read past a truncated mapping would end the
+        process with SIGBUS)."""
+        for key, t in self._mapped.items():
+            path = self.dir / f"global_{key}.f32"
+            try:
+                st = path.stat()
+                if st.st_ino == self._inode.get(key) and st.st_size < t.numel() * 4:
+                    return key, path, f"cut to {st.st_size} of its {t.numel() * 4} bytes"
+            except OSError:  # removed: the mapping still holds the run's bytes
+                pass
+            digests = self._rows.get(key, [])
+            bad = next((i for i in (range(len(digests)) if rows is None else rows)
+                        if self._row_bytes(key, i) != digests[i]), None)
+            if bad is not None:
+                return key, path, f"row {bad} is not what the run wrote there"
+        return None
+
+    def bank_problem(self, rows=None) -> Optional[str]:
+        """None, or one line naming a per-client bank file (FedAMP's, FedFomo's) that changed on disk
+        since the run wrote it (another process, a flipped bit): the rounds since the last checkpoint
+        may have read it. Checked for the rows the peer exchange is about to replace (``rows``), and
+        whole before a checkpoint copies the banks and before the final files."""
+        damage = self._bank_damage(rows)
+        if damage is None:
+            return None
+        key, path, why = damage
+        return (f"{self.algo.name}'s per-client {key} in {path} changed on disk since the run wrote it ({why}), and "
+                f"the rounds since the last checkpoint read it: run the same command again to resume from the newest "
+                f"checkpoint")
+
+    def _check_banks(self) -> None:
+        damage = self._bank_damage()
+        if damage is not None:
+            key, path, why = damage
+            raise OSError(errno.EIO, f"{self.algo.name}'s per-client {key} changed on disk since the run wrote it "
+                                     f"({why})", str(path))
 
     def _map(self, key: str, src: torch.Tensor) -> torch.Tensor:
         """``src`` copied into a file-backed tensor of the same shape (rows of zeros are not written).
@@ -112,6 +171,9 @@ class DiskClientStore(ClientStore):
             if bool(chunk.any()):
                 dst[i:i + step] = chunk
         self._mapped[key] = out
+        self._inode[key] = path.stat().st_ino
+        self._rows.pop(key, None)
+        self._note_rows(key, range(out.shape[0]))
         return out
 
     def _path(self, cid: int) -> Path:
@@ -148,8 +210,20 @@ class DiskClientStore(ClientStore):
 
     def prefetch(self, order) -> None:
         """Clients are about to be used in this order: each use reads the next ones ahead.
-        The writes of the last use finish first, so that no state is trained on while it is written."""
+        The writes of the last use finish first, so that no state is trained on while it is written.
+        A bank file cut short on disk is named here, before a read past its end ends the process
+        with SIGBUS (only its size is looked at; its rows at the peer exchange and the checkpoints)."""
         self.flush()
+        for key, t in self._mapped.items():
+            path = self.dir / f"global_{key}.f32"
+            try:
+                st = path.stat()
+            except OSError:  # removed: the mapping still holds the run's bytes
+                continue
+            if st.st_ino == self._inode.get(key) and st.st_size < t.numel() * 4:
+                raise RunFailure(f"{self.algo.name}'s per-client {key} in {path} was cut to {st.st_size} of its "
+                                 f"{t.numel() * 4} bytes on disk since the run wrote it: run the same command again "
+                                 f"to resume from the newest checkpoint")
         self._order = [int(c) for c in order]
         self._pos = {c: i for i, c in enumerate(self._order)}
         for c in self._order[:PREFETCH_DEPTH]:
@@ -275,7 +349,8 @@ class DiskClientStore(ClientStore):
         # every client's digest, not only the changed ones': an unchanged client is copied too where
         # there is no previous checkpoint's file to link (a resume from another client_state)
         return ClientFiles({c: self._path(c) for c in sorted(self.saved)}, changed,
-                           lambda: self.changed.difference_update(changed), _HexDigests(self._digest))
+                           lambda: self.changed.difference_update(changed), _HexDigests(self._digest),
+                           self._check_banks)
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
         """Write the checkpointed states as the clients' files (not counted as changed)."""
