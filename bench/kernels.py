@@ -458,8 +458,9 @@ def slot_scan(model_name: str, input_shape, classes: int, slots: int, b: int, st
 def print_slot_scan(scan: dict) -> None:
     """Prints :func:`slot_scan`'s figures."""
     fixed, per = scan["fixed_seconds"], scan["per_slot_seconds"]
+    worth = f", the fixed part {fixed / per:.2f} clients' worth" if per > 0 else ""  # a GPU's step may not grow with k
     print(f"the real step with k active clients (ms a step; the fit: {1e3 * fixed:.2f} ms + {1e3 * per:.2f} ms per "
-          f"client, the fixed part {fixed / per:.2f} clients' worth):")
+          f"client{worth}):")
     for k, s in zip(scan["slots"], scan["step_seconds"]):
         print(f"  k = {k:2d}  {1e3 * s:7.2f} ms a step, {1e3 * s / k:6.2f} ms a client, fit {1e3 * (fixed + per * k):7.2f} ms")
 
