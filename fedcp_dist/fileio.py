@@ -227,3 +227,13 @@ def cannot_write_in(folder) -> str:
     os.close(fd)
     os.unlink(name)
     return ""
+
+
+def file_sha256(path) -> "hashlib._Hash":
+    """The SHA-256 of the bytes of the file at ``path``, read 1 MiB at a time (``.digest()`` or
+    ``.hexdigest()`` of it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h

@@ -48,7 +48,7 @@ from fedcp_dist.data.shards.verify import ShardDigest, describe_differences
 from fedcp_dist.errors import RunFailure, UserError
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import interrupt_after
-from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes
+from fedcp_dist.fileio import atomic_torch_save, atomic_write_bytes, file_sha256
 from fedcp_dist.rundir.directory import CHECKPOINT_MARKER as MARKER, RunDir, check_resume_config
 from fedcp_dist.state.client_store import ClientFiles
 
@@ -57,11 +57,7 @@ CLIENT_DIR = "clients"
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(path).hexdigest()
 
 
 def data_record(path: str, fingerprint: str, layout: str, digest: Optional[ShardDigest] = None,

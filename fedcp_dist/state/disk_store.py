@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from fedcp_dist.errors import RunFailure, UserError, first_line
-from fedcp_dist.fileio import atomic_torch_save
+from fedcp_dist.fileio import atomic_torch_save, file_sha256
 from fedcp_dist.state.client_store import (ClientFiles, ClientStore, HostClientStore, State, banks_in_files, pack,
                                            resolve_mode, unpack)
 from fedcp_dist.state.process_memory import state_bytes
@@ -186,7 +186,7 @@ class DiskClientStore(ClientStore):
                   "from it")
         try:
             expected = self._digest.get(cid)
-            if expected is not None and _file_sha256(path) != expected:  # a flipped bit that torch's reader takes
+            if expected is not None and file_sha256(path).digest() != expected:  # a flipped bit that torch's reader takes
                 raise RunFailure(f"cannot read the client state file {path}: it is damaged (its bytes are not what "
                                  f"the run wrote there: changed on disk since); {resume}")
             return torch.load(path, map_location=self.device, weights_only=True)
@@ -205,7 +205,7 @@ class DiskClientStore(ClientStore):
         self._digest.pop(cid, None)
         try:
             atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, path, durable=False)
-            self._digest[cid] = _file_sha256(path)  # read back from the page cache
+            self._digest[cid] = file_sha256(path).digest()  # read back from the page cache
         except OSError as exc:
             raise RunFailure(f"cannot write the client state file {path}: {exc.strerror or exc}") from None
 
@@ -379,15 +379,6 @@ class _HexDigests(Mapping):
 
     def __len__(self) -> int:
         return len(self._d)
-
-
-def _file_sha256(path: Path) -> bytes:
-    """The SHA-256 of ``path``'s bytes, read 1 MiB at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.digest()
 
 
 def lock_dir(directory: Path, run: str = ""):
