@@ -170,6 +170,7 @@ def test_unknown_grid_key_suggests(tmp_path, capsys):
     assert "sweep grid key 'lamb'" in err and "did you mean 'lam'" in err
 
 
+
 def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
     path = write_sweep(tmp_path, grid={"method": ["fedcp", "fedavg"], "seed": [1, 2, 3]}, partition=DIGITS6)
     sweep_cli.main([str(path), "--dry-run"])
@@ -1152,3 +1153,21 @@ def test_an_unfinished_point_whose_rounds_its_training_depends_on_changed_cannot
         ran.rounds = 2  # the run was made under rounds: 2
         (point.run_dir / "config.yaml").write_text(dump_config(ran))
         assert resume_drift(sw, point) == refused, dp
+
+
+def test_a_point_not_started_is_filed_under_the_method_and_seed_its_sweep_gives_it(tmp_path, capsys):
+    """A point refused at its start (or not yet run) has no config.yaml: when the sweep's grid does
+    not name the method or the seed, the report read them from sweep.json's record of the point,
+    not as None (a row `None`, `seed=null`, apart from the method's own row)."""
+    sweep_dir = tmp_path / "s"
+    fake_run(sweep_dir / "runs" / "lam=1.0", "fedavg", 3, 1.0, 0.8)
+    points = [{"name": f"lam={lam}", "run_dir": f"runs/lam={lam}", "params": {"lam": lam},
+               "config": {"method": "fedavg", "seed": 3, "lam": lam, "rounds": 4, "eval_every": 2,
+                          "data.path": "data/x.h5"}} for lam in (1.0, 2.0)]
+    (sweep_dir / "sweep.json").write_text(json.dumps({"name": "s", "grid_keys": ["lam"], "grid": {"lam": [1.0, 2.0]},
+                                                      "points": points}))
+    report.main([str(sweep_dir), "--no-plots"])
+    md = (sweep_dir / "report.md").read_text()
+    assert "None" not in md and "null" not in md
+    assert "| fedavg | 80.00 ± 0.00 | – (0/1) |" in md
+    assert "- fedavg lam=2.0,seed=3:" in md and "not started" in md

@@ -304,6 +304,10 @@ def collect(root) -> Collection:
             continue
         seen.add(path)
         config, summary, curve, problem = _read(path)
+        if not config and summary is None and isinstance(wanted, dict):
+            # no result and no readable config.yaml (a point not started, or refused at its start): its row and seed are
+            # the point's as sweep.json records it, not None
+            config = {**flatten(Config().to_dict()), **wanted}
         why, stale = "", []
         if summary is not None and problem:
             why, summary = problem, None
