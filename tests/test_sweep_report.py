@@ -170,6 +170,10 @@ def test_unknown_grid_key_suggests(tmp_path, capsys):
     assert "sweep grid key 'lamb'" in err and "did you mean 'lam'" in err
 
 
+def test_a_mistyped_partition_grid_key_suggests_the_partition_option(tmp_path, capsys):
+    err = cli_error(capsys, sweep_cli.main, [str(write_sweep(tmp_path, grid={"num_client": [4, 5]}, partition=DIGITS6))])
+    assert "sweep grid key 'num_client'" in err and "did you mean 'num_clients'" in err
+
 
 def test_dry_run_prints_every_point_and_runs_nothing(tmp_path, capsys):
     path = write_sweep(tmp_path, grid={"method": ["fedcp", "fedavg"], "seed": [1, 2, 3]}, partition=DIGITS6)

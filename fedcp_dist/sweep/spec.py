@@ -217,6 +217,11 @@ def load_sweep(path, kind: Optional[str] = None) -> Sweep:
             try:
                 cfg = load_config(str(base_path), override_args + [f"{key}={yaml_value(v)}"], validate=False)
             except UserError as exc:
+                if part_block is not None and str(exc).startswith(f"unknown config key '{key}'"):
+                    # a grid key may be a fedcp-partition option too: the closest of both kinds is named
+                    # (a mistyped num_clients was said to mean 'eval_clients')
+                    raise UserError(f"sweep grid key '{key}': neither a config key nor a fedcp-partition option"
+                                    f"{did_you_mean(key, sorted(config_keys | set(PARTITION_KEYS)))}") from None
                 raise UserError(f"sweep grid key '{key}': {exc}") from None
             value = flatten(cfg.to_dict()).get(key, v)  # as the run reads it: '1e-1' and 0.1 alike
             marker = json.dumps(value, sort_keys=True, default=str)
