@@ -153,6 +153,21 @@ def test_a_checkpoints_link_to_nowhere_is_refused_at_start(tmp_path, target):
     prepare_out_dir(out, overwrite=False, resume="auto").close()
 
 
+def test_an_out_dir_that_is_a_file_or_whose_lock_is_a_folder_is_named(tmp_path):
+    """A sweep point's folder replaced by a file said "cannot be written: File exists", and a
+    folder in the place of its .lock "cannot be written: Is a directory", naming out_dir only."""
+    out = tmp_path / "run"
+    out.write_text("x")
+    with pytest.raises(UserError) as exc:
+        prepare_out_dir(out, overwrite=False, resume="auto")
+    assert str(exc.value) == f"out_dir {out} is a file, not a folder; move it away or choose another out_dir"
+    out.unlink()
+    (out / ".lock").mkdir(parents=True)
+    with pytest.raises(UserError) as exc:
+        prepare_out_dir(out, overwrite=False, resume="auto")
+    assert str(exc.value) == f"out_dir {out} cannot be written ({out / '.lock'}): Is a directory"
+
+
 def test_an_out_dir_that_is_a_broken_link_is_named(tmp_path):
     """It said "out_dir … cannot be written: File exists"."""
     out = tmp_path / "run"

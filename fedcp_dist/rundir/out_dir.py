@@ -84,7 +84,11 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(run.lock, "a+")
     except OSError as exc:
-        raise UserError(f"out_dir {out} cannot be written: {exc.strerror}") from None
+        if out.exists() and not out.is_dir():  # mkdir said only "File exists"
+            raise UserError(f"out_dir {out} is a file, not a folder; move it away or choose another out_dir") from None
+        # the path that failed, where it is not out_dir itself (a folder in the place of out_dir/.lock)
+        where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != out else ""
+        raise UserError(f"out_dir {out} cannot be written{where}: {exc.strerror}") from None
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
