@@ -1159,6 +1159,29 @@ def test_an_unfinished_point_whose_rounds_its_training_depends_on_changed_cannot
         assert resume_drift(sw, point) == refused, dp
 
 
+def test_an_unfinished_point_whose_rounds_fell_below_its_checkpoints_cannot_resume(tmp_path, digits6):
+    """A point stopped after 4 of 5 rounds, then the sweep's rounds lowered to 2: --dry-run said it
+    resumes and the sweep launched it, and the run refused ('resume with rounds >= 4')."""
+    from fedcp_dist.sweep.drift import resume_drift
+    from fedcp_dist.sweep.points import point_config
+
+    sw = sweep.load_sweep(write_sweep(tmp_path, overrides={"rounds": 2, "data": {"path": str(digits6)}},
+                                      grid={"seed": [1]}))
+    point = sw.points[0]
+    ran = point_config(sw, point)
+    ran.rounds = 5
+    point.run_dir.mkdir(parents=True)
+    (point.run_dir / "config.yaml").write_text(dump_config(ran))
+    for r in (3, 4):
+        (point.run_dir / "checkpoints" / f"round_{r:07d}").mkdir(parents=True)
+        (point.run_dir / "checkpoints" / f"round_{r:07d}" / "COMPLETE").write_text("{}")
+    assert resume_drift(sw, point) == ["rounds"]
+    for rounds, refused in ((3, ["rounds"]), (4, []), (6, [])):  # the newest checkpoint is resumed: 4 rounds done
+        sw = sweep.load_sweep(write_sweep(tmp_path, overrides={"rounds": rounds, "data": {"path": str(digits6)}},
+                                          grid={"seed": [1]}))
+        assert resume_drift(sw, sw.points[0]) == refused, rounds
+
+
 def test_a_point_not_started_is_filed_under_the_method_and_seed_its_sweep_gives_it(tmp_path, capsys):
     """A point refused at its start (or not yet run) has no config.yaml: when the sweep's grid does
     not name the method or the seed, the report read them from sweep.json's record of the point,

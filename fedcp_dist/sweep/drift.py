@@ -5,7 +5,8 @@ so that ``fedcp-report`` can tell such runs apart without the sweep file."""
 from __future__ import annotations
 
 from fedcp_dist.config import Config, flatten
-from fedcp_dist.rundir.directory import (FINISHED, NOT_DEFINING, RESUMABLE_CHANGES, RESUMABLE_DEFINING, RunDir,
+from fedcp_dist.rundir.directory import (CHECKPOINT_MARKER, FINISHED, NOT_DEFINING, RESUMABLE_CHANGES,
+                                         RESUMABLE_DEFINING, RunDir,
                                          config_changes, defining_changes, rounds_scheduled)
 from fedcp_dist.sweep.names import display_path
 from fedcp_dist.sweep.points import Point, Sweep, point_config
@@ -44,8 +45,14 @@ def resume_drift(sweep: Sweep, point: Point) -> list:
         return []
     wanted = point_config(sweep, point).to_dict()
     scheduled = bool(rounds_scheduled(flatten(wanted)))  # a total the training depends on (a target ε, say)
-    return [k for k in config_changes(have, wanted)
-            if (k not in RESUMABLE_CHANGES or (k == "rounds" and scheduled)) and k != "data.path"]
+    drift = [k for k in config_changes(have, wanted)
+             if (k not in RESUMABLE_CHANGES or (k == "rounds" and scheduled)) and k != "data.path"]
+    # fewer rounds than its newest complete checkpoint holds: the resume refuses it ("resume with rounds >= R")
+    rounds = flatten(wanted).get("rounds")
+    done = [r for r, d in RunDir(point.run_dir).checkpoint_dirs() if (d / CHECKPOINT_MARKER).exists()]
+    if "rounds" not in drift and isinstance(rounds, int) and done and max(done) > rounds:
+        drift.append("rounds")
+    return drift
 
 
 def _goes_on(sweep: Sweep, point: Point, changed: list) -> bool:
