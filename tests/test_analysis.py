@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedcp_dist.analysis import dlg
+from fedcp_dist.analysis import dlg, gradient_match, server_copy
 from fedcp_dist.analysis.gradcam import grad_cam, last_conv
 from fedcp_dist.analysis.imaging import match_images, psnr, ssim
 from fedcp_dist.analysis.plots import s_shares
@@ -111,7 +111,7 @@ def _linear_case(num_classes=4, side=6, label=2, seed=0):
 
     def grad_fn(x, y):
         params = [lin.weight, lin.bias]
-        loss = dlg.soft_cross_entropy(lin(x.flatten(1)), y)
+        loss = gradient_match.soft_cross_entropy(lin(x.flatten(1)), y)
         gw, gb = torch.autograd.grad(loss, params, create_graph=True)
         return {"head.weight": gw, "head.bias": gb}
 
@@ -122,8 +122,8 @@ def _linear_case(num_classes=4, side=6, label=2, seed=0):
 
 def test_dlg_recovers_one_image_from_a_linear_models_gradient():
     truth, grad_fn, observed = _linear_case()
-    for labels in (None, dlg.infer_labels(observed["head.weight"], 1)):  # DLG, then iDLG
-        rec = dlg.reconstruct(grad_fn, observed, tuple(truth.shape), 4, labels=labels, steps=60, seed=0)
+    for labels in (None, gradient_match.infer_labels(observed["head.weight"], 1)):  # DLG, then iDLG
+        rec = gradient_match.reconstruct(grad_fn, observed, tuple(truth.shape), 4, labels=labels, steps=60, seed=0)
         assert int(rec.labels[0]) == 2
         assert psnr(truth[0], rec.images[0]) > 40.0, psnr(truth[0], rec.images[0])
         assert rec.loss < 1e-5
@@ -131,12 +131,12 @@ def test_dlg_recovers_one_image_from_a_linear_models_gradient():
 
 def test_infer_labels_and_soft_cross_entropy():
     g = torch.tensor([[0.3, 0.1], [-0.5, -0.2], [0.2, 0.0]])
-    assert dlg.infer_labels(g, 1).tolist() == [1]
-    assert dlg.infer_labels(g, 2).tolist() == [1, 2]
-    assert dlg.infer_labels(g, 4).tolist() == [1, 2, 0, 1]
+    assert gradient_match.infer_labels(g, 1).tolist() == [1]
+    assert gradient_match.infer_labels(g, 2).tolist() == [1, 2]
+    assert gradient_match.infer_labels(g, 4).tolist() == [1, 2, 0, 1]
     logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]])
     target = torch.tensor([1, 2])
-    assert float(dlg.soft_cross_entropy(logits, F.one_hot(target, 3).float())) == pytest.approx(
+    assert float(gradient_match.soft_cross_entropy(logits, F.one_hot(target, 3).float())) == pytest.approx(
         float(F.cross_entropy(logits, target)))
 
 
@@ -312,7 +312,7 @@ def test_self_check_catches_a_drifted_copy(runs, monkeypatch):
     state = load_run_state(runs["fedcp"], changes={"cpn_eval_gumbel": False})
     x = state.load_data([0])[0].train_batch()[0][:4]
     dlg.self_check(state, 0, x)
-    monkeypatch.setattr(dlg.ServerCopy, "policy", lambda self, cpn, h: (torch.ones_like(h), torch.zeros_like(h)))
+    monkeypatch.setattr(server_copy.ServerCopy, "policy", lambda self, cpn, h: (torch.ones_like(h), torch.zeros_like(h)))
     with pytest.raises(UserError, match="does not reproduce"):
         dlg.self_check(state, 0, x)
 
