@@ -327,7 +327,7 @@ class Checkpointer:
                         continue
             dst.unlink(missing_ok=True)
             index[c] = _copy(src, dst)
-            if c in files.digests and index[c][0] != files.digests[c]:  # changed on disk since the store wrote it
+            if c in files.digests and index[c][0] != files.digests[c].hex():  # changed on disk since the store wrote it
                 dst.unlink(missing_ok=True)
                 raise OSError(errno.EIO, "it is not what the run wrote there (changed on disk since; resume from "
                                          "the previous checkpoint)", str(src))

@@ -34,13 +34,13 @@ class ClientFiles:
     """What a disk store hands a checkpoint: each client's file (in the checkpoint's layout, never
     changed in place: a new state is a new file renamed over the old name) and the clients whose
     file was written since the last checkpoint; ``saved()`` tells the store the checkpoint is
-    complete (those clients then count as unchanged). ``digests``: the SHA-256 (hex) of what the
+    complete (those clients then count as unchanged). ``digests``: the SHA-256 of what the
     store wrote in each file, so that a checkpoint copying a file changed on disk since (a flipped
     bit, another process) refuses it instead of recording the damage as the client's state."""
     paths: Dict[int, Path]
     changed: Set[int]
     saved: Callable[[], None]
-    digests: Mapping[int, str] = field(default_factory=dict)
+    digests: Mapping[int, bytes] = field(default_factory=dict)
     #: raises an OSError when something the checkpoint copies from memory (a per-client bank mapped
     #: from a file) changed on disk since the run wrote it
     check: Callable[[], None] = lambda: None

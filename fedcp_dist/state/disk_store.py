@@ -11,7 +11,6 @@ import os
 import pickle
 import socket
 from collections import OrderedDict
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Optional
@@ -110,19 +109,29 @@ class DiskClientStore(ClientStore):
         last wrote it (in ``rows``, or in any row); None when every one holds the run's bytes (each
         row's SHA-256; the file's size first, as a read past a truncated mapping would end the
         process with SIGBUS)."""
-        for key, t in self._mapped.items():
+        cut = self._bank_cut()
+        if cut is not None:
+            return cut
+        for key in self._mapped:
             path = self.dir / f"global_{key}.f32"
-            try:
-                st = path.stat()
-                if st.st_ino == self._inode.get(key) and st.st_size < t.numel() * 4:
-                    return key, path, f"cut to {st.st_size} of its {t.numel() * 4} bytes"
-            except OSError:  # removed: the mapping still holds the run's bytes
-                pass
             digests = self._rows.get(key, [])
             bad = next((i for i in (range(len(digests)) if rows is None else rows)
                         if self._row_bytes(key, i) != digests[i]), None)
             if bad is not None:
                 return key, path, f"row {bad} is not what the run wrote there"
+        return None
+
+    def _bank_cut(self) -> Optional[tuple]:
+        """(key, file, what is wrong) for the first mapped bank file cut shorter on disk than the run
+        wrote it (a read past the end of its mapping would end the process with SIGBUS), else None."""
+        for key, t in self._mapped.items():
+            path = self.dir / f"global_{key}.f32"
+            try:
+                st = path.stat()
+            except OSError:  # removed: the mapping still holds the run's bytes
+                continue
+            if st.st_ino == self._inode.get(key) and st.st_size < t.numel() * 4:
+                return key, path, f"cut to {st.st_size} of its {t.numel() * 4} bytes"
         return None
 
     def bank_problem(self, rows=None) -> Optional[str]:
@@ -215,16 +224,11 @@ class DiskClientStore(ClientStore):
         A bank file cut short on disk is named here, before a read past its end ends the process
         with SIGBUS (only its size is looked at; its rows at the peer exchange and the checkpoints)."""
         self.flush()
-        for key, t in self._mapped.items():
-            path = self.dir / f"global_{key}.f32"
-            try:
-                st = path.stat()
-            except OSError:  # removed: the mapping still holds the run's bytes
-                continue
-            if st.st_ino == self._inode.get(key) and st.st_size < t.numel() * 4:
-                raise RunFailure(f"{self.algo.name}'s per-client {key} in {path} was cut to {st.st_size} of its "
-                                 f"{t.numel() * 4} bytes on disk since the run wrote it: run the same command again "
-                                 f"to resume from the newest checkpoint")
+        cut = self._bank_cut()
+        if cut is not None:
+            key, path, why = cut
+            raise RunFailure(f"{self.algo.name}'s per-client {key} in {path} was {why} on disk since the run wrote "
+                             f"it: run the same command again to resume from the newest checkpoint")
         self._order = [int(c) for c in order]
         self._pos = {c: i for i, c in enumerate(self._order)}
         for c in self._order[:PREFETCH_DEPTH]:
@@ -350,7 +354,7 @@ class DiskClientStore(ClientStore):
         # every client's digest, not only the changed ones': an unchanged client is copied too where
         # there is no previous checkpoint's file to link (a resume from another client_state)
         return ClientFiles({c: self._path(c) for c in sorted(self.saved)}, changed,
-                           lambda: self.changed.difference_update(changed), _HexDigests(self._digest),
+                           lambda: self.changed.difference_update(changed), self._digest,
                            self._check_banks)
 
     def load_state_dict(self, states: Dict[int, State]) -> None:
@@ -360,25 +364,6 @@ class DiskClientStore(ClientStore):
             if state:
                 self._write(c, dict(state))
                 self.saved.add(c)
-
-
-class _HexDigests(Mapping):
-    """The store's digests as hex, read as they are asked for (no copy of 10**5 of them a checkpoint)."""
-
-    def __init__(self, digests: Dict[int, bytes]):
-        self._d = digests
-
-    def __getitem__(self, cid: int) -> str:
-        return self._d[cid].hex()
-
-    def __contains__(self, cid) -> bool:
-        return cid in self._d
-
-    def __iter__(self):
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 def lock_dir(directory: Path, run: str = ""):
