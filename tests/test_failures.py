@@ -620,6 +620,31 @@ def test_a_run_whose_out_dir_is_removed_while_it_runs_stops_without_making_it_ag
     assert "Traceback" not in text and not out.exists()
 
 
+@pytest.mark.slow
+def test_a_checkpoint_folder_removed_while_it_is_written_is_named_as_removed(digits6_16px, tmp_path):
+    """An ``rm -rf out_dir`` that reaches the checkpoint being written before it reaches out_dir
+    itself: the failed write found out_dir still there and said only "no earlier checkpoint was
+    complete". The round's folder going while it was written is named as a removal (here the
+    folder alone goes, held at the checkpoint's fault point, so the order is fixed)."""
+    held = tmp_path / "held"
+    out = tmp_path / "run"
+    proc = _start([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, out, "rounds=4", "checkpoint_every=2")],
+                  FEDCP_FAULT_AT=f"checkpoint@2:wait={held}")
+    try:
+        wait_for(held, proc)
+        shutil.rmtree(out / "checkpoints" / "round_0000002")
+        held.unlink()
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_job(proc)
+    assert proc.returncode == 1, text[-3000:]
+    line = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert len(line) == 1 and f"out_dir {out} was removed while the run was going, or a part of it" in line[0], text
+    assert "round_0000002 went while it was written" in line[0] and "Traceback" not in text
+    assert (out / "config.yaml").is_file() and not (out / "checkpoints" / "round_0000002").exists()
+
+
 def test_a_name_near_the_file_systems_limit_is_written_atomically(tmp_path):
     """A 250-byte file name is legal, but its temporary name (``.NAME.tmp-HOST-PID``) was not: every
     such write failed with "File name too long". The temporary name is cut, with a digest, and a

@@ -242,12 +242,14 @@ class Checkpointer:
         files = client_states if isinstance(client_states, ClientFiles) else None
         problem = None
         target = d
+        made = False  # this round's folder was made here: a write in it that finds it gone met an rm -rf
         index: Dict[int, list] = {}
         try:
             self.root.mkdir(parents=self._make_out_dir, exist_ok=True)
             if d.is_symlink() or d.exists() and not d.is_dir():
                 d.unlink(missing_ok=True)  # a file in the place of this round's folder is no checkpoint (a stray copy)
             d.mkdir(exist_ok=True)
+            made = True
             if files is not None:
                 files.check()
                 target = d / CLIENT_DIR
@@ -289,6 +291,7 @@ class Checkpointer:
                 if self.rank == 0:
                     self._prune(d)
                 return d
+        vanished = made and not d.is_dir()
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
         why = (f"{problem.filename + ': ' if problem.filename else ''}{problem.strerror or problem}" if problem is not None
@@ -296,6 +299,9 @@ class Checkpointer:
         if not self.root.parent.is_dir():
             after = (f"out_dir {self.root.parent} was removed while the run was going, its checkpoints with it: "
                      f"start the run again")
+        elif vanished:  # an rm -rf of out_dir still under way, or of a part of it
+            after = (f"out_dir {self.root.parent} was removed while the run was going, or a part of it ({d} went "
+                     f"while it was written): start the run again")
         elif any((p / MARKER).is_file() for p in self.root.glob("round_*") if p != d):
             after = f"the previous complete checkpoint in {self.root} is intact"
         else:
