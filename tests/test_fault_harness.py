@@ -218,6 +218,50 @@ def test_a_stopped_sweep_checkpoints_its_point_exits_75_and_resumes_it_bit_for_b
     assert_same_run(run_dir, reference)
 
 
+def test_a_sigint_sent_to_a_point_alone_stops_it_and_the_sweep_resumes_it(reference, digits6_16px, tmp_path, capsys):
+    """``kill -INT`` to a running point (not to the sweep): the point stops (exit 130, its round under
+    way lost); the sweep counted it FAILED and said so in its summary. It is ``stopped``, the sweep
+    exits 75 naming no checkpoint of that round, and run again resumes the point bit for bit."""
+    from helpers import descendants
+
+    path = write_sweep(tmp_path, digits6_16px)
+    marker = tmp_path / "held"
+    proc = start_sweep(path, FEDCP_FAULT_AT=f"train@2:wait={marker}")
+    try:
+        wait_until(marker.exists, "the point in round 2")
+        point = [pid for pid in descendants(proc.pid) if pid != proc.pid]
+        assert len(point) == 1, point
+        os.kill(point[0], signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out + err
+    assert "[1/1] stopped" in out and "interrupted by a SIGINT sent to it (exit status 130)" in out, out
+    assert "1/1 finished" not in out and "FAILED" not in out and "0 failed, 1 stopped (each resumes from its last complete" in out, out
+    assert "preempted: sweep s: 1 point(s) stopped; run it again to resume them" in err and "Traceback" not in err, err
+    run_dir = point_dir(tmp_path)
+    assert Checkpointer(str(run_dir), 0, 1, 2).latest().name == "round_0000001"
+    capsys.readouterr()
+    sweep_cli.main([str(path)])
+    again = capsys.readouterr().out
+    assert "1/1 finished, 0 failed" in again and "(resuming)" in again, again
+    assert_same_run(run_dir, reference)
+
+
+def test_a_point_killed_by_a_signal_is_named_by_it():
+    """A point's exit status is said in words; a negative one (the signal that ended it) by the
+    signal's name, a SIGKILL with the likely cause."""
+    from fedcp_dist.sweep.local import _exit_text, _stopped_text
+
+    assert _exit_text(1) == "exit status 1" and _exit_text(-15) == "killed by SIGTERM"
+    assert _exit_text(-9).startswith("killed by SIGKILL (an out-of-memory kill")
+    assert _exit_text(-200) == "killed by signal 200"
+    assert _stopped_text([]) == "" and _stopped_text([("a", True)]) == ", 1 stopped after a checkpoint"
+    assert _stopped_text([("a", True), ("b", False)]) == (", 2 stopped (1 after a checkpoint, 1 from their last "
+                                                           "complete checkpoint)")
+
+
 def _locked(run_dir: Path) -> bool:
     from fedcp_dist.sweep.local import lock_held
 

@@ -188,6 +188,36 @@ def _why(lines: list) -> str:
     return stderr_tail(errors or lines, 2)
 
 
+#: a point's exit statuses after a SIGINT: the run's own "interrupted" (130), or the signal's
+#: default action before the run's handlers were in place
+INTERRUPTED = (128 + signal.SIGINT, -signal.SIGINT)
+
+
+def _exit_text(rc: int) -> str:
+    """A point's exit status in words: ``exit status N``, or the signal that ended it."""
+    if rc >= 0:
+        return f"exit status {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    return f"killed by {name}" + (" (an out-of-memory kill, or a kill -9?)" if -rc == signal.SIGKILL else "")
+
+
+def _stopped_text(stopped: list) -> str:
+    """The sweep's summary of its stopped points: how many, and how many of them after a checkpoint
+    of the round they were in (the others resume from their last complete one)."""
+    if not stopped:
+        return ""
+    after = sum(1 for _, checkpointed in stopped if checkpointed)
+    if after == len(stopped):
+        return f", {len(stopped)} stopped after a checkpoint"
+    if after == 0:
+        return f", {len(stopped)} stopped (each resumes from its last complete checkpoint)"
+    return (f", {len(stopped)} stopped ({after} after a checkpoint, {len(stopped) - after} from their last complete "
+            f"checkpoint)")
+
+
 def _launch(sweep: Sweep, k: int, p, stop: SweepStop, logs: Path) -> tuple:
     """Run point ``p`` (the k-th) to its end; (exit status, seconds, its output, its log)."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -228,7 +258,7 @@ def run_local(sweep: Sweep) -> int:
     done = sum(p.status() == FINISHED for p in sweep.points)
     print(f"sweep {sweep.name}: {done}/{len(sweep.points)} finished, "
           + (f"{len(diverged)} diverged, " if diverged else "") + f"{len(failed)} failed"
-          + (f", {len(stopped)} stopped after a checkpoint" if stopped else ""), flush=True)
+          + _stopped_text(stopped), flush=True)
     for p, why, log_path in failed:
         print(f"  failed: {p.name}: {why} (log {display_path(log_path)})", flush=True)
     for p in diverged:
@@ -237,8 +267,7 @@ def run_local(sweep: Sweep) -> int:
     if stop.signum is not None:
         raise Preempted(f"sweep {sweep.name} stopped by {stop.name}; run it again to resume its points")
     if stopped and not failed:
-        raise Preempted(f"sweep {sweep.name}: {len(stopped)} point(s) stopped after a checkpoint; run it again to "
-                        f"resume them")
+        raise Preempted(f"sweep {sweep.name}: {len(stopped)} point(s) stopped; run it again to resume them")
     return len(failed) + len(diverged)
 
 
@@ -270,13 +299,19 @@ def _run_points(sweep: Sweep, stop: SweepStop) -> tuple:
                   flush=True)
         elif rc == 2 and any(IN_USE in ln for ln in lines):  # another process took it first
             return False
-        elif rc == EXIT_REQUEUE or stop.signum is not None:
-            how = f"checkpointed (exit {EXIT_REQUEUE})" if rc == EXIT_REQUEUE else f"exit status {rc} once asked to stop"
+        elif rc == EXIT_REQUEUE or stop.signum is not None or rc in INTERRUPTED:
+            if rc == EXIT_REQUEUE:
+                how = f"checkpointed (exit {EXIT_REQUEUE})"
+            elif stop.signum is None:  # a Ctrl-C or kill -INT sent to the point itself, not to the sweep
+                how = (f"interrupted by a SIGINT sent to it ({_exit_text(rc)}); its round under way is lost, its last "
+                       f"complete checkpoint kept")
+            else:
+                how = f"{_exit_text(rc)} once asked to stop; its last complete checkpoint kept"
             print(sweep.point_line(k, p, "stopped") + f"  {seconds:.1f} s, {how}; the sweep run again resumes it",
                   flush=True)
-            stopped.append(p)
+            stopped.append((p, rc == EXIT_REQUEUE))
         else:
-            why = f"exited 0 but wrote no {SUMMARY}" if rc == 0 else f"exit status {rc}: {_why(lines)}"
+            why = f"exited 0 but wrote no {SUMMARY}" if rc == 0 else f"{_exit_text(rc)}: {_why(lines)}"
             print(sweep.point_line(k, p, "FAILED") + f"  {seconds:.1f} s, {why}; log {display_path(log_path)}", flush=True)
             failed.append((p, why, log_path))
         return True
