@@ -352,12 +352,12 @@ def test_the_list_names_real_keys():
     assert not set(NOT_DEFINING) & set(rundir.RESUMABLE_DEFINING)
 
 
-def test_resume_sweep_drift_and_report_columns_use_the_one_list(tmp_path):
+def test_resume_sweep_drift_and_report_columns_use_the_one_list(tmp_path, digits6):
     """Change one key at a time: resuming allows it, the sweep calls the run drifted and the report makes
     it a column exactly as the list says."""
     sweep_file = tmp_path / "sweep.yaml"
     sweep_file.write_text(yaml.safe_dump({"name": "k", "root": str(tmp_path / "sweeps"), "base": BASE,
-                                          "overrides": {"rounds": 2, "data.path": BASE}, "grid": {"seed": [1]}}))
+                                          "overrides": {"rounds": 2, "data.path": str(digits6)}, "grid": {"seed": [1]}}))
     sw = load_sweep(sweep_file)
     (point,) = sw.points
     point.run_dir.mkdir(parents=True)

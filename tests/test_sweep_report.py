@@ -626,7 +626,7 @@ def test_an_interrupted_report_leaves_the_previous_files_whole(tmp_path, monkeyp
 # ----------------------------------------------------------------------------- the SLURM path, without a cluster
 
 
-def test_slurm_callable_pickles_and_requeues_itself(tmp_path):
+def test_slurm_callable_pickles_and_requeues_itself(tmp_path, digits6):
     submitit = pytest.importorskip("submitit")
     run = sweep.SweepRun(cwd=str(tmp_path))
     again = pickle.loads(pickle.dumps(run))
@@ -636,7 +636,7 @@ def test_slurm_callable_pickles_and_requeues_itself(tmp_path):
     assert delayed.function is run and delayed.args == ("method=fedcp,seed=1", ["--config", BASE])
     path = write_sweep(tmp_path, executor={"kind": "slurm", "nproc": 2, "slurm": {
         "partition": "debug", "gpus_per_task": 1, "cpus_per_task": 4, "time_min": 30, "array_parallelism": 8}},
-        overrides={"rounds": 2, "data": {"path": BASE}})
+        overrides={"rounds": 2, "data": {"path": str(digits6)}})
     params = sweep.slurm_parameters(sweep.load_sweep(path))
     assert params == {"name": "fedcp-t", "timeout_min": 30, "tasks_per_node": 2, "nodes": 1, "gpus_per_node": 2,
                       "slurm_partition": "debug", "cpus_per_task": 4, "slurm_array_parallelism": 8,
@@ -1198,3 +1198,34 @@ def test_a_point_not_started_is_filed_under_the_method_and_seed_its_sweep_gives_
     assert "None" not in md and "null" not in md
     assert "| fedavg | 80.00 ± 0.00 | – (0/1) |" in md
     assert "- fedavg lam=2.0,seed=3:" in md and "not started" in md
+
+
+def test_a_point_its_existing_shard_does_not_fit_is_refused_before_anything_runs(digits6, tmp_path, capsys):
+    """A grid value the shard cannot serve (50 of its 6 clients; the text model on an image shard):
+    --dry-run listed the points as pending and the sweep ran them, failing each on the same line."""
+    for grid, words in (({"data.clients": [3, 50]}, "config key 'data.clients' asks for 50 clients but"),
+                        ({"model": ["cnn", "fasttext"]}, "config key 'model': 'fasttext' reads text shards")):
+        path = write_sweep(tmp_path, overrides={"rounds": 2, "data": {"path": str(digits6)}}, grid=grid)
+        for extra in (["--dry-run"], []):
+            err = cli_error(capsys, sweep_cli.main, [str(path), *extra])
+            assert err.startswith("error: sweep point ") and words in err, err
+            assert not (tmp_path / "sweeps").exists()
+
+
+def test_a_damaged_shard_of_the_sweep_is_named_once_with_the_way_out(tmp_path, capsys):
+    """A shard the sweep made, damaged since (cut short by a full disk): --dry-run said `exists` and
+    every point failed on the same line. Now the sweep refuses before anything runs, naming the file
+    and saying that removing it makes the sweep write it again."""
+    path = write_sweep(tmp_path, grid={"seed": [1]}, partition=DIGITS6)
+    sw = sweep.load_sweep(path)
+    shard = sw.points[0].data_path
+    sweep.make_partitions(sw, say=lambda _: None)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 3])
+    capsys.readouterr()
+    err = cli_error(capsys, sweep_cli.main, [str(path), "--dry-run"])
+    assert err.startswith(f"error: sweep point seed=1: ") and str(shard.name) in err, err
+    assert err.rstrip().endswith("; remove it and the sweep makes it again"), err
+    shard.unlink()
+    sweep_cli.main([str(path), "--dry-run"])
+    assert f"partition {display_path(shard)}: to be made" in capsys.readouterr().out

@@ -17,7 +17,7 @@ from typing import Optional
 from fedcp_dist.config import Config, given_once, load_config
 from fedcp_dist.data.make import PartitionSpec
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir.directory import RunDir
+from fedcp_dist.rundir.directory import DONE, RunDir
 from fedcp_dist.sweep.names import display_path, partition_file_name, point_name, yaml_value
 
 #: the parameter that names a point's variant (a key of the sweep's ``variants``)
@@ -174,6 +174,7 @@ def expand(sweep: Sweep, override_args: list) -> None:
     if total > SAY_POINTS:  # each point's config is checked: seconds, said before they pass
         print(f"sweep {sweep.name}: checking {total:,} points", file=sys.stderr, flush=True)
     used = [False] * len(sweep.exclude)
+    shards: dict = {}  # the existing shards' headers, read once each
     for *combo, variant in itertools.product(*(sweep.grid[k] for k in keys), variants):
         params = dict(zip(keys, combo))
         if variant is not None:
@@ -203,7 +204,7 @@ def expand(sweep: Sweep, override_args: list) -> None:
         run_dir = runs_dir / name
         args.append(f"out_dir={run_dir}")
         point = Point(index, params, name, run_dir, args, spec, data_path)
-        _validate_point(sweep, point)
+        _validate_point(sweep, point, shards)
         sweep.points.append(point)
     for n, hit in enumerate(used, 1):
         if not hit:
@@ -217,9 +218,13 @@ def point_config(sweep: Sweep, point: Point) -> Config:
         raise UserError(f"sweep point {point.name}: {exc}") from None
 
 
-def _validate_point(sweep: Sweep, point: Point) -> None:
+def _validate_point(sweep: Sweep, point: Point, shards: dict) -> None:
     """Full config validation; a shard the sweep makes later stands in as an existing file. The
-    point's command line is the run's: a key in it twice is refused there, so here first."""
+    point's command line is the run's: a key in it twice is refused there, so here first. A point
+    still to run whose shard exists is checked against it as its run would check it (the model's
+    kind of data, ``data.clients``, ...), and the shard's header read (``shards``: path -> its
+    header, or the one line that says why it cannot be read): otherwise every point would fail on
+    the same line, one after another."""
     try:
         given_once(point.overrides)
     except UserError as exc:
@@ -229,5 +234,24 @@ def _validate_point(sweep: Sweep, point: Point) -> None:
         cfg.data.path = str(sweep.base)
     try:
         cfg.validate()
+    except UserError as exc:
+        raise UserError(f"sweep point {point.name}: {exc}") from None
+    path = point.data_path if point.data_path is not None else Path(cfg.data.path)
+    if not path.is_file() or point.status() in DONE:  # a finished point reads no shard
+        return
+    from fedcp_dist.data.shards import read_info
+    from fedcp_dist.engine.startup import check_shard
+
+    if path not in shards:
+        try:
+            shards[path] = read_info(path, label_counts=False)
+        except UserError as exc:
+            remake = "; remove it and the sweep makes it again" if point.data_path is not None else ""
+            shards[path] = f"{exc}{remake}"
+    if isinstance(shards[path], str):
+        raise UserError(f"sweep point {point.name}: {shards[path]}")
+    cfg.data.path = str(path)
+    try:
+        check_shard(cfg, shards[path])
     except UserError as exc:
         raise UserError(f"sweep point {point.name}: {exc}") from None
