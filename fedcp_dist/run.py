@@ -152,7 +152,9 @@ def main(argv=None):
     try:
         fault_point("exit")  # the fault tests' hook: a signal between a finished run and the process's end
     finally:
-        stop.interruptible()  # for a caller in this process; a process ending here ends with 0
+        if argv is not None:  # a caller in this process goes on: its Ctrl-C back. The process's own
+            stop.interruptible()  # command line (fedcp-run, python -m): ignored to the end, which the
+            # interpreter's teardown (torch's threads, the collectives) may take a while to reach
 
 
 def _start_ranks(args, stop: StopSignals) -> None:

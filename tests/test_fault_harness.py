@@ -295,3 +295,18 @@ def test_two_sweeps_on_one_file_share_the_points_and_both_finish(reference, digi
     assert "FAILED" not in out_a + out_b
     assert "is in use by another run" in point_log(tmp_path, 1).read_text()  # A's attempt, refused
     assert_same_run(point_dir(tmp_path, 1), reference)
+
+
+def test_a_ctrl_c_while_a_finished_runs_process_tears_down_prints_nothing(digits6_16px, tmp_path):
+    """After fedcp-run's main returned (the process's own command line), a Ctrl-C during the
+    interpreter's teardown raised KeyboardInterrupt there: a traceback under a finished run. It is
+    ignored to the process's end, which exits 0; a caller in the same process gets its Ctrl-C back
+    (the in-process runs of this file)."""
+    out = tmp_path / "run"
+    code = ("import os, signal, sys, time\nfrom fedcp_dist.run import main\nmain()\n"
+            "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.5)\nprint('ended', flush=True)\n")
+    p = subprocess.run([sys.executable, "-c", code, *args(digits6_16px, out)], cwd=REPO, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.endswith("ended\n"), (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr[-2000:]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process's, after in-process runs
