@@ -372,3 +372,29 @@ def test_a_complete_marker_damaged_in_its_fields_is_damage_and_the_previous_chec
     assert ck.latest(warn=said.append) == first
     assert said == [f"checkpoint {second} is damaged (its COMPLETE marker is damaged ({problem})); "
                     f"trying the previous one"]
+
+
+def test_a_rank_whose_own_parts_were_written_does_not_take_rank_0s_cleanup_for_a_removal(tmp_path):
+    """Rank 1's parts are written, rank 0's failed: rank 0 removes the half-made folder while rank
+    1 still words its error. Rank 1 took the folder's going for an ``rm -rf`` of out_dir and said so
+    beside rank 0's true reason. Only a rank whose own write found its folder gone says that;
+    rank 1 here says a write failed on another rank, and that the previous checkpoint is intact."""
+    out = tmp_path / "run"
+    ck = Checkpointer(str(out), 1, 2, 2)
+    ck.out_dir_made()
+    out.mkdir()
+    earlier = out / "checkpoints" / "round_0000001"
+    earlier.mkdir(parents=True)
+    (earlier / checkpoint_module.MARKER).write_text("{}")
+
+    def rank_0_failed(ok):  # the collective's answer, with rank 0's cleanup done before rank 1 reads on
+        import shutil
+
+        shutil.rmtree(out / "checkpoints" / "round_0000002")
+        return False
+
+    with pytest.raises(checkpoint_module.RunFailure) as exc:
+        ck.save(2, {"g": torch.zeros(2)}, {3: {"w": torch.ones(2)}}, META, rank_0_failed)
+    text = str(exc.value)
+    assert "(a write failed on another rank)" in text and "was removed" not in text, text
+    assert text.endswith(f"the previous complete checkpoint in {out / 'checkpoints'} is intact"), text

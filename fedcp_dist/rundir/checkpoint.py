@@ -291,7 +291,9 @@ class Checkpointer:
                 if self.rank == 0:
                     self._prune(d)
                 return d
-        vanished = made and not d.is_dir()
+        # this rank's own write found the folder it made gone (judged before rank 0 removes it below:
+        # another rank's failure alone says nothing of the folder)
+        vanished = (problem is not None and problem.errno == errno.ENOENT and made and not d.is_dir())
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
         why = (f"{problem.filename + ': ' if problem.filename else ''}{problem.strerror or problem}" if problem is not None
