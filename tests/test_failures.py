@@ -382,6 +382,43 @@ def test_a_write_that_fails_inside_torch_save_is_one_line(digits6_16px, tmp_path
 
 
 
+@pytest.mark.parametrize("kib", [10, 500, 2000])
+def test_a_shard_written_under_a_file_size_limit_is_one_line(tmp_path, kib):
+    """fedcp-partition (and a sweep's partition) under ``ulimit -f``: HDF5 failed on a write past the
+    limit inside its objects' finalizers, and the interpreter printed tracebacks and crashed
+    (segfault, 139); a failure at its flush was a RuntimeError traceback. The writer now stops in
+    one line before a client could take the file past the limit (within a margin for what HDF5
+    holds back), leaves no file, and exits 1."""
+    out = tmp_path / "s.h5"
+    r = subprocess.run([sys.executable, "-m", "fedcp_dist.cli.partition", "--source", "digits", "--num-clients", "6",
+                        "--beta", "0.5", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       preexec_fn=_file_size_limit(kib << 10), env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == (f"error: {out}: File too large: the shard would come within 4 MiB of this "
+                                         f"process's file size limit, {kib:,} KiB (ulimit -f {kib}); raise the limit")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hdf5s_own_report_of_a_failed_write_gives_its_errno():
+    """h5py raises a flush that the file system refused as a RuntimeError whose message alone holds
+    the errno: it is read from there, so the shard's writer names the reason in one line."""
+    from fedcp_dist.data.shards.write import _hdf5_os_error
+
+    err = _hdf5_os_error(RuntimeError("Unable to synchronously flush file (file write failed: time = X\n, filename = "
+                                      "'/t/.s.h5.tmp-h-1', file descriptor = 3, errno = 27, error message = 'File too "
+                                      "large', buf = 0x1, total write size = 96304)"))
+    assert isinstance(err, OSError) and err.errno == errno.EFBIG and err.filename is None
+    assert _hdf5_os_error(RuntimeError("Unable to open object (no errno here)")) is None
+    behind = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise behind
+        except OSError:
+            raise RuntimeError("errno = 27")
+    except RuntimeError as exc:
+        assert _hdf5_os_error(exc) is behind  # an OSError in the chain wins
+
+
 def test_a_disk_store_bank_without_room_is_one_line_before_training(digits6_16px, tmp_path):
     """FedFomo's per-client bank in the disk store is a file mapped into memory: its blocks are
     reserved before training (a write into a mapped page the file system cannot back would kill

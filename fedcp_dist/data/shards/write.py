@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 from array import array
 from typing import Iterable
 
@@ -362,7 +363,7 @@ def _hdf5_file(tmp, path):
         f.flush()  # a full disk fails here, before the close, which then has nothing large left to write
     except BaseException as exc:
         _close_into_memory(f)
-        err = os_error_behind(exc) if isinstance(exc, (OSError, RuntimeError)) else None
+        err = _hdf5_os_error(exc) if isinstance(exc, (OSError, RuntimeError)) else None
         if (err is not None and err.errno is not None and err.filename in (None, str(tmp))
                 and not isinstance(err, (FileExistsError, BrokenPipeError))):
             raise OSError(err.errno, os.strerror(err.errno), str(path)) from None  # HDF5's own write failed
@@ -370,9 +371,54 @@ def _hdf5_file(tmp, path):
     try:
         f.close()
     except (RuntimeError, OSError) as exc:
-        err = os_error_behind(exc)
+        err = _hdf5_os_error(exc)
         raise OSError(err.errno if err is not None else errno.EIO,
                       os.strerror(err.errno if err is not None else errno.EIO), str(path)) from None
+
+
+def _hdf5_os_error(exc: BaseException):
+    """The OSError behind ``exc``, or the one HDF5 names only in its message (``errno = 27``: a flush
+    that a file size limit cut short comes out of h5py as a RuntimeError); None if there is none."""
+    err = os_error_behind(exc)
+    if err is None and isinstance(exc, RuntimeError):
+        found = re.search(r"\berrno = (\d+)", str(exc))
+        if found and int(found.group(1)) > 0:
+            err = OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+    return err
+
+
+#: bytes HDF5 may hold back and write later beyond what a shard's file has on disk (its chunk and
+#: metadata caches, about 1 MiB for each dataset written at a time)
+FSIZE_SLACK = 4 << 20
+
+
+def _file_size_limit():
+    """The largest file this process may write (``ulimit -f``, RLIMIT_FSIZE) in bytes; None: no limit."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return None if soft == resource.RLIM_INFINITY else int(soft)
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def _file_size_limited() -> bool:
+    """Whether this process may write files of a limited size only (``ulimit -f``, RLIMIT_FSIZE)."""
+    return _file_size_limit() is not None
+
+
+def _check_file_size(f, path, limit, arrays) -> None:
+    """Under a file size limit, an OSError naming ``path`` before a client's ``arrays`` are written
+    where the file could pass the limit: HDF5 fails on a write past it inside the finalizers of its
+    objects, where the failure cannot be caught and the interpreter crashed (a segfault)."""
+    if limit is None:
+        return
+    size = os.fstat(f.id.get_vfd_handle()).st_size
+    if size + sum(int(getattr(a, "nbytes", 0)) for a in arrays) + FSIZE_SLACK > limit:
+        raise OSError(errno.EFBIG, f"File too large: the shard would come within {FSIZE_SLACK >> 20} MiB of this "
+                                   f"process's file size limit, {limit >> 10:,} KiB (ulimit -f {limit >> 10}); raise "
+                                   f"the limit", os.fspath(path))
 
 
 def _close_into_memory(f) -> None:
@@ -381,7 +427,9 @@ def _close_into_memory(f) -> None:
     try:
         if not f.id.valid:
             return
-        if hasattr(os, "memfd_create"):
+        if _file_size_limited():  # a memory file is a file too: its writes would fail again past the limit
+            void = os.open(os.devnull, os.O_RDWR)
+        elif hasattr(os, "memfd_create"):
             void = os.memfd_create("fedcp-unwritten-shard")
         else:
             import tempfile
@@ -405,9 +453,11 @@ def _write(path, clients, source, num_classes, input_shape, mean, std, partition
         counts = _Counts(num_classes, body.keep_labels)
         x_dtype = {KIND: np.uint8, TEXT_KIND: np.int32, TABLE_KIND: np.float32}[kind]
         fingerprint = _Fingerprint(body.names, x_dtype, input_shape)
+        limit = _file_size_limit()
         for i, arrays in enumerate(clients):
             interrupts.check()  # a stop signal swallowed in one of h5py's finalizers is raised here
             checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
+            _check_file_size(f, path, limit, checked)
             body.add(i, checked, counts.add(checked[1], checked[3]))
             for name, arr in zip(body.names, checked):
                 fingerprint.add(name, arr)
