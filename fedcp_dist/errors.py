@@ -116,11 +116,27 @@ def leave(code: int):
     sys.exit(code)
 
 
+def encodable_output() -> None:
+    """stdout and stderr replace what their encoding cannot write (σ, ±, é under a Latin-1 or ASCII
+    locale: ``PYTHONIOENCODING``, an ISO-8859-1 ``LANG``) instead of raising UnicodeEncodeError in
+    the middle of a run, which ended it with a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if reconfigure is not None and encoding not in ("utf8", "utf8sig", ""):
+            try:
+                if getattr(stream, "errors", "strict") == "strict":
+                    reconfigure(errors="replace")
+            except (ValueError, OSError, TypeError):  # a stream already closed, or not a TextIOWrapper
+                pass
+
+
 def cli_main(func):
     """Wrap a console-script ``main`` so that a :class:`UserError` ends in one line on stderr."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        encodable_output()
         try:
             return func(*args, **kwargs)
         except UserError as exc:

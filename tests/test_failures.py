@@ -399,6 +399,21 @@ def test_a_shard_written_under_a_file_size_limit_is_one_line(tmp_path, kib):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("encoding", ["latin-1", "ascii"])
+def test_a_run_whose_output_cannot_encode_its_symbols_goes_on(digits6_16px, tmp_path, encoding):
+    """Output in a Latin-1 or ASCII encoding (PYTHONIOENCODING, an ISO-8859-1 locale): the DP start
+    line's σ raised UnicodeEncodeError, a traceback that ended the run and left it unfinished. The
+    symbols are replaced and the run finishes."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, out, "rounds=1", "dp=central",
+                                                                       "dp_noise_multiplier=0.5")],
+                       cwd=REPO, capture_output=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING=encoding))
+    text = (r.stdout + r.stderr).decode(encoding)
+    assert r.returncode == 0 and "Traceback" not in text, text[-3000:]
+    assert "DP (?, ?)" in text and (out / "summary.json").is_file()
+
+
 def test_hdf5s_own_report_of_a_failed_write_gives_its_errno():
     """h5py raises a flush that the file system refused as a RuntimeError whose message alone holds
     the errno: it is read from there, so the shard's writer names the reason in one line."""
