@@ -414,6 +414,20 @@ def test_a_run_whose_output_cannot_encode_its_symbols_goes_on(digits6_16px, tmp_
     assert "DP (?, ?)" in text and (out / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("module", ["fedcp_dist.run", "fedcp_dist.cli.partition", "fedcp_dist.cli.report"])
+def test_a_command_started_in_a_removed_folder_says_so(tmp_path, module):
+    """A shell left in a folder that was removed: loading torch died in its math library ("Intel
+    oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"), which named nothing of the cause."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    r = subprocess.run(["bash", "-c", f'cd "{gone}" && rmdir "{gone}" && exec "$0" -m {module} --help', sys.executable],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == ("error: the current directory no longer exists (it was removed while the shell was in it): cd "
+                        "to a folder that exists and run the command again\n")
+
+
 def test_hdf5s_own_report_of_a_failed_write_gives_its_errno():
     """h5py raises a flush that the file system refused as a RuntimeError whose message alone holds
     the errno: it is read from there, so the shard's writer names the reason in one line."""
