@@ -204,6 +204,26 @@ def test_data_that_cannot_fit_is_refused_before_it_is_read(digits6_16px, tmp_pat
                           f"data (in host memory) but 0.1 MiB are left (cgroup memory limit)"), err
 
 
+def test_data_that_fits_but_not_the_address_space_reading_maps_names_the_limit(digits6_16px, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Under ``ulimit -v`` with a few MiB left, the refusal said the data needed 1.4 MiB and 8.9 MiB
+    were left, and to use more ranks: it compares the address space that reading maps, which it now
+    names, with the advice to raise the limit."""
+    from fedcp_dist.run import main
+
+    data = 1797 * (256 + 8)
+    monkeypatch.setattr(preflight, "host_free", lambda: Free([("RLIMIT_AS", 4 * data)]))
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", "configs/digits_fedcp.yaml", f"data.path={digits6_16px}", f"out_dir={tmp_path}",
+              "rounds=1", "threads=1", "client_data=resident"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    counted = preflight.mib(Free.counted("RLIMIT_AS", data))
+    assert err == (f"error: not enough memory: rank 0's 6 clients hold {preflight.mib(data)} of data (in host memory, "
+                   f"{counted} of address space with what reading it maps beyond what it touches) but "
+                   f"{preflight.mib(4 * data)} are left (RLIMIT_AS); raise or unset RLIMIT_AS (ulimit -v)\n"), err
+
+
 def test_batch_size_beyond_the_data_gives_the_same_fused_run_and_says_its_memory(digits6_16px, tmp_path):
     """batch_size=100000 on clients of at most a few hundred samples trains exactly as batch_size =
     the largest client's samples (it padded every step to 100000 rows before, tens of GB)."""

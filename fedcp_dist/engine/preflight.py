@@ -389,9 +389,12 @@ def check_data(info, counts, rank: int, device) -> None:
         bad = limits.tightest(need, 0)
         if bad is not None:
             where = "GPU memory" if pool == "device" and "host" in free else "host memory"
+            counted = "" if bad[1] == need else (f", {mib(bad[1])} of address space with what reading it maps "
+                                                 f"beyond what it touches")
+            advice = ("use more ranks (each holds fewer clients) or fewer of the shard's clients (data.clients)"
+                      if need > bad[2] else f"raise or unset {bad[0]} ({'ulimit -d' if 'DATA' in bad[0] else 'ulimit -v'})")
             raise UserError(f"not enough memory: rank {rank}'s {len(counts)} clients hold {mib(need)} of data (in "
-                            f"{where}) but {mib(max(0, bad[2]))} are left ({bad[0]}); use more ranks (each holds "
-                            f"fewer clients) or fewer of the shard's clients (data.clients)")
+                            f"{where}{counted}) but {mib(max(0, bad[2]))} are left ({bad[0]}); {advice}")
 
 
 def model_activations(cfg, info) -> int:
