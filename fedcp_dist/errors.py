@@ -72,6 +72,34 @@ def check_address_space(floor: int = ADDRESS_SPACE_FLOOR) -> None:
                         f"set it)")
 
 
+#: open files a run may need: measured (2026-12-05, digits, 1 thread) a run of one process needs 7 and
+#: ``fedcp-run --ranks 2`` (torchrun, its store, gloo's sockets) 32; a larger job opens a few more per
+#: peer, and a disk store or an mpirun job a few more again
+OPEN_FILES_FLOOR = 64
+#: the soft limit a run raises a lower one to, within the hard limit
+OPEN_FILES_WANTED = 4096
+
+
+def check_open_files(floor: int = OPEN_FILES_FLOOR, wanted: int = OPEN_FILES_WANTED, note=None) -> None:
+    """An open-file limit (``ulimit -n``) under ``floor``: the soft limit is raised within the hard
+    one (to ``wanted``; ``note`` says so), else refused in one line. Under a few dozen files a run
+    failed at its first checkpoint (naming a source file of the package as the file it could not
+    write), and torchrun with a traceback."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= floor:
+        return
+    if hard != resource.RLIM_INFINITY and hard < floor:
+        raise UserError(f"the open-file limit (ulimit -n) is {soft}, and {hard} at most (its hard limit): a run opens up "
+                        f"to {floor} files at once (its checkpoints, the ranks' sockets); raise the hard limit")
+    raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if note is not None:
+        note(f"note: the open-file limit (ulimit -n) was {soft}, too few for a run (up to {floor} files at once); "
+             f"raised to {raised} within its hard limit")
+
+
 def say(line: str) -> None:
     """``line`` on stderr in one write: the ranks of a job share a log, and print() writes the text
     and its newline apart, so two ranks' lines could run into one."""

@@ -14,7 +14,8 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from fedcp_dist.errors import ArgumentParser, Preempted, StdoutThatMayGo, UserError, check_address_space, cli_main
+from fedcp_dist.errors import (ArgumentParser, Preempted, StdoutThatMayGo, UserError, check_address_space,
+                               check_open_files, cli_main, say)
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import StopSignals, write_status
 
@@ -219,6 +220,7 @@ def _main(args, stop: StopSignals) -> None:
 
 def _before_start(args) -> None:
     check_address_space()  # before torch loads: under too low a limit some of its libraries abort the process
+    check_open_files(note=say)  # and the ranks torchrun starts inherit a raised limit
     from fedcp_dist.config import given_once
 
     given_once(args.overrides)  # a key typed twice, before anything starts

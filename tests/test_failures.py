@@ -428,6 +428,32 @@ def test_a_command_started_in_a_removed_folder_says_so(tmp_path, module):
                         "to a folder that exists and run the command again\n")
 
 
+@pytest.mark.parametrize("hard", [20000, 20])
+def test_an_open_file_limit_too_low_for_a_run_is_raised_or_refused(digits6_16px, tmp_path, hard):
+    """``ulimit -n`` of 20: a run failed at its first checkpoint naming a source file of torch as the
+    file it could not write, and ``--ranks 2`` with torchrun's traceback. The soft limit is raised
+    within the hard one (a note says so), and a hard limit under what a run needs is one line."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (20, hard))
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, out, "rounds=1", "checkpoint_every=1")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limit,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if hard == 20:
+        assert r.returncode == 2 and r.stderr == (
+            "error: the open-file limit (ulimit -n) is 20, and 20 at most (its hard limit): a run opens up to 64 files "
+            "at once (its checkpoints, the ranks' sockets); raise the hard limit\n"), r.stderr
+        assert not out.exists()
+    else:
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert ("note: the open-file limit (ulimit -n) was 20, too few for a run (up to 64 files at once); raised to "
+                "4096 within its hard limit\n") in r.stderr
+        assert (out / "summary.json").is_file()
+
+
 def test_hdf5s_own_report_of_a_failed_write_gives_its_errno():
     """h5py raises a flush that the file system refused as a RuntimeError whose message alone holds
     the errno: it is read from there, so the shard's writer names the reason in one line."""

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from fedcp_dist.errors import ArgumentParser, UserError, cli_main
+from fedcp_dist.errors import ArgumentParser, UserError, check_open_files, cli_main, say
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
@@ -96,6 +96,7 @@ def launched_copies(env=os.environ) -> int:
 def main(argv=None) -> None:
     """Entry point of ``fedcp-sweep``."""
     args = build_parser().parse_args(argv)
+    check_open_files(note=say)  # the points it starts inherit a raised limit
     copies = launched_copies()
     if copies > 1 and not args.dry_run:
         raise UserError(f"fedcp-sweep was started {copies} times by a launcher (mpirun, srun or torchrun): it starts "
