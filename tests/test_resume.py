@@ -414,3 +414,30 @@ def test_a_checkpoint_of_other_code_resumes_with_a_note(tmp_path, monkeypatch):
                         f"one, so the run is not bit for bit what either would make alone")
     assert code_note(None).startswith("note: the checkpoint was written by fedcp_dist code that recorded no digest")
     assert code_note(code_digest()) == ""
+
+
+def test_the_code_digest_covers_every_source_file_of_the_package(tmp_path, monkeypatch):
+    """Moved into rundir/, the digest hashed that folder's ten files only: a resume under changed
+    algorithms, losses or engine code said nothing, and ranks running other training code were not
+    refused. It covers every .py file of the package, and a change to one outside rundir/ (a copy
+    of the package with one line added to losses.py) changes it."""
+    import shutil
+
+    import fedcp_dist
+    from fedcp_dist.rundir import code
+
+    package = Path(fedcp_dist.__file__).resolve().parent
+    assert set(code.sources()) == set(package.rglob("*.py"))
+    assert package / "losses.py" in code.sources() and package / "engine" / "simulator.py" in code.sources()
+    copy = tmp_path / "fedcp_dist"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    digests = []
+    for change in ("", "# another line\n"):
+        with (copy / "losses.py").open("a") as f:
+            f.write(change)
+        monkeypatch.setattr(code, "PACKAGE", copy)
+        code.code_digest.cache_clear()
+        digests.append(code.code_digest())
+    code.code_digest.cache_clear()
+    monkeypatch.undo()
+    assert digests[0] != digests[1] and digests[0] == code.code_digest()

@@ -10,7 +10,14 @@ import functools
 import hashlib
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent
+#: the package's folder (``fedcp_dist/``, the parent of this module's ``rundir/``): every layer's
+#: source counts, the algorithms and the engine above all
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def sources() -> list:
+    """The ``.py`` files the digest covers, in path order."""
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -18,7 +25,7 @@ def code_digest() -> str:
     """16 hex digits of the SHA-256 over the package's ``.py`` files (their paths and contents), in
     path order."""
     h = hashlib.sha256()
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sources():
         h.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0")
         h.update(path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
