@@ -237,3 +237,13 @@ def file_sha256(path) -> "hashlib._Hash":
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h
+
+
+def folders_to_make(folder) -> list:
+    """The folders a ``mkdir -p`` of ``folder`` would make: ``folder`` and each folder above it
+    that does not exist yet, the innermost first (taken before, for undoing a start refused after)."""
+    made, p = [], Path(folder).absolute()
+    while not os.path.lexists(p) and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made

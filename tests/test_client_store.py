@@ -647,3 +647,22 @@ def test_a_peer_bank_file_changed_on_disk_stops_the_run_and_the_resume_is_exact(
     assert _records(ref) == _records(out)
     (ga, _), (gb, _) = _final(ref), _final(out)
     assert all(torch.equal(ga[k], gb[k]) for k in ga)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_a_resume_refused_after_the_disk_store_opened_leaves_no_store_folder(digits6_16px, tmp_path, elsewhere):
+    """A resume that the checkpoint's config refuses (another seed) with ``client_state: disk``: the
+    store had made its folder and lock file by then (``out_dir/client_state/rank_0/.lock``, or one
+    under client_state_dir), left behind by a start that changed nothing else. Now they go again."""
+    from fedcp_dist.errors import UserError
+    from helpers import run
+
+    out = tmp_path / "run"
+    base = [f"data.path={digits6_16px}", f"out_dir={out}", "rounds=2", "checkpoint_every=1", "threads=1"]
+    run("configs/digits_fedcp.yaml", base)
+    (out / "summary.json").unlink()  # as if stopped after its last checkpoint
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    store = [f"client_state_dir={tmp_path / 'scratch' / 'states'}"] if elsewhere else []
+    with pytest.raises(UserError, match="config key 'seed' is 2"):
+        run("configs/digits_fedcp.yaml", [*base, "seed=2", "client_state=disk", *store])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

@@ -38,7 +38,8 @@ from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.engine.preflight import preflight
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.rundir.directory import RunWriter
-from fedcp_dist.rundir.out_dir import folders_to_make, prepare_out_dir, unmake_out_dir
+from fedcp_dist.fileio import folders_to_make
+from fedcp_dist.rundir.out_dir import prepare_out_dir, unmake_out_dir
 from fedcp_dist.runtime import Runtime
 from fedcp_dist.engine.training import CohortTrainer
 
@@ -104,6 +105,8 @@ def start_run(cfg: Config, rt: Runtime, ckpt: Checkpointer, echo: Callable[[str]
         return _start(cfg, rt, ckpt, echo, wrap, made)
     except BaseException:  # what was locked is released
         close_parts((made["store"], made["data"], made["writer"]), failed=True)
+        if isinstance(made["store"], DiskClientStore):  # what it made for a start that did not happen
+            made["store"].unmake()
         if made["new_dir"]:  # while the lock is still held: no other run can have taken the folder
             unmake_out_dir(cfg.out_dir, made["new_dir"])
         close_parts((made["lock"],), failed=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import IO
 
 from fedcp_dist.errors import UserError
+from fedcp_dist.fileio import folders_to_make
 from fedcp_dist.rundir.directory import DERIVED, DIVERGED, RUN_FILES, SUMMARY, TENSORBOARD, RunDir
 
 
@@ -118,20 +119,10 @@ def prepare_out_dir(out_dir, *, overwrite: bool, resume: str) -> IO:
     return lock
 
 
-def folders_to_make(out_dir) -> list:
-    """The folders :func:`prepare_out_dir` will make for ``out_dir``: ``out_dir`` and each folder
-    above it that does not exist yet, the innermost first."""
-    made, p = [], Path(out_dir).absolute()
-    while not os.path.lexists(p) and p != p.parent:
-        made.append(p)
-        p = p.parent
-    return made
-
-
 def unmake_out_dir(out_dir, made=()) -> None:
     """Undo :func:`prepare_out_dir`'s making of ``out_dir`` for a start refused after it (a shard
     that cannot be read, say): the folder goes again when it holds nothing but the lock file, and
-    so do the folders above it in ``made`` (:func:`folders_to_make`, taken before) that are empty
+    so do the folders above it in ``made`` (:func:`~fedcp_dist.fileio.folders_to_make`, taken before) that are empty
     then. Call it while the lock is still held, so that no other run can have taken the folder
     meanwhile."""
     run = RunDir(out_dir)

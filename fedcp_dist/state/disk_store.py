@@ -18,7 +18,7 @@ from typing import Dict, Optional
 import torch
 
 from fedcp_dist.errors import RunFailure, UserError, first_line
-from fedcp_dist.fileio import atomic_torch_save, file_sha256
+from fedcp_dist.fileio import atomic_torch_save, file_sha256, folders_to_make
 from fedcp_dist.state.client_store import (ClientFiles, ClientStore, HostClientStore, State, banks_in_files, pack,
                                            resolve_mode, unpack)
 from fedcp_dist.state.process_memory import state_bytes
@@ -53,6 +53,7 @@ class DiskClientStore(ClientStore):
     def __init__(self, algo, global_state: State, bn_keys=(), directory: str = "", device="cpu", run: str = ""):
         self.dir = Path(directory)
         self.device = torch.device(device)
+        self._made = folders_to_make(self.dir)  # for a start refused after the store was opened
         self._lock = lock_dir(self.dir, run)
         try:
             for old in self.dir.glob("*client_*.pt*"):  # states of an earlier attempt: checkpoints rule
@@ -332,6 +333,21 @@ class DiskClientStore(ClientStore):
                 tmp.unlink(missing_ok=True)
             self._lock.close()
             self._lock = None
+
+    def unmake(self) -> None:
+        """After :meth:`close`, for a start refused once the store was opened (a resume that the
+        checkpoint's config refuses): the folders the store made go again when they hold nothing
+        but its lock file (an earlier attempt's folder, or one with files, stays as it was)."""
+        if not self._made or self._lock is not None:
+            return
+        try:
+            if [p.name for p in self.dir.iterdir()] != [self.LOCK]:
+                return
+            (self.dir / self.LOCK).unlink()
+            for folder in self._made:
+                folder.rmdir()  # not empty (another rank's folder beside it, say): it stays
+        except OSError:
+            pass
 
     def held_bytes(self) -> int:
         return (super().held_bytes() + sum(state_bytes(e) for e, _ in self._writing.values())
