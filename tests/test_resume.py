@@ -441,3 +441,28 @@ def test_the_code_digest_covers_every_source_file_of_the_package(tmp_path, monke
     code.code_digest.cache_clear()
     monkeypatch.undo()
     assert digests[0] != digests[1] and digests[0] == code.code_digest()
+
+
+def test_a_restart_of_a_run_stopped_before_its_first_checkpoint_says_its_records_are_replaced(tmp_path):
+    """A run killed before its first complete checkpoint (config.yaml and two rounds in
+    metrics.jsonl, no checkpoint), started again: it began afresh and replaced those records
+    without a word. A note now says how many it replaces and why."""
+    import shutil
+
+    from helpers import run
+
+    shard, out = _digits(tmp_path / "d.h5", seed=1), tmp_path / "run"
+    args = [f"data.path={shard}", f"out_dir={out}", "rounds=2", "checkpoint_every=0", "eval_every=1", "threads=1"]
+    said = []
+    run("configs/digits_fedcp.yaml", args, echo=said.append)
+    assert not [line for line in said if line.startswith("note:")], said
+    (out / "summary.json").unlink()  # as a SIGKILL in round 3 of a longer run leaves it
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    (out / "final_global.pt").unlink(missing_ok=True)
+    held = len((out / "metrics.jsonl").read_text().splitlines())
+    said = []
+    run("configs/digits_fedcp.yaml", [*args, "seed=7"], echo=said.append)
+    assert held >= 2 and [line for line in said if line.startswith("note:")] == [
+        f"note: {out} held {held} records (metrics.jsonl) of a run stopped before its first complete checkpoint "
+        f"(checkpoint_every=0): nothing to resume from, so this run starts at round 1 and its records replace those"]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == held

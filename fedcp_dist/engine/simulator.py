@@ -29,7 +29,7 @@ from fedcp_dist.rundir.preemption import StopSignals, interrupt_after
 from fedcp_dist.comm.privacy import PrivacySums
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.engine.round_record import evaluation_record, learned_nothing, round_record, summary_json
-from fedcp_dist.rundir.directory import DIVERGED, SUMMARY
+from fedcp_dist.rundir.directory import DIVERGED, SUMMARY, RunDir
 from fedcp_dist.rundir.present import progress_line, result_table
 from fedcp_dist.engine.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
@@ -163,6 +163,11 @@ class Simulator:
             self.echo(f"asked to stop before round {self.start_round + 1}; exiting for requeue "
                       f"(nothing new to checkpoint)")
             raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}")
+        lost = RunDir(cfg.out_dir).lines_recorded() if rt.is_main and self.start_round == 0 else 0
+        if lost:  # a run stopped before its first complete checkpoint: what it recorded cannot be resumed
+            self.echo(f"note: {cfg.out_dir} held {lost} record{'s' if lost > 1 else ''} (metrics.jsonl) of a run stopped before "
+                      f"its first complete checkpoint (checkpoint_every={cfg.checkpoint_every}): nothing to resume "
+                      f"from, so this run starts at round 1 and its records replace those")
         self.writer.write_config(dump_config(cfg))
         self.writer.start_metrics(self.records)
         self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line,

@@ -261,6 +261,14 @@ class RunDir:
             return None
         return flatten(data) if isinstance(data, dict) else None
 
+    def lines_recorded(self) -> int:
+        """The lines metrics.jsonl holds (0 when there is none or it cannot be read): a run's records."""
+        try:
+            with open(self.metrics, "rb") as f:
+                return sum(1 for line in f if line.strip())
+        except OSError:
+            return 0
+
     def read_metrics(self) -> list:
         """The records of metrics.jsonl ([] when there is none); see :func:`read_jsonl`."""
         if not self.metrics.exists():
