@@ -184,6 +184,13 @@ def _start_ranks(args, stop: StopSignals) -> None:
         problem = refusal(RunDir(cfg.out_dir), cfg.resume)
         if problem:
             raise UserError(problem)
+        if cfg.resume == "auto":  # and a resume its checkpointed run's config refuses (by every rank, once here)
+            from fedcp_dist.rundir.directory import check_resume_config
+
+            run = RunDir(cfg.out_dir)
+            have = run.read_config() if run.has_checkpoint() else None
+            if have is not None:  # config.yaml: the keys a resume may not change are the checkpoint's own
+                check_resume_config(have, cfg.to_dict(), cfg.out_dir, same_data=True)  # (the data: by content)
     cmd, env = local_ranks_command(n, args.config, args.overrides)
     if stop.signum is not None:  # asked to stop (before the signals were held) before the ranks started
         write_status("preempted")

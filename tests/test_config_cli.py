@@ -1,4 +1,5 @@
 """Config loading and the run command's refusals: one line naming the key, exit 2, no traceback."""
+import os
 import subprocess
 import sys
 
@@ -500,6 +501,27 @@ def test_ranks_refuse_a_finished_out_dir_before_the_ranks_start(digits6, tmp_pat
               "resume=never"])
     assert stop.value.code == 2 and capsys.readouterr().err == (
         f"error: out_dir {out} holds an unfinished run and resume=never; use resume=auto or overwrite=true\n")
+
+
+def test_ranks_refuse_a_resume_the_checkpointed_config_refuses_before_the_ranks_start(digits6, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """An unfinished run resumed under another seed with --ranks 2: each rank said the refusal, with
+    torchrun's log lines and a status line (five lines). The launch says it once, before torchrun
+    starts; a change a resume allows (rounds) still launches."""
+    from fedcp_dist.config import dump_config, load_config
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "round_0000001").mkdir(parents=True)
+    (out / "checkpoints" / "round_0000001" / "COMPLETE").write_text("{}")
+    made = load_config("configs/digits_fedavg.yaml", [f"data.path={digits6}", f"out_dir={out}", "seed=1", "rounds=2"])
+    (out / "config.yaml").write_text(dump_config(made))
+    monkeypatch.setattr(os, "execve", lambda *_: pytest.fail("torchrun was started"))
+    with pytest.raises(SystemExit) as stop:
+        main(["--ranks", "2", "--config", "configs/digits_fedavg.yaml", f"data.path={digits6}", f"out_dir={out}",
+              "seed=3", "rounds=2"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"error: config key 'seed' is 3 but the checkpointed run in {out} used 1; use another out_dir, or "
+        f"overwrite=true to start afresh\n")
 
 
 @pytest.mark.parametrize("override, said", [
