@@ -454,6 +454,18 @@ def test_an_open_file_limit_too_low_for_a_run_is_raised_or_refused(digits6_16px,
         assert (out / "summary.json").is_file()
 
 
+def test_a_fresh_run_that_cannot_write_its_config_says_nothing_was_trained(digits6_16px, tmp_path):
+    """config.yaml, the first file a fresh run writes, refused (a 1 KiB file size limit): the error
+    said "a restart resumes from its last complete checkpoint", of a run that had none."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, out, "rounds=1")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=_file_size_limit(1 << 10),
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == (
+        f"error: cannot write {out}/config.yaml: File too large; nothing was trained yet: start the run again once "
+        f"it can be written"), r.stderr[-2000:]
+
+
 def test_hdf5s_own_report_of_a_failed_write_gives_its_errno():
     """h5py raises a flush that the file system refused as a RuntimeError whose message alone holds
     the errno: it is read from there, so the shard's writer names the reason in one line."""

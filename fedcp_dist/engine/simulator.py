@@ -168,7 +168,7 @@ class Simulator:
             self.echo(f"note: {cfg.out_dir} held {lost} record{'s' if lost > 1 else ''} (metrics.jsonl) of a run stopped before "
                       f"its first complete checkpoint (checkpoint_every={cfg.checkpoint_every}): nothing to resume "
                       f"from, so this run starts at round 1 and its records replace those")
-        self.writer.write_config(dump_config(cfg))
+        self.writer.write_config(dump_config(cfg), fresh=self.start_round == 0)
         self.writer.start_metrics(self.records)
         self.echo(startup.start_line(cfg, rt, self.setup, self.path, self.store_line,
                                      "; ".join(n for n in (self.algo.describe(), self._dp_line()) if n),

@@ -316,15 +316,18 @@ def _json_default(o: Any):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+#: what a failed write leaves, said after its reason
+KEPT = "what the run wrote before is kept (a restart resumes from its last complete checkpoint)"
+
+
 @contextlib.contextmanager
-def _writing(path: Path, what: str = "write"):
+def _writing(path: Path, what: str = "write", after: str = KEPT):
     """An OSError while writing ``path`` as a one-line RunFailure naming it (what was written
     before stays: whole files are replaced atomically, appends are cut back to whole lines)."""
     try:
         yield
     except OSError as exc:
-        raise RunFailure(f"cannot {what} {path}: {exc.strerror or exc}; what the run wrote before is kept "
-                         f"(a restart resumes from its last complete checkpoint)") from None
+        raise RunFailure(f"cannot {what} {path}: {exc.strerror or exc}; {after}") from None
 
 
 class RunWriter:
@@ -386,9 +389,15 @@ class RunWriter:
             with _writing(self.dir / name):
                 atomic_torch_save({k: v.detach().cpu() for k, v in state.items()}, self.dir / name)
 
-    def write_config(self, text: str) -> None:
-        """config.yaml: the resolved config."""
-        self.write_text(CONFIG, text)
+    def write_config(self, text: str, fresh: bool = False) -> None:
+        """config.yaml: the resolved config. ``fresh``: the run starts at round 1 (nothing of it
+        trained yet, which a failure says)."""
+        if not fresh:
+            self.write_text(CONFIG, text)
+        elif self.enabled:
+            self.check_held()
+            with _writing(self.dir / CONFIG, after="nothing was trained yet: start the run again once it can be written"):
+                atomic_write_bytes(self.dir / CONFIG, text.encode("utf-8"))
 
     def write_summary(self, summary: dict) -> None:
         """summary.json; write it last, since its presence marks the run finished."""
