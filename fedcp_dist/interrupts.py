@@ -82,3 +82,68 @@ def stops_on(*signums: int) -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def descendants(pid: int) -> list:
+    """The processes below ``pid`` (children, theirs, ...), read from /proc; [] where there is none."""
+    import os
+
+    children: dict = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+@contextlib.contextmanager
+def following_job_control() -> Iterator[None]:
+    """A launcher whose workers run in sessions of their own (a sweep's point, torchrun's ranks)
+    takes them along when it is suspended: a Ctrl-Z (SIGTSTP) stopped the launcher alone while the
+    training went on. While active, SIGTSTP stops every process below this one (SIGSTOP) and then
+    this one; the SIGCONT that continues it (``fg``, ``bg``, ``kill -CONT``) continues them."""
+    import os
+
+    if signal.getsignal(signal.SIGTSTP) is signal.SIG_IGN:  # a caller that keeps it ignored: left so
+        yield
+        return
+    held: list = []
+
+    def suspend(_signum, _frame):
+        for p in descendants(os.getpid()):
+            try:
+                os.kill(p, signal.SIGSTOP)
+                held.append(p)
+            except OSError:
+                pass
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def resume(_signum, _frame):
+        while held:
+            try:
+                os.kill(held.pop(), signal.SIGCONT)
+            except OSError:
+                pass
+
+    previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTSTP, suspend),
+                                                                      (signal.SIGCONT, resume))}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        resume(None, None)

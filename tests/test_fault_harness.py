@@ -310,3 +310,61 @@ def test_a_ctrl_c_while_a_finished_runs_process_tears_down_prints_nothing(digits
     assert p.returncode == 0 and p.stdout.endswith("ended\n"), (p.returncode, p.stderr[-2000:])
     assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr[-2000:]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process's, after in-process runs
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_ctrl_z_to_a_sweep_suspends_its_point_and_fg_continues_both(digits6_16px, tmp_path):
+    """A SIGTSTP (Ctrl-Z) to a local sweep stopped the sweep alone: its point, in a session of its
+    own, trained on while the job was shown as stopped. The point is stopped with it, and the
+    SIGCONT of ``fg``/``bg`` continues both; the sweep then finishes as usual."""
+    from helpers import descendants
+
+    path = write_sweep(tmp_path, digits6_16px)
+    marker = tmp_path / "held"
+    proc = start_sweep(path, FEDCP_FAULT_AT=f"train@2:wait={marker}")
+    try:
+        wait_until(marker.exists, "the point in round 2")
+        point = [pid for pid in descendants(proc.pid) if pid != proc.pid]
+        assert len(point) == 1, point
+        proc.send_signal(signal.SIGTSTP)
+        wait_until(lambda: _state(proc.pid) == "T" and _state(point[0]) == "T", "the sweep and its point stopped", 30)
+        time.sleep(0.5)
+        assert _state(point[0]) == "T"
+        proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: _state(proc.pid) != "T" and _state(point[0]) != "T", "both going again", 30)
+        marker.unlink()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "1/1 finished, 0 failed" in out and "Traceback" not in err, out + err
+
+
+def test_a_ctrl_z_to_fedcp_run_ranks_suspends_the_ranks_too(digits6_16px, tmp_path):
+    """``fedcp-run --ranks 2`` suspended with a SIGTSTP: torchrun stopped, its ranks (sessions of
+    their own) trained on. They are stopped with it and continued with it; the run then finishes."""
+    from helpers import descendants
+
+    marker = tmp_path / "held"
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedcp_dist.run", "--ranks", "2", *args(digits6_16px, out)], cwd=REPO,
+                            env=env(FEDCP_FAULT_AT=f"train@2:wait={marker}"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(marker.exists, "the ranks in round 2")
+        below = [pid for pid in descendants(proc.pid) if pid != proc.pid]
+        assert len(below) >= 2, below
+        proc.send_signal(signal.SIGTSTP)
+        wait_until(lambda: all(_state(p) == "T" for p in [proc.pid, *below]), "the launcher and its ranks stopped", 30)
+        proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: not any(_state(p) == "T" for p in [proc.pid, *below]), "all going again", 30)
+        marker.unlink()
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and (out / "summary.json").is_file() and "Traceback" not in text, text[-3000:]

@@ -160,6 +160,8 @@ class SweepStop:
     def __enter__(self) -> "SweepStop":
         self._listening = interrupts.listening()
         self._listening.__enter__()
+        self._job_control = interrupts.following_job_control()  # a Ctrl-Z suspends the point too
+        self._job_control.__enter__()
         for name in STOP_SIGNALS:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -169,6 +171,7 @@ class SweepStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        self._job_control.__exit__(None, None, None)
         self._listening.__exit__(None, None, None)
 
 
