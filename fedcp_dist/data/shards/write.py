@@ -213,6 +213,10 @@ class _Appender:
             if self.fill == WRITE_SAMPLES:
                 self.close()
 
+    def buffered(self) -> int:
+        """Bytes of rows held in the buffer, not written yet."""
+        return self.buf[:self.fill].nbytes
+
     def close(self) -> None:
         """Write what the buffer holds."""
         if self.fill:
@@ -250,6 +254,10 @@ class _SplitWriter:
         for column, row in zip(self.labels, labels):
             column.append(row[None])
 
+    def buffered_bytes(self) -> int:
+        """Bytes of rows appended but still in the columns' buffers."""
+        return sum(column.buffered() for column in (*self.columns.values(), *self.labels))
+
     def finish(self, counts: _Counts) -> None:
         for column in (*self.columns.values(), *self.labels):
             column.close()
@@ -263,6 +271,11 @@ class _GroupWriter:
 
     #: the counts go to the root attributes at the end
     keep_labels = True
+
+    @staticmethod
+    def buffered_bytes() -> int:
+        """Nothing is held back: each client's rows are written as it comes."""
+        return 0
 
     def __init__(self, f: h5py.File, kind: str, version: int):
         self.f, self.version = f, version
@@ -387,9 +400,9 @@ def _hdf5_os_error(exc: BaseException):
     return err
 
 
-#: bytes HDF5 may hold back and write later beyond what a shard's file has on disk (its chunk and
-#: metadata caches, about 1 MiB for each dataset written at a time)
-FSIZE_SLACK = 4 << 20
+#: bytes a shard's file may still take besides its rows: HDF5's metadata (chunk indexes, the
+#: attributes and the per-client offsets written at the end are counted apart)
+FSIZE_SLACK = 64 << 10
 
 
 def _file_size_limit():
@@ -408,17 +421,20 @@ def _file_size_limited() -> bool:
     return _file_size_limit() is not None
 
 
-def _check_file_size(f, path, limit, arrays) -> None:
-    """Under a file size limit, an OSError naming ``path`` before a client's ``arrays`` are written
-    where the file could pass the limit: HDF5 fails on a write past it inside the finalizers of its
-    objects, where the failure cannot be caught and the interpreter crashed (a segfault)."""
+def _check_file_size(f, path, limit, body, pending: int) -> None:
+    """Under a file size limit, an OSError naming ``path`` before ``pending`` more bytes of rows
+    (uncompressed: compression only shrinks them) are given to the writer, where the file could
+    pass the limit: HDF5 fails on a write past it inside the finalizers of its objects, where the
+    failure cannot be caught and the interpreter crashed (a segfault). What HDF5 caches is written
+    first (a flush), so the file's size is exact; the rows the writer holds in its buffers count."""
     if limit is None:
         return
+    f.flush()
     size = os.fstat(f.id.get_vfd_handle()).st_size
-    if size + sum(int(getattr(a, "nbytes", 0)) for a in arrays) + FSIZE_SLACK > limit:
-        raise OSError(errno.EFBIG, f"File too large: the shard would come within {FSIZE_SLACK >> 20} MiB of this "
-                                   f"process's file size limit, {limit >> 10:,} KiB (ulimit -f {limit >> 10}); raise "
-                                   f"the limit", os.fspath(path))
+    if size + body.buffered_bytes() + pending + FSIZE_SLACK > limit:
+        raise OSError(errno.EFBIG, f"File too large: the shard could pass this process's file size limit, "
+                                   f"{limit >> 10:,} KiB (ulimit -f {limit >> 10}), with its next rows (counted before "
+                                   f"compression); raise the limit", os.fspath(path))
 
 
 def _close_into_memory(f) -> None:
@@ -457,12 +473,14 @@ def _write(path, clients, source, num_classes, input_shape, mean, std, partition
         for i, arrays in enumerate(clients):
             interrupts.check()  # a stop signal swallowed in one of h5py's finalizers is raised here
             checked = _check_client(i, arrays, input_shape, num_classes, kind, ids)
-            _check_file_size(f, path, limit, checked)
+            _check_file_size(f, path, limit, body, sum(int(getattr(a, "nbytes", 0)) for a in checked))
             body.add(i, checked, counts.add(checked[1], checked[3]))
             for name, arr in zip(body.names, checked):
                 fingerprint.add(name, arr)
         if len(counts) == 0:
             raise ValueError("write_shard needs at least one client")
+        # what the end writes besides the rows: the offsets (16 bytes a client), the attributes
+        _check_file_size(f, path, limit, body, 16 * len(counts) + (sum(len(t) + 8 for t in vocab) if vocab else 0))
         a = f.attrs
         a["format_version"] = np.int64(format_version)
         if kind == TEXT_KIND:
