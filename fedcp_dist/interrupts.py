@@ -110,12 +110,20 @@ def descendants(pid: int) -> list:
     return out
 
 
+#: said when a launcher of several ranks is suspended: their clocks go on while they are stopped
+RANKS_PAUSED = ("note: suspended with its ranks; continue it (fg, bg) within the run's collective_timeout (600 s "
+                "unless set): a longer pause makes the ranks' next collective time out when they continue, and the "
+                "run then stops (it resumes from its last complete checkpoint)")
+
+
 @contextlib.contextmanager
-def following_job_control() -> Iterator[None]:
+def following_job_control(note=None) -> Iterator[None]:
     """A launcher whose workers run in sessions of their own (a sweep's point, torchrun's ranks)
     takes them along when it is suspended: a Ctrl-Z (SIGTSTP) stopped the launcher alone while the
     training went on. While active, SIGTSTP stops every process below this one (SIGSTOP) and then
-    this one; the SIGCONT that continues it (``fg``, ``bg``, ``kill -CONT``) continues them."""
+    this one; the SIGCONT that continues it (``fg``, ``bg``, ``kill -CONT``) continues them.
+    ``note`` (a callable, or None) gives a line to say on stderr as it suspends them. Linux only
+    (/proc): elsewhere the launcher alone is suspended, as before."""
     import os
 
     if signal.getsignal(signal.SIGTSTP) is signal.SIG_IGN:  # a caller that keeps it ignored: left so
@@ -124,6 +132,12 @@ def following_job_control() -> Iterator[None]:
     held: list = []
 
     def suspend(_signum, _frame):
+        line = note() if note is not None else None
+        if line:
+            try:
+                os.write(2, (line + "\n").encode("utf-8", "replace"))
+            except OSError:
+                pass
         for p in descendants(os.getpid()):
             try:
                 os.kill(p, signal.SIGSTOP)

@@ -26,6 +26,7 @@ import yaml
 from conftest import BIN, REPO
 from fedcp_dist.rundir.checkpoint import Checkpointer
 from fedcp_dist.cli import sweep as sweep_cli
+from fedcp_dist.interrupts import RANKS_PAUSED
 from fedcp_dist.run import main as fedcp_run
 
 pytestmark = pytest.mark.slow
@@ -342,6 +343,7 @@ def test_a_ctrl_z_to_a_sweep_suspends_its_point_and_fg_continues_both(digits6_16
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "1/1 finished, 0 failed" in out and "Traceback" not in err, out + err
+    assert RANKS_PAUSED not in err  # one rank a point: no collective to time out
 
 
 def test_a_ctrl_z_to_fedcp_run_ranks_suspends_the_ranks_too(digits6_16px, tmp_path):
@@ -368,3 +370,26 @@ def test_a_ctrl_z_to_fedcp_run_ranks_suspends_the_ranks_too(digits6_16px, tmp_pa
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and (out / "summary.json").is_file() and "Traceback" not in text, text[-3000:]
+    assert text.count(RANKS_PAUSED) == 1  # how long such a pause may last: the ranks' collective_timeout
+
+
+def test_a_second_stop_signal_to_a_sweep_kills_its_point_and_says_so(digits6_16px, tmp_path):
+    """The second stop signal kills the running point (SIGKILL): its line said "killed by SIGKILL
+    (an out-of-memory kill, or a kill -9?)" for a kill the sweep made itself. It says the second
+    signal stopped it, and the summary that it resumes from its last complete checkpoint."""
+    path = write_sweep(tmp_path, digits6_16px)
+    marker = tmp_path / "held"
+    proc = start_sweep(path, FEDCP_FAULT_AT=f"train@2:wait={marker}")
+    try:
+        wait_until(marker.exists, "the point in round 2")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "got SIGTERM" in point_log(tmp_path).read_text(), "the point's SIGTERM")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out + err
+    assert "[1/1] stopped" in out and "stopped at once by a second stop signal; its last complete checkpoint kept" in out
+    assert "out-of-memory" not in out and "0 failed, 1 stopped (each resumes from its last complete checkpoint)" in out
+    assert Checkpointer(str(point_dir(tmp_path)), 0, 1, 2).latest().name == "round_0000001"

@@ -32,7 +32,7 @@ import tempfile
 from typing import Dict, Optional
 
 from fedcp_dist.errors import EXIT_REQUEUE
-from fedcp_dist.interrupts import following_job_control
+from fedcp_dist.interrupts import RANKS_PAUSED, following_job_control
 
 
 def failure_line(codes: Dict[int, int], signals: Dict[int, str]) -> tuple:
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         # what came while torch loaded is delivered here, into the handlers above (and the ranks
         # torchrun starts must not inherit the block)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_ACROSS_EXEC)
-        with following_job_control():  # a Ctrl-Z suspends the ranks too (they run in sessions of their own)
+        # a Ctrl-Z suspends the ranks too (they run in sessions of their own)
+        with following_job_control(note=lambda: RANKS_PAUSED):
             torchrun(sys.argv[1:] if argv is None else argv)
         return 0
     except ChildFailedError as exc:

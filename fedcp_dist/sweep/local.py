@@ -113,13 +113,16 @@ class SweepStop:
     on to the running point (``proc``) as SIGTERM, or, with none running, stops the sweep at once
     (:class:`~fedcp_dist.errors.Preempted`); the second ends the running point at once (SIGKILL)."""
 
-    def __init__(self, sweep: str = ""):
+    def __init__(self, sweep: str = "", ranks: int = 1):
         self.sweep = sweep
+        self.ranks = ranks  # per point: a pause of several must stay within their collective_timeout
         self.signum: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
         self.point = ""
         #: whether the stop was passed on to a point (a further signal then kills it)
         self.forwarded = False
+        #: whether a further signal killed the point (SIGKILL)
+        self.killed = False
         self._previous: dict = {}
 
     @property
@@ -142,6 +145,7 @@ class SweepStop:
         else:
             print(f"got {signal.Signals(signum).name} again: stopping {self.point} at once (it resumes from its "
                   f"last complete checkpoint)", file=sys.stderr, flush=True)
+            self.killed = True
             self.proc.kill()
 
     def _forward(self) -> None:
@@ -160,7 +164,9 @@ class SweepStop:
     def __enter__(self) -> "SweepStop":
         self._listening = interrupts.listening()
         self._listening.__enter__()
-        self._job_control = interrupts.following_job_control()  # a Ctrl-Z suspends the point too
+        # a Ctrl-Z suspends the point too
+        self._job_control = interrupts.following_job_control(
+            note=lambda: interrupts.RANKS_PAUSED if self.ranks > 1 and self.proc is not None else None)
         self._job_control.__enter__()
         for name in STOP_SIGNALS:
             sig = getattr(signal, name)
@@ -253,7 +259,7 @@ def run_local(sweep: Sweep) -> int:
           f"{len(todo)} to run one after another (local, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"
           + (f"; {len(sweep.excluded)} excluded (fedcp-sweep --dry-run lists them)" if sweep.excluded else ""),
           flush=True)
-    with SweepStop(sweep.name) as stop:
+    with SweepStop(sweep.name, sweep.nproc) as stop:
         drift_warning(sweep)
         make_partitions(sweep, todo)
         write_manifest(sweep, {"time": now(), "executor": "local", "points": [p.name for p in todo]} if todo else None)
@@ -308,6 +314,8 @@ def _run_points(sweep: Sweep, stop: SweepStop) -> tuple:
             elif stop.signum is None:  # a Ctrl-C or kill -INT sent to the point itself, not to the sweep
                 how = (f"interrupted by a SIGINT sent to it ({_exit_text(rc)}); its round under way is lost, its last "
                        f"complete checkpoint kept")
+            elif stop.killed and rc == -signal.SIGKILL:
+                how = "stopped at once by a second stop signal; its last complete checkpoint kept"
             else:
                 how = f"{_exit_text(rc)} once asked to stop; its last complete checkpoint kept"
             print(sweep.point_line(k, p, "stopped") + f"  {seconds:.1f} s, {how}; the sweep run again resumes it",
