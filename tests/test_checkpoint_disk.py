@@ -398,3 +398,31 @@ def test_a_rank_whose_own_parts_were_written_does_not_take_rank_0s_cleanup_for_a
     text = str(exc.value)
     assert "(a write failed on another rank)" in text and "was removed" not in text, text
     assert text.endswith(f"the previous complete checkpoint in {out / 'checkpoints'} is intact"), text
+
+
+def test_a_rank_whose_own_write_failed_outside_the_folder_does_not_name_a_removal(tmp_path, monkeypatch):
+    """Rank 1's own write failed with ENOENT on a file outside the round's folder (its part's source
+    gone), and rank 0 removed the half-made folder once both had said how they fared: rank 1, judging
+    after that, took the folder's going for an rm -rf of out_dir. It is judged as the write fails,
+    and only of a file inside the folder."""
+    import errno as errno_module
+    import shutil
+
+    out = tmp_path / "run"
+    ck = Checkpointer(str(out), 1, 2, 2)
+    ck.out_dir_made()
+    out.mkdir()
+
+    def gone(obj, path, durable=True):
+        raise OSError(errno_module.ENOENT, "No such file or directory", str(tmp_path / "scratch" / "client_3.pt"))
+
+    monkeypatch.setattr(checkpoint_module, "atomic_torch_save", gone)
+
+    def rank_0_cleans_up(ok):
+        shutil.rmtree(out / "checkpoints" / "round_0000002", ignore_errors=True)
+        return False
+
+    with pytest.raises(checkpoint_module.RunFailure) as exc:
+        ck.save(2, {"g": torch.zeros(2)}, {3: {"w": torch.ones(2)}}, META, rank_0_cleans_up)
+    text = str(exc.value)
+    assert "scratch/client_3.pt: No such file or directory" in text and "was removed" not in text, text

@@ -243,6 +243,7 @@ class Checkpointer:
         problem = None
         target = d
         made = False  # this round's folder was made here: a write in it that finds it gone met an rm -rf
+        vanished = False  # and this rank's own write did (another rank's failure says nothing of the folder)
         index: Dict[int, list] = {}
         try:
             self.root.mkdir(parents=self._make_out_dir, exist_ok=True)
@@ -269,6 +270,7 @@ class Checkpointer:
                 )
         except OSError as exc:
             problem = _naming(exc, target)
+            vanished = self._vanished(problem, d, made)
         if all_ok(problem is None):  # every part is on disk
             if self.rank == 0:
                 try:
@@ -284,6 +286,7 @@ class Checkpointer:
                     atomic_write_bytes(d / MARKER, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
                 except OSError as exc:
                     problem = _naming(exc, d / MARKER)
+                    vanished = self._vanished(problem, d, made)
             if all_ok(problem is None):  # nobody moves on before the checkpoint counts
                 if files is not None:
                     self._base = (d, index)
@@ -291,9 +294,6 @@ class Checkpointer:
                 if self.rank == 0:
                     self._prune(d)
                 return d
-        # this rank's own write found the folder it made gone (judged before rank 0 removes it below:
-        # another rank's failure alone says nothing of the folder)
-        vanished = (problem is not None and problem.errno == errno.ENOENT and made and not d.is_dir())
         if self.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
         why = (f"{problem.filename + ': ' if problem.filename else ''}{problem.strerror or problem}" if problem is not None
@@ -309,6 +309,16 @@ class Checkpointer:
         else:
             after = "no earlier checkpoint was complete: a restart begins afresh"
         raise RunFailure(f"the checkpoint after round {rounds_done} could not be written ({why}); {after}")
+
+    @staticmethod
+    def _vanished(problem: OSError, d: Path, made: bool) -> bool:
+        """Whether this rank's failed write ``problem`` met the round's folder ``d``, made here, gone:
+        a file in it not found, and the folder no longer there. Judged as the write fails, before
+        any collective, since rank 0 removes the folder once every rank has said how it fared."""
+        if not made or problem.errno != errno.ENOENT or d.is_dir():
+            return False
+        name = Path(problem.filename) if problem.filename else None
+        return name is not None and (name == d or d in name.parents)
 
     def _write_client_files(self, d: Path, files: ClientFiles) -> Dict[int, list]:
         """This rank's clients' files in ``d/clients``; {client: [SHA-256, size]}. A changed client's
