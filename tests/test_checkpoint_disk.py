@@ -426,3 +426,18 @@ def test_a_rank_whose_own_write_failed_outside_the_folder_does_not_name_a_remova
         ck.save(2, {"g": torch.zeros(2)}, {3: {"w": torch.ones(2)}}, META, rank_0_cleans_up)
     text = str(exc.value)
     assert "scratch/client_3.pt: No such file or directory" in text and "was removed" not in text, text
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_two_ranks_stores_unmade_in_either_order_leave_no_folder(tmp_path, first):
+    """Rank 0 made ``client_state/`` and its ``rank_0``, rank 1 only its ``rank_1`` (the parent was
+    there by then): whichever rank undid its start first, the other could not remove the shared
+    parent, which stayed behind empty. The last to leave removes it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    stores = [DiskClientStore(_Algo(), {}, directory=str(out / "client_state" / f"rank_{r}")) for r in (0, 1)]
+    for store in stores:
+        store.close()
+    for store in (stores[first], stores[1 - first]):
+        store.unmake()
+    assert list(out.iterdir()) == []

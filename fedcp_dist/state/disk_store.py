@@ -348,6 +348,12 @@ class DiskClientStore(ClientStore):
                 folder.rmdir()  # not empty (another rank's folder beside it, say): it stays
         except OSError:
             pass
+        # the run's own folder above the ranks' (client_state/, or <run>-<digest>/ under
+        # client_state_dir; no other run's): the last rank to leave removes it, whichever made it
+        try:
+            self.dir.parent.rmdir()
+        except OSError:  # gone already, or another rank's folder still in it
+            pass
 
     def held_bytes(self) -> int:
         return (super().held_bytes() + sum(state_bytes(e) for e, _ in self._writing.values())
