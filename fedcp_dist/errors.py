@@ -74,30 +74,43 @@ def check_address_space(floor: int = ADDRESS_SPACE_FLOOR) -> None:
 
 #: open files a run may need: measured (2026-12-05, digits, 1 thread) a run of one process needs 7 and
 #: ``fedcp-run --ranks 2`` (torchrun, its store, gloo's sockets) 32; a larger job opens a few more per
-#: peer, and a disk store or an mpirun job a few more again
-OPEN_FILES_FLOOR = 64
+#: peer, and a disk store or an mpirun job a few more again. Under these a run is refused (a hard
+#: limit that low cannot be raised); a soft limit under the larger is raised within the hard one.
+OPEN_FILES_FLOOR = {"one process": 16, "several ranks": 64}
 #: the soft limit a run raises a lower one to, within the hard limit
 OPEN_FILES_WANTED = 4096
+#: the variables a launcher sets: the job's size, and this process's rank
+_WORLD_VARS, _RANK_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), ("RANK", "OMPI_COMM_WORLD_RANK",
+                                                                              "PMI_RANK")
 
 
-def check_open_files(floor: int = OPEN_FILES_FLOOR, wanted: int = OPEN_FILES_WANTED, note=None) -> None:
-    """An open-file limit (``ulimit -n``) under ``floor``: the soft limit is raised within the hard
-    one (to ``wanted``; ``note`` says so), else refused in one line. Under a few dozen files a run
-    failed at its first checkpoint (naming a source file of the package as the file it could not
-    write), and torchrun with a traceback."""
+def check_open_files(several: bool = False, note=None, env=os.environ) -> None:
+    """An open-file limit (``ulimit -n``) under :data:`OPEN_FILES_FLOOR`: the soft limit is raised
+    within the hard one (to :data:`OPEN_FILES_WANTED`; ``note`` says so, on the first rank only),
+    and a hard limit under what the run needs (``several``: ranks started by this command, else
+    one process, or one rank of a job a launcher started) is refused in one line. Under a few dozen
+    files a run failed at its first checkpoint (naming a source file of the package as the file it
+    could not write), and torchrun with a traceback."""
     import resource
 
+    in_job = any(env.get(k, "").strip().isdigit() and int(env[k]) > 1 for k in _WORLD_VARS)
+    need = OPEN_FILES_FLOOR["several ranks" if several or in_job else "one process"]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= floor:
+    if soft == resource.RLIM_INFINITY or soft >= OPEN_FILES_FLOOR["several ranks"]:
         return
-    if hard != resource.RLIM_INFINITY and hard < floor:
-        raise UserError(f"the open-file limit (ulimit -n) is {soft}, and {hard} at most (its hard limit): a run opens up "
-                        f"to {floor} files at once (its checkpoints, the ranks' sockets); raise the hard limit")
-    raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-    if note is not None:
-        note(f"note: the open-file limit (ulimit -n) was {soft}, too few for a run (up to {floor} files at once); "
-             f"raised to {raised} within its hard limit")
+    if hard != resource.RLIM_INFINITY and hard < need:
+        who, what = (("a job of several ranks", "its checkpoints, the ranks' sockets") if need > 16 else
+                     ("a run", "its checkpoints"))
+        raise UserError(f"the open-file limit (ulimit -n) is {soft}, and {hard} at most (its hard limit): {who} opens "
+                        f"up to {need} files at once ({what}); raise the hard limit")
+    raised = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    except (ValueError, OSError):  # left as it was: the run goes on under it
+        return
+    if note is not None and all(env.get(k, "0") == "0" for k in _RANK_VARS):
+        note(f"note: the open-file limit (ulimit -n) was {soft}, too few for a run (up to "
+             f"{OPEN_FILES_FLOOR['several ranks']} files at once); raised to {raised} within its hard limit")
 
 
 def say(line: str) -> None:

@@ -227,7 +227,7 @@ def _main(args, stop: StopSignals) -> None:
 
 def _before_start(args) -> None:
     check_address_space()  # before torch loads: under too low a limit some of its libraries abort the process
-    check_open_files(note=say)  # and the ranks torchrun starts inherit a raised limit
+    check_open_files(several=args.ranks != "1", note=say)  # and the ranks torchrun starts inherit a raised limit
     from fedcp_dist.config import given_once
 
     given_once(args.overrides)  # a key typed twice, before anything starts

@@ -96,12 +96,12 @@ def launched_copies(env=os.environ) -> int:
 def main(argv=None) -> None:
     """Entry point of ``fedcp-sweep``."""
     args = build_parser().parse_args(argv)
-    check_open_files(note=say)  # the points it starts inherit a raised limit
     copies = launched_copies()
     if copies > 1 and not args.dry_run:
         raise UserError(f"fedcp-sweep was started {copies} times by a launcher (mpirun, srun or torchrun): it starts "
                         f"each point's ranks itself (executor.nproc); run one copy")
     sweep = load_sweep(args.sweep, kind=args.executor)
+    check_open_files(several=sweep.nproc > 1, note=say)  # the points it starts inherit a raised limit
     if args.dry_run:
         dry_run(sweep)
         return
