@@ -393,3 +393,12 @@ def test_a_second_stop_signal_to_a_sweep_kills_its_point_and_says_so(digits6_16p
     assert "[1/1] stopped" in out and "stopped at once by a second stop signal; its last complete checkpoint kept" in out
     assert "out-of-memory" not in out and "0 failed, 1 stopped (each resumes from its last complete checkpoint)" in out
     assert Checkpointer(str(point_dir(tmp_path)), 0, 1, 2).latest().name == "round_0000001"
+
+
+def test_an_in_process_run_gives_its_caller_every_stop_signal_handler_back(digits6_16px, tmp_path):
+    """fedcp-run's main called in a process that goes on (a notebook, a test): once the run had
+    finished, SIGTERM and SIGUSR2 stayed ignored in the caller (a finished run ignores them to its
+    end), so a scheduler's SIGTERM no longer ended that process."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)}
+    fedcp_run(args(digits6_16px, tmp_path / "run"))
+    assert {sig: signal.getsignal(sig) for sig in before} == before

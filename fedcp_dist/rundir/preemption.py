@@ -25,6 +25,7 @@ class StopSignals:
         self._previous: dict = {}
         self._depth = 0
         self._interrupt = None  # SIGINT's handler while a finished run ignores it
+        self._before_finished: dict = {}  # the stop signals' handlers before a finished run ignored them
 
     def _note(self, signum, frame) -> None:
         if self.signum is None:
@@ -57,6 +58,7 @@ class StopSignals:
         the signals listened to are ignored instead of given back to their default action, which
         would end a finished run with 128 + the signal's number. A Ctrl-C alike, which would say
         "interrupted" and exit 130, until :meth:`interruptible` gives its handler back."""
+        self._before_finished = dict(self._previous)  # for a caller that goes on (:meth:`interruptible`)
         for sig in self._previous:
             self._previous[sig] = signal.SIG_IGN
         try:
@@ -65,10 +67,19 @@ class StopSignals:
             pass
 
     def interruptible(self) -> None:
-        """A Ctrl-C's handler back as it was before :meth:`finished` (for a caller that goes on)."""
+        """The handlers as they were before :meth:`finished`, once the context is left (for a caller
+        in this process that goes on): a Ctrl-C's, and those of the stop signals, which a finished
+        run ignores to its end."""
         if self._interrupt is not None:
             signal.signal(signal.SIGINT, self._interrupt)
             self._interrupt = None
+        if self._depth == 0:
+            for sig, handler in self._before_finished.items():
+                try:
+                    signal.signal(sig, handler)
+                except ValueError:  # not the main thread
+                    pass
+            self._before_finished = {}
 
     def __enter__(self) -> "StopSignals":
         if self._depth == 0:
