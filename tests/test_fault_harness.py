@@ -219,20 +219,25 @@ def test_a_stopped_sweep_checkpoints_its_point_exits_75_and_resumes_it_bit_for_b
     assert_same_run(run_dir, reference)
 
 
+def held_sweep(path: Path, marker: Path) -> tuple:
+    """(the sweep of ``path``, its point's pid), the point held in its round 2 until ``marker`` goes."""
+    from helpers import descendants
+
+    proc = start_sweep(path, FEDCP_FAULT_AT=f"train@2:wait={marker}")
+    wait_until(marker.exists, "the point in round 2")
+    point = [pid for pid in descendants(proc.pid) if pid != proc.pid]
+    assert len(point) == 1, point
+    return proc, point[0]
+
+
 def test_a_sigint_sent_to_a_point_alone_stops_it_and_the_sweep_resumes_it(reference, digits6_16px, tmp_path, capsys):
     """``kill -INT`` to a running point (not to the sweep): the point stops (exit 130, its round under
     way lost); the sweep counted it FAILED and said so in its summary. It is ``stopped``, the sweep
     exits 75 naming no checkpoint of that round, and run again resumes the point bit for bit."""
-    from helpers import descendants
-
     path = write_sweep(tmp_path, digits6_16px)
-    marker = tmp_path / "held"
-    proc = start_sweep(path, FEDCP_FAULT_AT=f"train@2:wait={marker}")
+    proc, point = held_sweep(path, tmp_path / "held")
     try:
-        wait_until(marker.exists, "the point in round 2")
-        point = [pid for pid in descendants(proc.pid) if pid != proc.pid]
-        assert len(point) == 1, point
-        os.kill(point[0], signal.SIGINT)
+        os.kill(point, signal.SIGINT)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -322,21 +327,16 @@ def test_a_ctrl_z_to_a_sweep_suspends_its_point_and_fg_continues_both(digits6_16
     """A SIGTSTP (Ctrl-Z) to a local sweep stopped the sweep alone: its point, in a session of its
     own, trained on while the job was shown as stopped. The point is stopped with it, and the
     SIGCONT of ``fg``/``bg`` continues both; the sweep then finishes as usual."""
-    from helpers import descendants
-
     path = write_sweep(tmp_path, digits6_16px)
     marker = tmp_path / "held"
-    proc = start_sweep(path, FEDCP_FAULT_AT=f"train@2:wait={marker}")
+    proc, point = held_sweep(path, marker)
     try:
-        wait_until(marker.exists, "the point in round 2")
-        point = [pid for pid in descendants(proc.pid) if pid != proc.pid]
-        assert len(point) == 1, point
         proc.send_signal(signal.SIGTSTP)
-        wait_until(lambda: _state(proc.pid) == "T" and _state(point[0]) == "T", "the sweep and its point stopped", 30)
+        wait_until(lambda: _state(proc.pid) == "T" and _state(point) == "T", "the sweep and its point stopped", 30)
         time.sleep(0.5)
-        assert _state(point[0]) == "T"
+        assert _state(point) == "T"
         proc.send_signal(signal.SIGCONT)
-        wait_until(lambda: _state(proc.pid) != "T" and _state(point[0]) != "T", "both going again", 30)
+        wait_until(lambda: _state(proc.pid) != "T" and _state(point) != "T", "both going again", 30)
         marker.unlink()
         out, err = proc.communicate(timeout=300)
     finally:
@@ -378,10 +378,8 @@ def test_a_second_stop_signal_to_a_sweep_kills_its_point_and_says_so(digits6_16p
     (an out-of-memory kill, or a kill -9?)" for a kill the sweep made itself. It says the second
     signal stopped it, and the summary that it resumes from its last complete checkpoint."""
     path = write_sweep(tmp_path, digits6_16px)
-    marker = tmp_path / "held"
-    proc = start_sweep(path, FEDCP_FAULT_AT=f"train@2:wait={marker}")
+    proc, _ = held_sweep(path, tmp_path / "held")
     try:
-        wait_until(marker.exists, "the point in round 2")
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: "got SIGTERM" in point_log(tmp_path).read_text(), "the point's SIGTERM")
         proc.send_signal(signal.SIGTERM)

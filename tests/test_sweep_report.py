@@ -1224,7 +1224,7 @@ def test_a_damaged_shard_of_the_sweep_is_named_once_with_the_way_out(tmp_path, c
     shard.write_bytes(data[: len(data) // 3])
     capsys.readouterr()
     err = cli_error(capsys, sweep_cli.main, [str(path), "--dry-run"])
-    assert err.startswith(f"error: sweep point seed=1: ") and str(shard.name) in err, err
+    assert err.startswith("error: sweep point seed=1: ") and str(shard.name) in err, err
     assert err.rstrip().endswith("; remove it and the sweep makes it again"), err
     shard.unlink()
     sweep_cli.main([str(path), "--dry-run"])

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import IO
 
 from fedcp_dist.errors import UserError
-from fedcp_dist.fileio import folders_to_make
 from fedcp_dist.rundir.directory import DERIVED, DIVERGED, RUN_FILES, SUMMARY, TENSORBOARD, RunDir
 
 
