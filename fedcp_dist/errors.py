@@ -141,11 +141,37 @@ def _mpi_world():
     return None
 
 
+#: beside a job script's ``FEDCP_STATUS_FILE``: the ranks that refused the run (exit 2), one a line
+REFUSED_SUFFIX = ".refused"
+
+
+def note_refusal(env=os.environ) -> None:
+    """A rank that refuses the run (exit 2: its config, its data) says so beside the job script's
+    status file (``FEDCP_STATUS_FILE`` + :data:`REFUSED_SUFFIX`), appending its rank: the other
+    ranks, stopped by the launcher meanwhile, may exit 75, which alone would read as a preemption
+    to requeue, and a requeued attempt would only be refused again."""
+    path = env.get("FEDCP_STATUS_FILE")
+    if not path:
+        return
+    rank = next((env[k] for k in ("SLURM_PROCID", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if env.get(k)), "0")
+    try:
+        fd = os.open(path + REFUSED_SUFFIX, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{rank}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError:  # the job script then goes by the exit statuses alone
+        pass
+
+
 def leave(code: int):
     """Exit with ``code``. A rank of an MPI job that fails aborts the job instead: exiting, it
     would wait in MPI's finalize for the other ranks, and one that hangs (stopped, stuck on a file
     system) or waits for this one would keep the whole job, and its allocation, until walltime.
-    A requeue (every rank stopping together, after their checkpoint) finishes as usual."""
+    A requeue (every rank stopping together, after their checkpoint) finishes as usual. A refusal
+    (2) is noted for the job script (:func:`note_refusal`)."""
+    if code == 2:
+        note_refusal()
     world = _mpi_world() if code not in (0, EXIT_REQUEUE) else None
     if world is not None:
         for stream in (sys.stdout, sys.stderr):

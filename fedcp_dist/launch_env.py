@@ -52,6 +52,17 @@ def env_int(env: Mapping[str, str], name: str, lo: int = 0, hi: Optional[int] = 
     return value
 
 
+def launched_copies(env: Mapping[str, str] = os.environ) -> int:
+    """How many copies of this process a launcher started (mpirun -n, srun -n, torchrun): 1 when
+    none did. A batch script's own step (SLURM's ``batch``) is one copy."""
+    sizes = [env.get("OMPI_COMM_WORLD_SIZE"), env.get("PMI_SIZE")]
+    if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
+        sizes.append(env.get("WORLD_SIZE"))
+    if env.get("SLURM_STEP_ID", "batch") not in ("batch", "extern", "interactive"):
+        sizes.append(env.get("SLURM_STEP_NUM_TASKS"))
+    return max([int(s) for s in sizes if s and s.strip().isdigit()] or [1])
+
+
 def check_launcher_env(launcher: str, env: Mapping[str, str], forced: bool = False) -> None:
     """Refuse, in one line naming the variable, launcher variables that cannot describe this process:
     not numbers, a rank outside its world, a forced launcher without its variables, or (no launcher
@@ -86,6 +97,12 @@ def check_launcher_env(launcher: str, env: Mapping[str, str], forced: bool = Fal
     elif launcher == "mpi":
         env_int(env, "MASTER_PORT", 1, 65535, default=1, why=" (the rendezvous port rank 0 opens)")
     elif launcher == "single":
+        copies = launched_copies(env) if forced else 1
+        if copies > 1:  # each copy would run the whole run alone, in the same out_dir
+            raise UserError(f"FEDCP_LAUNCHER=single but a launcher started {copies} copies of this process "
+                            f"({seen(env, ('SLURM_STEP_NUM_TASKS', 'OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'WORLD_SIZE'))}): "
+                            f"each would run the whole run alone; unset FEDCP_LAUNCHER to run them as the ranks of one "
+                            f"job, or start one copy (srun -n 1)")
         present = [k for k in TORCHRUN_VARS if k in env]
         if present and ("RANK" in env or "WORLD_SIZE" in env):
             rank = env_int(env, "RANK", 0, default=0, why=" (a torchrun variable)")

@@ -5,9 +5,11 @@
 #   fedcp_launch ARGS...   srun the run (python -m fedcp_dist.run ARGS...) over the allocation:
 #                          one task per GPU on every node when the job has GPUs, else the job's
 #                          tasks (1 by default). Each rank reads SLURM_PROCID etc. itself. A
-#                          requeued attempt has ARGS' overwrite=... replaced by overwrite=false,
-#                          so that it resumes from the checkpoint instead of clearing it (a key
-#                          given twice is refused).
+#                          requeued attempt resumes from the checkpoint whatever the config file
+#                          says: ARGS' overwrite=... and resume=... are dropped (a key given twice
+#                          is refused) and overwrite=false resume=auto appended (the command line
+#                          wins over the file; overwrite: true there cleared the checkpoint on
+#                          every attempt, and resume: never failed the job).
 #   fedcp_finish STATUS    75 ("preempted, checkpointed, please requeue"): `scontrol requeue` this
 #                          job (or array task) and exit 0; anything else: exit STATUS.
 #
@@ -26,14 +28,15 @@ fedcp_launch() {
     # srun of Slurm 22.05 does not inherit --cpus-per-task from the job
     if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
-    # overwrite=true clears out_dir, checkpoints included: a requeued attempt must resume instead
+    # overwrite=true clears out_dir, checkpoints included, and resume=never refuses a checkpointed
+    # run: a requeued attempt must resume instead, whether they come from ARGS or the config file
     local a
     if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
         local -a kept=()
         for a in "$@"; do
-            case $a in overwrite=*) kept+=(overwrite=false) ;; *) kept+=("$a") ;; esac
+            case $a in overwrite=*|resume=*) ;; *) kept+=("$a") ;; esac
         done
-        set -- "${kept[@]}"
+        set -- "${kept[@]}" overwrite=false resume=auto
     fi
     local shown
     printf -v shown ' %q' "${run[@]}" "$@"
@@ -43,13 +46,23 @@ fedcp_launch() {
     # But --kill-on-bad-exit counts 75 as bad too: the first rank out after the checkpoint gets the
     # others killed while they are still closing (srun then returns 143). Rank 0 writes `preempted`
     # to FEDCP_STATUS_FILE only once the checkpoint is complete, so that file says 75 whatever srun says.
+    # A rank that refuses the run (exit 2: its config, its shard) appends its rank to STATUS.refused:
+    # the others, stopped by --kill-on-bad-exit, may exit 75 (srun then returns 75), and a requeue
+    # would only repeat the refusal, attempt after attempt.
     local status_file="${SLURM_SUBMIT_DIR:-.}/.fedcp-status-${SLURM_JOB_ID:-0}-${SLURM_RESTART_COUNT:-0}"
-    rm -f "$status_file"
+    # earlier attempts' files (a requeue or scancel ends the batch shell before it removes them)
+    rm -f "${SLURM_SUBMIT_DIR:-.}/.fedcp-status-${SLURM_JOB_ID:-0}-"*
+    # shellcheck disable=SC2064  # expanded now: status_file is this function's
+    trap "rm -f $(printf '%q %q' "$status_file" "$status_file.refused")" EXIT
     local rc=0
     FEDCP_STATUS_FILE=$status_file srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@" || rc=$?
-    local said
+    local said refused
     said=$(cat "$status_file" 2>/dev/null || true)
-    if [ "$rc" != 0 ] && [ "$rc" != 75 ] && [ "$said" = preempted ]; then
+    refused=$(tr '\n' ' ' <"$status_file.refused" 2>/dev/null || true)
+    if [ -n "$refused" ] && [ "$said" != finished ]; then
+        echo "fedcp: srun ended with status $rc after rank(s) ${refused% } refused the run (exit 2, their lines are above): not requeued"
+        rc=2
+    elif [ "$rc" != 0 ] && [ "$rc" != 75 ] && [ "$said" = preempted ]; then
         echo "fedcp: srun ended with status $rc after rank 0 checkpointed and stopped: treated as 75"
         rc=75
     elif [ "$rc" != 0 ] && [ "$said" = finished ]; then
@@ -57,7 +70,7 @@ fedcp_launch() {
         echo "fedcp: srun ended with status $rc after rank 0 wrote the run's final files: treated as 0"
         rc=0
     fi
-    rm -f "$status_file"
+    rm -f "$status_file" "$status_file.refused"
     return "$rc"
 }
 

@@ -20,9 +20,22 @@ def test_launcher_detection():
     assert detect_launcher({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4"}) == "slurm"
     # inside an sbatch script but not in an srun step: one rank
     assert detect_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == "single"
-    assert detect_launcher({"FEDCP_LAUNCHER": "single", "OMPI_COMM_WORLD_SIZE": "2"}) == "single"
+    assert detect_launcher({"FEDCP_LAUNCHER": "single", "OMPI_COMM_WORLD_SIZE": "1"}) == "single"
+    assert detect_launcher({"FEDCP_LAUNCHER": "single", "SLURM_STEP_ID": "batch", "SLURM_STEP_NUM_TASKS": "2"}) == "single"
     with pytest.raises(UserError):
         detect_launcher({"FEDCP_LAUNCHER": "pbs"})
+
+
+@pytest.mark.parametrize("env", [{"OMPI_COMM_WORLD_SIZE": "2"}, {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"},
+                                 {"PMI_SIZE": "4"}])
+def test_a_forced_single_launcher_under_a_launchers_copies_is_refused(env):
+    """``FEDCP_LAUNCHER=single`` in an ``srun -n 2`` step (or under mpirun -n 2): each copy ran the
+    whole run alone, the second was refused by the first's out_dir lock, and srun's
+    --kill-on-bad-exit then stopped the first, which checkpointed: the job requeued itself once a
+    round and ended COMPLETED with one rank."""
+    with pytest.raises(UserError, match=r"^FEDCP_LAUNCHER=single but a launcher started [24] copies of this process "
+                                        r"\(.*\): each would run the whole run alone; unset FEDCP_LAUNCHER"):
+        detect_launcher({"FEDCP_LAUNCHER": "single", **env})
 
 
 def test_slurm_endpoint():

@@ -8,6 +8,7 @@ test (with the controller's view of it) and is killed.
 """
 import json
 import os
+import sys
 import re
 import subprocess
 import time
@@ -120,18 +121,55 @@ def _overrides(shard, out, seed=1):
     return [f"data.path={shard}", "rounds=2", "eval_every=1", "threads=1", f"seed={seed}", f"out_dir={out}"]
 
 
-def test_a_requeued_attempt_replaces_overwrite_instead_of_repeating_it(tmp_path):
+def test_a_requeued_attempt_resumes_whatever_the_command_line_or_the_config_file_says(tmp_path):
     """A requeue appended overwrite=false after the job's overwrite=true: with a key given twice
-    refused, every requeued attempt of such a job failed at once (exit 2, not requeued)."""
+    refused, every requeued attempt of such a job failed at once (exit 2, not requeued). And
+    ``overwrite: true`` or ``resume: never`` in the config file itself, which the command line did
+    not show, cleared the checkpoint on every attempt or failed the job. A requeued attempt drops
+    both keys from the command line and ends it with overwrite=false resume=auto."""
     script = tmp_path / "t.sh"
     script.write_text('srun() { while [[ "$1" == --* ]]; do shift; done; "$@"; }\n'
                       f'source {REPO / "slurm" / "_common.sh"}\n'
-                      'FEDCP_RUN_CMD=echo fedcp_launch --config c.yaml overwrite=true "out_dir=a b" rounds=2\n')
-    for restart, overwrite in (("1", "overwrite=false"), ("0", "overwrite=true")):
-        r = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                      'FEDCP_RUN_CMD=echo fedcp_launch --config c.yaml overwrite=true "out_dir=a b" resume=never '
+                      'rounds=2\n')
+    for restart, args in (("1", "--config c.yaml out_dir=a b rounds=2 overwrite=false resume=auto"),
+                          ("0", "--config c.yaml overwrite=true out_dir=a b resume=never rounds=2")):
+        r = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
                            env={**os.environ, "SLURM_RESTART_COUNT": restart})
-        assert r.returncode == 0 and r.stdout.splitlines()[-1] == f"--config c.yaml {overwrite} out_dir=a b rounds=2", \
-            r.stdout + r.stderr
+        assert r.returncode == 0 and r.stdout.splitlines()[-1] == args, r.stdout + r.stderr
+
+
+REFUSING_RANKS = """
+# srun's stand-in: two tasks one after the other, its status the highest of theirs
+srun() {
+    while [[ "$1" == --* ]]; do shift; done
+    local top=0 rc
+    for p in 1 0; do SLURM_PROCID=$p "$@"; rc=$?; [ $rc -gt $top ] && top=$rc; done
+    return $top
+}
+"""
+
+
+def test_a_rank_that_refuses_the_run_is_not_taken_for_a_preemption(tmp_path):
+    """Rank 1 refused the run (exit 2: its data, its config) and srun's --kill-on-bad-exit stopped
+    rank 0, which exited 75 as a preempted run does: srun returned 75 and the job requeued itself,
+    to be refused again, attempt after attempt. The refusal is noted beside the status file and the
+    job ends with 2; earlier attempts' status files (left when a requeue ends the batch shell) are
+    removed, and this attempt's too."""
+    rank = tmp_path / "rank.sh"
+    rank.write_text('if [ "$SLURM_PROCID" = 1 ]; then exec "$PYTHON" -c "from fedcp_dist.errors import leave; leave(2)"; fi\n'
+                    'echo preempted > "$FEDCP_STATUS_FILE"; exit 75\n')
+    script = tmp_path / "t.sh"
+    script.write_text(REFUSING_RANKS + f'source {REPO / "slurm" / "_common.sh"}\n'
+                      f'FEDCP_RUN_CMD="bash {rank}" fedcp_launch --config c.yaml; echo "status $?"\n')
+    (tmp_path / ".fedcp-status-7-0").write_text("preempted\n")  # attempt 1's, left by its requeue
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "7",
+                            "SLURM_RESTART_COUNT": "1", "PYTHON": sys.executable, "PYTHONPATH": str(REPO)})
+    lines = r.stdout.splitlines()
+    assert lines[-2:] == ["fedcp: srun ended with status 75 after rank(s) 1 refused the run (exit 2, their lines are "
+                          "above): not requeued", "status 2"], r.stdout + r.stderr
+    assert not list(tmp_path.glob(".fedcp-status-*"))
 
 
 def test_train_sbatch_tiny_run(cluster, digits6, tmp_path):
@@ -206,11 +244,11 @@ def test_exit_75_requeues_the_job(cluster, tmp_path):
     assert _field(r1[0], "Restarts") == "1" and _field(r2[0], "Restarts") == "1"
     assert m_train.read_text().splitlines() == [
         "restart=0 id=none args=<--config><a.yaml><rounds=3>",
-        "restart=1 id=none args=<--config><a.yaml><rounds=3>",
+        "restart=1 id=none args=<--config><a.yaml><rounds=3><overwrite=false><resume=auto>",
     ]
     assert m_sweep.read_text().splitlines() == [
         "restart=0 id=0 args=<--config><a.yaml><participation_range=[0.5, 1.0]><seed=7>",
-        "restart=1 id=0 args=<--config><a.yaml><participation_range=[0.5, 1.0]><seed=7>",
+        "restart=1 id=0 args=<--config><a.yaml><participation_range=[0.5, 1.0]><seed=7><overwrite=false><resume=auto>",
     ]
     logs = _logs(tmp_path)
     assert f"requeueing job {j1}" in logs and f"requeueing job {j2}_0" in logs

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Dict, Optional
 
-from fedcp_dist.errors import EXIT_REQUEUE
+from fedcp_dist.errors import EXIT_REQUEUE, REFUSED_SUFFIX
 from fedcp_dist.interrupts import RANKS_PAUSED, following_job_control
 
 
@@ -148,9 +148,9 @@ def main(argv=None) -> int:
         print(f"fedcp-run --ranks: got {signal.Signals(signum).name}; the ranks {said}", file=sys.stderr, flush=True)
         return code
     finally:
-        if own:
+        for path in ([own, own + REFUSED_SUFFIX] if own else []):
             try:
-                os.unlink(own)
+                os.unlink(path)
             except OSError:
                 pass
 

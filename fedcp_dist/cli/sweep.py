@@ -25,6 +25,7 @@ import os
 import sys
 
 from fedcp_dist.errors import ArgumentParser, UserError, check_open_files, cli_main, say
+from fedcp_dist.launch_env import launched_copies
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
@@ -79,17 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=EXECUTORS, help="override executor.kind of the sweep file")
     p.add_argument("--wait", action="store_true", help="slurm: wait for the jobs and print each result")
     return p
-
-
-def launched_copies(env=os.environ) -> int:
-    """How many copies of this process a launcher started (mpirun -n, srun -n, torchrun): 1 when
-    none did. A batch script's own step (SLURM's ``batch``) is one copy."""
-    sizes = [env.get("OMPI_COMM_WORLD_SIZE"), env.get("PMI_SIZE")]
-    if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
-        sizes.append(env.get("WORLD_SIZE"))
-    if env.get("SLURM_STEP_ID", "batch") not in ("batch", "extern", "interactive"):
-        sizes.append(env.get("SLURM_STEP_NUM_TASKS"))
-    return max([int(s) for s in sizes if s and s.strip().isdigit()] or [1])
 
 
 @cli_main
