@@ -437,7 +437,25 @@ def _peer_bytes(cfg, algo, setup, world_size: int) -> int:
     if not supports(algo, PeerExchange):
         return 0
     bank = 0 if banks_in_files(cfg.client_state, algo.device) else algo.peer_memory_bytes(setup.num_clients)
-    return bank + world_size * int(setup.clients_per_rank(world_size).max()) * (algo.peer_dim + 1) * 4
+    return bank + world_size * peer_rows(setup, world_size) * (algo.peer_dim + 1) * 4
+
+
+def group_participants(cfg, device, setup, groups) -> int:
+    """The most clients a fused group of this rank trains in one round: a round trains only its
+    participants (at most the largest cohort), as one group of them all where the rank's groups
+    train jointly (``fused_join``), else group by group. Counting every client of a group charged a
+    small cohort with the population: at 1 % participation a group holds about 800 clients, of
+    which a round trains a handful."""
+    largest = sum(len(g) for g in groups) if fused_groups.trains_jointly(cfg, device) else max(len(g) for g in groups)
+    return min(largest, setup.max_cohort) if setup.max_cohort else largest
+
+
+def peer_rows(setup, world_size: int) -> int:
+    """Rows a rank sends in a peer method's all-gather: as many as the fullest rank has
+    participants in a round (:func:`~fedcp_dist.comm.aggregate.exchange_peers`), at most its
+    clients and at most the largest cohort."""
+    owned = int(setup.clients_per_rank(world_size).max())
+    return max(1, min(owned, setup.max_cohort) if setup.max_cohort else owned)
 
 
 def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
@@ -477,7 +495,8 @@ def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:
             f, fused=True, slot_params=phase[0], per_result=phase[1], group_per_client=phase[3],
             slot_cap=fused_groups.slot_cap(device),
             slot_budget=int(fused_memory.MEMORY_FRACTION * fused_memory.total_memory(device)),
-            group_clients=max(len(g) for g in groups.groups), groups=len(groups.groups), workers=workers,
+            group_clients=group_participants(cfg, device, setup, groups.groups), groups=len(groups.groups),
+            workers=workers,
             side_budget=int(fused_memory.MEMORY_FRACTION * fused_memory.available_memory(device)))
     return f
 

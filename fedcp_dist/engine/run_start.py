@@ -35,7 +35,7 @@ from fedcp_dist.config import Config
 from fedcp_dist.engine.evaluation import EvalSums
 from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
-from fedcp_dist.engine.preflight import preflight
+from fedcp_dist.engine.preflight import peer_rows, preflight
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.rundir.directory import RunWriter
 from fedcp_dist.fileio import folders_to_make
@@ -134,7 +134,7 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     agreement.check_same_shard(rt, s.info)
     agreement.check_shared_out_dir(rt, cfg.out_dir)
     algo = built["algo"]
-    startup.check_peer_memory(cfg, algo, s.num_clients, int(s.clients_per_rank(rt.world_size).max()), rt.world_size)
+    startup.check_peer_memory(cfg, algo, s.num_clients, peer_rows(s, rt.world_size), rt.world_size)
     global_state = algo.init_global_state()
     # a disk store locks its folder: a refusal on any rank stops every rank
     store, store_line = startup.agree_on(rt, lambda: make_store(cfg, algo, global_state, s.owned, rt.device, rt.rank))

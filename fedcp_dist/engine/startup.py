@@ -270,7 +270,8 @@ def load_data(cfg, rt, s: Setup, states_on_disk: bool) -> None:
 
 
 def check_peer_memory(cfg, algo, num_clients: int, max_owned: int, world_size: int) -> int:
-    """Bytes per rank of the method's other-client models plus the exchange buffer; refuse over budget."""
+    """Bytes per rank of the method's other-client models plus the exchange buffer (``max_owned``:
+    the rows a rank sends, :func:`~fedcp_dist.engine.preflight.peer_rows`); refuse over budget."""
     if not supports(algo, PeerExchange):
         return 0
     dim = algo.peer_dim
