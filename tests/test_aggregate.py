@@ -95,10 +95,10 @@ def test_round_record_by_hand():
 
     e = {"evaluated_after": 0, "acc": 0.5, "acc_client_mean": 0.5, "auc": 0.5, "test_loss": 1.0}
     assert progress_line(6, e, rec) == ("[round 1/6] before training: acc 0.5000  client-mean 0.5000  auc 0.5000 | "
-                                        "trained in 2.00 s, train loss n/a (no client trained)")
+                                        "round 2.00 s (training 1.00 s), train loss n/a (no client trained)")
     assert progress_line(12, e, {**rec, "train_loss": 1.5, "dp_epsilon": 3.4567}) == (
-        "[round  1/12] before training: acc 0.5000  client-mean 0.5000  auc 0.5000 | trained in 2.00 s, "
-        "train loss 1.5000, ε 3.46")
+        "[round  1/12] before training: acc 0.5000  client-mean 0.5000  auc 0.5000 | round 2.00 s "
+        "(training 1.00 s), train loss 1.5000, ε 3.46")
     assert progress_line(6, {**e, "evaluated_after": 6}, None) == \
         "[final] after round 6: acc 0.5000  client-mean 0.5000  auc 0.5000"
     assert not any("train_loss" in str(s) for s in record_scalars(rec))  # nothing plotted for it

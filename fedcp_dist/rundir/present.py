@@ -31,14 +31,16 @@ def progress_line(rounds: int, e: dict, record: Optional[dict]) -> str:
 
     A round evaluates the model it starts from, then trains (as the reference library does), so a
     round's line puts the evaluation before the round's own figures and says so:
-    ``[round 1/3] before training: acc … | trained in 54.78 s, train loss 1.80, ε 3.45``; the final
-    one is ``[final] after round 3: acc …``."""
+    ``[round 1/3] before training: acc … | round 54.78 s (training 52.10 s), train loss 1.80, ε 3.45``
+    (the round's time holds its evaluation, which at scale can outlast the training); the final one
+    is ``[final] after round 3: acc …``."""
     metrics = (f"acc {e['acc']:.4f}  client-mean {e['acc_client_mean']:.4f}  auc {e['auc']:.4f}"
                + (f"  bal-acc {e['balanced_acc']:.4f}  pos-recall {e['pos_recall']:.4f}" if "balanced_acc" in e else ""))
     if not record:
         return f"[final] after round {e['evaluated_after']}: {metrics}"
     loss = record.get("train_loss")
-    tail = (f" | trained in {record['seconds']:.2f} s, train loss "
+    training = f" (training {record['train_seconds']:.2f} s)" if "train_seconds" in record else ""
+    tail = (f" | round {record['seconds']:.2f} s{training}, train loss "
             + (f"{loss:.4f}" if loss is not None else "n/a (no client trained)"))
     if "dp_epsilon" in record:  # dp=central: ε after this round (a larger cohort's noise: not this run's)
         eps = record["dp_epsilon"]
