@@ -99,6 +99,9 @@ def test_auto_picks_memory_within_the_budget_and_disk_beyond_it():
     mode, why = resolve_mode("auto", 2 * MiB, 1000, 1999, "cpu")
     assert mode == "disk" and "1000 x 2.00 MiB vs a budget of 1999 MiB" in why
     assert resolve_mode("host", 2 * MiB, 1000, 1, "cpu") == ("host", "client_state")
+    # a state of a few KiB (FedCP's on the synthetic MLP: 2.8 KiB) said "100000 x 0.00 MiB"
+    assert resolve_mode("auto", 2867, 100000, 100, "cpu") == (
+        "disk", "auto: 100000 x 2.8 KiB = 273.4 MiB vs a budget of 100 MiB")
 
 
 class _Algo:

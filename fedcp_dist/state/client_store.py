@@ -178,7 +178,9 @@ def resolve_mode(mode: str, per_client_bytes: int, clients: int, budget_mb: floa
     need = per_client_bytes * clients
     budget = budget_mb * 2**20 if budget_mb > 0 else available_memory_bytes(device) // 2
     chosen = "device" if need <= budget else "disk"
-    return chosen, f"auto: {clients} x {per_client_bytes / 2**20:.2f} MiB vs a budget of {budget / 2**20:.0f} MiB"
+    each = (f"{per_client_bytes / 2**20:.2f} MiB" if per_client_bytes >= 2**20 else
+            f"{per_client_bytes / 2**10:.1f} KiB = {need / 2**20:,.1f} MiB")  # a small state: not "0.00 MiB"
+    return chosen, f"auto: {clients} x {each} vs a budget of {budget / 2**20:.0f} MiB"
 
 class HostClientStore(ClientStore):
     """Client states kept in host memory, moved to the run's device when a client is used (on a
