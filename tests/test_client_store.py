@@ -669,3 +669,25 @@ def test_a_resume_refused_after_the_disk_store_opened_leaves_no_store_folder(dig
     with pytest.raises(UserError, match="config key 'seed' is 2"):
         run("configs/digits_fedcp.yaml", [*base, "seed=2", "client_state=disk", *store])
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_run_on_fewer_ranks_removes_the_store_folders_of_the_ranks_it_has_not(digits6_16px, tmp_path):
+    """A run stopped on 2 ranks and resumed on 1 left ``client_state/rank_1`` with its files (14 MB
+    in a 100k-client probe) that no rank owned or cleaned. Rank 0 removes the folders of ranks the
+    run no longer has, except one a live process holds (its lock)."""
+    import fcntl
+
+    from helpers import run
+
+    out = tmp_path / "run"
+    stale, held = out / "client_state" / "rank_1", out / "client_state" / "rank_2"
+    for d in (stale, held):
+        d.mkdir(parents=True)
+        (d / "client_0000003.pt").write_bytes(b"an earlier attempt's state")
+    said = []
+    with open(held / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's, as far as the run can tell
+        run("configs/digits_fedcp.yaml", [f"data.path={digits6_16px}", f"out_dir={out}", "rounds=1", "threads=1",
+                                          "client_state=disk"], echo=said.append)
+    assert not stale.exists() and (held / "client_0000003.pt").is_file() and (out / "client_state" / "rank_0").is_dir()
+    assert any("removed the folder of rank 1 left by an attempt on more ranks" in line for line in said), said

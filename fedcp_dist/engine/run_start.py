@@ -137,7 +137,8 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     startup.check_peer_memory(cfg, algo, s.num_clients, peer_rows(s, rt.world_size), rt.world_size)
     global_state = algo.init_global_state()
     # a disk store locks its folder: a refusal on any rank stops every rank
-    store, store_line = startup.agree_on(rt, lambda: make_store(cfg, algo, global_state, s.owned, rt.device, rt.rank))
+    store, store_line = startup.agree_on(rt, lambda: make_store(cfg, algo, global_state, s.owned, rt.device, rt.rank,
+                                                                    rt.world_size))
     made["store"] = store
     # the clients' data: resident, or read as rounds need them (client_data; auto follows the store)
     startup.agree_on(rt, lambda: startup.load_data(cfg, rt, s, isinstance(store, DiskClientStore)))

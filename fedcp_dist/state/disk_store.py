@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import os
 import pickle
+import shutil
 import socket
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -433,8 +434,35 @@ def run_state_dir(out_dir: str, client_state_dir: str, rank: int) -> Path:
     digest = hashlib.sha256(str(resolved).encode("utf-8")).hexdigest()[:16]
     return Path(client_state_dir) / f"{resolved.name[:100]}-{digest}" / f"rank_{rank}"
 
-def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tuple[ClientStore, str]:
-    """The run's client-state store (``client_state``) and a few words for the start line."""
+def prune_stale_ranks(folder: Path, world_size: int) -> list:
+    """The ``rank_{k}`` folders in ``folder`` (a run's, :func:`run_state_dir`'s parent) of ranks
+    this run does not have (k >= ``world_size``: an earlier attempt on more ranks, whose states the
+    checkpoint holds), removed where no process holds their lock; the ranks removed. Nothing
+    else owned or cleaned them: a run resumed on fewer ranks left their files behind."""
+    removed = []
+    for d in sorted(folder.glob("rank_*")) if folder.is_dir() else []:
+        k = d.name[len("rank_"):]
+        if not k.isdigit() or int(k) < world_size or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            f = open(d / DiskClientStore.LOCK, "a+", encoding="utf-8")
+        except OSError:
+            continue
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live process: left to it
+            shutil.rmtree(d)
+            removed.append(int(k))
+        except OSError:
+            pass
+        finally:
+            f.close()
+    return removed
+
+
+def make_store(cfg, algo, global_state: State, owned, device, rank: int,
+               world_size: int = 1) -> tuple[ClientStore, str]:
+    """The run's client-state store (``client_state``) and a few words for the start line. Rank 0
+    of a disk store removes the folders of ranks the run no longer has (:func:`prune_stale_ranks`)."""
     bn_keys = ClientStore.for_run(algo, global_state, cfg.aggregate_bn_stats).bn_keys
     per_client = state_bytes(algo.init_client_state(int(owned[0]))) if len(owned) else 0
     mode, why = resolve_mode(cfg.client_state, per_client, len(owned), cfg.client_state_budget_mb, device)
@@ -442,6 +470,10 @@ def make_store(cfg, algo, global_state: State, owned, device, rank: int) -> tupl
         store = DiskClientStore(algo, global_state, bn_keys, run_state_dir(cfg.out_dir, cfg.client_state_dir, rank),
                                 device, run=f"out_dir {Path(cfg.out_dir).resolve()} rank {rank}")
         where = f"disk ({store.dir})"
+        gone = prune_stale_ranks(store.dir.parent, world_size) if rank == 0 else []
+        if gone:
+            where += (f"; removed the folder{'s' if len(gone) > 1 else ''} of rank{'s' if len(gone) > 1 else ''} "
+                      f"{', '.join(map(str, gone))} left by an attempt on more ranks")
     elif mode == "host":
         store, where = HostClientStore(algo, global_state, bn_keys, device), "host"
     else:
