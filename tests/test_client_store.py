@@ -691,3 +691,19 @@ def test_a_run_on_fewer_ranks_removes_the_store_folders_of_the_ranks_it_has_not(
                                           "client_state=disk"], echo=said.append)
     assert not stale.exists() and (held / "client_0000003.pt").is_file() and (out / "client_state" / "rank_0").is_dir()
     assert any("removed the folder of rank 1 left by an attempt on more ranks" in line for line in said), said
+
+
+def test_a_long_evaluation_says_how_far_it_is(digits6_16px, tmp_path, monkeypatch):
+    """An evaluation of 10⁵ clients ran 45 s without a line. Every PROGRESS_S seconds (here: at every
+    client) rank 0 says how many of its clients it has evaluated."""
+    from fedcp_dist.engine import evaluation
+    from helpers import run
+
+    monkeypatch.setattr(evaluation, "PROGRESS_S", 0.0)
+    said = []
+    run("configs/digits_fedcp.yaml", [f"data.path={digits6_16px}", f"out_dir={tmp_path / 'run'}", "rounds=1",
+                                      "threads=1", "eval_every=1"], echo=said.append)
+    lines = [line for line in said if line.startswith("  evaluating: ")]
+    # two evaluations (before round 1, after it), each of the 6 clients
+    assert [line.split(" after ")[0] for line in lines] == [f"  evaluating: {i:,} of this rank's 6 clients"
+                                                            for _ in range(2) for i in range(6)], lines

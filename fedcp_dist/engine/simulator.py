@@ -96,7 +96,7 @@ class Simulator:
         self.store.prefetch(self.eval_owned)
         return evaluate_clients(self.algo, self.store, self.data, self.eval_owned, round_idx,
                                 lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
-                                order)
+                                order, progress=self.echo if self.rt.is_main else None)
 
     def _cohort(self, t: int):
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
