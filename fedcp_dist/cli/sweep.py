@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 
 from fedcp_dist.errors import ArgumentParser, UserError, check_open_files, cli_main, say
