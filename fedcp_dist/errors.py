@@ -72,6 +72,22 @@ def check_address_space(floor: int = ADDRESS_SPACE_FLOOR) -> None:
                         f"set it)")
 
 
+def launched_copies(env=os.environ) -> int:
+    """How many copies of this process a launcher started (mpirun -n, srun -n, torchrun): 1 when
+    none did. A batch script's own step (SLURM's ``batch``) is one copy."""
+    sizes = [env.get("OMPI_COMM_WORLD_SIZE"), env.get("PMI_SIZE")]
+    if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
+        sizes.append(env.get("WORLD_SIZE"))
+    if env.get("SLURM_STEP_ID", "batch") not in ("batch", "extern", "interactive"):
+        sizes.append(env.get("SLURM_STEP_NUM_TASKS"))
+    return max([int(s) for s in sizes if s and s.strip().isdigit()] or [1])
+
+
+def job_rank(env=os.environ) -> str:
+    """This process's rank as a launcher set it (srun, torchrun, mpirun); "0" when none did."""
+    return next((env[k] for k in ("SLURM_PROCID", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if env.get(k)), "0")
+
+
 #: open files a run may need: measured (2026-12-05, digits, 1 thread) a run of one process needs 7 and
 #: ``fedcp-run --ranks 2`` (torchrun, its store, gloo's sockets) 32; a larger job opens a few more per
 #: peer, and a disk store or an mpirun job a few more again. Under these a run is refused (a hard
@@ -79,9 +95,6 @@ def check_address_space(floor: int = ADDRESS_SPACE_FLOOR) -> None:
 OPEN_FILES_FLOOR = {"one process": 16, "several ranks": 64}
 #: the soft limit a run raises a lower one to, within the hard limit
 OPEN_FILES_WANTED = 4096
-#: the variables a launcher sets: the job's size, and this process's rank
-_WORLD_VARS, _RANK_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), ("RANK", "OMPI_COMM_WORLD_RANK",
-                                                                              "PMI_RANK")
 
 
 def check_open_files(several: bool = False, note=None, env=os.environ) -> None:
@@ -93,8 +106,7 @@ def check_open_files(several: bool = False, note=None, env=os.environ) -> None:
     could not write), and torchrun with a traceback."""
     import resource
 
-    in_job = any(env.get(k, "").strip().isdigit() and int(env[k]) > 1 for k in _WORLD_VARS)
-    need = OPEN_FILES_FLOOR["several ranks" if several or in_job else "one process"]
+    need = OPEN_FILES_FLOOR["several ranks" if several or launched_copies(env) > 1 else "one process"]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= OPEN_FILES_FLOOR["several ranks"]:
         return
@@ -108,7 +120,7 @@ def check_open_files(several: bool = False, note=None, env=os.environ) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
     except (ValueError, OSError):  # left as it was: the run goes on under it
         return
-    if note is not None and all(env.get(k, "0") == "0" for k in _RANK_VARS):
+    if note is not None and job_rank(env) == "0":
         note(f"note: the open-file limit (ulimit -n) was {soft}, too few for a run (up to "
              f"{OPEN_FILES_FLOOR['several ranks']} files at once); raised to {raised} within its hard limit")
 
@@ -153,11 +165,10 @@ def note_refusal(env=os.environ) -> None:
     path = env.get("FEDCP_STATUS_FILE")
     if not path:
         return
-    rank = next((env[k] for k in ("SLURM_PROCID", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if env.get(k)), "0")
     try:
         fd = os.open(path + REFUSED_SUFFIX, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, f"{rank}\n".encode())
+            os.write(fd, f"{job_rank(env)}\n".encode())
         finally:
             os.close(fd)
     except OSError:  # the job script then goes by the exit statuses alone

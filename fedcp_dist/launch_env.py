@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 
 import torch.distributed as dist
 
-from fedcp_dist.errors import RunFailure, UserError, first_line
+from fedcp_dist.errors import RunFailure, UserError, first_line, launched_copies
 
 #: the variables torchrun gives each worker that make an env:// rendezvous
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -50,17 +50,6 @@ def env_int(env: Mapping[str, str], name: str, lo: int = 0, hi: Optional[int] = 
         bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
         raise UserError(f"environment variable {name}={raw!r} is not {bound}{why}")
     return value
-
-
-def launched_copies(env: Mapping[str, str] = os.environ) -> int:
-    """How many copies of this process a launcher started (mpirun -n, srun -n, torchrun): 1 when
-    none did. A batch script's own step (SLURM's ``batch``) is one copy."""
-    sizes = [env.get("OMPI_COMM_WORLD_SIZE"), env.get("PMI_SIZE")]
-    if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
-        sizes.append(env.get("WORLD_SIZE"))
-    if env.get("SLURM_STEP_ID", "batch") not in ("batch", "extern", "interactive"):
-        sizes.append(env.get("SLURM_STEP_NUM_TASKS"))
-    return max([int(s) for s in sizes if s and s.strip().isdigit()] or [1])
 
 
 def check_launcher_env(launcher: str, env: Mapping[str, str], forced: bool = False) -> None:

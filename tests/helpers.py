@@ -358,19 +358,10 @@ def wait_for(path: Path, proc, timeout=240):
 
 
 def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
+    """``pid`` and every process below it (see :func:`fedcp_dist.interrupts.descendants`)."""
+    from fedcp_dist.interrupts import descendants as below
+
+    return [pid, *below(pid)]
 
 
 def kill_job(proc) -> None:

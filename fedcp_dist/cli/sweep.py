@@ -23,8 +23,7 @@ import collections
 import json
 import sys
 
-from fedcp_dist.errors import ArgumentParser, UserError, check_open_files, cli_main, say
-from fedcp_dist.launch_env import launched_copies
+from fedcp_dist.errors import ArgumentParser, UserError, check_open_files, cli_main, launched_copies, say
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path

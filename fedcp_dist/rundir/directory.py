@@ -373,10 +373,11 @@ class RunWriter:
                              f"the run's): stopped, so as to write nothing into a folder that is not its own; what it "
                              f"had written went with the folder: start the run again")
 
-    def write_text(self, name: str, text: str) -> None:
+    def write_text(self, name: str, text: str, after: str = KEPT) -> None:
+        """``name`` in out_dir, whole; ``after``: what a failure says is left."""
         if self.enabled:
             self.check_held()
-            with _writing(self.dir / name):
+            with _writing(self.dir / name, after=after):
                 atomic_write_bytes(self.dir / name, text.encode("utf-8"))
 
     def write_json(self, name: str, obj: Any) -> None:
@@ -392,12 +393,8 @@ class RunWriter:
     def write_config(self, text: str, fresh: bool = False) -> None:
         """config.yaml: the resolved config. ``fresh``: the run starts at round 1 (nothing of it
         trained yet, which a failure says)."""
-        if not fresh:
-            self.write_text(CONFIG, text)
-        elif self.enabled:
-            self.check_held()
-            with _writing(self.dir / CONFIG, after="nothing was trained yet: start the run again once it can be written"):
-                atomic_write_bytes(self.dir / CONFIG, text.encode("utf-8"))
+        self.write_text(CONFIG, text, "nothing was trained yet: start the run again once it can be written" if fresh
+                        else KEPT)
 
     def write_summary(self, summary: dict) -> None:
         """summary.json; write it last, since its presence marks the run finished."""

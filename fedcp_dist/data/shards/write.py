@@ -416,11 +416,6 @@ def _file_size_limit():
         return None
 
 
-def _file_size_limited() -> bool:
-    """Whether this process may write files of a limited size only (``ulimit -f``, RLIMIT_FSIZE)."""
-    return _file_size_limit() is not None
-
-
 def _check_file_size(f, path, limit, body, pending: int) -> None:
     """Under a file size limit, an OSError naming ``path`` before ``pending`` more bytes of rows
     (uncompressed: compression only shrinks them) are given to the writer, where the file could
@@ -443,7 +438,7 @@ def _close_into_memory(f) -> None:
     try:
         if not f.id.valid:
             return
-        if _file_size_limited():  # a memory file is a file too: its writes would fail again past the limit
+        if _file_size_limit() is not None:  # a memory file is a file too: its writes would fail again past the limit
             void = os.open(os.devnull, os.O_RDWR)
         elif hasattr(os, "memfd_create"):
             void = os.memfd_create("fedcp-unwritten-shard")
