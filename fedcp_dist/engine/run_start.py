@@ -11,8 +11,9 @@ works with, built in order, each step agreed on by every rank.
 3. ``dp: central``'s mechanism (its noise calibrated for a target ε), the aggregator's buffer, the
    compressor and the cohort trainer; the memory the rounds will take is estimated and checked
    against what is free (:mod:`fedcp_dist.engine.preflight`); the run directory's writer;
-4. resume from the newest verified checkpoint (``resume: auto``), and analysis.jsonl kept up to the
-   rounds done.
+4. resume from the newest verified checkpoint (``resume: auto``), the room the checkpoints still
+   to write will take on out_dir's disk checked (:mod:`fedcp_dist.rundir.room`), and
+   analysis.jsonl kept up to the rounds done.
 
 A refusal on any rank stops every rank (:func:`fedcp_dist.engine.startup.agree_on`); what start-up made
 that holds a lock or a file (the out_dir lock, the store, the writer) is closed again before the
@@ -35,7 +36,7 @@ from fedcp_dist.config import Config
 from fedcp_dist.engine.evaluation import EvalSums
 from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
-from fedcp_dist.engine.preflight import peer_rows, preflight
+from fedcp_dist.engine.preflight import checkpoint_room, peer_rows, preflight
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.rundir.directory import RunWriter
 from fedcp_dist.fileio import folders_to_make
@@ -64,6 +65,8 @@ class RunParts:
     idle_keys: List[tuple] = field(default_factory=list)
     #: the memory the run's rounds will take at their peak, estimated before the first (a line)
     memory: str = ""
+    #: the room the run's checkpoints will take on out_dir's disk, against what is free there (a line)
+    disk: str = ""
     #: ``dp: central``'s mechanism (None: off)
     dp: Optional[CentralDP] = None
     start_round: int = 0
@@ -185,6 +188,9 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
                     echo(note)
 
     startup.agree_on(rt, maybe_resume)
+    # the checkpoints still to write, against the room on out_dir's disk (rank 0: out_dir is shared)
+    parts.disk = startup.agree_on(rt, lambda: checkpoint_room(cfg, s, algo, store, agg, compressor, parts.start_round)
+                                  if rt.is_main else "") or ""
     # analysis.jsonl: the lines of the rounds done kept, the rest computed again
     startup.agree_on(rt, lambda: writer.start_analysis(parts.start_round, create=bool(cfg.probe_every)))
     return parts

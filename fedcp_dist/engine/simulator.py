@@ -57,7 +57,7 @@ class Simulator:
         #: dp=central's mechanism (None: off)
         self.dp = p.dp
         self.start_round, self.records, self.round_seconds = p.start_round, p.records, p.round_seconds
-        self.idle_keys, self.memory = p.idle_keys, p.memory
+        self.idle_keys, self.memory, self.disk = p.idle_keys, p.memory, p.disk
         #: what set the rounding of this run's training (:func:`startup.arithmetic`), for the checkpoints
         self.arithmetic = p.arithmetic
         #: the clients every evaluation evaluates (eval_clients), and this rank's of them
@@ -174,6 +174,8 @@ class Simulator:
                                      "; ".join(n for n in (self.algo.describe(), self._dp_line()) if n),
                                      self.idle_keys))
         self.echo(self.memory)
+        if self.disk:
+            self.echo(self.disk)
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)
             self.writer.log(record)
