@@ -6,7 +6,8 @@
         data.path=data/mnist_dir_n5000.h5 participation=0.01 threads=1 client_state=disk --eval
 
 It builds the run as ``fedcp-run`` does (``key=value`` overrides as there; ``out_dir`` defaults to a
-fresh folder under ``data/bench-runs``, the same on every rank, removed at the end), then trains rounds 2 … ``--rounds``+1 (round indices 1 …; none of them
+fresh folder under ``data/bench-runs``, the same on every rank, removed at the end; a disk store's
+files are removed in any out_dir), then trains rounds 2 … ``--rounds``+1 (round indices 1 …; none of them
 evaluates while ``eval_every`` > ``--rounds``), so that the figures are those of training rounds
 alone, whatever N: the run's own first round evaluates every client, which costs far more than a
 round's training at these client counts. ``--eval`` first runs round 1 with its evaluation of
@@ -73,7 +74,13 @@ def main(argv=None):
             anon = max(anon, anon_rss_bytes() / 2**20)
             say(f"round {t + 1}: {rec['participants']} participants, {rec['seconds']:.2f} s "
                 f"(training {rec['train_seconds']:.2f} s, evaluation {rec['eval_seconds']:.2f} s)")
-        sim.store.close()
+        sim._close(failed=False)  # the store's writes end, its folder, the writer and out_dir's lock are released
+        if hasattr(sim.store, "dir"):  # a disk store's files are the benchmark's, never a checkpoint's: they go
+            shutil.rmtree(sim.store.dir, ignore_errors=True)
+            try:
+                sim.store.dir.parent.rmdir()  # the run's folder above the ranks', once the last rank's is gone
+            except OSError:
+                pass
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         line = torch.tensor([startup, rss_start, rss, len(sim.owned), anon], dtype=torch.float64)
         rows = [line.clone() for _ in range(rt.world_size)]

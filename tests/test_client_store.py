@@ -226,13 +226,15 @@ def test_disk_store_writes_a_clients_state_and_residual_in_one_file_write(tmp_pa
     store.close()
 
 
-def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys):
+def test_cohort_bench_times_training_rounds_and_names_the_store(digits6, capsys, tmp_path):
+    """... and leaves no disk store's files in the out_dir it was given (they are the benchmark's)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("cohort", Path(__file__).resolve().parents[1] / "bench" / "cohort.py")
     cohort = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cohort)
     cohort.main(["--config", "configs/digits_ditto.yaml", "--rounds", "1", "--eval", f"data.path={digits6}",
-                 "participation=0.5", "threads=1", "client_state=disk"])
+                 "participation=0.5", "threads=1", "client_state=disk", f"out_dir={tmp_path / 'b'}"])
+    assert not (tmp_path / "b" / "client_state").exists()
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ditto on 6 clients, 1 rank(s), rho=0.5; client states: disk (")
     assert out[1].startswith("round 1: 3 participants") and out[2].startswith("round 2: 3 participants")
