@@ -82,6 +82,10 @@ def test_check_refuses_a_first_checkpoint_that_cannot_fit_and_notes_a_peak_that_
                                         r"state's 1\.0 MiB\) but 11\.0 MiB are free on the file system of out_dir "
                                         r"/x/run: free space there"):
         room.check(f, first - 1, "/x/run")
+    # a file system that cannot say its free space: the figure only
+    assert room.check(f, None, "/x/run") == (f"checkpoints on disk: about {room.mib(top)} at the peak (after round 6); "
+                                             f"the free space on the file system of out_dir /x/run is unknown")
+    assert room.free_bytes("/no/such/folder") is None and room.free_bytes("/") > 0
     # checkpoints only on a preemption signal: never refused, the worst case said
     f0 = Figures(**{**f.__dict__, "every": 0})
     assert room.check(f0, 1, "/x/run").startswith("checkpoints on disk: only on a preemption signal "

@@ -130,9 +130,13 @@ def mib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def free_bytes(folder) -> int:
-    """The bytes an unprivileged user may still write on ``folder``'s file system."""
-    st = os.statvfs(folder)
+def free_bytes(folder) -> Optional[int]:
+    """The bytes an unprivileged user may still write on ``folder``'s file system (None where the
+    file system cannot say: the check is then a figure only, never a refusal)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
     return st.f_bavail * st.f_frsize
 
 
@@ -147,7 +151,7 @@ def same_file_system(a, b) -> bool:
         return False
 
 
-def check(f: Figures, free: int, out_dir: str) -> str:
+def check(f: Figures, free: Optional[int], out_dir: str) -> str:
     """The line that says what the checkpoints take at their peak and what is free; a one-line
     :class:`UserError` when the first checkpoint cannot fit; the line is a note when the peak does not."""
     sizes = checkpoints(f)
@@ -155,6 +159,8 @@ def check(f: Figures, free: int, out_dir: str) -> str:
         return ""
     where = f"the file system of out_dir {out_dir}"
     top, at = peak(f)
+    if free is None:
+        return f"checkpoints on disk: about {mib(top)} at the peak (after round {at}); the free space on {where} is unknown"
     if not f.every:
         return (f"checkpoints on disk: only on a preemption signal (checkpoint_every=0), about {mib(top)} after "
                 f"round {at}; {mib(free)} free on {where}")
