@@ -102,7 +102,8 @@ PROGRESS_S = 15.0
 def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx: int,
                      generator: Callable[[int, int], torch.Generator], batch_size: int,
                      probes: Optional[RoundProbes] = None, order=None,
-                     progress: Optional[Callable[[str], None]] = None) -> EvalSums:
+                     progress: Optional[Callable[[str], None]] = None,
+                     stop: Optional[Callable[[], bool]] = None) -> EvalSums:
     """The sums over ``clients`` of their personalized models' test metrics.
 
     ``store`` hands each client's state (and swaps its own BatchNorm statistics in); ``datas``: their
@@ -112,7 +113,8 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
     tally of the method's probes, from the very forward passes whose logits are scored. ``order``
     (a :class:`~fedcp_dist.comm.aggregate.ClientOrder` with a slot per client): each client's own values.
     ``progress``: where a line goes every :data:`PROGRESS_S` seconds of a long evaluation (10⁵ clients
-    took 45 s with nothing said), naming how far it is.
+    took 45 s with nothing said), naming how far it is. ``stop()`` true (a preemption signal): the
+    evaluation ends before its next client, its sums partial (the caller discards them).
     """
     probed = probes is not None and probes.evals is not None
     started = last = time.monotonic()
@@ -120,6 +122,8 @@ def evaluate_clients(algo, store, datas: dict, clients: Iterable[int], round_idx
     clients = [int(c) for c in clients]
     hold, release = getattr(datas, "hold", None), getattr(datas, "release", None)
     for i, cid in enumerate(clients):
+        if stop is not None and stop():
+            break
         if progress is not None and time.monotonic() - last >= PROGRESS_S:
             last = time.monotonic()
             progress(f"  evaluating: {i:,} of this rank's {len(clients):,} clients after {last - started:.0f} s")

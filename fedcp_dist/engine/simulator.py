@@ -11,7 +11,7 @@ uploads), :mod:`evaluation`, :mod:`aggregate` (the one all-reduce and the peer e
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from fedcp_dist.capabilities import PeerExchange, Probes, supports
 from fedcp_dist.engine import startup
@@ -89,14 +89,18 @@ class Simulator:
                        lambda ok: startup.all_ok(self.rt, ok))
 
     # -- one round's pieces --------------------------------------------------------------------
-    def evaluate(self, round_idx: int, probes: RoundProbes = None, order: ClientOrder = None) -> EvalSums:
+    def evaluate(self, round_idx: int, probes: RoundProbes = None, order: ClientOrder = None,
+                 stoppable: bool = False) -> EvalSums:
         """This rank's sums of its clients' personalized test metrics (and, into ``probes``, their
-        evaluation probes; into ``order``, each client's own values)."""
+        evaluation probes; into ``order``, each client's own values). ``stoppable``: a preemption
+        signal ends it before its next client (a round's evaluation, which :meth:`round` then
+        discards)."""
         fault_point("eval", round_idx + 1)  # the fault tests' hook
         self.store.prefetch(self.eval_owned)
         return evaluate_clients(self.algo, self.store, self.data, self.eval_owned, round_idx,
                                 lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
-                                order, progress=self.echo if self.rt.is_main else None)
+                                order, progress=self.echo if self.rt.is_main else None,
+                                stop=(lambda: self.stop.signum is not None) if stoppable else None)
 
     def _cohort(self, t: int):
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
@@ -176,8 +180,11 @@ class Simulator:
         self.echo(self.memory)
         if self.disk:
             self.echo(self.disk)
+        checkpointed = self.start_round if self.start_round else None  # the round of the newest checkpoint
         for t in range(self.start_round, cfg.rounds):
             record, stop = self.round(t)
+            if record is None:  # asked to stop during round t + 1's evaluation: the rounds done are t
+                self._stop_before_training(t, checkpointed)
             self.writer.log(record)
             self.records.append(record)
             if stop:  # some rank got the preemption signal: every rank stops here
@@ -187,12 +194,29 @@ class Simulator:
             # every checkpoint_every rounds, and after the last one (the final personalized models, for analysis)
             if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds):
                 self._save_checkpoint(t + 1)
+                checkpointed = t + 1
         return self._finish()
 
-    def round(self, t: int) -> tuple[dict, bool]:
+    def _stop_before_training(self, t: int, checkpointed: Optional[int]) -> None:
+        """A preemption signal during round t + 1's evaluation: the state is that after t rounds,
+        checkpointed unless the newest checkpoint holds it already (after no round: nothing to
+        keep); then :class:`Preempted`."""
+        cfg = self.cfg
+        if t == 0:
+            self.echo("asked to stop during round 1's evaluation; exiting for requeue (nothing to checkpoint)")
+            raise Preempted(f"stopped during round 1's evaluation, before any training, in {cfg.out_dir}")
+        if checkpointed != t:
+            self._save_checkpoint(t)
+        rounds = f"{t} round{'s' if t > 1 else ''}"
+        self.echo(f"asked to stop during round {t + 1}'s evaluation; "
+                  f"{'checkpointed' if checkpointed != t else 'the newest checkpoint is'} after {rounds}; exiting for requeue")
+        raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir} (round {t + 1} stopped during its evaluation)")
+
+    def round(self, t: int) -> tuple[Optional[dict], bool]:
         """Round t: evaluate (every eval_every rounds), train the cohort's owned clients, one
         all-reduce of uploads, sums and probes, the server update (and the peer exchange). Returns
-        the round's record and whether any rank was asked to stop."""
+        the round's record and whether any rank was asked to stop; (None, True) when a rank was
+        asked to stop during the evaluation (the round is not trained)."""
         cfg, rt = self.cfg, self.rt
         rt.phase = f"round {t + 1}"
         t_start = time.perf_counter()
@@ -202,8 +226,14 @@ class Simulator:
                              eval_ids=self.eval_ids)
         # the sums of per-client fractions are taken in client order (the same bits on any world size)
         ev_order = ClientOrder(EvalSums, len(self.eval_ids), ids=self.eval_ids) if evaluated else None
-        ev = self.evaluate(t, probes, ev_order) if evaluated else EvalSums()
+        ev = self.evaluate(t, probes, ev_order, stoppable=True) if evaluated else EvalSums()
         t_eval = time.perf_counter() - t_start
+        # a preemption signal during the evaluation (10^5 clients take minutes, more than a scheduler's
+        # warning may leave for the round and its checkpoint): every rank stops before training, the
+        # round not begun, its evaluation discarded (it leaves every state as it was: a resume evaluates
+        # the round again, the same bits)
+        if evaluated and not startup.all_ok(rt, self.stop.signum is None):
+            return None, True
 
         cohort = self._cohort(t)
         probes.set_cohort(cohort)

@@ -31,7 +31,8 @@ class StopSignals:
         if self.signum is None:
             self.signum = signum
             print(f"rank {self.rank}: got {signal.Signals(signum).name}; finishing the round, then checkpointing "
-                  f"(during start-up: stopping before the first round)", flush=True)
+                  f"(during start-up: stopping before the first round; during a round's evaluation: stopping before "
+                  f"its training)", flush=True)
 
     def _install(self) -> None:
         for name in self.names:
