@@ -114,8 +114,9 @@ def test_a_signal_at_each_phase_of_a_run_then_a_restart_ends_as_an_uninterrupted
         assert "FEDCP_FAULT_AT" not in os.environ  # it fired
         assert got == code, err
         assert err.startswith(said) and err.count("\n") == (1 if said else 0) and "Traceback" not in err, err
-    if phase == "checkpoint@2" and sig != "SIGKILL":  # a checkpoint being written is completed first
-        assert Checkpointer(str(out), 0, 1, 2).latest().name == f"round_{3 if sig != 'SIGINT' else 2:07d}"
+    if phase == "checkpoint@2" and sig != "SIGKILL":  # a checkpoint being written is completed first; a stop
+        # signal then stops the run at round 3's evaluation (eval_every=1), before it trains: round 2's is the newest
+        assert Checkpointer(str(out), 0, 1, 2).latest().name == "round_0000002"
     if (out / "summary.json").exists():  # finished: a restart is refused in one line, nothing changed
         got, err = in_process(args(digits6_16px, out), capsys)
         assert got == 2 and err.startswith("error: out_dir") and "holds a finished run" in err and \
@@ -197,7 +198,7 @@ def test_a_stopped_sweep_checkpoints_its_point_exits_75_and_resumes_it_bit_for_b
     if sig == "SIGKILL":
         assert proc.returncode == -9
         # the point, left alone, checkpoints and stops by itself (it holds its lock until then)
-        wait_until(lambda: "preempted: checkpointed after 3 rounds" in point_log(tmp_path).read_text(), "the point")
+        wait_until(lambda: "preempted: checkpointed after 2 rounds" in point_log(tmp_path).read_text(), "the point")
     else:
         assert proc.returncode == 75, out + err
         assert f"preempted: sweep s stopped by {sig}; run it again to resume its points" in err, err
@@ -207,9 +208,9 @@ def test_a_stopped_sweep_checkpoints_its_point_exits_75_and_resumes_it_bit_for_b
         assert not run_dir.exists()  # stopped before the point started
     elif phase == "startup":
         assert "[1/1] stopped" in out and not (run_dir / "checkpoints").exists()
-    else:  # the round the point was in when the signal came, then a checkpoint
-        done = 2 if phase == "train@2" else 3
-        assert Checkpointer(str(run_dir), 0, 1, 2).latest().name == f"round_{done:07d}"
+    else:  # the round the point was in when the signal came, then a checkpoint (a checkpoint being written: it is
+        # completed, and the point stops at the next round's evaluation, before training it)
+        assert Checkpointer(str(run_dir), 0, 1, 2).latest().name == "round_0000002"
         assert not (run_dir / "summary.json").exists()
     wait_until(lambda: not _locked(run_dir), "the point's process to end")
     capsys.readouterr()
