@@ -17,11 +17,11 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch.distributed as dist
 
-from fedcp_dist.errors import RunFailure, UserError, first_line, launched_copies
+from fedcp_dist.errors import Preempted, RunFailure, UserError, first_line, launched_copies
 
 #: the variables torchrun gives each worker that make an env:// rendezvous
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -123,14 +123,50 @@ _RENDEZVOUS_VARS = {"torchrun": (*TORCHRUN_VARS, "TORCHELASTIC_RUN_ID"),
                     "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 
-def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
+def job_identity(launcher: str, env: Mapping[str, str]) -> Optional[str]:
+    """What names this job (step) on every one of its ranks: SLURM's job and step ids, torchrun's run
+    id; None where the launcher gives none (ranks started by hand with torchrun's variables)."""
+    if launcher == "slurm" and env.get("SLURM_JOB_ID"):
+        return f"SLURM job {env['SLURM_JOB_ID']} step {env.get('SLURM_STEP_ID', '?')}"
+    if launcher == "torchrun" and env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun run {env['TORCHELASTIC_RUN_ID']}"
+    return None
+
+
+#: the store key under which rank 0 says whose the store is (:func:`job_identity`)
+OWNER_KEY = "fedcp/job"
+
+
+def _check_owner(store, ep, ident: str, where: str, deadline: float, stopped) -> None:
+    """Rank 0 says in the store whose it is; every other rank reads it and stops in one line when
+    the store is another job's (another step of the same allocation on the same port): it joined
+    that job's store, and waited in its process group until killed."""
+    if ep.rank == 0:
+        store.set(OWNER_KEY, ident)
+        return
+    owner = _within(lambda: store.get(OWNER_KEY).decode("utf-8", "replace"), deadline, stopped, where)
+    if owner != ident:
+        raise RunFailure(f"rank {ep.rank}: the rendezvous store at {where} belongs to another job ({owner}), not to "
+                         f"this one ({ident}): two jobs or job steps on one port (srun steps of one allocation that "
+                         f"set the same MASTER_PORT, say); give each its own MASTER_PORT")
+
+
+def _port_taken(exc: BaseException) -> bool:
+    text = str(exc)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str], stopped: Optional[Callable[[], bool]] = None):
     """Meet the job's other ranks at the address of ``ep`` (a :class:`fedcp_dist.runtime.Endpoint`):
     the store the process group is made on.
 
     Waits at most ``timeout_s`` (the config's ``rendezvous_timeout``), then fails in one line naming
     the address, how many ranks were expected and the variables it was read from. A torchrun world
     whose variables no torchrun set (no ``TORCHELASTIC_RUN_ID``: an old export, say) is announced on
-    stderr before the wait.
+    stderr before the wait. ``stopped()`` true (a preemption signal noted) ends the wait with
+    :class:`~fedcp_dist.errors.Preempted`: nothing was trained, and a requeued attempt starts
+    where this one would have. Where the launcher names the job (:func:`job_identity`), a rank
+    that reached another job's store (a port two steps share) stops in one line.
     """
     names = _RENDEZVOUS_VARS.get(launcher, ())
     if ep.init_method == "env://":
@@ -145,7 +181,7 @@ def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
               f"(unset them to run one process)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout_s
     if launcher == "mpi":
-        return _mpi_rendezvous(ep, host, port, deadline, f"rendezvous_timeout={timeout_s:g} s", lambda why: RunFailure(
+        return _mpi_rendezvous(ep, host, port, deadline, f"rendezvous_timeout={timeout_s:g} s", stopped, lambda why: RunFailure(
             f"rank {ep.rank}: the {ep.world_size} ranks of the job did not meet at {where} "
             f"({why}); launcher {launcher} read from {seen(env, names)}: a rank "
             f"that did not start, a wrong address or port, or variables left over from an earlier job (unset them "
@@ -160,14 +196,26 @@ def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
                                     timeout=datetime.timedelta(seconds=left)))[0]
 
     try:
-        store = _within(meet, deadline + RENDEZVOUS_GRACE_S)
+        store = _within(meet, deadline + RENDEZVOUS_GRACE_S, stopped, where)
     except (RuntimeError, ValueError, OSError, TimeoutError) as exc:
+        if ep.rank == 0 and _port_taken(exc):
+            raise RunFailure(f"rank 0: cannot open the job's rendezvous store at {where}: the port is in use (another "
+                             f"job, another step of this allocation or another service holds it); set MASTER_PORT to a "
+                             f"free port; launcher {launcher} read from {seen(env, names)}") from None
         first = ("something took the connection there and never answered as a rendezvous store"
                  if isinstance(exc, TimeoutError) else first_line(exc))
         raise RunFailure(f"rank {ep.rank}: the {ep.world_size} ranks of the job did not meet at {where} within "
                          f"rendezvous_timeout={timeout_s:g} s ({first}); launcher {launcher} read from "
                          f"{seen(env, names)}: a rank that did not start, a wrong address or port, or variables left "
                          f"over from an earlier job (unset them to run one process)") from None
+    ident = job_identity(launcher, env)
+    if ident is not None:
+        try:
+            _check_owner(store, ep, ident, where, time.monotonic() + max(5.0, deadline - time.monotonic()), stopped)
+        except (RuntimeError, ValueError, OSError, TimeoutError) as exc:
+            raise RunFailure(f"rank {ep.rank}: the job's rendezvous store at {where} did not say whose it is within "
+                             f"rendezvous_timeout={timeout_s:g} s ({first_line(exc) or 'no answer'}); launcher "
+                             f"{launcher} read from {seen(env, names)}") from None
     return store
 
 
@@ -177,9 +225,14 @@ def rendezvous(launcher: str, ep, timeout_s: float, env: Mapping[str, str]):
 RENDEZVOUS_GRACE_S = 5.0
 
 
-def _within(work, deadline: float):
+#: seconds between two looks at whether a waiting rank was asked to stop
+STOP_POLL_S = 0.2
+
+
+def _within(work, deadline: float, stopped: Optional[Callable[[], bool]] = None, where: str = ""):
     """``work()`` in a thread of its own, its result or its error; a TimeoutError when it has not
-    ended by ``deadline`` (``time.monotonic()``): the thread is left behind (it holds nothing the
+    ended by ``deadline`` (``time.monotonic()``), :class:`~fedcp_dist.errors.Preempted` once
+    ``stopped()`` (looked at every :data:`STOP_POLL_S`): the thread is left behind (it holds nothing the
     process needs, and a daemon thread does not keep the process from exiting). What torch's C++
     code prints meanwhile (a stack trace at each retry) is held back; other lines are passed on."""
     out: dict = {}
@@ -193,7 +246,11 @@ def _within(work, deadline: float):
     thread = threading.Thread(target=run, name="fedcp-rendezvous", daemon=True)
     with stderr_held():
         thread.start()
-        thread.join(max(0.0, deadline - time.monotonic()))
+        while thread.is_alive() and time.monotonic() < deadline and not (stopped is not None and stopped()):
+            thread.join(min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+    if thread.is_alive() and stopped is not None and stopped():
+        raise Preempted(f"stopped while waiting for the job's other ranks at {where}, before any training (nothing "
+                        f"trained in this attempt)", nothing_new=True)
     if thread.is_alive():
         raise TimeoutError("the rendezvous did not end")
     if "error" in out:
@@ -248,7 +305,7 @@ STORE_TAG = 7301
 STORE_POLL_S = 0.05
 
 
-def _mpi_rendezvous(ep, host: str, port: int, deadline: float, wait: str, failure):
+def _mpi_rendezvous(ep, host: str, port: int, deadline: float, wait: str, stopped, failure):
     """The rendezvous of ranks that MPI started (and so can tell each other things): rank 0 opens
     the store first and sends every other rank its word over MPI, and only then do the others
     connect. A port rank 0 cannot open (in use by another job, say) is then said by every rank at
@@ -275,6 +332,9 @@ def _mpi_rendezvous(ep, host: str, port: int, deadline: float, wait: str, failur
     while not comm.Iprobe(source=0, tag=STORE_TAG):
         if time.monotonic() >= deadline:
             raise failure(f"rank 0 had not opened it within {wait}")
+        if stopped is not None and stopped():
+            raise Preempted(f"stopped while waiting for rank 0's rendezvous store at {host}:{port}, before any "
+                            f"training (nothing trained in this attempt)", nothing_new=True)
         time.sleep(STORE_POLL_S)
     why = comm.recv(source=0, tag=STORE_TAG)
     if why:

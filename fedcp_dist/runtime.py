@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of a SLURM job step without ``MASTER_PORT``: from the job id and the step id,
+    so that the steps of one allocation (an ``salloc`` running two) each have their own, and jobs
+    with consecutive ids (an array's tasks on one node) never share one; in 20000–31999, below
+    Linux's range of ports handed to outgoing connections (32768 and up)."""
+    def number(name: str) -> int:
+        value = env.get(name) or ""
+        return int(value) if value.isdigit() else 0
+    return 20000 + (number("SLURM_JOB_ID") + 997 * number("SLURM_STEP_ID")) % 12000
+
+
 def resolve_endpoint(launcher: str, env: Mapping[str, str] = os.environ) -> Endpoint:
     if launcher == "torchrun":
         world = int(env["WORLD_SIZE"])
@@ -145,7 +156,7 @@ def resolve_endpoint(launcher: str, env: Mapping[str, str] = os.environ) -> Endp
         world = int(env["SLURM_STEP_NUM_TASKS"])
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
         addr = env.get("MASTER_ADDR") or slurm_hosts(nodelist)[0]  # task 0 runs on the step's first node
-        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID") or "0") % 20000)
+        port = int(env.get("MASTER_PORT") or slurm_port(env))
         # threads and devices are shared among the tasks of this node, not of the job
         counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
         node = int(env.get("SLURM_NODEID") or 0)
@@ -321,11 +332,17 @@ def watch_launcher(rt: "Runtime", parent: Optional[int] = None, interval: float 
     return True
 
 
-def _cpu_count() -> int:
+def _cpu_count(env: Mapping[str, str] = os.environ) -> int:
+    """The cores this process may use: its CPU affinity, and within a SLURM job no more than the
+    job's CPUs on this node (``SLURM_CPUS_ON_NODE``): a cluster that does not pin tasks to their
+    CPUs (``TaskPlugin=task/none``) leaves every core of the node in the affinity, and 1-CPU array
+    tasks sharing a node each ran as many threads as it has."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    on_node = env.get("SLURM_CPUS_ON_NODE") or ""
+    return max(1, min(n, int(on_node))) if on_node.isdigit() and int(on_node) > 0 else n
 
 
 #: glibc's mallopt parameters (malloc.h) and the values set by :func:`keep_freed_memory`
@@ -391,9 +408,11 @@ def process_group_failure(rank: int, backend: str, exc: BaseException, env: Mapp
 
 
 def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ,
-                 keep_freed: object = "auto", rendezvous_timeout: float = 120.0) -> Runtime:
+                 keep_freed: object = "auto", rendezvous_timeout: float = 120.0,
+                 stopped: Optional[Callable[[], bool]] = None) -> Runtime:
     """Detect the launcher, pin this rank's device and open the process group (the ranks meeting
-    within ``rendezvous_timeout`` seconds, :func:`~fedcp_dist.launch_env.rendezvous`); on a CPU device the allocator keeps
+    within ``rendezvous_timeout`` seconds, :func:`~fedcp_dist.launch_env.rendezvous`, which gives up
+    with :class:`~fedcp_dist.errors.Preempted` once ``stopped()``: a preemption signal); on a CPU device the allocator keeps
     freed memory (``keep_freed``: the config's ``keep_freed_memory``)."""
     launcher = detect_launcher(env)
     ep = resolve_endpoint(launcher, env)
@@ -418,7 +437,7 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
     if launcher != "single":  # a rank of a job: its parent is the launcher (torchrun, mpirun, slurmstepd)
         watch_launcher(rt)
     if ep.world_size > 1:
-        store = rendezvous(launcher, ep, rendezvous_timeout, env)
+        store = rendezvous(launcher, ep, rendezvous_timeout, env, stopped)
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         kwargs = dict(
             backend=backend,

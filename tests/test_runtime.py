@@ -53,6 +53,41 @@ def test_slurm_endpoint():
     assert expand_nodelist("a-b[1-2]") == ["a-b1", "a-b2"]
 
 
+def test_the_slurm_port_differs_between_the_steps_of_a_job_and_between_consecutive_jobs():
+    from fedcp_dist.runtime import slurm_port
+
+    ports = {slurm_port({"SLURM_JOB_ID": str(j), "SLURM_STEP_ID": str(s)}) for j in range(1000, 1100) for s in range(3)}
+    assert len(ports) == 300 and min(ports) >= 20000 and max(ports) < 32000  # below the ports of outgoing connections
+    assert slurm_port({"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "1"}) == 20000 + (123456 + 997) % 12000
+    assert slurm_port({}) == 20000 and slurm_port({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "batch"}) == 20007
+
+
+def test_the_cores_of_a_slurm_job_are_its_cpus_on_the_node(monkeypatch):
+    """A cluster that does not pin tasks (task/none) leaves every core in the affinity: a 1-CPU array
+    task ran as many threads as the node has cores."""
+    import os
+
+    from fedcp_dist.runtime import _cpu_count
+
+    every = len(os.sched_getaffinity(0))
+    assert _cpu_count({}) == every
+    assert _cpu_count({"SLURM_CPUS_ON_NODE": "1"}) == 1
+    assert _cpu_count({"SLURM_CPUS_ON_NODE": str(every + 8)}) == every
+    assert _cpu_count({"SLURM_CPUS_ON_NODE": "x"}) == every
+
+
+def test_a_stop_signal_before_the_runtime_names_the_launchers_rank(monkeypatch):
+    """Both ranks of a job signalled during start-up said 'rank 0: got SIGUSR2'."""
+    from fedcp_dist.rundir.preemption import StopSignals
+
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert StopSignals().rank == 3 and StopSignals(rank=1).rank == 1
+    monkeypatch.delenv("SLURM_PROCID")
+    for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert StopSignals().rank == 0
+
+
 def test_slurm_node_lists_and_tasks_per_node():
     assert expand_nodelist("gpu[007-009,012],cpu1") == ["gpu007", "gpu008", "gpu009", "gpu012", "cpu1"]
     assert expand_nodelist("n[9-11]") == ["n9", "n10", "n11"]
