@@ -15,7 +15,13 @@ EXIT_BROKEN_PIPE = 141
 
 
 class Preempted(Exception):
-    """Raised on every rank after the checkpoint that a preemption signal asked for is complete."""
+    """Raised on every rank after the checkpoint that a preemption signal asked for is complete.
+    ``nothing_new``: the attempt stopped before it trained a round (during start-up, the ranks'
+    rendezvous or its first round's evaluation), so it leaves nothing new behind."""
+
+    def __init__(self, *args, nothing_new: bool = False):
+        super().__init__(*args)
+        self.nothing_new = nothing_new
 
 
 class Interrupted(KeyboardInterrupt):

@@ -15,7 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from fedcp_dist.errors import (ArgumentParser, Preempted, StdoutThatMayGo, UserError, check_address_space,
-                               check_open_files, cli_main, say)
+                               check_open_files, cli_main, job_rank, say)
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import StopSignals, write_status
 
@@ -73,8 +73,17 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: 
         from fedcp_dist.runtime import init_runtime
         from fedcp_dist.engine.simulator import Simulator
 
-        rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory,
-                          rendezvous_timeout=cfg.rendezvous_timeout)
+        if os.environ.get(FINISHED_OK) == "1" and not cfg.overwrite:
+            done = _finished_already(cfg)
+            if done is not None:
+                return done
+        try:
+            rt = init_runtime(cfg.device, cfg.threads, cfg.collective_timeout, keep_freed=cfg.keep_freed_memory,
+                              rendezvous_timeout=cfg.rendezvous_timeout, stopped=lambda: stop.signum is not None)
+        except Preempted:  # asked to stop while the ranks met: nothing trained in this attempt
+            if job_rank() == "0":
+                write_status(STOPPED_AT_START)
+            raise
         stop.rank = rt.rank
         try:
             summary = Simulator(cfg, rt, stop=stop).run()
@@ -84,13 +93,41 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: 
                 except OSError:  # the run's files are written: a job script's note cannot undo that
                     pass
             return summary
-        except Preempted:
+        except Preempted as exc:
             # torchrun turns a worker's exit status into its own: job scripts read this file instead
             if rt.is_main:
-                write_status("preempted")
+                write_status(STOPPED_AT_START if getattr(exc, "nothing_new", False) else "preempted")
             raise
         finally:
             rt.close()
+
+
+#: set to 1 by the SLURM job scripts: an attempt whose out_dir holds the finished run (a requeue after
+#: it finished, an array submitted again to resume its cancelled points) has nothing to do, and exits
+#: 0 saying so, rather than being refused (exit 2, the array task FAILED)
+FINISHED_OK = "FEDCP_FINISHED_OK"
+#: what the status file says of a run stopped before it trained a round in this attempt (a job script
+#: that sees it on attempt after attempt stops requeueing)
+STOPPED_AT_START = "stopped-at-start"
+
+
+def _finished_already(cfg) -> Optional[dict]:
+    """The summary of the finished run in ``cfg.out_dir`` (not one that diverged), said in one line
+    by the job's first rank; None when there is none."""
+    from fedcp_dist.rundir.directory import FINISHED, RunDir
+
+    run = RunDir(cfg.out_dir)
+    summary = run.read_summary() if run.summary.exists() and run.status() == FINISHED else None
+    if summary is None:
+        return None
+    if job_rank() == "0":
+        print(f"out_dir {cfg.out_dir} holds the finished run (summary.json, final accuracy "
+              f"{summary.get('final_acc', float('nan')):.4f}): nothing to do ({FINISHED_OK}=1)", flush=True)
+        try:
+            write_status("finished")
+        except OSError:
+            pass
+    return summary
 
 
 def parse_ranks(value: str) -> Optional[int]:

@@ -11,7 +11,18 @@
 #                          wins over the file; overwrite: true there cleared the checkpoint on
 #                          every attempt, and resume: never failed the job).
 #   fedcp_finish STATUS    75 ("preempted, checkpointed, please requeue"): `scontrol requeue` this
-#                          job (or array task) and exit 0; anything else: exit STATUS.
+#                          job (or array task) and exit 0; anything else: exit STATUS. Not after
+#                          two attempts in a row that were stopped before they trained a round
+#                          (the warning signal comes before start-up ends: a requeue would only
+#                          repeat it), nor after a scancel or the job's time limit (SIGTERM to
+#                          this shell).
+#
+# The batch shell itself takes the preempt signal (SIGUSR2) and SIGTERM: `scancel --full
+# --signal=USR2`, `--signal=B:USR2@120` and scancel signal it too, which ended it (the job FAILED,
+# not requeued, its status file left behind). It passes SIGUSR2 on to the job step (srun forwards it
+# to every rank) and waits for the step; a SIGTERM is passed on the same way and ends the job
+# without a requeue once the ranks have stopped. An attempt whose out_dir holds the finished run
+# (an array submitted again to resume its cancelled points) exits 0 (FEDCP_FINISHED_OK=1).
 #
 # FEDCP_RUN_CMD replaces `python -m fedcp_dist.run` (word-split), e.g. to wrap the run with a
 # profiler: FEDCP_RUN_CMD="nsys profile -o prof-%q{SLURM_PROCID} python -m fedcp_dist.run".
@@ -54,11 +65,25 @@ fedcp_launch() {
     rm -f "${SLURM_SUBMIT_DIR:-.}/.fedcp-status-${SLURM_JOB_ID:-0}-"*
     # shellcheck disable=SC2064  # expanded now: status_file is this function's
     trap "rm -f $(printf '%q %q' "$status_file" "$status_file.refused")" EXIT
-    local rc=0
-    FEDCP_STATUS_FILE=$status_file srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@" || rc=$?
+    local rc=0 pid
+    FEDCP_TERMINATED=0
+    # in the background, so that this shell takes its signals while the step runs (a trap waits for
+    # a foreground command to end); each is passed on to srun, which forwards it to the ranks
+    FEDCP_STATUS_FILE=$status_file FEDCP_FINISHED_OK=1 srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@" &
+    pid=$!
+    # shellcheck disable=SC2064  # expanded now: pid is this function's
+    trap "kill -USR2 $pid 2>/dev/null || true" USR2
+    # shellcheck disable=SC2064
+    trap "FEDCP_TERMINATED=1; kill -TERM $pid 2>/dev/null || true" TERM
+    while :; do
+        rc=0
+        wait "$pid" || rc=$?
+        kill -0 "$pid" 2>/dev/null || break  # a trapped signal ended the wait, not the step: wait again
+    done
+    trap - USR2 TERM
     local said refused
     said=$(cat "$status_file" 2>/dev/null || true)
-    refused=$(tr '\n' ' ' <"$status_file.refused" 2>/dev/null || true)
+    refused=$( { tr '\n' ' ' <"$status_file.refused"; } 2>/dev/null || true)
     if [ -n "$refused" ] && [ "$said" != finished ]; then
         echo "fedcp: srun ended with status $rc after rank(s) ${refused% } refused the run (exit 2, their lines are above): not requeued"
         rc=2
@@ -71,6 +96,18 @@ fedcp_launch() {
         rc=0
     fi
     rm -f "$status_file" "$status_file.refused"
+    # attempts in a row stopped before they trained a round: counted beside the status files
+    local nothing="${SLURM_SUBMIT_DIR:-.}/.fedcp-untrained-${SLURM_JOB_ID:-0}"
+    if [ "$rc" = 75 ] && [ "$said" = stopped-at-start ]; then
+        echo $(( $(cat "$nothing" 2>/dev/null || echo 0) + 1 )) >"$nothing"
+    else
+        rm -f "$nothing"
+    fi
+    if [ "$FEDCP_TERMINATED" = 1 ] && [ "$rc" = 75 ]; then
+        echo "fedcp: SIGTERM to the job (scancel, or its time limit) while the ranks ran: they stopped (exit 75); not requeued"
+        rm -f "$nothing"
+        rc=143
+    fi
     return "$rc"
 }
 
@@ -90,7 +127,20 @@ fedcp_finish() {
         echo "fedcp: checkpointed (exit 75); the job was cancelled, so it is not requeued"
         exit 75
     fi
-    echo "fedcp: checkpointed (exit 75); requeueing job $id"
+    local nothing="${SLURM_SUBMIT_DIR:-.}/.fedcp-untrained-${SLURM_JOB_ID:-0}" times
+    times=$(cat "$nothing" 2>/dev/null || echo 0)
+    if [ "$times" -ge 2 ]; then
+        rm -f "$nothing"
+        echo "fedcp: stopped before it trained a round on $times attempts in a row (the signal came during start-up):" \
+             "not requeued, as the next attempt would only repeat it; give the job more time than its start-up" \
+             "takes beyond the warning (--time, --signal=USR2@N), then resubmit: it resumes from its last checkpoint"
+        exit 75
+    fi
+    if [ "$times" -ge 1 ]; then
+        echo "fedcp: stopped before it trained a round (nothing new to checkpoint); requeueing job $id"
+    else
+        echo "fedcp: checkpointed (exit 75); requeueing job $id"
+    fi
     if scontrol requeue "$id"; then
         exit 0  # slurmctld usually ends this attempt before we get here
     fi

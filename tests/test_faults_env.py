@@ -4,6 +4,7 @@ inconsistent, left over from another job), each one line before any rank waits; 
 cannot complete ends within rendezvous_timeout, naming where it waited."""
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -277,6 +278,107 @@ def test_a_rank_whose_port_something_else_holds_silently_stops_within_the_timeou
     assert r.returncode == 1 and len(lines) == 2 and took < 40, (took, r.stderr)
     assert lines[1].startswith("error: rank 1: the 2 ranks of the job did not meet"), lines
     assert "never answered as a rendezvous store" in lines[1] and "Exception raised from" not in r.stderr
+
+
+def _slurm_rank(rank: int, port: int, step: str) -> tuple:
+    from fedcp_dist.runtime import Endpoint
+
+    env = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": step, "SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": "2"}
+    return Endpoint(rank, 2, rank, 2, f"tcp://127.0.0.1:{port}"), env
+
+
+def test_a_rank_that_reaches_another_job_steps_store_stops_at_once():
+    """Two srun steps of one allocation on one port: step 1's rank 1 reached step 0's store, joined
+    its process group's rendezvous and waited there until SLURM killed it. Rank 0 says in the store
+    whose it is; a rank of another step reads it and stops in one line."""
+    import torch.distributed as dist
+
+    from fedcp_dist.launch_env import OWNER_KEY, rendezvous
+
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)  # step 0's rank 0
+    server.set(OWNER_KEY, "SLURM job 5 step 0")
+    ep, env = _slurm_rank(1, port, "1")
+    t0 = time.monotonic()
+    with pytest.raises(RunFailure) as exc:
+        rendezvous("slurm", ep, 20.0, env)
+    assert time.monotonic() - t0 < 10
+    assert str(exc.value) == (f"rank 1: the rendezvous store at 127.0.0.1:{port} belongs to another job (SLURM job 5 "
+                              f"step 0), not to this one (SLURM job 5 step 1): two jobs or job steps on one port (srun "
+                              f"steps of one allocation that set the same MASTER_PORT, say); give each its own "
+                              f"MASTER_PORT")
+    # the same step's rank meets it: rank 0 of step 0 says whose it is, its rank 1 reads its own
+    ep0, env0 = _slurm_rank(1, port, "0")
+    assert rendezvous("slurm", ep0, 20.0, env0) is not None
+    del server
+
+
+def test_rank_0_on_a_port_in_use_says_so_at_once():
+    """It said the ranks 'did not meet within rendezvous_timeout=120 s' of a port it could not open."""
+    from fedcp_dist.launch_env import rendezvous
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        ep, env = _slurm_rank(0, holder.getsockname()[1], "0")
+        t0 = time.monotonic()
+        with pytest.raises(RunFailure) as exc:
+            rendezvous("slurm", ep, 30.0, env)
+        assert time.monotonic() - t0 < 15
+    finally:
+        holder.close()
+    assert str(exc.value).startswith(f"rank 0: cannot open the job's rendezvous store at 127.0.0.1:"
+                                     f"{ep.init_method.rsplit(':', 1)[1]}: the port is in use (another job, another step of this allocation or another service "
+                                     f"holds it); set MASTER_PORT to a free port"), str(exc.value)
+
+
+def test_a_stop_signal_while_the_ranks_meet_ends_the_wait_with_the_requeue_status(digits6_16px, tmp_path):
+    """Rank 0 waiting for a rank that has not started (a slow node) took a preemption signal only
+    once rendezvous_timeout was over, then failed with exit 1: the job was not requeued. It stops at
+    once with 75 and the status a job script reads: nothing was trained in this attempt."""
+    status = tmp_path / "status"
+    env = {**os.environ, **TORCHRUN, "RANK": "0", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+           "FEDCP_STATUS_FILE": str(status), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("FEDCP_LAUNCHER", None)
+    p = subprocess.Popen([str(BIN / "fedcp-run"), "--config", CONFIG, f"data.path={digits6_16px}",
+                          f"out_dir={tmp_path / 'run'}", "rounds=1", "rendezvous_timeout=300"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        err = ""
+        while "waits up to rendezvous_timeout" not in err:  # the note before the wait
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            err += p.stderr.readline()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGUSR2)
+        out, rest = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 75 and took < 10, (p.returncode, took, rest)
+    assert "rank 0: got SIGUSR2; stopping before the first round" in out, out
+    assert rest.strip().splitlines()[-1].startswith("preempted: stopped while waiting for the job's other ranks at "
+                                                    "127.0.0.1:"), rest
+    assert status.read_text() == "stopped-at-start\n"
+
+
+def test_a_job_script_attempt_on_a_finished_run_has_nothing_to_do(digits6_16px, tmp_path):
+    """An array submitted again to resume its cancelled points: the tasks of finished points were
+    refused (exit 2, FAILED). Under the job scripts (FEDCP_FINISHED_OK=1) such an attempt says so and
+    exits 0; elsewhere a finished out_dir is still refused."""
+    out = tmp_path / "run"
+    run(CONFIG, [f"data.path={digits6_16px}", f"out_dir={out}", "rounds=1", "threads=1"])
+    status = tmp_path / "status"
+    args = [str(BIN / "fedcp-run"), "--config", CONFIG, f"data.path={digits6_16px}", f"out_dir={out}", "rounds=1"]
+    r = run_cmd(args, env_extra={"FEDCP_FINISHED_OK": "1", "FEDCP_STATUS_FILE": str(status)})
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+    assert r.stdout.startswith(f"out_dir {out} holds the finished run (summary.json, final accuracy 0.")
+    assert r.stdout.rstrip().endswith("nothing to do (FEDCP_FINISHED_OK=1)") and status.read_text() == "finished\n"
+    r = run_cmd(args)
+    assert r.returncode == 2 and "holds a finished run" in r.stderr
 
 
 def test_a_refusal_with_stderr_closed_is_said_on_stdout_and_exits_2(tmp_path):

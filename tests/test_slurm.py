@@ -8,6 +8,7 @@ test (with the controller's view of it) and is killed.
 """
 import json
 import os
+import signal
 import sys
 import re
 import subprocess
@@ -170,6 +171,82 @@ def test_a_rank_that_refuses_the_run_is_not_taken_for_a_preemption(tmp_path):
     assert lines[-2:] == ["fedcp: srun ended with status 75 after rank(s) 1 refused the run (exit 2, their lines are "
                           "above): not requeued", "status 2"], r.stdout + r.stderr
     assert not list(tmp_path.glob(".fedcp-status-*"))
+
+
+BATCH_SHELL = """set -euo pipefail
+# srun's and scontrol's stand-ins: the step is the rank script itself; a requeue is said, not done
+srun() { while [[ "$1" == --* ]]; do shift; done; exec "$@"; }
+scontrol() { if [ "$1" = requeue ]; then echo "scontrol requeue $2"; fi; }
+source %s
+status=0
+FEDCP_RUN_CMD="bash $RANK_SCRIPT" fedcp_launch --config c.yaml || status=$?
+fedcp_finish "$status"
+"""
+
+SIGNALLED_RANK = """trap 'echo preempted >"$FEDCP_STATUS_FILE"; echo "rank: USR2, FEDCP_FINISHED_OK=$FEDCP_FINISHED_OK"; exit 75' USR2
+trap 'echo preempted >"$FEDCP_STATUS_FILE"; echo "rank: TERM"; exit 75' TERM
+echo up >"$READY"
+while :; do sleep 0.1; done
+"""
+
+
+def _batch_shell(tmp_path, rank_script: str, extra_env=None):
+    (tmp_path / "rank.sh").write_text(rank_script)
+    script = tmp_path / "job.sh"
+    script.write_text(BATCH_SHELL % (REPO / "slurm" / "_common.sh"))
+    env = {**os.environ, "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0",
+           "RANK_SCRIPT": str(tmp_path / "rank.sh"), "READY": str(tmp_path / "ready"), **(extra_env or {})}
+    return subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig", ["USR2", "TERM"])
+def test_the_batch_shell_passes_a_signal_on_to_the_step(tmp_path, sig):
+    """`scancel --full --signal=USR2` and `--signal=B:USR2@120` signal the batch shell too, which
+    died of it: the job FAILED and was not requeued though its ranks had checkpointed, and its status
+    file stayed. The shell passes the signal on to the step and requeues on the ranks' 75; a SIGTERM
+    (scancel, the time limit) is passed on the same way but ends the job without a requeue. The
+    ranks run with FEDCP_FINISHED_OK=1; no status file is left, and no stray error line is printed."""
+    p = _batch_shell(tmp_path, SIGNALLED_RANK)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        os.kill(p.pid, getattr(signal, f"SIG{sig}"))
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    if sig == "USR2":
+        assert p.returncode == 0, out + err
+        assert "rank: USR2, FEDCP_FINISHED_OK=1" in out and "fedcp: checkpointed (exit 75); requeueing job 7" in out
+        assert out.splitlines()[-1] == "scontrol requeue 7", out
+    else:
+        assert p.returncode == 143, out + err
+        assert "rank: TERM" in out and "scontrol requeue" not in out
+        assert ("fedcp: SIGTERM to the job (scancel, or its time limit) while the ranks ran: they stopped (exit 75); "
+                "not requeued") in out, out
+    assert err == "", err
+    assert not list(tmp_path.glob(".fedcp-*"))
+
+
+def test_attempts_stopped_before_training_are_requeued_once_then_not(tmp_path):
+    """Each attempt was signalled during its start-up (a short --time, a slow start-up against
+    USR2@120): it exited 75, said it had checkpointed and requeued, attempt after attempt, forever.
+    The first such attempt is requeued and says nothing new was checkpointed; the second in a row is
+    not requeued; an attempt that trains clears the count."""
+    rank = 'echo stopped-at-start >"$FEDCP_STATUS_FILE"; exit 75\n'
+    said = []
+    for attempt in ("0", "1"):
+        p = _batch_shell(tmp_path, rank, {"SLURM_RESTART_COUNT": attempt})
+        out, err = p.communicate(timeout=60)
+        said.append((p.returncode, out.splitlines()[-1]))
+        assert err == "", err
+    assert said[0] == (0, "scontrol requeue 7")
+    assert said[1][0] == 75 and said[1][1].startswith("fedcp: stopped before it trained a round on 2 attempts in a "
+                                                      "row (the signal came during start-up): not requeued"), said
+    assert not list(tmp_path.glob(".fedcp-*"))
 
 
 def test_train_sbatch_tiny_run(cluster, digits6, tmp_path):

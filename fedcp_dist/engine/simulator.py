@@ -166,7 +166,9 @@ class Simulator:
         if not startup.all_ok(rt, self.stop.signum is None):  # a signal during start-up, on any rank
             self.echo(f"asked to stop before round {self.start_round + 1}; exiting for requeue "
                       f"(nothing new to checkpoint)")
-            raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}")
+            raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}",
+                            nothing_new=True)
+        self.stop.starting = False  # a signal from here finishes the round (or stops its evaluation)
         lost = RunDir(cfg.out_dir).lines_recorded() if rt.is_main and self.start_round == 0 else 0
         if lost:  # a run stopped before its first complete checkpoint: what it recorded cannot be resumed
             self.echo(f"note: {cfg.out_dir} held {lost} record{'s' if lost > 1 else ''} (metrics.jsonl) of a run stopped before "
@@ -204,13 +206,15 @@ class Simulator:
         cfg = self.cfg
         if t == 0:
             self.echo("asked to stop during round 1's evaluation; exiting for requeue (nothing to checkpoint)")
-            raise Preempted(f"stopped during round 1's evaluation, before any training, in {cfg.out_dir}")
+            raise Preempted(f"stopped during round 1's evaluation, before any training, in {cfg.out_dir}",
+                            nothing_new=True)
         if checkpointed != t:
             self._save_checkpoint(t)
         rounds = f"{t} round{'s' if t > 1 else ''}"
         self.echo(f"asked to stop during round {t + 1}'s evaluation; "
                   f"{'checkpointed' if checkpointed != t else 'the newest checkpoint is'} after {rounds}; exiting for requeue")
-        raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir} (round {t + 1} stopped during its evaluation)")
+        raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir} (round {t + 1} stopped during its evaluation)",
+                        nothing_new=t == self.start_round)
 
     def round(self, t: int) -> tuple[Optional[dict], bool]:
         """Round t: evaluate (every eval_every rounds), train the cohort's owned clients, one

@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Optional
+
+from fedcp_dist.errors import job_rank
 
 #: what ``fedcp-run`` listens to before it has read the config: SIGTERM and the default preempt_signal
 AT_START = ("SIGTERM", "SIGUSR2")
+
+
+def _launcher_rank() -> int:
+    rank = job_rank()
+    return int(rank) if rank.isdigit() else 0
 
 
 class StopSignals:
@@ -20,8 +28,12 @@ class StopSignals:
     after its round are noted instead of ending the process: ``signum`` is the first one received
     (None: none yet)."""
 
-    def __init__(self, rank: int = 0, names=AT_START):
-        self.rank, self.names, self.signum = rank, sorted(set(names)), None
+    def __init__(self, rank: Optional[int] = None, names=AT_START):
+        # before the runtime says it (a signal during start-up): the rank the launcher gave this process
+        self.rank = rank if rank is not None else _launcher_rank()
+        self.names, self.signum = sorted(set(names)), None
+        #: what a run is doing, for the line a signal prints: start-up until its rounds begin
+        self.starting = True
         self._previous: dict = {}
         self._depth = 0
         self._interrupt = None  # SIGINT's handler while a finished run ignores it
@@ -30,9 +42,9 @@ class StopSignals:
     def _note(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
-            print(f"rank {self.rank}: got {signal.Signals(signum).name}; finishing the round, then checkpointing "
-                  f"(during start-up: stopping before the first round; during a round's evaluation: stopping before "
-                  f"its training)", flush=True)
+            then = ("stopping before the first round" if self.starting else
+                    "finishing the round, then checkpointing (during its evaluation: stopping before its training)")
+            print(f"rank {self.rank}: got {signal.Signals(signum).name}; {then}", flush=True)
 
     def _install(self) -> None:
         for name in self.names:
