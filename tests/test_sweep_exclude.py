@@ -111,3 +111,26 @@ def test_the_client_count_study_excludes_per_fedavg_at_200_and_500_clients():
     assert len(sw.excluded) == 10 and all("Per-FedAvg" in e.reason for e in sw.excluded)
     assert not any(p.params["method"] == "perfedavg" and p.params["num_clients"] >= 200 for p in sw.points)
     assert sum(p.params["method"] == "perfedavg" for p in sw.points) == 4 * 5
+
+
+def test_an_excluded_setting_of_a_grid_without_the_rows_key_is_marked_in_its_row(tmp_path):
+    """The method fixed for every point (not a grid key): the excluded points carry no method, and
+    their cell was left blank and their report.csv row out, though the docs promise `excluded`."""
+    rule = {"where": {"num_clients": [6]}, "reason": "too few"}
+    path = write_sweep(tmp_path, grid={"num_clients": [4, 6, 8], "seed": [1, 2]},
+                       overrides={"rounds": 2, "eval_every": 1, "method": "fedcp"},
+                       partition={k: v for k, v in DIGITS6.items() if k != "num_clients"}, exclude=[rule])
+    sw = sweep.load_sweep(path)
+    sweep.write_manifest(sw)
+    for p in sw.points:
+        p.run_dir.mkdir(parents=True)
+        (p.run_dir / "config.yaml").write_text(dump_config(sweep.points.point_config(sw, p)))
+        (p.run_dir / "summary.json").write_text(json.dumps({"method": "fedcp", "best_acc": 0.5, "final_acc": 0.5,
+                                                            "rounds": 2}))
+    out = tmp_path / "rep"
+    report.main([str(sw.dir), "--out", str(out), "--no-plots"])
+    md = (out / "report.md").read_text()
+    assert "| fedcp | 50.00 ± 0.00 | excluded | 50.00 ± 0.00 |" in md, md
+    with open(out / "report.csv", newline="") as f:
+        rows = {(r["method"], r["setting"]): r for r in csv.DictReader(f)}
+    assert rows["fedcp", "num_clients=6"]["excluded"] == "too few" and rows["fedcp", "num_clients=6"]["n_seeds"] == "0"

@@ -224,6 +224,12 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
     complete = [c.n for c in cells.values() if c.values and c.n == c.expected]
     counts = collections.Counter(complete)
     typical = max(counts, key=lambda n: (counts[n], n)) if counts else 0
+    # a point excluded without the row's key (the grid does not vary it: one method for every point) is
+    # excluded from every row
+    for (row, setting), reasons in list(excluded.items()):
+        if row is None:
+            for m in present:
+                excluded.setdefault((m, setting), set()).update(reasons)
     return Table(metric, keys, present, labels, cells, missing, typical, warnings,
                  {k: v for k, v in excluded.items() if k[0] is not None}, excluded_notes, diverged)
 
