@@ -305,8 +305,10 @@ def _apply(obj, values: dict, prefix: str = "") -> None:
             text, value = value.text, value.value
             if not type_ok(value, tp) and type_ok(text, tp) and isinstance(value, (bool, int, float)):
                 value = text  # out_dir=2024, client_state_dir=0755 (YAML: an int, an octal int)
-            elif value is None or isinstance(value, (bool, int, float)):
+            elif value is None and type_ok(text, tp):  # quoting helps only a key that takes the text
                 hint = f" (YAML reads {text!r} as {value!r}; quote it, {full}='\"{text}\"', for the text)"
+            elif value is None or isinstance(value, bool):  # yes, on, ~: not what they look like
+                hint = f" (YAML reads {text!r} as {value!r})"
         value = as_number(value, tp)
         if not type_ok(value, tp):
             raise UserError(f"config key '{full}': expected {_type_name(tp)}, got {shown(value)}{hint}")
@@ -366,7 +368,8 @@ def parse_overrides(items: list[str], keep_text: bool = False) -> dict:
     out: dict = {}
     for item in items:
         if "=" not in item:
-            raise UserError(f"override {item!r} is not of the form key=value")
+            hint = (f" (a config file? give it as --config {item})" if str(item).endswith((".yaml", ".yml")) else "")
+            raise UserError(f"override {item!r} is not of the form key=value{hint}")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key or any(not part for part in key.split(".")):

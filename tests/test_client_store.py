@@ -553,7 +553,7 @@ def test_full_disk_under_the_store_is_one_line_and_leaves_no_temporary_file(digi
     assert ck.latest().name == "round_0000001" and ck.verify(ck.latest()) is None
     said = []
     run("configs/digits_ditto.yaml", args[2:], echo=said.append)
-    assert any("(1 rounds done)" in l for l in said)
+    assert any("(1 round done)" in l for l in said)
     _same(device_run, out)
 
 
@@ -571,7 +571,7 @@ def test_a_run_refused_after_start_up_releases_its_folders(digits6, tmp_path):
         run("configs/digits_ditto.yaml", args + ["lr=0.5"])
     said = []
     run("configs/digits_ditto.yaml", args, echo=said.append)
-    assert any("(1 rounds done)" in l for l in said) and (out / "summary.json").exists()
+    assert any("(1 round done)" in l for l in said) and (out / "summary.json").exists()
 
 
 def test_an_io_error_nothing_else_names_is_one_line_naming_rank_phase_and_file(digits6, tmp_path, capsys,

@@ -75,6 +75,16 @@ def test_a_text_key_takes_its_override_as_typed_and_a_comment_is_never_dropped(t
         load_config("configs/digits_fedcp.yaml", ["data.path=~"], validate=False)
     assert str(exc.value) == ("config key 'data.path': expected str, got None (YAML reads '~' as None; quote it, "
                               "data.path='\"~\"', for the text)")
+    with pytest.raises(UserError) as exc:  # the config file given without --config
+        load_config(None, ["configs/digits_fedcp.yaml"], validate=False)
+    assert str(exc.value) == ("override 'configs/digits_fedcp.yaml' is not of the form key=value (a config file? give "
+                              "it as --config configs/digits_fedcp.yaml)")
+    # a key that takes no text: quoting would not help, so it is not suggested
+    for item, said in (("rounds=2.5", "expected int, got 2.5"), ("lam=yes", "expected float, got True (YAML reads "
+                                                                          "'yes' as True)")):
+        with pytest.raises(UserError) as exc:
+            load_config("configs/digits_fedcp.yaml", [item], validate=False)
+        assert str(exc.value) == f"config key '{item.split('=')[0]}': {said}", str(exc.value)
 
 
 def test_a_shard_path_that_is_a_broken_link_names_its_target(tmp_path):

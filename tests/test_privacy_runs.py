@@ -103,6 +103,6 @@ def test_dp_runs_with_a_disk_store_and_the_probes(digits20_16px, tmp_path):
 
 
 def test_what_the_shard_rules_out_is_refused_before_any_round(digits20_16px, tmp_path):
-    with pytest.raises(UserError, match="config key 'dp_delta': 0.06 is not below 1/N = 1/20"):
+    with pytest.raises(UserError, match=r"config key 'dp_delta': 0.06 is not below 1/N = 1/20: .*; dp_delta=0.001, say$"):
         run(CONFIG, _overrides(digits20_16px, tmp_path, "dp_delta=0.06"))
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -36,7 +36,7 @@ def dry_run(sweep: Sweep) -> None:
                  if s == UNFINISHED else []) for p in sweep.points]
     counts = collections.Counter(s for s, _ in statuses)
     done = counts[FINISHED] + counts[DIVERGED]
-    print(f"sweep {sweep.name}: {len(sweep.points)} points over {' × '.join(sweep.dimensions)}; "
+    print(f"sweep {sweep.name}: {len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''} over {' × '.join(sweep.dimensions)}; "
           f"{counts[FINISHED]} finished, " + (f"{counts[DIVERGED]} diverged, " if counts[DIVERGED] else "")
           + f"{len(sweep.points) - done} to run "
           f"(executor {sweep.kind}, {sweep.nproc} rank{'s' if sweep.nproc > 1 else ''} per run)"

@@ -228,8 +228,9 @@ class Privacy(Component):
 def start_up_problem(cfg, num_clients: int) -> Optional[tuple]:
     """(key, why) for what the run's client count rules out (None: fine)."""
     if cfg.dp_delta >= 1.0 / num_clients:
+        below = 10.0 ** math.floor(math.log10(0.1 / num_clients))  # a power of ten at most a tenth of 1/N
         return "dp_delta", (f"{cfg.dp_delta:g} is not below 1/N = 1/{num_clients}: such a δ allows leaking one "
-                            f"client's data whole")
+                            f"client's data whole; dp_delta={below:g}, say")
     cohort = expected_cohort(cfg, num_clients)
     if cfg.dp_noise_cohort_size is not None and cfg.dp_noise_cohort_size < cohort:
         return "dp_noise_cohort_size", (f"{cfg.dp_noise_cohort_size} is below the expected cohort of {cohort:g} "

@@ -244,6 +244,7 @@ def write_leaf_shard(root, out: Path, task: Optional[str], names_chars: int, say
     :func:`~fedcp_dist.data.shards.write_shard`)."""
     from fedcp_dist.data.shards import write_shard
 
+    leaf_folders(root)  # a missing or wrong --root is said before anything else
     say(f"reading LEAF files under {root}" + (f" ({task})" if task else ""))
     data = read_leaf(root, task)
     if num_clients is not None and num_clients != len(data.users):

@@ -191,8 +191,9 @@ class Simulator:
             self.records.append(record)
             if stop:  # some rank got the preemption signal: every rank stops here
                 self._save_checkpoint(t + 1)
-                self.echo(f"checkpointed after {t + 1} rounds; exiting for requeue")
-                raise Preempted(f"checkpointed after {t + 1} rounds in {cfg.out_dir}")
+                rounds = f"{t + 1} round{'s' if t > 0 else ''}"
+                self.echo(f"checkpointed after {rounds}; exiting for requeue")
+                raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir}")
             # every checkpoint_every rounds, and after the last one (the final personalized models, for analysis)
             if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds):
                 self._save_checkpoint(t + 1)

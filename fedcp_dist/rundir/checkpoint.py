@@ -469,7 +469,7 @@ class Checkpointer:
         _check_client_shapes(d, store, client_states)
         store.set_global(global_state)
         store.load_state_dict(client_states)
-        echo(f"resuming from {d} ({rounds_done} rounds done)")
+        echo(f"resuming from {d} ({rounds_done} round{'s' if rounds_done != 1 else ''} done)")
         return rounds_done, meta["records"], meta["round_seconds"], meta
 
     def load(self, d: Path, owned: Iterable[int], device, mmap: bool = False) -> tuple[int, dict, dict, dict]:
