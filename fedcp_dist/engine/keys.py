@@ -40,8 +40,9 @@ class Evaluation(Component):
         Option("eval_batch_size", 1000, "samples per forward pass at evaluation", above(0)),
         Option("eval_clients", 0, "evaluate this many of the run's clients, a sample drawn once from the run seed (the "
                "same clients on any world size, at every evaluation and on resume), so that an evaluation's cost "
-               "follows the sample, not the population; 0 (or at least the run's clients): every client. Every "
-               "output says which (metrics.jsonl, summary.json, the start line, fedcp-report)", at_least(0)),
+               "follows the sample, not the population; 0 (or at least the run's clients): every client. "
+               "metrics.jsonl, summary.json and the start line say which; fedcp-report shows it as a column only "
+               "where the runs differ in it", at_least(0)),
     )
 
 
