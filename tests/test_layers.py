@@ -51,14 +51,21 @@ def test_the_top_level_holds_a_dozen_modules_at_most_and_each_layer_says_what_it
         assert [type(n) for n in tree.body] == [ast.Expr], f"{package}/__init__.py imports nothing"
 
 
+def _project_imports(path) -> set:
+    tree = ast.parse(path.read_text())
+    return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module.startswith("fedcp_dist")}
+
+
 def test_config_reads_option_declarations_not_the_engine():
-    """config.py imports the option machinery, the method registry, the models' choice and each
-    layer's declarations (its keys module), nothing of the engine's code."""
-    tree = ast.parse((PKG / "config.py").read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module.startswith("fedcp_dist")}
+    """The config package imports the option machinery, the method registry, the models' choice and
+    each layer's declarations (its keys module), nothing of the engine's code; its reading of config
+    text (config/text.py) knows nothing of the keys."""
+    imported = _project_imports(PKG / "config" / "__init__.py")
     assert imported == {"fedcp_dist.algorithms", "fedcp_dist.errors", "fedcp_dist.options", "fedcp_dist.models",
                         "fedcp_dist.engine.keys", "fedcp_dist.fused.keys", "fedcp_dist.state.keys",
-                        "fedcp_dist.rundir.keys"}
+                        "fedcp_dist.rundir.keys", "fedcp_dist.config.text"}
+    assert _project_imports(PKG / "config" / "text.py") == {"fedcp_dist.errors"}
+    imported -= {"fedcp_dist.config.text"}
     for name in imported - {"fedcp_dist.algorithms", "fedcp_dist.models"}:
         source = (REPO / (name.replace(".", "/") + ".py")).read_text()
         assert "import torch" not in source, name
