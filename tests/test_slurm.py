@@ -430,6 +430,10 @@ def test_a_sweep_task_cancelled_stops_and_one_requeued_by_slurm_resumes(cluster,
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert f"2 queued or running (job {cancelled}, {requeued}), 0 to submit" in again.stdout, again.stdout
         assert "nothing to submit: every unfinished point is queued or running already" in again.stdout
+        dry = subprocess.run([str(BIN / "fedcp-sweep"), str(sweep), "--dry-run"], cwd=REPO, env=_env(),
+                             capture_output=True, text=True, timeout=120)
+        # the dry run says what the real run would (it said 'one array job of 2 tasks')
+        assert f"slurm: 2 queued or running (job {cancelled}, {requeued}), nothing to submit;" in dry.stdout, dry.stdout
         assert subprocess.run(["scancel", cancelled], env=_env(), timeout=30).returncode == 0
         assert subprocess.run(["scontrol", "requeue", requeued], env=_env(), timeout=30).returncode == 0
         out, err = watcher.communicate(timeout=420)

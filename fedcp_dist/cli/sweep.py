@@ -27,6 +27,7 @@ from fedcp_dist.errors import ArgumentParser, UserError, check_open_files, cli_m
 from fedcp_dist.rundir.directory import DIVERGED, DONE, FINISHED, UNFINISHED
 from fedcp_dist.sweep import EXECUTORS, Sweep, config_drift, load_sweep, run_local, run_slurm, slurm_parameters
 from fedcp_dist.sweep.names import display_path
+from fedcp_dist.sweep.slurm import queued_points
 from fedcp_dist.sweep.drift import resume_drift
 
 
@@ -61,9 +62,14 @@ def dry_run(sweep: Sweep) -> None:
     for e in sweep.excluded:
         print(f"excluded   {e.name}: {e.reason}")
     if sweep.kind == "slurm":
-        n = len(sweep.points) - done
+        # the points an earlier submission's tasks still run are not submitted again (as the real run says)
+        todo = {p.name for p, (status, _) in zip(sweep.points, statuses) if status not in DONE}
+        queued = {k: v for k, v in ((queued_points(sweep) or {}) if todo else {}).items() if k in todo}
+        n = len(todo) - len(queued)
         what = f"one array job of {n} tasks" if n > 1 else ("one job" if n else "nothing to submit")
-        print(f"slurm: {what}; submitit parameters {json.dumps(slurm_parameters(sweep), sort_keys=True)}")
+        held = (f"{len(queued)} queued or running (job {', '.join(sorted(set(queued.values()))[:4])}), "
+                if queued else "")
+        print(f"slurm: {held}{what}; submitit parameters {json.dumps(slurm_parameters(sweep), sort_keys=True)}")
     print("dry run: nothing was made or submitted")
 
 
