@@ -460,6 +460,8 @@ def test_cli_bad_arguments(tmp_path, capsys):
     expect_user_error(capsys, ["--num-clients", -3, "--out", out], "--num-clients")
     expect_user_error(capsys, ["--source", "nope", "--num-clients", 3, "--out", out],
                       "unknown source 'nope'")
+    # a misspelt source is said first (it said '--num-clients is required' of a source it did not know)
+    expect_user_error(capsys, ["--source", "digitz", "--out", out], "unknown source 'digitz'")
     expect_user_error(capsys, ["--num-clients", "abc", "--out", out], "--num-clients")
     expect_user_error(capsys, ["--partition", "zipf", "--num-clients", 3, "--out", out],
                       "--partition")

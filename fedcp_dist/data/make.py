@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from fedcp_dist.data.sources import check_source_name
 from fedcp_dist.data.text import (DEFAULT_MAX_LEN, DEFAULT_MIN_FREQ, DEFAULT_TEXT_PIPELINE, DEFAULT_VOCAB_SIZE,
                                   TEXT_PIPELINES)
 from fedcp_dist.errors import UserError
@@ -145,6 +146,8 @@ class PartitionSpec:
     def check(self, given: Optional[set] = None) -> None:
         """Refuse impossible values (before any data is loaded). ``given``: as for
         :meth:`check_scheme_options`."""
+        if self.source not in OWN_CLIENTS:  # an unknown source first: it says what else is wrong
+            check_source_name(self.source)
         check_option_values(self)
         if not 0 <= self.seed <= SEED_MAX:
             raise UserError(f"--seed must be an integer in [0, {SEED_MAX}] (a seed torch and numpy both take), "
