@@ -337,5 +337,6 @@ class CentralDP:
                "dp_sampling": p.sampling.kind, "dp_adjacency": p.sampling.adjacency,
                "dp_guarantee": self.guarantee()}
         if p.simulated_cohort:
-            out["dp_noise_cohort_size"] = p.noise_cohort
+            # the key takes a client count: an integer where it is one (the expected cohort may not be)
+            out["dp_noise_cohort_size"] = int(p.noise_cohort) if float(p.noise_cohort).is_integer() else p.noise_cohort
         return out
