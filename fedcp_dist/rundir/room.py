@@ -105,23 +105,39 @@ def checkpoints(f: Figures) -> List[Checkpoint]:
     return out
 
 
+def _prefix(values) -> List[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _needs(f: Figures, sizes: List[Checkpoint]) -> List[int]:
+    """:func:`need_at` of every checkpoint, by running sums (a run of 2,000 checkpoints keeping 1,000)."""
+    g, c, u = (_prefix(getattr(x, name) for x in sizes) for name in ("global_part", "clients", "unshared"))
+    out = []
+    for j, cp in enumerate(sizes):
+        lo = max(0, j - f.keep)
+        files = c[j + 1] - c[lo]
+        if f.linked:  # a file shared by links counts once: the newest checkpoint's, and the older ones a later replaced
+            files = min(files, cp.clients + u[j + 1] - u[lo + 1])
+        store = f.with_state(cp.round) * f.client_bytes if f.store_here else 0
+        out.append(g[j + 1] - g[lo] + files + store)
+    return out
+
+
 def need_at(f: Figures, j: int, sizes: Optional[List[Checkpoint]] = None) -> int:
     """Bytes the run's checkpoints take on disk while its ``j``-th checkpoint (0-based) is written:
     it and the ``keep`` newest before it of this run (those of an earlier attempt are on disk
     already), and a disk store's own files where they share the file system."""
     sizes = sizes if sizes is not None else checkpoints(f)
-    window = sizes[max(0, j - f.keep): j + 1]
-    files = sum(c.clients for c in window)
-    if f.linked:  # a file shared by links counts once: the newest checkpoint's, and the older ones a later replaced
-        files = min(files, window[-1].clients + sum(c.unshared for c in window[1:]))
-    store = f.with_state(window[-1].round) * f.client_bytes if f.store_here else 0
-    return sum(c.global_part for c in window) + files + store
+    return _needs(f, sizes[: j + 1])[j]
 
 
-def peak(f: Figures) -> Tuple[int, int]:
+def peak(f: Figures, sizes: Optional[List[Checkpoint]] = None) -> Tuple[int, int]:
     """(bytes, round) of the most the run's checkpoints take at once; (0, 0) without any."""
-    sizes = checkpoints(f)
-    return max(((need_at(f, j, sizes), c.round) for j, c in enumerate(sizes)), default=(0, 0))
+    sizes = sizes if sizes is not None else checkpoints(f)
+    return max(zip(_needs(f, sizes), (c.round for c in sizes)), default=(0, 0))
 
 
 def mib(n: float) -> str:
@@ -175,7 +191,12 @@ def check(f: Figures, free: Optional[int], out_dir: str) -> str:
     kept = f"{f.keep} kept + 1 being written"
     if top <= free:
         return f"checkpoints on disk: about {mib(top)} at the peak (after round {at}, {kept}); {mib(free)} free on {where}"
-    fits = next((k for k in range(f.keep - 1, 0, -1) if peak(replace(f, keep=k))[0] <= free), None)
+    # the most checkpoints kept that fit (the peak grows with keep): a bisection over 1 … keep - 1
+    lo, hi = 0, f.keep - 1
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        lo, hi = (k, hi) if peak(replace(f, keep=k), sizes)[0] <= free else (lo, k - 1)
+    fits = lo or None
     advice = (f"keep_checkpoints={fits} fits" if fits else
               "not even keep_checkpoints=1 fits: free space there or choose an out_dir on a larger disk")
     return (f"note: the checkpoints will need about {mib(top)} at their peak (after round {at}, {kept}) but "
