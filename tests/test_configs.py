@@ -159,7 +159,7 @@ def test_sweep_parses(path, capsys):
     holds the point's grid values and variant keys (none dropped or shadowed)."""
     main([str(path), "--dry-run"])
     out = capsys.readouterr().out
-    m = re.search(r"sweep \S+: (\d+) points", out)
+    m = re.search(r"sweep \S+: (\d+) points?", out)
     sw = load_sweep(path)
     assert m and int(m.group(1)) == len(sw.points) > 0
     assert out.count("\nexcluded   ") == len(sw.excluded)

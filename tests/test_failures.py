@@ -784,6 +784,20 @@ def test_a_checkpoint_folder_removed_while_it_is_written_is_named_as_removed(dig
     assert (out / "config.yaml").is_file() and not (out / "checkpoints" / "round_0000002").exists()
 
 
+def test_a_temporary_file_removed_before_its_folder_is_taken_for_a_removal(tmp_path):
+    """``rm -rf`` removes a folder's files before the folder: a write whose temporary file went
+    (the folder still there for a moment) said "no earlier checkpoint was complete" (a CI run's
+    failure). A file not found inside the round's folder, made by this save, is a removal; outside
+    it, or in a folder this save did not make, it is not."""
+    d = tmp_path / "checkpoints" / "round_0000002"
+    d.mkdir(parents=True)
+    gone = OSError(errno.ENOENT, "No such file or directory", str(d / ".COMPLETE.tmp-host-1"))
+    assert Checkpointer._vanished(gone, d, made=True)  # the folder is still there
+    assert not Checkpointer._vanished(gone, d, made=False)
+    assert not Checkpointer._vanished(OSError(errno.ENOENT, "x", str(tmp_path / "other")), d, made=True)
+    assert not Checkpointer._vanished(OSError(errno.ENOSPC, "x", str(d / "global.pt")), d, made=True)
+
+
 def test_a_name_near_the_file_systems_limit_is_written_atomically(tmp_path):
     """A 250-byte file name is legal, but its temporary name (``.NAME.tmp-HOST-PID``) was not: every
     such write failed with "File name too long". The temporary name is cut, with a digest, and a

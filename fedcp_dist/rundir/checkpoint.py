@@ -312,10 +312,12 @@ class Checkpointer:
 
     @staticmethod
     def _vanished(problem: OSError, d: Path, made: bool) -> bool:
-        """Whether this rank's failed write ``problem`` met the round's folder ``d``, made here, gone:
-        a file in it not found, and the folder no longer there. Judged as the write fails, before
-        any collective, since rank 0 removes the folder once every rank has said how it fared."""
-        if not made or problem.errno != errno.ENOENT or d.is_dir():
+        """Whether this rank's failed write ``problem`` met the round's folder ``d``, made here, being
+        removed: a file in it not found (the folder gone, or the temporary file this rank had just
+        written there, which an ``rm -rf`` removes before the folder). Judged as the write fails,
+        before any collective, since rank 0 removes the folder only once every rank has said how it
+        fared: no cleanup of the run's own is under way then."""
+        if not made or problem.errno != errno.ENOENT:
             return False
         name = Path(problem.filename) if problem.filename else None
         return name is not None and (name == d or d in name.parents)
