@@ -112,13 +112,20 @@ STOPPED_AT_START = "stopped-at-start"
 
 
 def _finished_already(cfg) -> Optional[dict]:
-    """The summary of the finished run in ``cfg.out_dir`` (not one that diverged), said in one line
-    by the job's first rank; None when there is none."""
-    from fedcp_dist.rundir.directory import FINISHED, RunDir
+    """The summary of the finished run in ``cfg.out_dir`` (not one that diverged) when it is this
+    config's run (its config.yaml differs in no key that defines the experiment, ``rounds`` included),
+    said in one line by the job's first rank; None otherwise, and the start refuses the out_dir as
+    any finished one (a job that asks for more rounds, another seed or lr, is not "done")."""
+    from fedcp_dist.rundir.directory import FINISHED, RunDir, check_resume_config
 
     run = RunDir(cfg.out_dir)
     summary = run.read_summary() if run.summary.exists() and run.status() == FINISHED else None
-    if summary is None:
+    have = run.read_config() if summary is not None else None
+    if summary is None or have is None or have.get("rounds") != cfg.rounds:
+        return None
+    try:
+        check_resume_config(have, cfg.to_dict(), cfg.out_dir, same_data=True)
+    except UserError:
         return None
     if job_rank() == "0":
         print(f"out_dir {cfg.out_dir} holds the finished run (summary.json, final accuracy "

@@ -67,33 +67,55 @@ fedcp_launch() {
     trap "rm -f $(printf '%q %q' "$status_file" "$status_file.refused")" EXIT
     local rc=0 pid
     FEDCP_TERMINATED=0
-    # in the background, so that this shell takes its signals while the step runs (a trap waits for
-    # a foreground command to end); each is passed on to srun, which forwards it to the ranks
-    FEDCP_STATUS_FILE=$status_file FEDCP_FINISHED_OK=1 srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@" &
-    pid=$!
-    # shellcheck disable=SC2064  # expanded now: pid is this function's
-    trap "kill -USR2 $pid 2>/dev/null || true" USR2
-    # shellcheck disable=SC2064
-    trap "FEDCP_TERMINATED=1; kill -TERM $pid 2>/dev/null || true" TERM
-    while :; do
-        rc=0
-        wait "$pid" || rc=$?
-        kill -0 "$pid" 2>/dev/null || break  # a trapped signal ended the wait, not the step: wait again
-    done
-    trap - USR2 TERM
+    if [ "${FEDCP_USR2:-0}" = 1 ]; then  # the preempt signal came before the step started (the script's first moments)
+        echo "fedcp: SIGUSR2 before the job step started: nothing ran in this attempt"
+        echo stopped-at-start >"$status_file"
+        rc=75
+    else
+        # in the background, so that this shell takes its signals while the step runs (a trap waits for
+        # a foreground command to end); each is passed on to srun, which forwards it to the ranks
+        FEDCP_STATUS_FILE=$status_file FEDCP_FINISHED_OK=1 srun --kill-on-bad-exit=1 "${srun_flags[@]}" "${run[@]}" "$@" &
+        pid=$!
+        # shellcheck disable=SC2064  # expanded now: pid is this function's
+        trap "FEDCP_TRAPPED=1; FEDCP_USR2=1; kill -USR2 $pid 2>/dev/null || true" USR2
+        # shellcheck disable=SC2064
+        trap "FEDCP_TRAPPED=1; FEDCP_TERMINATED=1; kill -TERM $pid 2>/dev/null || true" TERM
+        while :; do
+            FEDCP_TRAPPED=0
+            rc=0
+            wait "$pid" || rc=$?
+            # a trapped signal ends the wait, not the step: wait again (for the step's own status, if it
+            # ended meanwhile)
+            [ "$FEDCP_TRAPPED" = 1 ] || break
+        done
+        trap 'FEDCP_USR2=1' USR2
+        trap - TERM
+    fi
     local said refused
     said=$(cat "$status_file" 2>/dev/null || true)
     refused=$( { tr '\n' ' ' <"$status_file.refused"; } 2>/dev/null || true)
     if [ -n "$refused" ] && [ "$said" != finished ]; then
         echo "fedcp: srun ended with status $rc after rank(s) ${refused% } refused the run (exit 2, their lines are above): not requeued"
         rc=2
-    elif [ "$rc" != 0 ] && [ "$rc" != 75 ] && [ "$said" = preempted ]; then
-        echo "fedcp: srun ended with status $rc after rank 0 checkpointed and stopped: treated as 75"
+    elif [ "$rc" != 0 ] && [ "$rc" != 75 ] && { [ "$said" = preempted ] || [ "$said" = stopped-at-start ]; }; then
+        # --kill-on-bad-exit counts 75 as bad: the ranks still closing (or still starting) are killed
+        echo "fedcp: srun ended with status $rc after rank 0 stopped for a requeue ($said): treated as 75"
         rc=75
     elif [ "$rc" != 0 ] && [ "$said" = finished ]; then
         # a signal between the final files and the ranks' exit: a requeue would find a finished run
         echo "fedcp: srun ended with status $rc after rank 0 wrote the run's final files: treated as 0"
         rc=0
+    elif [ -z "$said" ] && [ "${FEDCP_USR2:-0}" = 1 ] && [ "$rc" != 0 ]; then
+        # the preempt signal reached the ranks before they listened (their first tenth of a second), or
+        # rank 0 before it could say so: nothing was trained in this attempt
+        echo "fedcp: srun ended with status $rc after a SIGUSR2 that came as the ranks started: nothing ran; treated as 75"
+        said=stopped-at-start
+        rc=75
+    elif [ "$rc" = 75 ] && [ -z "$said" ]; then
+        # rank 0 says when it stops for a requeue; a 75 without its word is the other ranks' answer to
+        # srun's SIGTERM after a rank failed (exit 1 at start-up, say): a requeue would fail the same way
+        echo "fedcp: srun ended with status 75, but rank 0 did not stop for a requeue (a rank failed; its lines are above): not requeued"
+        rc=1
     fi
     rm -f "$status_file" "$status_file.refused"
     # attempts in a row stopped before they trained a round: counted beside the status files
@@ -104,7 +126,7 @@ fedcp_launch() {
         rm -f "$nothing"
     fi
     if [ "$FEDCP_TERMINATED" = 1 ] && [ "$rc" = 75 ]; then
-        echo "fedcp: SIGTERM to the job (scancel, or its time limit) while the ranks ran: they stopped (exit 75); not requeued"
+        echo "fedcp: SIGTERM to the job (scancel, its time limit, or a requeue by SLURM itself) while the ranks ran: they stopped (exit 75); this script does not requeue it"
         rm -f "$nothing"
         rc=143
     fi

@@ -379,6 +379,11 @@ def test_a_job_script_attempt_on_a_finished_run_has_nothing_to_do(digits6_16px, 
     assert r.stdout.rstrip().endswith("nothing to do (FEDCP_FINISHED_OK=1)") and status.read_text() == "finished\n"
     r = run_cmd(args)
     assert r.returncode == 2 and "holds a finished run" in r.stderr
+    # the same out_dir asked for another run (more rounds, another lr): refused under the scripts too
+    for other in ("rounds=2", "lr=0.2"):
+        r = run_cmd([*(a for a in args if a != "rounds=1"), other] + ([] if other.startswith("rounds") else ["rounds=1"]),
+                    env_extra={"FEDCP_FINISHED_OK": "1"})
+        assert r.returncode == 2 and "holds a finished run" in r.stderr, (other, r.stdout + r.stderr)
 
 
 def test_a_refusal_with_stderr_closed_is_said_on_stdout_and_exits_2(tmp_path):

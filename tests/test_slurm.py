@@ -225,10 +225,42 @@ def test_the_batch_shell_passes_a_signal_on_to_the_step(tmp_path, sig):
     else:
         assert p.returncode == 143, out + err
         assert "rank: TERM" in out and "scontrol requeue" not in out
-        assert ("fedcp: SIGTERM to the job (scancel, or its time limit) while the ranks ran: they stopped (exit 75); "
-                "not requeued") in out, out
+        assert ("fedcp: SIGTERM to the job (scancel, its time limit, or a requeue by SLURM itself) while the ranks ran: "
+                "they stopped (exit 75); this script does not requeue it") in out, out
     assert err == "", err
     assert not list(tmp_path.glob(".fedcp-*"))
+
+
+@pytest.mark.parametrize("case", ["rank failed", "rank 1 killed after rank 0 stopped at start", "signal before the step",
+                                  "signal before the ranks listen"])
+def test_how_the_batch_shell_reads_a_step_that_ended_at_start(tmp_path, case):
+    """A re-probe of the job scripts: one rank failing at start-up (exit 1; srun's SIGTERM made the
+    others exit 75, srun returned 75) was requeued for ever, each time saying it had checkpointed; a
+    rank stopped at start whose peer srun killed (status 143) left the job FAILED; a SIGUSR2 in the
+    batch shell's first moments, or one that reached the ranks before they listened, left it FAILED
+    with no word. A 75 without rank 0's word is a failure; the others are a stop at start, requeued."""
+    rank = {"rank failed": "exit 75\n",
+            "rank 1 killed after rank 0 stopped at start": 'echo stopped-at-start >"$FEDCP_STATUS_FILE"; exit 143\n',
+            "signal before the step": "echo ran; exit 0\n",
+            "signal before the ranks listen": 'echo up >"$READY"; while :; do sleep 0.1; done\n'}[case]
+    p = _batch_shell(tmp_path, rank, {"FEDCP_USR2": "1"} if case == "signal before the step" else None)
+    if case == "signal before the ranks listen":
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGUSR2)  # passed on to the step, whose process has no handler: it dies of it
+    out, err = p.communicate(timeout=60)
+    assert err == "", err
+    if case == "rank failed":
+        assert p.returncode == 1, out
+        assert ("fedcp: srun ended with status 75, but rank 0 did not stop for a requeue (a rank failed; its lines "
+                "are above): not requeued") in out and "requeue 7" not in out
+    else:
+        assert p.returncode == 0 and out.splitlines()[-1] == "scontrol requeue 7", out
+        assert "fedcp: stopped before it trained a round (nothing new to checkpoint); requeueing job 7" in out
+        assert "ran" not in out.splitlines()
+    assert not list(tmp_path.glob(".fedcp-status-*"))
 
 
 def test_attempts_stopped_before_training_are_requeued_once_then_not(tmp_path):
@@ -302,7 +334,7 @@ STUB = """#!/usr/bin/env bash
 marker=$1; final=$2; shift 2
 printf 'restart=%s id=%s args=' "${SLURM_RESTART_COUNT:-0}" "${SLURM_ARRAY_TASK_ID:-none}" >>"$marker"
 printf '<%s>' "$@" >>"$marker"; echo >>"$marker"
-if [ "$(wc -l <"$marker")" -lt 2 ]; then exit 75; fi
+if [ "$(wc -l <"$marker")" -lt 2 ]; then echo preempted >"$FEDCP_STATUS_FILE"; exit 75; fi  # as rank 0 says it
 exit "$final"
 """
 

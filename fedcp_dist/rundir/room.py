@@ -141,8 +141,10 @@ def peak(f: Figures, sizes: Optional[List[Checkpoint]] = None) -> Tuple[int, int
 
 
 def mib(n: float) -> str:
-    """Bytes as MiB or GiB, to a tenth of a MiB or a hundredth of a GiB (a need and the room beside it
-    seldom round to the same figure)."""
+    """Bytes as KiB, MiB or GiB, to a tenth of a KiB or MiB or a hundredth of a GiB (a need and the room
+    beside it seldom round to the same figure; a client's small state is not 0.0 MiB)."""
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
