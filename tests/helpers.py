@@ -2,6 +2,7 @@
 an algorithm stand-in, small clients and models, and processes started and killed as a scheduler would."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import errno
@@ -116,6 +117,20 @@ def run_hand_ranks(commands: list, envs: list, timeout: float = 180) -> list:
                 p.kill()
                 p.wait()
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str):
+    """``folder`` on a tmpfs of ``size`` (``256k``, ``1m``): a disk that fills. Mounting needs root:
+    the test is skipped where it fails."""
+    folder.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def run(config: str, overrides, wrap=None, echo=lambda *_: None) -> dict:

@@ -1,13 +1,12 @@
 """The room a run's checkpoints take on out_dir's disk, checked at start: the arithmetic on
 hand-computed figures, the estimate against the checkpoints a run really writes, a refusal on a
 disk too small for the first checkpoint, and the note when only the peak does not fit."""
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from conftest import run_cmd
-from helpers import run
+from helpers import run, tmpfs
 
 from fedcp_dist.errors import UserError
 from fedcp_dist.rundir import room
@@ -106,18 +105,14 @@ def test_the_estimate_covers_the_checkpoints_a_run_writes(digits6_16px, tmp_path
     assert "(after round 3, 3 kept + 1 being written)" in line, line
     assert len(list((tmp_path / "checkpoints").iterdir())) == 3
     written = _du(tmp_path / "checkpoints") + _du(tmp_path / "client_state") * ("client_state=disk" in extra)
-    estimate = float(line.split("about ")[1].split(" MiB")[0]) * 2**20
+    number, unit = line.split("about ")[1].split()[:2]
+    estimate = float(number) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     assert written <= estimate * 1.01 and estimate <= 1.3 * written, (estimate, written)
 
 
 def test_a_run_whose_first_checkpoint_cannot_fit_is_refused_before_its_first_round(digits6_16px, tmp_path):
     """out_dir on a 1 MiB tmpfs: refused at start in one line, exit 2, nothing left there."""
-    small = tmp_path / "small"
-    small.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "1m") as small:
         out = small / "run"
         r = run_cmd(["fedcp-run", "--config", "configs/digits_fedcp.yaml", f"data.path={digits6_16px}",
                      f"out_dir={out}", "rounds=4", "checkpoint_every=2", "threads=1"])
@@ -127,5 +122,3 @@ def test_a_run_whose_first_checkpoint_cannot_fit_is_refused_before_its_first_rou
                                                    "needs about "), r.stderr
         assert f"are free on the file system of out_dir {out}: free space there" in err[0]
         assert "[round" not in r.stdout and list(small.iterdir()) == []
-    finally:
-        subprocess.run(["umount", "-l", str(small)], capture_output=True)

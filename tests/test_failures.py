@@ -15,7 +15,7 @@ import h5py
 import pytest
 
 from conftest import BIN, REPO, run_cmd
-from helpers import descendants, documented, nonfinite_at, rank_envs, run, wait_for
+from helpers import descendants, documented, nonfinite_at, rank_envs, run, tmpfs, wait_for
 from helpers import kill_job as _kill_job
 from helpers import start as _start
 
@@ -822,15 +822,8 @@ def test_a_name_near_the_file_systems_limit_is_written_atomically(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A folder on a 256 KiB tmpfs, a disk that fills (mounting needs root: skipped where it fails)."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "256k") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def _fill(folder: Path, leave: int = 0) -> None:
