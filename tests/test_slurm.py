@@ -386,7 +386,7 @@ def test_a_rank_killed_after_rank_0_checkpointed_still_requeues(cluster, tmp_pat
     log = _logs(tmp_path)
     assert (_field(record, "JobState"), _field(record, "Restarts")) == ("COMPLETED", "1"), log
     assert sorted(marker.read_text().splitlines()) == ["attempt 2 rank 0", "attempt 2 rank 1"]
-    assert "after rank 0 checkpointed and stopped: treated as 75" in log and f"requeueing job {job}" in log
+    assert "after rank 0 stopped for a requeue (preempted): treated as 75" in log and f"requeueing job {job}" in log
     assert not list(tmp_path.glob(".fedcp-status-*"))
 
 
