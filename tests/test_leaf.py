@@ -174,6 +174,9 @@ def test_leaf_refuses_options_of_other_sources(tmp_path, capsys):
     expect_user_error(capsys, ["--source", "leaf", "--root", tmp_path, "--out", tmp_path / "o.h5"],
                       "holds no train/ and test/ folders")
     expect_user_error(capsys, ["--source", "leaf", "--out", tmp_path / "o.h5"], "--source leaf needs --root DIR")
+    with pytest.raises(SystemExit):  # and nothing before it on stdout ("reading LEAF files under None")
+        main(["--source", "leaf", "--out", str(tmp_path / "o.h5")])
+    assert capsys.readouterr().out == ""
     empty = tmp_path / "empty"
     for split in ("train", "test"):  # LEAF's layout, every file listing no user: a traceback from HDF5 before
         (empty / split).mkdir(parents=True)
