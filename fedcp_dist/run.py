@@ -96,7 +96,7 @@ def run_config(config_path: Optional[str], overrides: Sequence[str] = (), stop: 
         except Preempted as exc:
             # torchrun turns a worker's exit status into its own: job scripts read this file instead
             if rt.is_main:
-                write_status(STOPPED_AT_START if getattr(exc, "nothing_new", False) else "preempted")
+                write_status(STOPPED_AT_START if exc.nothing_new else "preempted")
             raise
         finally:
             rt.close()

@@ -56,10 +56,9 @@ from fedcp_dist.errors import UserError
 from fedcp_dist.fused import groups as fused_groups
 from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.models import build_model, model_options
-from fedcp_dist.rundir import room
 from fedcp_dist.state.client_store import HostClientStore, banks_in_files
 from fedcp_dist.state.disk_store import PREFETCH_DEPTH, DiskClientStore
-from fedcp_dist.state.process_memory import rss_bytes, state_bytes
+from fedcp_dist.state.process_memory import client_state_size, rss_bytes, state_bytes
 
 MiB = 2**20
 #: fraction of what is still to come added for the allocator's overhead, and a fixed part for what
@@ -457,33 +456,6 @@ def peer_rows(setup, world_size: int) -> int:
     clients and at most the largest cohort."""
     owned = int(setup.clients_per_rank(world_size).max())
     return max(1, min(owned, setup.max_cohort) if setup.max_cohort else owned)
-
-
-def client_state_size(algo, store, agg, compressor, client: int) -> Tuple[int, int]:
-    """(bytes, tensors) a client keeps: its state, its own BatchNorm statistics and its compression
-    residual (one float32 copy of the upload)."""
-    state = algo.init_client_state(client) or {}
-    gs = store.global_state
-    bn = [gs[k] for k in store.bn_keys if k in gs]
-    nbytes, tensors = state_bytes(state) + sum(t.numel() * t.element_size() for t in bn), len(state) + len(bn)
-    if compressor.enabled and compressor.error_feedback:
-        nbytes, tensors = nbytes + 4 * sum(math.prod(s) for s in agg.shapes.values()), tensors + len(agg.shapes)
-    return nbytes, tensors
-
-
-def checkpoint_room(cfg, setup, algo, store, agg, compressor, start: int) -> str:
-    """:func:`fedcp_dist.rundir.room.check` of the run's checkpoints (every rank's parts, on out_dir's
-    file system: rank 0 checks for all) against the room there, after ``start`` rounds done; its line."""
-    nbytes, tensors = client_state_size(algo, store, agg, compressor, int(setup.clients[0]) if len(setup.clients) else 0)
-    disk = isinstance(store, DiskClientStore)
-    client_bytes = nbytes + room.TENSOR_BYTES * tensors + (room.FILE_BYTES if disk else 0) if nbytes else 0
-    gs = store.global_state
-    rho = (sum(cfg.participation_range) / 2 if cfg.participation_range is not None else cfg.participation)
-    f = room.Figures(clients=setup.num_clients, participation=min(1.0, float(rho)), client_bytes=client_bytes,
-                     global_bytes=state_bytes(gs) + room.TENSOR_BYTES * len(gs), rounds=cfg.rounds, start=start,
-                     every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, linked=disk,
-                     store_here=disk and room.same_file_system(cfg.out_dir, store.dir))
-    return room.check(f, room.free_bytes(cfg.out_dir), cfg.out_dir)
 
 
 def measure(cfg, rt, setup, algo, store, agg, compressor, groups) -> Figures:

@@ -29,6 +29,7 @@ from fedcp_dist.engine import agreement, startup
 from fedcp_dist.rundir.code import code_note
 from fedcp_dist.comm.aggregate import ClientOrder, FlatAggregator, TrainSums, sums_size
 from fedcp_dist.rundir.checkpoint import Checkpointer, data_record
+from fedcp_dist.rundir.room import checkpoint_room
 from fedcp_dist.state.client_store import BN_STAT_SUFFIXES
 from fedcp_dist.state.disk_store import DiskClientStore, make_store
 from fedcp_dist.comm.compress import Compressor
@@ -36,7 +37,7 @@ from fedcp_dist.config import Config
 from fedcp_dist.engine.evaluation import EvalSums
 from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
-from fedcp_dist.engine.preflight import checkpoint_room, peer_rows, preflight
+from fedcp_dist.engine.preflight import peer_rows, preflight
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.rundir.directory import RunWriter
 from fedcp_dist.fileio import folders_to_make

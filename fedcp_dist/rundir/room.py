@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from fedcp_dist.errors import UserError
+from fedcp_dist.state.disk_store import DiskClientStore
+from fedcp_dist.state.process_memory import client_state_size, state_bytes
 
 #: bytes ``torch.save`` adds per tensor (its pickle record and zip entry, aligned; measured 250–350)
 TENSOR_BYTES = 384
@@ -204,3 +206,19 @@ def check(f: Figures, free: Optional[int], out_dir: str) -> str:
     return (f"note: the checkpoints will need about {mib(top)} at their peak (after round {at}, {kept}) but "
             f"{mib(free)} are free on {where}: the run stops at the first checkpoint that does not fit, the "
             f"previous one intact; {advice}")
+
+
+def checkpoint_room(cfg, setup, algo, store, agg, compressor, start: int) -> str:
+    """:func:`check` of the run's checkpoints (every rank's parts, on out_dir's file system: rank 0
+    checks for all) against the room there, after ``start`` rounds done, its figures taken from the
+    run's parts (the method's client state, the store, the upload's shapes); its line."""
+    nbytes, tensors = client_state_size(algo, store, agg, compressor, int(setup.clients[0]) if len(setup.clients) else 0)
+    disk = isinstance(store, DiskClientStore)
+    client_bytes = nbytes + TENSOR_BYTES * tensors + (FILE_BYTES if disk else 0) if nbytes else 0
+    gs = store.global_state
+    rho = (sum(cfg.participation_range) / 2 if cfg.participation_range is not None else cfg.participation)
+    f = Figures(clients=setup.num_clients, participation=min(1.0, float(rho)), client_bytes=client_bytes,
+                global_bytes=state_bytes(gs) + TENSOR_BYTES * len(gs), rounds=cfg.rounds, start=start,
+                every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, linked=disk,
+                store_here=disk and same_file_system(cfg.out_dir, store.dir))
+    return check(f, free_bytes(cfg.out_dir), cfg.out_dir)

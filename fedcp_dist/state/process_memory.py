@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -52,3 +52,13 @@ def memory_record(store) -> dict:
             "client_state_held_mb": store.held_bytes() / mib}
 
 
+def client_state_size(algo, store, agg, compressor, client: int) -> Tuple[int, int]:
+    """(bytes, tensors) a client keeps: its state, its own BatchNorm statistics and its compression
+    residual (one float32 copy of the upload)."""
+    state = algo.init_client_state(client) or {}
+    gs = store.global_state
+    bn = [gs[k] for k in store.bn_keys if k in gs]
+    nbytes, tensors = state_bytes(state) + sum(t.numel() * t.element_size() for t in bn), len(state) + len(bn)
+    if compressor.enabled and compressor.error_feedback:
+        nbytes, tensors = nbytes + 4 * sum(s.numel() for s in agg.shapes.values()), tensors + len(agg.shapes)
+    return nbytes, tensors
