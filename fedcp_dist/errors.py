@@ -42,8 +42,21 @@ class RunFailure(Exception):
 class UserError(Exception):
     """A mistake in what the user gave us (config, file, argument).
 
-    The message is printed as one line; the process exits with status 2.
+    The message is printed as one line; the process exits with status 2. ``said=True``: another
+    process printed it on the same terminal (a rank that stops because another rank of
+    ``fedcp-run --ranks`` refused the run): the exit status only.
     """
+
+    said = False
+
+    def __init__(self, *args, said: bool = False):
+        super().__init__(*args)
+        self.said = said
+
+
+#: set by ``fedcp-run --ranks`` for the ranks it starts: they share one terminal, so a rank that stops
+#: only because another refused the run need not say so (the refusing rank's line is the one to read)
+ONE_TERMINAL = "FEDCP_ONE_TERMINAL"
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
@@ -224,7 +237,8 @@ def cli_main(func):
         try:
             return func(*args, **kwargs)
         except UserError as exc:
-            say(f"error: {' '.join(str(exc).split())}")
+            if not exc.said:
+                say(f"error: {' '.join(str(exc).split())}")
             leave(2)
         except RunFailure as exc:
             say(f"error: {' '.join(str(exc).split())}")

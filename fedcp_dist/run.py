@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from fedcp_dist.errors import (ArgumentParser, Preempted, StdoutThatMayGo, UserError, check_address_space,
+from fedcp_dist.errors import (ONE_TERMINAL, ArgumentParser, Preempted, StdoutThatMayGo, UserError, check_address_space,
                                check_open_files, cli_main, job_rank, say)
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.rundir.preemption import StopSignals, write_status
@@ -180,6 +180,7 @@ def local_ranks_command(n: int, config: Optional[str], overrides: Sequence[str],
             "-m", "fedcp_dist.run", *(["--config", config] if config else []), *overrides]
     out = run_env(env)
     out.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // n)))
+    out[ONE_TERMINAL] = "1"
     return argv, out
 
 

@@ -360,9 +360,10 @@ def test_ranks_flag_becomes_torchrun_and_refuses_bad_values(capsys, monkeypatch,
     assert cmd == [sys.executable, "-m", "fedcp_dist.cli.ranks", "--standalone", "--nproc_per_node=2", "-m",
                    "fedcp_dist.run", "--config", "configs/digits_fedcp.yaml", "rounds=3", "lam=1"]
     assert env == {"PATH": "/bin", "OMP_NUM_THREADS": str(max(1, _cpu_count() // 2)),
-                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}
+                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S), "FEDCP_ONE_TERMINAL": "1"}
     _, env = run_mod.local_ranks_command(3, None, [], env={"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
-    assert env == {"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}  # the user's values win
+    assert env == {"OMP_NUM_THREADS": "4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5",  # the user's values win
+                   "FEDCP_ONE_TERMINAL": "1"}
     with pytest.raises(UserError, match="leave it out"):
         run_mod.local_ranks_command(2, None, [], env={"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
                                                       "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
@@ -432,14 +433,14 @@ def test_ranks_ending_is_said_as_a_runs():
     from fedcp_dist.cli import ranks
 
     assert ranks.failure_line({0: 2, 1: 2}, {}) == (
-        2, "fedcp-run --ranks: ranks 0, 1 exited with status 2 (their own lines are above)")
-    assert ranks.failure_line({1: 75}, {}) == (75, "fedcp-run --ranks: rank 1 stopped after their checkpoint (their "
-                                                   "own lines are above)")
+        2, "fedcp-run --ranks: ranks 0, 1 exited with status 2 (see the lines above)")
+    assert ranks.failure_line({1: 75}, {}) == (75, "fedcp-run --ranks: rank 1 stopped after its checkpoint (see the "
+                                                   "lines above)")
     # rank 1 refused first and torchrun stopped rank 0 (SIGTERM) before it said the same: still 2
     assert ranks.failure_line({0: -15, 1: 2}, {0: "SIGTERM"}) == (
-        2, "fedcp-run --ranks: rank 1 exited with status 2 (their own lines are above); torchrun then stopped rank 0")
+        2, "fedcp-run --ranks: rank 1 exited with status 2 (see the lines above); torchrun then stopped rank 0")
     assert ranks.failure_line({0: 143, 1: 1, 2: 1}, {}) == (
-        1, "fedcp-run --ranks: ranks 1, 2 exited with status 1 (their own lines are above); torchrun then stopped rank 0")
+        1, "fedcp-run --ranks: ranks 1, 2 exited with status 1 (see the lines above); torchrun then stopped rank 0")
     assert ranks.failure_line({0: -15}, {0: "SIGTERM"})[0] == 1  # a SIGTERM alone is not a status
     assert ranks.failure_line({0: 1, 1: -9}, {1: "SIGKILL"}) == (
         1, "fedcp-run --ranks: ranks failed (rank 0: status 1; rank 1: SIGKILL); their own lines, if any, are above")

@@ -86,10 +86,15 @@ def test_fedcp_run_ranks_ends_as_a_run_does(digits6_16px, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     # which rank says it first is the machine's timing; torchrun stops the other one then
     assert r.stderr.splitlines()[-1] in (
-        "fedcp-run --ranks: ranks 0, 1 exited with status 2 (their own lines are above)",
-        *(f"fedcp-run --ranks: rank {a} exited with status 2 (their own lines are above); torchrun then stopped "
+        "fedcp-run --ranks: ranks 0, 1 exited with status 2 (see the lines above)",
+        *(f"fedcp-run --ranks: rank {a} exited with status 2 (see the lines above); torchrun then stopped "
           f"rank {b}" for a, b in ((0, 1), (1, 0)))), r.stderr[-3000:]
     assert f"error: out_dir {tmp_path / 'file' / 'run'} cannot be written: Not a directory" in r.stderr
+    # and nothing else: no rank says only that another failed (the ranks share this terminal), and
+    # torchrun's log lines that the last line says again (the first failure, the SIGTERM it sends the
+    # other rank) are left out
+    assert not [ln for ln in r.stderr.splitlines()
+                if "another rank failed" in ln or "failed (exitcode" in ln or "Closing process" in ln], r.stderr
 
     out = tmp_path / "run"
     p = subprocess.Popen([str(BIN / "fedcp-run"), "--ranks", "2", "--config", "configs/digits_fedcp.yaml",

@@ -46,10 +46,11 @@ def failure_line(codes: Dict[int, int], signals: Dict[int, str]) -> tuple:
     statuses = {codes[r] for r in ranks}
     if len(statuses) == 1 and next(iter(statuses)) > 0:
         code = next(iter(statuses))
-        what = {EXIT_REQUEUE: "stopped after their checkpoint"}.get(code, f"exited with status {code}")
+        what = {EXIT_REQUEUE: f"stopped after {'their' if len(ranks) > 1 else 'its'} checkpoint"}.get(
+            code, f"exited with status {code}")
         then = (f"; torchrun then stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))}"
                 if stopped else "")
-        return code, (f"fedcp-run --ranks: rank{'s' if len(ranks) > 1 else ''} {names} {what} (their own lines are "
+        return code, (f"fedcp-run --ranks: rank{'s' if len(ranks) > 1 else ''} {names} {what} (see the lines "
                       f"above){then}")
     parts = [f"rank {r}: {signals.get(r) or 'a signal'}" if codes[r] < 0 else f"rank {r}: status {codes[r]}"
              for r in ranks]
@@ -78,11 +79,24 @@ UNHEARD = (signal.SIGUSR2,)
 HELD_ACROSS_EXEC = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNHEARD)
 
 
+#: what torchrun's process logger says that the line :func:`failure_line` prints says again: the first
+#: failed rank's status (an ``E…`` line) and the SIGTERM it sends the others (``W…`` lines); its other
+#: warnings (a rank that would not stop) are kept
+RESTATED = ("failed (exitcode: ", "Closing process ")
+
+
+def _restated(record) -> bool:
+    return not str(record.msg).startswith(RESTATED)
+
+
 def main(argv=None) -> int:
+    import logging
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_restated)
     asked: list = []
     early: list = []  # signals that came before torchrun put its own handlers in place
 

@@ -3,6 +3,7 @@ rank's clients loaded onto its device, budgets checked, and every rank agreeing 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
@@ -22,7 +23,7 @@ from fedcp_dist.data.shards import ShardInfo, ShardReader, load_clients, read_in
 from fedcp_dist.data.shards.read import layout_digest_of
 from fedcp_dist.fused import memory as fused_memory
 from fedcp_dist.data.shards.verify import ShardDigest, verify_shard
-from fedcp_dist.errors import UserError, first_line
+from fedcp_dist.errors import ONE_TERMINAL, UserError, first_line
 from fedcp_dist.rundir.faults import fault_point
 from fedcp_dist.models import MODEL_KINDS, build_model, model_options
 from fedcp_dist.state.placement import (client_subset, eval_sample, form_groups, imbalance, max_cohort_size, place_clients,
@@ -383,8 +384,8 @@ def agree(rt, err: Optional[UserError]) -> None:
     rt.all_reduce_sum_(flag)
     if err is not None:
         raise err
-    if flag.item() > 0:
-        raise UserError("another rank failed to start (see its message)")
+    if flag.item() > 0:  # (under fedcp-run --ranks the other rank's line is on the same terminal)
+        raise UserError("another rank failed to start (see its message)", said=os.environ.get(ONE_TERMINAL) == "1")
 
 
 def all_ok(rt, ok: bool) -> bool:
