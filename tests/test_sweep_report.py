@@ -822,7 +822,7 @@ def test_metrics_read_from_the_records_rounds_to_acc_after_and_pir(tmp_path, cap
     md = (tmp_path / "out" / "report.md").read_text()
     row = next(ln for ln in md.splitlines() if ln.startswith("| fedcp"))
     cells = [c.strip() for c in row.split("|")[2:-1]]
-    assert cells[0] == "2.7 ± 0.9" and cells[1] == "4.0 ± 0.0 (2/3; 1 not reached)" and cells[2] == "not reached"
+    assert cells[0] == "2.7 ± 0.9" and cells[1] == "4.0 ± 0.0 (2/3; 1 not reached)" and cells[2] == "not reached (3/3)"
     assert cells[4] == "n/a" and cells[5].startswith("0.5 ± 0")
     capsys.readouterr()
     # P outside (0, 100] is said to be out of range

@@ -108,7 +108,7 @@ class Table:
             if cell.diverged:
                 return f"{DIVERGED} ({cell.diverged}/{cell.expected})"
             if cell.not_reached:
-                return NOT_REACHED + (f" ({cell.not_reached}/{cell.expected})" if cell.not_reached < cell.expected else "")
+                return f"{NOT_REACHED} ({cell.not_reached}/{cell.expected})"  # as diverged: how many of how many
             if cell.not_recorded:  # finished runs without the metric (and perhaps unfinished ones)
                 return NA_CELL + (f" ({cell.not_recorded}/{cell.expected})" if cell.not_recorded < cell.expected else "")
             return f"{MISSING_CELL} (0/{cell.expected})"
