@@ -27,12 +27,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
-
-import dp_accounting
-from dp_accounting.rdp import RdpAccountant, compute_epsilon
+from typing import TYPE_CHECKING, Optional
 
 from fedcp_dist.errors import UserError
+
+if TYPE_CHECKING:  # (imported at first use: see _lib)
+    import dp_accounting
+    import dp_accounting.rdp
 
 #: the largest noise multiplier a target ε is calibrated within: a target that needs more is refused
 MAX_NOISE_MULTIPLIER = 1e4
@@ -42,6 +43,15 @@ CALIBRATION_TOL = 1e-5
 #: overflows, and sampling without replacement (fixed cohorts) fails with "math domain error" from
 #: about σ = 3e8 on (far past any ε of interest: ε is ~0 there)
 LIBRARY_FAILURES = (OverflowError, ValueError, ZeroDivisionError, FloatingPointError)
+
+
+def _lib():
+    """The dp-accounting library, imported at first use: with SciPy it takes seconds to load, which
+    every run (and every rank) without ``dp`` would otherwise pay at start-up."""
+    import dp_accounting
+    import dp_accounting.rdp
+
+    return dp_accounting
 
 
 def _quiet_library() -> None:
@@ -77,7 +87,7 @@ class Sampling:
 
     @property
     def relation(self) -> "dp_accounting.NeighboringRelation":
-        rel = dp_accounting.NeighboringRelation
+        rel = _lib().NeighboringRelation
         return rel.REPLACE_ONE if self.kind == "fixed" else rel.ADD_OR_REMOVE_ONE
 
     @property
@@ -95,6 +105,7 @@ def round_event(sampling: Sampling, update_multiplier: float,
     """One round's DP event: ``update_multiplier`` z_Δ (the update noise's standard deviation over
     the clip norm C) and, with adaptive clipping, the count noise's standard deviation σ_b (in
     clients), each over the sensitivity of its sum under the sampling's adjacency (module notes)."""
+    dp_accounting = _lib()
     per_add_remove = [float(update_multiplier)] + ([2.0 * float(count_stddev)] if count_stddev is not None else [])
     if min(per_add_remove) <= 0:  # a sum released without noise: no finite ε
         return dp_accounting.NonPrivateDpEvent()
@@ -106,9 +117,9 @@ def round_event(sampling: Sampling, update_multiplier: float,
     return dp_accounting.PoissonSampledDpEvent(sampling.rate, inner)
 
 
-def fresh_accountant(sampling: Sampling) -> RdpAccountant:
+def fresh_accountant(sampling: Sampling) -> "dp_accounting.rdp.RdpAccountant":
     _quiet_library()
-    return RdpAccountant(neighboring_relation=sampling.relation)
+    return _lib().rdp.RdpAccountant(neighboring_relation=sampling.relation)
 
 
 class Accountant:
@@ -123,7 +134,7 @@ class Accountant:
         """ε after ``rounds`` rounds (0 before any: nothing was released; ∞ without noise)."""
         if rounds <= 0:
             return 0.0
-        eps = compute_epsilon(self.orders, rounds * self.per_round, self.delta)[0]
+        eps = _lib().rdp.compute_epsilon(self.orders, rounds * self.per_round, self.delta)[0]
         return float(eps) if math.isfinite(eps) else math.inf
 
 
@@ -164,6 +175,7 @@ def _calibrate(sampling: Sampling, event_of, target: float, rounds: int, delta: 
     low = limit  # ε(low) ≤ target; step down until ε(low / 8) exceeds it: the root lies in [low / 8, low]
     while low > 1e-3 and epsilon_after(sampling, event_of, low / 8.0, rounds, delta) <= target:
         low /= 8.0
+    dp_accounting = _lib()
     bracket = dp_accounting.ExplicitBracketInterval(low / 8.0, low)
     if low <= 1e-3:
         return float(low)  # the target is met with next to no noise
