@@ -39,7 +39,7 @@ from fedcp_dist.fused.groups import GroupTrainer, group_size as fused_group_size
 from fedcp_dist.comm.privacy import CentralDP, PrivacySums, plan_run
 from fedcp_dist.engine.preflight import peer_rows, preflight
 from fedcp_dist.engine.probes import RoundProbes
-from fedcp_dist.rundir.directory import RunWriter
+from fedcp_dist.rundir.directory import RunDir, RunWriter
 from fedcp_dist.fileio import folders_to_make
 from fedcp_dist.rundir.out_dir import prepare_out_dir, unmake_out_dir
 from fedcp_dist.runtime import Runtime
@@ -134,6 +134,8 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
         return startup.load(cfg, rt, build)
 
     agreement.check_same_config(cfg, rt)  # before rank 0 touches out_dir: a refused start changes nothing
+    # the phase names the step a long start-up is at (rank 0's heartbeat line, a failed collective's error)
+    rt.phase = "start-up (the shard and the method)"
     s = startup.agree_on(rt, lock_and_load)
     agreement.check_same_shard(rt, s.info)
     agreement.check_shared_out_dir(rt, cfg.out_dir)
@@ -141,10 +143,12 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     startup.check_peer_memory(cfg, algo, s.num_clients, peer_rows(s, rt.world_size), rt.world_size)
     global_state = algo.init_global_state()
     # a disk store locks its folder: a refusal on any rank stops every rank
+    rt.phase = "start-up (the client states)"
     store, store_line = startup.agree_on(rt, lambda: make_store(cfg, algo, global_state, s.owned, rt.device, rt.rank,
                                                                     rt.world_size))
     made["store"] = store
     # the clients' data: resident, or read as rounds need them (client_data; auto follows the store)
+    rt.phase = "start-up (the clients' data)"
     startup.agree_on(rt, lambda: startup.load_data(cfg, rt, s, isinstance(store, DiskClientStore)))
     made["data"] = s.data
     # per-client BatchNorm statistics (known once the store is) keep the clients sequential
@@ -154,6 +158,7 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
     idle = cfg.keys_without_effect()
     if cfg.aggregate_bn_stats and not any(k.endswith(BN_STAT_SUFFIXES) for k in algo.upload_keys(global_state)):
         idle.append(("aggregate_bn_stats", "the uploads hold no BatchNorm statistics"))
+    rt.phase = "start-up"
     # dp=central: the mechanism (its noise multiplier calibrated here when dp_target_epsilon is set)
     dp = startup.agree_on(rt, lambda: CentralDP(cfg, plan_run(cfg, s.num_clients))) if cfg.dp == "central" else None
     # the per-client rows of the all-reduce follow the largest cohort and the evaluated clients, not N
@@ -188,7 +193,10 @@ def _start(cfg, rt, ckpt, echo, wrap, made: dict) -> RunParts:
                 if note:
                     echo(note)
 
+    if cfg.resume == "auto" and RunDir(cfg.out_dir).has_checkpoint():
+        rt.phase = "start-up (resuming from the newest checkpoint)"
     startup.agree_on(rt, maybe_resume)
+    rt.phase = "start-up"
     # the checkpoints still to write, against the room on out_dir's disk (rank 0: out_dir is shared)
     parts.disk = startup.agree_on(rt, lambda: checkpoint_room(cfg, s, algo, store, agg, compressor, parts.start_round)
                                   if rt.is_main else "") or ""

@@ -30,6 +30,7 @@ from fedcp_dist.comm.privacy import PrivacySums
 from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.engine.round_record import evaluation_record, learned_nothing, round_record, summary_json
 from fedcp_dist.rundir.directory import DIVERGED, SUMMARY, RunDir
+from fedcp_dist.engine.heartbeat import Heartbeat
 from fedcp_dist.rundir.present import progress_line, result_table
 from fedcp_dist.engine.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
@@ -44,10 +45,16 @@ class Simulator:
     def __init__(self, cfg: Config, rt: Runtime, echo: Callable[[str], None] = print, wrap: Callable = None,
                  stop: StopSignals = None):
         self.cfg, self.rt = cfg, rt
-        self.echo = echo if rt.is_main else (lambda *_: None)
+        #: rank 0's lines, and one while a phase other than a round's training goes long without one
+        self.heartbeat = Heartbeat(echo, lambda: rt.phase).start() if rt.is_main else None
+        self.echo = self.heartbeat.echo if self.heartbeat else (lambda *_: None)
         self.stop = stop if stop is not None else StopSignals(rt.rank, (cfg.preempt_signal, "SIGTERM"))
         self.ckpt = Checkpointer(cfg.out_dir, rt.rank, rt.world_size, cfg.keep_checkpoints)
-        p = start_run(cfg, rt, self.ckpt, self.echo, wrap)  # closes what it made if it fails
+        try:
+            p = start_run(cfg, rt, self.ckpt, self.echo, wrap)  # closes what it made if it fails
+        except BaseException:
+            self._quiet()
+            raise
         self.ckpt.out_dir_made()  # rank 0 made out_dir: no checkpoint of any rank makes it again
         self.setup, self.algo, self.store, self.store_line, self.writer, self._lock = (
             p.setup, p.algo, p.store, p.store_line, p.writer, p.lock)
@@ -159,7 +166,12 @@ class Simulator:
     def _close(self, failed: bool) -> None:
         """Close the store (its writes end, its folder is released), the writer and the out_dir lock,
         each even when one before it fails; the first error is raised unless the run has ``failed``."""
+        self._quiet()
         close_parts((self.store, self.data, self.writer, self._lock), failed)
+
+    def _quiet(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt
@@ -189,6 +201,8 @@ class Simulator:
                 self._stop_before_training(t, checkpointed)
             self.writer.log(record)
             self.records.append(record)
+            if self.heartbeat is not None:  # the rounds' pace is known from here
+                self.heartbeat.round_done()
             if stop:  # some rank got the preemption signal: every rank stops here
                 self._save_checkpoint(t + 1)
                 rounds = f"{t + 1} round{'s' if t > 0 else ''}"
@@ -311,6 +325,7 @@ class Simulator:
         diverged = learned_nothing(self.records)
         if diverged:
             summary["status"] = DIVERGED
+        rt.phase = "writing final_global.pt and summary.json"
         with interrupt_after(deliver=False):  # a Ctrl-C now: both files written whole, the run finished
             self.writer.save_final_global(self.global_state)
             fault_point("final")  # the fault tests' hook
