@@ -62,14 +62,17 @@ def assert_same_run(out: Path, ref: Path) -> None:
     assert ra == rb and acc_a == acc_b, f"{out}: other metric records"
 
 
-def in_process(argv, capsys) -> tuple:
-    """fedcp-run's main in this process: (exit status, stderr)."""
+def in_process(argv, capsys, said: list = None) -> tuple:
+    """fedcp-run's main in this process: (exit status, stderr); its stdout appended to ``said``."""
     try:
         fedcp_run(argv)
         code = 0
     except SystemExit as exc:
         code = exc.code
-    return code, capsys.readouterr().err
+    got = capsys.readouterr()
+    if said is not None:
+        said.append(got.out)
+    return code, got.err
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +113,13 @@ def test_a_signal_at_each_phase_of_a_run_then_a_restart_ends_as_an_uninterrupted
         assert p.returncode == code, p.stderr[-2000:]
     else:
         monkeypatch.setenv("FEDCP_FAULT_AT", f"{phase}:{sig}")
-        got, err = in_process(args(digits6_16px, out), capsys)
+        stdout = []
+        got, err = in_process(args(digits6_16px, out), capsys, stdout)
         assert "FEDCP_FAULT_AT" not in os.environ  # it fired
         assert got == code, err
         assert err.startswith(said) and err.count("\n") == (1 if said else 0) and "Traceback" not in err, err
+        if phase == "final" and sig != "SIGINT":  # the rank's line does not promise a round and a checkpoint
+            assert f"rank 0: got {sig}; the rounds are done: finishing the final evaluation and files" in stdout[0]
     if phase == "checkpoint@2" and sig != "SIGKILL":  # a checkpoint being written is completed first; a stop
         # signal then stops the run at round 3's evaluation (eval_every=1), before it trains: round 2's is the newest
         assert Checkpointer(str(out), 0, 1, 2).latest().name == "round_0000002"

@@ -359,7 +359,7 @@ def test_a_stop_signal_while_the_ranks_meet_ends_the_wait_with_the_requeue_statu
         if p.poll() is None:
             p.kill()
     assert p.returncode == 75 and took < 10, (p.returncode, took, rest)
-    assert "rank 0: got SIGUSR2; stopping before the first round" in out, out
+    assert "rank 0: got SIGUSR2; stopping during start-up, before any training" in out, out
     assert rest.strip().splitlines()[-1].startswith("preempted: stopped while waiting for the job's other ranks at "
                                                     "127.0.0.1:"), rest
     assert status.read_text() == "stopped-at-start\n"

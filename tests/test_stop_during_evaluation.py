@@ -74,7 +74,7 @@ def test_a_signal_during_an_evaluation_checkpoints_the_rounds_done_and_the_resta
                 env_extra={"FEDCP_FAULT_AT": "eval@3:SIGUSR2"})
     assert r.returncode == 75, r.stdout + r.stderr
     done = "checkpointed" if every == 5 else "the newest checkpoint is"
-    assert f"asked to stop during round 3's evaluation; {done} after 2 rounds; exiting for requeue" in r.stdout, r.stdout
+    assert f"asked to stop during round 3's evaluation; {done} after 2 rounds; exiting with status 75" in r.stdout, r.stdout
     assert r.stderr.strip().splitlines()[-1] == (f"preempted: checkpointed after 2 rounds in {out} (round 3 stopped "
                                                  f"during its evaluation)"), r.stderr
     assert "[round 3/" not in r.stdout and len((out / "metrics.jsonl").read_text().splitlines()) == 2
@@ -95,7 +95,7 @@ def test_the_signal_on_one_rank_of_two_stops_both_before_training(digits6_16px, 
            *_settings(digits6_16px, out, "fedcp", "checkpoint_every=3")]
     (c0, out0, err0), (c1, out1, err1) = run_hand_ranks([cmd, cmd], envs)
     assert (c0, c1) == (75, 75), (err0[-2000:], err1[-2000:])
-    assert "asked to stop during round 2's evaluation; checkpointed after 1 round; exiting for requeue" in out0, out0
+    assert "asked to stop during round 2's evaluation; checkpointed after 1 round; exiting with status 75" in out0, out0
     assert "rank 1: got SIGTERM" in out1 and "Traceback" not in err0 + err1
     assert Checkpointer(str(out), 0, 2, 2).latest().name == "round_0000001"
     run("configs/digits_fedcp.yaml", _settings(digits6_16px, out, "fedcp", "checkpoint_every=3"))
@@ -107,5 +107,5 @@ def test_a_signal_during_round_1s_evaluation_leaves_nothing_to_resume(digits6_16
     r = run_cmd(["fedcp-run", "--config", "configs/digits_fedcp.yaml",
                  *_settings(digits6_16px, out, "fedavg", "checkpoint_every=2")],
                 env_extra={"FEDCP_FAULT_AT": "eval@1:SIGTERM"})
-    assert r.returncode == 75 and "exiting for requeue (nothing to checkpoint)" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 75 and "exiting with status 75 (nothing to checkpoint)" in r.stdout, r.stdout + r.stderr
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())

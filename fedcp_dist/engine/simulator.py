@@ -176,11 +176,11 @@ class Simulator:
     def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt
         if not startup.all_ok(rt, self.stop.signum is None):  # a signal during start-up, on any rank
-            self.echo(f"asked to stop before round {self.start_round + 1}; exiting for requeue "
+            self.echo(f"asked to stop before round {self.start_round + 1}; exiting with status 75 "
                       f"(nothing new to checkpoint)")
             raise Preempted(f"stopped during start-up, before round {self.start_round + 1}, in {cfg.out_dir}",
                             nothing_new=True)
-        self.stop.starting = False  # a signal from here finishes the round (or stops its evaluation)
+        self.stop.stage = "rounds"  # a signal from here finishes the round (or stops its evaluation)
         lost = RunDir(cfg.out_dir).lines_recorded() if rt.is_main and self.start_round == 0 else 0
         if lost:  # a run stopped before its first complete checkpoint: what it recorded cannot be resumed
             self.echo(f"note: {cfg.out_dir} held {lost} record{'s' if lost > 1 else ''} (metrics.jsonl) of a run stopped before "
@@ -206,7 +206,7 @@ class Simulator:
             if stop:  # some rank got the preemption signal: every rank stops here
                 self._save_checkpoint(t + 1)
                 rounds = f"{t + 1} round{'s' if t > 0 else ''}"
-                self.echo(f"checkpointed after {rounds}; exiting for requeue")
+                self.echo(f"checkpointed after {rounds}; exiting with status 75 (the same command resumes)")
                 raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir}")
             # every checkpoint_every rounds, and after the last one (the final personalized models, for analysis)
             if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds):
@@ -220,14 +220,14 @@ class Simulator:
         keep); then :class:`Preempted`."""
         cfg = self.cfg
         if t == 0:
-            self.echo("asked to stop during round 1's evaluation; exiting for requeue (nothing to checkpoint)")
+            self.echo("asked to stop during round 1's evaluation; exiting with status 75 (nothing to checkpoint)")
             raise Preempted(f"stopped during round 1's evaluation, before any training, in {cfg.out_dir}",
                             nothing_new=True)
         if checkpointed != t:
             self._save_checkpoint(t)
         rounds = f"{t} round{'s' if t > 1 else ''}"
         self.echo(f"asked to stop during round {t + 1}'s evaluation; "
-                  f"{'checkpointed' if checkpointed != t else 'the newest checkpoint is'} after {rounds}; exiting for requeue")
+                  f"{'checkpointed' if checkpointed != t else 'the newest checkpoint is'} after {rounds}; exiting with status 75 (the same command resumes)")
         raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir} (round {t + 1} stopped during its evaluation)",
                         nothing_new=t == self.start_round)
 
@@ -302,6 +302,7 @@ class Simulator:
         report takes the untrained model's accuracy for a result."""
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
+        self.stop.stage = "final"  # a signal from here is too late to stop anything: the run finishes
         self._check_banks()  # the rounds since the last checkpoint read them
         probes = RoundProbes(self.probe_every, self.setup.max_cohort, cfg.rounds, evaluated=True,
                              layout=self.probe_layout, final=True, eval_ids=self.eval_ids)

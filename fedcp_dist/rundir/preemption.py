@@ -32,8 +32,9 @@ class StopSignals:
         # before the runtime says it (a signal during start-up): the rank the launcher gave this process
         self.rank = rank if rank is not None else _launcher_rank()
         self.names, self.signum = sorted(set(names)), None
-        #: what a run is doing, for the line a signal prints: start-up until its rounds begin
-        self.starting = True
+        #: what a run is doing, for the line a signal prints: start-up until its rounds begin, then
+        #: rounds, then final (its last evaluation and files, which a signal does not stop)
+        self.stage = "start-up"
         self._previous: dict = {}
         self._depth = 0
         self._interrupt = None  # SIGINT's handler while a finished run ignores it
@@ -42,8 +43,9 @@ class StopSignals:
     def _note(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
-            then = ("stopping before the first round" if self.starting else
-                    "finishing the round, then checkpointing (during its evaluation: stopping before its training)")
+            then = {"start-up": "stopping during start-up, before any training",
+                    "final": "the rounds are done: finishing the final evaluation and files"}.get(
+                self.stage, "finishing the round, then checkpointing (during its evaluation: stopping before its training)")
             print(f"rank {self.rank}: got {signal.Signals(signum).name}; {then}", flush=True)
 
     def _install(self) -> None:
