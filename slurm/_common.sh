@@ -153,9 +153,10 @@ fedcp_finish() {
     times=$(cat "$nothing" 2>/dev/null || echo 0)
     if [ "$times" -ge 2 ]; then
         rm -f "$nothing"
-        echo "fedcp: stopped before it trained a round on $times attempts in a row (the signal came during start-up):" \
-             "not requeued, as the next attempt would only repeat it; give the job more time than its start-up" \
-             "takes beyond the warning (--time, --signal=USR2@N), then resubmit: it resumes from its last checkpoint"
+        echo "fedcp: stopped before it trained a round on $times attempts in a row (each time the signal came during" \
+             "start-up): not requeued, as the next attempt would likely repeat it. If the signal is the time" \
+             "limit's warning, give the job more time than its start-up takes beyond it (--time, --signal=USR2@N);" \
+             "if it is a preemption, resubmit later. Either way it resumes from its last checkpoint"
         exit 75
     fi
     if [ "$times" -ge 1 ]; then
