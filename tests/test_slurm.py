@@ -277,7 +277,71 @@ def test_attempts_stopped_before_training_are_requeued_once_then_not(tmp_path):
         assert err == "", err
     assert said[0] == (0, "scontrol requeue 7")
     assert said[1][0] == 75 and said[1][1].startswith("fedcp: stopped before it trained a round on 2 attempts in a "
-                                                      "row (the signal came during start-up): not requeued"), said
+                                                      "row (each time the signal came during start-up): not requeued"), said
+    assert not list(tmp_path.glob(".fedcp-*"))
+
+
+STAND_INS = {
+    "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"\n',
+    "scontrol": 'if [ "$1" = requeue ]; then echo "scontrol requeue $2"; else echo "JobId=$4 SubmitTime=$SUBMITTED"; fi\n',
+    # what squeue lists of the array (a file the test writes); no file: squeue fails
+    "squeue": 'cat "$LISTED"\n',
+}
+
+
+def _sweep_task(tmp_path, task: int, status: int = 0, count: int = 0):
+    """One attempt of sweep.sbatch's array task ``task`` of array 8, with stand-ins for srun, scontrol
+    and squeue on PATH, and a rank that prints its arguments and exits ``status``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in STAND_INS.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + text)
+        (bin_dir / name).chmod(0o755)
+    said = 'echo preempted >"$FEDCP_STATUS_FILE"; ' if status == 75 else ""  # rank 0's word for a requeue
+    (tmp_path / "rank.sh").write_text(f'echo "args: $*"; {said}exit {status}\n')
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "SLURM_ARRAY_JOB_ID": "8", "SLURM_ARRAY_TASK_ID": str(task), "SLURM_JOB_ID": str(9 + task),
+           "SLURM_RESTART_COUNT": "0", "FEDCP_SLURM_DIR": str(REPO / "slurm"),
+           "FEDCP_RUN_CMD": f"bash {tmp_path / 'rank.sh'}", "LISTED": str(tmp_path / "listed"),
+           "SUBMITTED": time.strftime("%Y-%m-%dT%H:%M:%S"), **({"SLURM_ARRAY_TASK_COUNT": str(count)} if count else {})}
+    return subprocess.run(["bash", str(SWEEP), "grid.txt"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_grid_copy_goes_with_the_arrays_last_task(tmp_path):
+    """The copy of the grid an array's tasks read (.fedcp-grid-ARRAYJOBID) stayed in the submit
+    directory for ever. The last task to end without a requeue removes it: not while squeue lists
+    another task of the array, not after a stop for a requeue (75), not when squeue cannot say
+    (then the tasks' marks count them: below)."""
+    (tmp_path / "grid.txt").write_text("# two points\nseed=1 out_dir=a\n\nseed=2 out_dir=b\n")
+    copy = tmp_path / ".fedcp-grid-8"
+    (tmp_path / "listed").write_text("8_0\n8_1\n")
+    r = _sweep_task(tmp_path, 0)
+    assert r.returncode == 0 and "args: seed=1 out_dir=a" in r.stdout, r.stdout + r.stderr
+    assert copy.read_text() == (tmp_path / "grid.txt").read_text()  # task 1 still to come
+    (tmp_path / "grid.txt").write_text("seed=9 out_dir=z\nseed=1 out_dir=a\nseed=2 out_dir=b\n")  # edited meanwhile
+    (tmp_path / "listed").write_text("8_1\n")
+    r = _sweep_task(tmp_path, 1, status=75)  # stopped for a requeue: it comes back
+    assert "args: seed=2 out_dir=b" in r.stdout and r.stdout.splitlines()[-1] == "scontrol requeue 8_1", r.stdout
+    assert copy.exists()
+    (tmp_path / "listed").unlink()  # squeue fails
+    assert _sweep_task(tmp_path, 1).returncode == 0 and copy.exists()
+    (tmp_path / "listed").write_text("8_1\n")
+    r = _sweep_task(tmp_path, 1)
+    assert r.returncode == 0 and "args: seed=2 out_dir=b" in r.stdout, r.stdout + r.stderr  # its line as submitted
+    assert "changed since the array's first task read it" in r.stdout and not copy.exists()
+    assert r.stderr == "" and not list(tmp_path.glob(".fedcp-*"))
+
+
+def test_tasks_ending_together_count_their_marks(tmp_path):
+    """Two tasks ending at once each see the other in squeue: the copy stayed. Each task that ends
+    marks it; the one that finds the array's every task marked removes the copy and the marks."""
+    (tmp_path / "grid.txt").write_text("seed=1 out_dir=a\nseed=2 out_dir=b\n")
+    (tmp_path / "listed").write_text("8_0\n8_1\n")  # squeue lists both, each time
+    for task in (0, 1):
+        r = _sweep_task(tmp_path, task, count=2)
+        assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+        assert (tmp_path / ".fedcp-grid-8").exists() == (task == 0)
     assert not list(tmp_path.glob(".fedcp-*"))
 
 
@@ -303,6 +367,7 @@ def test_sweep_array_two_seeds(cluster, digits6, tmp_path):
     for s in (1, 2):
         assert (tmp_path / f"seed{s}" / "summary.json").exists()
     assert {p.name for p in tmp_path.glob("slurm-*.out")} == {f"slurm-{name}-{job}_{t}.out" for t in (0, 1)}
+    assert not list(tmp_path.glob(".fedcp-*")), list(tmp_path.glob(".fedcp-*"))  # the grid's copy went with the last task
 
 
 def test_usr2_checkpoints_requeues_and_resumes(cluster, digits6, tmp_path):
