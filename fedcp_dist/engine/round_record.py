@@ -17,11 +17,13 @@ TIMES = ("seconds", "train_seconds", "train_cpu_seconds", "eval_seconds")
 
 
 def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSums, uplink: dict,
-                 ev: Optional[EvalSums], with_cohort: bool, eval_clients: Optional[int] = None) -> dict:
+                 ev: Optional[EvalSums], with_cohort: bool, eval_clients: Optional[int] = None,
+                 trained: Optional[int] = None) -> dict:
     """Round t's record (0-based t): ``times`` (:data:`TIMES`, and ``peer_exchange_seconds`` where
     there was an exchange), the all-reduce's time and size, the cohort's size and train loss from the
     reduced ``train`` sums, the byte counts ``uplink``, the cohort itself (``with_cohort``) and the
-    evaluation before the round (``ev``; None: the round did not evaluate) of ``eval_clients`` clients."""
+    evaluation before the round (``ev``; None: the round did not evaluate) of ``eval_clients`` clients,
+    ``trained`` of which had trained by then."""
     record = {"kind": "round", "round": t + 1, **{k: times[k] for k in TIMES},
               "allreduce_seconds": agg.last_seconds, "allreduce_bytes": agg.nbytes,
               **({"peer_exchange_seconds": times["peer_exchange_seconds"]} if "peer_exchange_seconds" in times else {}),
@@ -32,7 +34,7 @@ def round_record(t: int, times: dict, agg, cohort: Sequence[int], train: TrainSu
     if with_cohort:
         record["cohort"] = [int(c) for c in cohort]
     if ev is not None:
-        record.update(evaluation_record(t, ev, eval_clients))
+        record.update(evaluation_record(t, ev, eval_clients, trained))
     return record
 
 
@@ -46,13 +48,19 @@ def learned_nothing(records: list) -> bool:
     return bool(trained) and all(int(r["participants"]) <= int(r.get("nonfinite_skipped", 0)) for r in trained)
 
 
-def evaluation_record(rounds_done: int, ev: EvalSums, eval_clients: Optional[int] = None) -> dict:
+def evaluation_record(rounds_done: int, ev: EvalSums, eval_clients: Optional[int] = None,
+                      trained: Optional[int] = None) -> dict:
     """An evaluation's numbers from its reduced sums: that of a round (before its training) and the
     one after the last round alike, with the number of clients it evaluated where that is a sample
-    (``eval_clients``, config key ``eval_clients``; None: every client, and the key is left out)."""
+    (``eval_clients``, config key ``eval_clients``; None: every client, and the key is left out) and,
+    with partial participation, how many of them had been in some round's cohort by then
+    (``eval_clients_trained``; ``trained`` None: every client trains each round, the key is left
+    out). The others are evaluated with the state they started with."""
     out = {"evaluated_after": rounds_done, **ev.summary()}
     if eval_clients is not None:
         out["eval_clients"] = int(eval_clients)
+    if trained is not None:
+        out["eval_clients_trained"] = int(trained)
     return out
 
 
@@ -78,6 +86,8 @@ def summary_json(cfg, rt, setup, num_clients: int, records: list, final: dict, r
         out["shard_clients"] = setup.clients.tolist()
     if setup.eval_ids is not None and len(setup.eval_ids) < num_clients:
         out["eval_clients"] = int(len(setup.eval_ids))  # the evaluations covered a sample (config key eval_clients)
+    if "eval_clients_trained" in final:  # partial participation: how many of those the final evaluation had trained
+        out["final_eval_clients_trained"] = final["eval_clients_trained"]
     out.update(byte_totals(records))
     if with_selection:
         out["selection_counts"] = selection_counts((r.get("cohort", ()) for r in records), num_clients)

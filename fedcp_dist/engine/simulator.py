@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+import numpy as np
+
 from fedcp_dist.capabilities import PeerExchange, Probes, supports
 from fedcp_dist.engine import startup
 from fedcp_dist.rundir.code import code_digest
@@ -24,7 +26,7 @@ from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.engine.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.rundir.faults import fault_point
-from fedcp_dist.state.placement import STREAM_EVAL
+from fedcp_dist.state.placement import STREAM_EVAL, partial_participation
 from fedcp_dist.rundir.preemption import StopSignals, interrupt_after
 from fedcp_dist.comm.privacy import PrivacySums
 from fedcp_dist.engine.probes import RoundProbes
@@ -80,10 +82,31 @@ class Simulator:
         #: the method's peer exchange (None: it has none)
         self.exchange = self.algo if supports(self.algo, PeerExchange) else None
         self.select_by_features = cfg.client_selection == "feature_difference"
+        #: with partial participation, which of the run's clients some round's cohort has held so far: an
+        #: evaluation then says how many of the clients it evaluated have ever trained (at 10^5 clients
+        #: and a cohort of 100, most have not, and their personalized accuracy is the untrained one)
+        self.trained = self._cohorts_so_far() if partial_participation(cfg) else None
 
     @property
     def global_state(self):
         return self.store.global_state
+
+    def _cohorts_so_far(self) -> np.ndarray:
+        """Which clients the cohorts of the rounds already done (a resume) held: drawn again from the
+        rounds' streams, or read from the records where feature-difference selection drew them."""
+        trained = np.zeros(self.num_clients, dtype=bool)
+        if self.select_by_features:
+            for r in self.records:
+                if r.get("kind") == "round":
+                    trained[np.asarray(r.get("cohort", ()), dtype=np.int64)] = True
+            return trained
+        for t in range(self.start_round):
+            trained[self._cohort(t)] = True
+        return trained
+
+    def _trained_of(self, ids) -> Optional[int]:
+        """How many of the clients ``ids`` have trained so far (None: every client trains each round)."""
+        return None if self.trained is None else int(self.trained[np.asarray(ids, dtype=np.int64)].sum())
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save_checkpoint(self, rounds_done: int) -> None:
@@ -254,7 +277,10 @@ class Simulator:
         if evaluated and not startup.all_ok(rt, self.stop.signum is None):
             return None, True
 
+        trained = self._trained_of(self.eval_ids) if evaluated else None  # before this round's cohort trains
         cohort = self._cohort(t)
+        if self.trained is not None:
+            self.trained[np.asarray(cohort, dtype=np.int64)] = True
         probes.set_cohort(cohort)
         if self.dp is not None:
             self.dp.begin_round()
@@ -285,7 +311,7 @@ class Simulator:
         self.round_seconds.append(times["seconds"])
         uplink = uplink_record(self.compressor, self.agg, len(cohort) - int(train.nonfinite_clients), len(cohort))
         record = round_record(t, times, self.agg, cohort, train, uplink, ev if evaluated else None,
-                              self.select_by_features, self.eval_count)
+                              self.select_by_features, self.eval_count, trained)
         record.update(dp.end_round(t, dp_sums[0]) if dp else {})
         record.update(memory_record(self.store) if cfg.record_memory else {})
         if evaluated:
@@ -315,7 +341,7 @@ class Simulator:
             self.agg.add_extra(probes.pack())
         _, _, (_, ev, *_) = reduce_sums(self.agg, rt, TrainSums(), ev, *((PrivacySums(),) if self.dp else ()),
                                         orders=(None, order))
-        e = evaluation_record(cfg.rounds, ev, self.eval_count)
+        e = evaluation_record(cfg.rounds, ev, self.eval_count, self._trained_of(self.eval_ids))
         self.writer.log_analysis(probes.records(self.agg.extra()))
         self.writer.log({"kind": "final_eval", "round": cfg.rounds, **e})
         self.echo(progress_line(cfg.rounds, e, None))

@@ -71,6 +71,8 @@ def result_table(s: dict) -> str:
         *([("final balanced accuracy", _percent(s["final_balanced_acc"], "a class absent from the test splits")),
            ("final positive-class recall", _percent(s["final_pos_recall"], "no positive test sample"))]
           if "final_balanced_acc" in s else []),
+        *([("evaluated clients trained", f"{s['final_eval_clients_trained']:,} of {s.get('eval_clients', s['num_clients']):,}")]
+          if "final_eval_clients_trained" in s else []),
         ("seconds per round", f"{s['seconds_per_round']:.3f}"),
     ]
     if "dp_epsilon" in s:  # dp=central: the budget spent, and whether it is this run's guarantee

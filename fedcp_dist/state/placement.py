@@ -157,6 +157,11 @@ def max_cohort_size(num_clients: int, participation: float,
     return cohort_size(rho, num_clients)
 
 
+def partial_participation(cfg) -> bool:
+    """Whether some round's cohort may leave clients out (ρ < 1, or a range of cohort sizes)."""
+    return cfg.participation < 1 or cfg.participation_range is not None
+
+
 def sample_cohort(
     seed: int,
     round_idx: int,
