@@ -50,6 +50,9 @@ ACCOUNTING = ("uplink_bytes", "uplink_bytes_dense", "downlink_bytes", "downlink_
 #: what the summary says of the data it ran on (added after the digests were recorded; it names the
 #: shard, it is not a result), left out
 PROVENANCE = ("data_fingerprint",)
+#: how many evaluated clients had trained (partial participation): added after the digests were
+#: recorded, a function of the config and the cohorts (tests/test_trained_count.py), left out
+COHORT_COUNTS = ("eval_clients_trained", "final_eval_clients_trained")
 #: every registered method, in the registry's order
 METHODS = tuple(ALGORITHMS)
 CASES = {
@@ -119,9 +122,9 @@ def digest_run(out: Path) -> dict:
     c = hashlib.sha256()
     _tensor_digest(c, {int(k): v for k, v in clients.items()})
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    records = [{k: v for k, v in r.items() if k not in UNSTABLE + ACCOUNTING} for r in records]
+    records = [{k: v for k, v in r.items() if k not in UNSTABLE + ACCOUNTING + COHORT_COUNTS} for r in records]
     summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items()
-               if k not in UNSTABLE + ACCOUNTING + PROVENANCE}
+               if k not in UNSTABLE + ACCOUNTING + PROVENANCE + COHORT_COUNTS}
     return {"global": g.hexdigest(), "clients": c.hexdigest(), "metrics": _sha(records), "summary": _sha(summary),
             "final_acc": summary["final_acc"], "best_acc": summary["best_acc"]}
 
