@@ -39,6 +39,33 @@ def test_max_cohort_follows_rho_or_the_range_top():
     assert max_cohort_size(10, 0.01) == 1  # at least one client
 
 
+@pytest.mark.parametrize("n, q", [(100_000, 0.0005), (50_000, 0.001), (1_000, 0.1), (2_000, 0.5), (10**6, 1e-5)])
+def test_a_poisson_cohort_is_sized_by_a_bound_it_passes_with_a_chance_below_1e_20(n, q):
+    """Poisson cohorts were sized as N (any client may join): the pre-flight charged a round of
+    50 expected clients of 10⁵ with 12,500 (a whole fused group) and refused it, asking for 1.8 TiB.
+    The bound is checked against the binomial's exact tail."""
+    from scipy.stats import binom
+
+    from fedcp_dist.state.placement import POISSON_TAIL, poisson_cohort_bound
+
+    bound = max_cohort_size(n, q, sampling="poisson")
+    assert bound == poisson_cohort_bound(n, q) < n
+    assert binom.sf(bound, n, q) <= POISSON_TAIL  # P(cohort > bound)
+    assert bound <= 3 * n * q + 100  # on the cohort's scale, not the population's
+    assert max_cohort_size(n, 1.0, sampling="poisson") == n
+
+
+def test_a_poisson_cohort_past_its_bound_stops_the_run_in_one_line(digits6_16px, tmp_path, monkeypatch):
+    from fedcp_dist.engine import startup
+    from fedcp_dist.errors import RunFailure
+
+    monkeypatch.setattr(startup, "max_cohort_size", lambda *a: 1)  # a bound far too small
+    with pytest.raises(RunFailure, match=r"round 1 drew a Poisson cohort of [2-6] clients, more than the 1 its "
+                                         r"per-client rows were sized for"):
+        run("configs/digits_fedavg.yaml", [f"data.path={digits6_16px}", f"out_dir={tmp_path / 'r'}", "rounds=1",
+                                           "participation=0.9", "participation_sampling=poisson", "threads=1"])
+
+
 def test_client_order_by_id_sums_in_slot_order():
     # slots of clients 2, 5, 9; the sum runs from 0.0 slot by slot: (1e16 + 1) - 1e16 = 0 in float64,
     # where any other order (1e16 - 1e16 + 1) gives 1

@@ -26,7 +26,7 @@ from fedcp_dist.config import Config, dump_config
 from fedcp_dist.errors import Preempted, RunFailure
 from fedcp_dist.engine.evaluation import EvalSums, evaluate_clients
 from fedcp_dist.rundir.faults import fault_point
-from fedcp_dist.state.placement import STREAM_EVAL, partial_participation
+from fedcp_dist.state.placement import POISSON_TAIL, STREAM_EVAL, partial_participation
 from fedcp_dist.rundir.preemption import StopSignals, interrupt_after
 from fedcp_dist.comm.privacy import PrivacySums
 from fedcp_dist.engine.probes import RoundProbes
@@ -279,6 +279,10 @@ class Simulator:
 
         trained = self._trained_of(self.eval_ids) if evaluated else None  # before this round's cohort trains
         cohort = self._cohort(t)
+        if len(cohort) > self.setup.max_cohort > 0:  # a Poisson draw past its bound (a chance of 10^-20 a round)
+            raise RunFailure(f"round {t + 1} drew a Poisson cohort of {len(cohort)} clients, more than the "
+                             f"{self.setup.max_cohort} its per-client rows were sized for (a chance below "
+                             f"{POISSON_TAIL:g} a round): start the run again with another seed")
         if self.trained is not None:
             self.trained[np.asarray(cohort, dtype=np.int64)] = True
         probes.set_cohort(cohort)
