@@ -119,7 +119,7 @@ def test_a_signal_at_each_phase_of_a_run_then_a_restart_ends_as_an_uninterrupted
         assert got == code, err
         assert err.startswith(said) and err.count("\n") == (1 if said else 0) and "Traceback" not in err, err
         if phase == "final" and sig != "SIGINT":  # the rank's line does not promise a round and a checkpoint
-            assert f"rank 0: got {sig}; the rounds are done: finishing the final evaluation and files" in stdout[0]
+            assert f"rank 0: got {sig}; the final evaluation is done: finishing the run's final files" in stdout[0]
     if phase == "checkpoint@2" and sig != "SIGKILL":  # a checkpoint being written is completed first; a stop
         # signal then stops the run at round 3's evaluation (eval_every=1), before it trains: round 2's is the newest
         assert Checkpointer(str(out), 0, 1, 2).latest().name == "round_0000002"

@@ -75,8 +75,8 @@ def test_a_signal_during_an_evaluation_checkpoints_the_rounds_done_and_the_resta
     assert r.returncode == 75, r.stdout + r.stderr
     done = "checkpointed" if every == 5 else "the newest checkpoint is"
     assert f"asked to stop during round 3's evaluation; {done} after 2 rounds; exiting with status 75" in r.stdout, r.stdout
-    assert r.stderr.strip().splitlines()[-1] == (f"preempted: checkpointed after 2 rounds in {out} (round 3 stopped "
-                                                 f"during its evaluation)"), r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"preempted: checkpointed after 2 rounds in {out} (round 3's "
+                                                 f"evaluation stopped)"), r.stderr
     assert "[round 3/" not in r.stdout and len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert Checkpointer(str(out), 0, 1, 2).latest().name == "round_0000002"
     run("configs/digits_fedcp.yaml", _settings(digits6_16px, out, method, f"checkpoint_every={every}", *extra))
@@ -109,3 +109,24 @@ def test_a_signal_during_round_1s_evaluation_leaves_nothing_to_resume(digits6_16
                 env_extra={"FEDCP_FAULT_AT": "eval@1:SIGTERM"})
     assert r.returncode == 75 and "exiting with status 75 (nothing to checkpoint)" in r.stdout, r.stdout + r.stderr
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("every", [0, 3])
+def test_a_signal_during_the_final_evaluation_stops_it_and_the_restart_does_it_again(digits6_16px, tmp_path, every):
+    """The final evaluation went on to its end whatever signal came (every client of 10⁵: 150 s more,
+    past a scheduler's grace), its rank line promising a round and a checkpoint. It stops as a
+    round's evaluation does: the rounds checkpointed (checkpoint_every=0: at the signal; 3: the last
+    round's checkpoint holds them), exit 75, and the restart evaluates and ends as an uninterrupted run."""
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run("configs/digits_fedcp.yaml", _settings(digits6_16px, ref, "fedper", f"checkpoint_every={every}"))
+    r = run_cmd(["fedcp-run", "--config", "configs/digits_fedcp.yaml",
+                 *_settings(digits6_16px, out, "fedper", f"checkpoint_every={every}")],
+                env_extra={"FEDCP_FAULT_AT": f"eval@{ROUNDS + 1}:SIGUSR2"})
+    assert r.returncode == 75, r.stdout + r.stderr
+    assert "rank 0: got SIGUSR2; stopping the final evaluation (a restart does it again)" in r.stdout, r.stdout
+    done = "checkpointed" if every == 0 else "the newest checkpoint is"
+    assert f"asked to stop during the final evaluation; {done} after {ROUNDS} rounds; exiting with status 75" in r.stdout
+    assert "[final]" not in r.stdout and not (out / "summary.json").exists()
+    assert Checkpointer(str(out), 0, 1, 2).latest().name == f"round_{ROUNDS:07d}"
+    run("configs/digits_fedcp.yaml", _settings(digits6_16px, out, "fedper", f"checkpoint_every={every}"))
+    _same(out, ref)

@@ -235,13 +235,14 @@ class Simulator:
             if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds):
                 self._save_checkpoint(t + 1)
                 checkpointed = t + 1
-        return self._finish()
+        return self._finish(checkpointed)
 
     def _stop_before_training(self, t: int, checkpointed: Optional[int]) -> None:
-        """A preemption signal during round t + 1's evaluation: the state is that after t rounds,
-        checkpointed unless the newest checkpoint holds it already (after no round: nothing to
-        keep); then :class:`Preempted`."""
+        """A preemption signal during round t + 1's evaluation (t = rounds: the final one): the
+        state is that after t rounds, checkpointed unless the newest checkpoint holds it already
+        (after no round: nothing to keep); then :class:`Preempted`."""
         cfg = self.cfg
+        which = "the final evaluation" if t == cfg.rounds else f"round {t + 1}'s evaluation"
         if t == 0:
             self.echo("asked to stop during round 1's evaluation; exiting with status 75 (nothing to checkpoint)")
             raise Preempted(f"stopped during round 1's evaluation, before any training, in {cfg.out_dir}",
@@ -249,9 +250,9 @@ class Simulator:
         if checkpointed != t:
             self._save_checkpoint(t)
         rounds = f"{t} round{'s' if t > 1 else ''}"
-        self.echo(f"asked to stop during round {t + 1}'s evaluation; "
+        self.echo(f"asked to stop during {which}; "
                   f"{'checkpointed' if checkpointed != t else 'the newest checkpoint is'} after {rounds}; exiting with status 75 (the same command resumes)")
-        raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir} (round {t + 1} stopped during its evaluation)",
+        raise Preempted(f"checkpointed after {rounds} in {cfg.out_dir} ({which} stopped)",
                         nothing_new=t == self.start_round)
 
     def round(self, t: int) -> tuple[Optional[dict], bool]:
@@ -323,8 +324,11 @@ class Simulator:
         self.writer.log_analysis(probes.records(self.agg.extra()))
         return record, train.stop_requests > 0
 
-    def _finish(self) -> dict:
+    def _finish(self, checkpointed: Optional[int]) -> dict:
         """The evaluation after the last round, final_global.pt, summary.json and the result table.
+        A preemption signal during that evaluation (10^5 clients: minutes, past a scheduler's grace)
+        stops it as a round's: the rounds are checkpointed unless ``checkpointed`` (the newest
+        checkpoint's round) holds them, exit 75, and the restart evaluates again.
 
         A run in which no round aggregated a finite client result (every update non-finite and left
         out: ``on_nonfinite: skip``) learned nothing: its summary says ``"status": "diverged"`` and it
@@ -332,14 +336,17 @@ class Simulator:
         report takes the untrained model's accuracy for a result."""
         cfg, rt = self.cfg, self.rt
         rt.phase = "final evaluation"
-        self.stop.stage = "final"  # a signal from here is too late to stop anything: the run finishes
+        self.stop.stage = "final"  # a signal from here stops the evaluation (the restart does it again)
         self._check_banks()  # the rounds since the last checkpoint read them
         probes = RoundProbes(self.probe_every, self.setup.max_cohort, cfg.rounds, evaluated=True,
                              layout=self.probe_layout, final=True, eval_ids=self.eval_ids)
         # the rounds' reduction, with no upload in the buffer: the sums (per-client fractions in client
         # order) and probes of a round without training
         order = ClientOrder(EvalSums, len(self.eval_ids), ids=self.eval_ids)
-        ev = self.evaluate(cfg.rounds, probes, order)
+        ev = self.evaluate(cfg.rounds, probes, order, stoppable=True)
+        if not startup.all_ok(rt, self.stop.signum is None):
+            self._stop_before_training(cfg.rounds, checkpointed)
+        self.stop.stage = "writing"  # a signal from here is too late to stop anything: the run finishes
         self.agg.begin_round(rows=order.values.numel(), uploads=False)
         if probes.on:
             self.agg.add_extra(probes.pack())

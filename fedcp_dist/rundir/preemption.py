@@ -33,7 +33,8 @@ class StopSignals:
         self.rank = rank if rank is not None else _launcher_rank()
         self.names, self.signum = sorted(set(names)), None
         #: what a run is doing, for the line a signal prints: start-up until its rounds begin, then
-        #: rounds, then final (its last evaluation and files, which a signal does not stop)
+        #: rounds, final (the evaluation after them, which a signal stops), writing (the final files,
+        #: which it does not)
         self.stage = "start-up"
         self._previous: dict = {}
         self._depth = 0
@@ -44,7 +45,8 @@ class StopSignals:
         if self.signum is None:
             self.signum = signum
             then = {"start-up": "stopping during start-up, before any training",
-                    "final": "the rounds are done: finishing the final evaluation and files"}.get(
+                    "final": "stopping the final evaluation (a restart does it again)",
+                    "writing": "the final evaluation is done: finishing the run's final files"}.get(
                 self.stage, "finishing the round, then checkpointing (during its evaluation: stopping before its training)")
             print(f"rank {self.rank}: got {signal.Signals(signum).name}; {then}", flush=True)
 
