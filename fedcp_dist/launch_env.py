@@ -299,8 +299,37 @@ def stderr_held(drop=cpp_noise):
             sys.stderr.flush()
 
 
-#: the MPI tag of rank 0's word on the rendezvous store it opened (None) or could not open (why)
+#: the MPI tag of rank 0's word on the rendezvous store it opened (None) or could not open (why), or
+#: :data:`STOPPED`
 STORE_TAG = 7301
+#: the MPI tag of a rank's word that a preemption signal stopped it during start-up: the others,
+#: waiting for rank 0's word or for every rank in the process group's opening, stop too (75) at once
+#: instead of waiting out collective_timeout and failing (exit 1, the job not requeued)
+STOP_TAG = 7302
+#: rank 0's word when it was asked to stop before the ranks met
+STOPPED = "\0stopped"
+
+
+def mpi_peer_stopped() -> bool:
+    """Whether another rank of this MPI job said it stopped during start-up (:data:`STOP_TAG`)."""
+    from mpi4py import MPI
+    return bool(MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=STOP_TAG))
+
+
+def mpi_say_stopped(ep) -> None:
+    """Tell every other rank of this MPI job that this one stopped during start-up (a small message,
+    sent eagerly: it does not wait for the others)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    for r in range(ep.world_size):
+        if r != ep.rank:
+            comm.send(None, dest=r, tag=STOP_TAG)
+
+
+def _stopped_at_start(where: str, by_another: bool = False):
+    who = "another rank was asked to stop" if by_another else "stopped"
+    return Preempted(f"{who} while the ranks met at {where}, before any training (nothing trained in this "
+                     f"attempt)", nothing_new=True)
 #: seconds between two looks of a waiting rank for rank 0's word
 STORE_POLL_S = 0.05
 
@@ -318,14 +347,20 @@ def _mpi_rendezvous(ep, host: str, port: int, deadline: float, wait: str, stoppe
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    where = f"{host}:{port}"
     if ep.rank == 0:
         store, why = None, None
-        try:
-            store = dist.TCPStore(host, port, ep.world_size, True, left, wait_for_workers=False, multi_tenant=True)
-        except (RuntimeError, ValueError, OSError) as exc:
-            why = f"rank 0 could not open it: {first_line(exc)}"
+        if stopped is not None and stopped():  # asked to stop first: the others stop on the word
+            why = STOPPED
+        else:
+            try:
+                store = dist.TCPStore(host, port, ep.world_size, True, left, wait_for_workers=False, multi_tenant=True)
+            except (RuntimeError, ValueError, OSError) as exc:
+                why = f"rank 0 could not open it: {first_line(exc)}"
         for r in range(1, ep.world_size):  # a small message: sent eagerly, whether rank r still lives or not
             comm.send(why, dest=r, tag=STORE_TAG)
+        if why == STOPPED:
+            raise _stopped_at_start(where)
         if why:
             raise failure(why)
         return store
@@ -333,10 +368,14 @@ def _mpi_rendezvous(ep, host: str, port: int, deadline: float, wait: str, stoppe
         if time.monotonic() >= deadline:
             raise failure(f"rank 0 had not opened it within {wait}")
         if stopped is not None and stopped():
-            raise Preempted(f"stopped while waiting for rank 0's rendezvous store at {host}:{port}, before any "
-                            f"training (nothing trained in this attempt)", nothing_new=True)
+            mpi_say_stopped(ep)  # rank 0 goes on to open the process group: it would wait for this rank
+            raise _stopped_at_start(where)
+        if mpi_peer_stopped():
+            raise _stopped_at_start(where, by_another=True)
         time.sleep(STORE_POLL_S)
     why = comm.recv(source=0, tag=STORE_TAG)
+    if why == STOPPED:
+        raise _stopped_at_start(where, by_another=True)
     if why:
         raise failure(why)
     try:

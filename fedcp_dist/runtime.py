@@ -41,8 +41,9 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from fedcp_dist.errors import RunFailure, UserError, first_line
-from fedcp_dist.launch_env import SLURM_VARS, TORCHRUN_VARS, check_launcher_env, rendezvous, stderr_held
+from fedcp_dist.errors import Preempted, RunFailure, UserError, first_line
+from fedcp_dist.launch_env import (SLURM_VARS, TORCHRUN_VARS, _within, check_launcher_env, mpi_peer_stopped, mpi_say_stopped,
+                                   rendezvous, stderr_held)
 
 LAUNCHERS = ("torchrun", "mpi", "slurm", "single")
 
@@ -407,6 +408,26 @@ def process_group_failure(rank: int, backend: str, exc: BaseException, env: Mapp
     return f"rank {rank}: the ranks met but could not open their {backend} process group ({reason}): {hint}"
 
 
+def _open_group_mpi(ep, kwargs: dict, timeout_s: float, stopped: Optional[Callable[[], bool]]) -> None:
+    """The process group's opening under mpirun, which waits for every rank: a rank asked to stop
+    meanwhile (a preemption signal to mpirun reaches every rank, at its own moment) says so to the
+    others over MPI and every rank stops (75) rather than waiting out ``collective_timeout`` for
+    it and failing (exit 1: the job not requeued). mpirun, unlike torchrun and srun, does not stop
+    the other ranks when one exits 75."""
+    def halt() -> bool:
+        return (stopped is not None and stopped()) or mpi_peer_stopped()
+
+    try:
+        _within(lambda: dist.init_process_group(**kwargs), time.monotonic() + timeout_s + 5.0, halt,
+                "the opening of the process group")
+    except TimeoutError:
+        raise RuntimeError(f"the process group did not open within collective_timeout={timeout_s:g} s") from None
+    except Preempted:
+        if stopped is not None and stopped():
+            mpi_say_stopped(ep)
+        raise
+
+
 def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.0, env: Mapping[str, str] = os.environ,
                  keep_freed: object = "auto", rendezvous_timeout: float = 120.0,
                  stopped: Optional[Callable[[], bool]] = None) -> Runtime:
@@ -450,7 +471,10 @@ def init_runtime(device: str = "auto", threads: int = 0, timeout_s: float = 600.
         if backend == "nccl":
             kwargs["device_id"] = dev
         try:
-            dist.init_process_group(**kwargs)
+            if launcher == "mpi":
+                _open_group_mpi(ep, kwargs, timeout_s, stopped)
+            else:  # torchrun and srun stop every rank once one stops (exit 75) during start-up
+                dist.init_process_group(**kwargs)
         except (RuntimeError, ValueError, OSError) as exc:  # gloo's and NCCL's errors are RuntimeErrors
             raise RunFailure(process_group_failure(ep.rank, backend, exc, env)) from None
         rt.backend = backend

@@ -101,6 +101,28 @@ def test_dead_rank_under_torchrun(digits6_16px, tmp_path):
         out[-3000:]
 
 
+@pytest.mark.parametrize("signalled", [0, 1])
+def test_a_stop_during_start_up_under_mpirun_stops_every_rank_at_once(digits6_16px, tmp_path, signalled):
+    """A preemption signal to mpirun during start-up reaches the ranks at their own moments: rank 1,
+    waiting for rank 0's word, stopped (75), and rank 0 went on to open the process group, which
+    waited for rank 1 for collective_timeout (10 minutes), then failed (exit 1: not requeued). A
+    rank asked to stop tells the others over MPI and every rank stops at once, exit 75."""
+    mpirun = shutil.which("mpirun", path=str(BIN))
+    if mpirun is None:
+        pytest.skip("mpirun not installed (pip install '.[mpi]')")
+    cmd = [sys.executable, "-m", "fedcp_dist.run", *_args(digits6_16px, tmp_path / "run", "rounds=2")]
+    ranks = [["-np", "1", *(["-x", "FEDCP_FAULT_AT=startup:SIGUSR2"] if r == signalled else []), *cmd] for r in (0, 1)]
+    t0 = time.monotonic()
+    r = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-x", "OMP_NUM_THREADS=1", *ranks[0], ":",
+                        *ranks[1]], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 75 and time.monotonic() - t0 < 120, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("preempted: ")]
+    assert len(lines) == 2 and all("before any training (nothing trained in this attempt)" in ln for ln in lines), \
+        r.stderr[-3000:]
+    assert f"rank {signalled}: got SIGUSR2; stopping during start-up" in r.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
 @pytest.mark.slow
 def test_dead_rank_under_mpirun(digits6_16px, tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN))
