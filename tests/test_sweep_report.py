@@ -1140,6 +1140,27 @@ def test_a_damaged_config_or_metrics_file_is_named_not_reported_as_a_result(tmp_
     capsys.readouterr()
 
 
+def test_a_finished_runs_records_cut_at_a_line_end_are_named_not_read(tmp_path, capsys):
+    """metrics.jsonl cut after a whole line (or emptied) read as a run that evaluated less: a
+    finished run's rounds_to_50 said 'not reached' and its acc_after_4 'n/a'. Records that do not
+    reach the rounds summary.json says the run did (or lack the final evaluation) are named."""
+    for seed in (1, 2):
+        fake_run(tmp_path / "runs" / f"s{seed}", "fedcp", seed, 0.1, 0.8)
+        with open(tmp_path / "runs" / f"s{seed}" / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "final_eval", "evaluated_after": 4, "acc": 0.8}) + "\n")
+    metrics = tmp_path / "runs" / "s2" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:1]))
+    report.main([str(tmp_path / "runs"), "--no-plots", "--metric", "rounds_to_70,acc_after_4"])
+    md = (tmp_path / "runs" / "report.md").read_text()
+    assert "| fedcp | 2.0 ± 0.0 (1/2) | 80.00 ± 0.00 (1/2) |" in md, md
+    assert "not reached" not in md and ("metrics.jsonl ends after round 1 of the 4 that summary.json says the run "
+                                        "did: cut short or replaced") in md, md
+    metrics.write_text("")
+    report.main([str(tmp_path / "runs"), "--no-plots", "--metric", "rounds_to_70"])
+    assert "ends after round 0 of the 4" in (tmp_path / "runs" / "report.md").read_text()
+    capsys.readouterr()
+
+
 def test_an_unfinished_point_whose_rounds_its_training_depends_on_changed_cannot_resume(tmp_path, digits6):
     """A DP point with a target ε stopped, then the sweep's rounds changed: the sweep resumed it and
     the run refused with 'use another out_dir, or overwrite=true', which a sweep refuses. Where the

@@ -17,7 +17,7 @@ from fedcp_dist.analysis.records import read_probes, weighted_mean
 from fedcp_dist.config import Config, flatten
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import did_you_mean
-from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, SUMMARY, RunDir,
+from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, METRICS, NOT_DEFINING, SUMMARY, RunDir,
                                          defining_changes)
 from fedcp_dist.rundir.present import format_value
 from fedcp_dist.sweep.drift import goes_on
@@ -173,8 +173,25 @@ def _curve_of(records: list) -> list:
     return sorted(points.items())
 
 
+def _cut_short(records: list, summary: Optional[dict]) -> str:
+    """What is wrong with a finished run's records (its metrics.jsonl, read whole) that do not reach
+    the end its summary.json says it reached: "" when they do, or when there is no summary."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("rounds"), int):
+        return ""
+    rounds = [int(r["round"]) for r in records if r.get("kind", "round") == "round" and isinstance(r.get("round"), int)]
+    last = max(rounds, default=0)
+    # the final evaluation's record (kind final_eval) closes every finished run's file since records had a kind
+    final = any(r.get("kind") == "final_eval" for r in records) or not any("kind" in r for r in records)
+    if last >= summary["rounds"] and final:
+        return ""
+    return (f"{METRICS} ends after round {last} of the {summary['rounds']} that {SUMMARY} says the run did"
+            f"{'' if final else ', without the final evaluation'}: cut short or replaced, so the metrics read "
+            f"from it are unknown")
+
+
 def _read(path: Path) -> tuple:
-    """(flat config, summary, curve, what is wrong with its config.yaml) of the run in ``path``; {},
+    """(flat config, summary, curve, what is wrong with its config.yaml, what is wrong with its
+    metrics.jsonl) of the run in ``path``; {},
     None, None (the curve read when asked, naming a damaged file) and "" for what it lacks. metrics.jsonl is read once, for the curve and
     for ``eval_every``: a run resumed under another (a key a resume may change) has config.yaml's
     last value only, so its value is then :func:`_eval_every_as_run`'s, and it is not reported
@@ -190,7 +207,9 @@ def _read(path: Path) -> tuple:
     changed = _eval_every_as_run(records or [], config.get("eval_every"))
     if changed:
         config["eval_every"] = changed
-    return config, run.read_summary(), None if records is None else _curve_of(records), problem
+    summary = run.read_summary()
+    short = _cut_short(records, summary) if records is not None else ""
+    return config, summary, None if records is None else [] if short else _curve_of(records), problem, short
 
 
 def _eval_every_as_run(records: list, every) -> str:
@@ -303,7 +322,7 @@ def collect(root) -> Collection:
         if path in seen:
             continue
         seen.add(path)
-        config, summary, curve, problem = _read(path)
+        config, summary, curve, problem, short = _read(path)
         if not config and summary is None and isinstance(wanted, dict):
             # no result and no readable config.yaml (a point not started, or refused at its start): its row and seed are
             # the point's as sweep.json records it, not None
@@ -321,19 +340,19 @@ def collect(root) -> Collection:
                 extends = goes_on(RunDir(path), stale, {**flatten(Config().to_dict()), **wanted})
                 why = (STALE_GOES_ON_WHY if extends else STALE_WHY).format(
                     keys=", ".join(stale[:4]) + (", …" if len(stale) > 4 else ""))
-        runs.append(Run(path, params, config, summary, "", why, name, _curve=curve, stale=stale))
+        runs.append(Run(path, params, config, summary, "", why, name, _curve=curve, stale=stale, records_problem=short))
     for path in run_dirs:
         path = path.resolve()
         if path in seen:
             continue
         seen.add(path)
-        config, summary, curve, problem = _read(path)
+        config, summary, curve, problem, short = _read(path)
         why = (_no_summary(path) if summary is None
                else DIVERGED_WHY if summary.get("status") == DIVERGED else "")
         if problem:  # no setting to file it under (nor a row): listed apart
             unreadable.append((path, problem))
             continue
-        runs.append(Run(path, {}, config, summary, "", why, _curve=curve))
+        runs.append(Run(path, {}, config, summary, "", why, _curve=curve, records_problem=short))
     if not runs:
         if unreadable:
             raise UserError(f"fedcp-report: no readable runs under {root}: {unreadable[0][0]}: {unreadable[0][1]}"
