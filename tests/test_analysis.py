@@ -511,6 +511,15 @@ def test_options_that_would_do_nothing_and_values_given_twice_are_refused(tmp_pa
     assert not out.exists()  # each refused before anything was computed or written
 
 
+def test_a_config_with_bytes_that_are_not_utf8_is_one_line(tmp_path, capsys):
+    """fedcp-analyze printed a UnicodeDecodeError traceback (fedcp-dlg and fedcp-report said one line)."""
+    run = _fake_run(tmp_path / "run")
+    cfg = run / "config.yaml"
+    cfg.write_bytes(cfg.read_bytes().replace(b"fedcp", b"fed\xe9cp", 1))
+    said = _error(capsys, [run, "--out", tmp_path / "out"])
+    assert said.startswith(f"error: {cfg} cannot be read: 'utf-8' codec can't decode byte 0xe9"), said
+
+
 def _dlg_error(capsys, argv) -> str:
     from fedcp_dist.cli.analyze import main_dlg
 

@@ -129,7 +129,7 @@ def read_run(path, label: Optional[str] = None) -> Run:
         raise UserError(f"{path} has no {METRICS}: the run has not started")
     try:
         config = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"{path / 'config.yaml'} cannot be read: {' '.join(str(exc).split())}") from None
     if not isinstance(config, dict):
         raise UserError(f"{path / 'config.yaml'} is not a mapping")
