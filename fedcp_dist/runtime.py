@@ -175,6 +175,12 @@ def resolve_endpoint(launcher: str, env: Mapping[str, str] = os.environ) -> Endp
             raise UserError("started under MPI but mpi4py is not installed: pip install '.[mpi]'") from None
         comm = MPI.COMM_WORLD
         rank, world = comm.Get_rank(), comm.Get_size()
+        name = next((k for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if k in env), None)
+        if name is not None and env[name].strip() != str(world):
+            # mpi4py started MPI on its own (a singleton): the variables are an earlier job's, exported
+            raise UserError(f"{name}={env[name]} does not match the {world} rank{'s' if world > 1 else ''} MPI started "
+                            f"this process among (no mpirun started it): variables left over from an mpirun or a job "
+                            f"step; unset them to run one process, or start it with mpirun")
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_rank, local_world = local.Get_rank(), local.Get_size()
         local.Free()

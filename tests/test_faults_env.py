@@ -5,6 +5,7 @@ cannot complete ends within rendezvous_timeout, naming where it waited."""
 import math
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -182,6 +183,23 @@ def test_inconsistent_launcher_variables_are_refused_before_any_wait(env, fragme
     assert "\n" not in msg
     for fragment in fragments:
         assert fragment in msg, msg
+
+
+@pytest.mark.parametrize("env", [{"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"},
+                                 {"OMPI_COMM_WORLD_SIZE": "abc"}, {"PMI_SIZE": "2", "PMI_RANK": "0"}])
+def test_mpi_variables_no_mpirun_set_are_refused(digits6_16px, tmp_path, env):
+    """Open MPI's or PMI's variables left in a plain shell: the run went on as an MPI rank of one
+    (summary.json: launcher mpi), watching its shell as if it were mpirun."""
+    if shutil.which("mpirun", path=str(BIN)) is None:
+        pytest.skip("mpi4py and mpirun not installed (pip install '.[mpi]')")
+    name = next(iter(env))
+    r = run_cmd(["fedcp-run", "--config", "configs/digits_fedcp.yaml", f"data.path={digits6_16px}",
+                 f"out_dir={tmp_path / 'run'}", "rounds=1"], env_extra=env)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {name}={env[name]} does not match the 1 rank MPI started this process among (no mpirun started it): "
+        f"variables left over from an mpirun or a job step; unset them to run one process, or start it with mpirun"], \
+        r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_failure_table_quotes_what_launcher_variables_get():
