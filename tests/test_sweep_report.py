@@ -1140,6 +1140,25 @@ def test_a_damaged_config_or_metrics_file_is_named_not_reported_as_a_result(tmp_
     capsys.readouterr()
 
 
+def test_a_config_its_summary_contradicts_or_cut_at_a_line_end_is_named(tmp_path, capsys):
+    """A config.yaml edited to another method filed a FedCP result under fedavg; one cut after its
+    third line (method, rounds, seed) read as a valid setting whose other keys were null, about 90
+    columns of them. Both are listed as unreadable."""
+    for seed in (1, 2, 3):
+        fake_run(tmp_path / "runs" / f"s{seed}", "fedcp", seed, 0.1, 0.8)
+    cfg = tmp_path / "runs" / "s2" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("method: fedcp", "method: fedavg"))
+    cut = tmp_path / "runs" / "s3" / "config.yaml"
+    cut.write_text("".join(cut.read_text().splitlines(keepends=True)[:3]))
+    report.main([str(tmp_path / "runs"), "--no-plots"])
+    md = (tmp_path / "runs" / "report.md").read_text()
+    assert "| fedcp | 80.00 ± 0.00 |" in md and "fedavg" not in md.split("unreadable")[0] and "null" not in md, md
+    assert (f"- {tmp_path / 'runs' / 's2'} (config.yaml says method fedavg but summary.json says fedcp: one of them was "
+            f"edited or replaced, so its setting is unknown)") in md, md
+    assert f"- {tmp_path / 'runs' / 's3'} (config.yaml lacks " in md and "keys a run writes (cut short or edited)" in md
+    capsys.readouterr()
+
+
 def test_a_finished_runs_records_cut_at_a_line_end_are_named_not_read(tmp_path, capsys):
     """metrics.jsonl cut after a whole line (or emptied) read as a run that evaluated less: a
     finished run's rounds_to_50 said 'not reached' and its acc_after_4 'n/a'. Records that do not

@@ -208,6 +208,8 @@ def _read(path: Path) -> tuple:
     if changed:
         config["eval_every"] = changed
     summary = run.read_summary()
+    if not problem:
+        problem = _config_against_summary(config, summary)
     short = _cut_short(records, summary) if records is not None else ""
     return config, summary, None if records is None else [] if short else _curve_of(records), problem, short
 
@@ -388,6 +390,32 @@ def _config_problem(path: Path, config: Optional[dict]) -> str:
         return f"no {CONFIG}: its setting is unknown"
     if config is None:
         return f"{CONFIG} is damaged (not a YAML mapping): its setting is unknown"
+    return ""
+
+
+#: keys every config.yaml a run writes holds (it writes them all)
+_RUN_KEYS = ("method", "rounds", "seed")
+
+
+def _config_against_summary(config: dict, summary: Optional[dict]) -> str:
+    """Why a finished run's config.yaml cannot be its setting ("" when it can): keys every run
+    writes missing (a file cut at a line end still reads as YAML), or a method or rounds that its
+    summary.json contradicts (one of the two edited or replaced: its result was filed under
+    another method)."""
+    if not isinstance(summary, dict):
+        return ""
+    missing = [k for k in _RUN_KEYS if k not in config]
+    if missing:
+        return f"{CONFIG} lacks {', '.join(missing)} (cut short or edited): its setting is unknown"
+    written = flatten(Config().to_dict())  # a run writes every key (an older version: most of today's)
+    lacking = sum(1 for k in written if k not in config)
+    if lacking > len(written) // 2:
+        return (f"{CONFIG} lacks {lacking} of the {len(written)} keys a run writes (cut short or edited): its setting "
+                f"is unknown")
+    for key in ("method", "rounds"):
+        if key in summary and summary[key] != config[key]:
+            return (f"{CONFIG} says {key} {config[key]} but {SUMMARY} says {summary[key]}: one of them was edited or "
+                    f"replaced, so its setting is unknown")
     return ""
 
 

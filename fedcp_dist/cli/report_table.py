@@ -170,7 +170,8 @@ def build_table(col: Collection, keys: list, metric: str) -> Table:
             cell.diverged += 1
             continue
         value = r.metric(metric) if r.finished else None
-        if r.finished and r.records_problem and value is None:  # a damaged metrics.jsonl: unknown, not absent
+        if (r.finished and r.records_problem and value is None and is_record_metric(metric)
+                and metric not in r.summary):  # a damaged metrics.jsonl: unknown, not absent
             missing.append(r)
             continue
         if value == NOT_REACHED:
