@@ -520,6 +520,19 @@ def test_a_config_with_bytes_that_are_not_utf8_is_one_line(tmp_path, capsys):
     assert said.startswith(f"error: {cfg} cannot be read: 'utf-8' codec can't decode byte 0xe9"), said
 
 
+def test_a_config_its_summary_contradicts_is_refused(tmp_path, capsys):
+    """A config.yaml edited to another method: fedcp-dlg attacked the FedCP checkpoint as FedAvg."""
+    import json as _json
+
+    run = _fake_run(tmp_path / "run")
+    (run / "summary.json").write_text(_json.dumps({"method": "fedavg", "best_acc": 0.5}))
+    method = __import__("yaml").safe_load((run / "config.yaml").read_text())["method"]
+    assert method != "fedavg"
+    said = _error(capsys, [run, "--out", tmp_path / "out"])
+    assert said == (f"error: {run / 'config.yaml'} says method {method} but {run / 'summary.json'} says fedavg: one of "
+                    f"them was edited or replaced"), said
+
+
 def _dlg_error(capsys, argv) -> str:
     from fedcp_dist.cli.analyze import main_dlg
 
