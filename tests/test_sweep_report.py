@@ -1243,9 +1243,13 @@ def test_a_point_not_started_is_filed_under_the_method_and_seed_its_sweep_gives_
 def test_a_point_its_existing_shard_does_not_fit_is_refused_before_anything_runs(digits6, tmp_path, capsys):
     """A grid value the shard cannot serve (50 of its 6 clients; the text model on an image shard):
     --dry-run listed the points as pending and the sweep ran them, failing each on the same line."""
-    for grid, words in (({"data.clients": [3, 50]}, "config key 'data.clients' asks for 50 clients but"),
-                        ({"model": ["cnn", "fasttext"]}, "config key 'model': 'fasttext' reads text shards")):
-        path = write_sweep(tmp_path, overrides={"rounds": 2, "data": {"path": str(digits6)}}, grid=grid)
+    for grid, words, extra_keys in (
+            ({"data.clients": [3, 50]}, "config key 'data.clients' asks for 50 clients but", {}),
+            ({"model": ["cnn", "fasttext"]}, "config key 'model': 'fasttext' reads text shards", {}),
+            # a target ε the 6 clients cannot reach in 2 rounds: the run would refuse it at its start
+            ({"dp_target_epsilon": [5, 0.0001]}, "config key 'dp_target_epsilon': 0.0001 is not reachable in 2 rounds",
+             {"dp": "central", "participation": 0.5})):
+        path = write_sweep(tmp_path, overrides={"rounds": 2, "data": {"path": str(digits6)}, **extra_keys}, grid=grid)
         for extra in (["--dry-run"], []):
             err = cli_error(capsys, sweep_cli.main, [str(path), *extra])
             assert err.startswith("error: sweep point ") and words in err, err

@@ -253,5 +253,32 @@ def _validate_point(sweep: Sweep, point: Point, shards: dict) -> None:
     cfg.data.path = str(path)
     try:
         check_shard(cfg, shards[path])
+        if cfg.dp == "central":  # a target ε or δ the point's client count rules out, as its run would say
+            _check_privacy_plan(cfg, shards[path].num_clients)
     except UserError as exc:
         raise UserError(f"sweep point {point.name}: {exc}") from None
+
+
+#: what :func:`_check_privacy_plan` found for each mechanism (a calibration takes seconds, and the
+#: seeds of a grid share one): "" or the refusal's line
+_PLANS: dict = {}
+
+
+def _check_privacy_plan(cfg, shard_clients: int) -> None:
+    """The refusal a ``dp: central`` run would start with (a target ε not reachable in its rounds, a
+    δ its client count rules out), raised here: the point would only fail when it starts."""
+    from fedcp_dist.comm.privacy import plan_run
+    from fedcp_dist.state.placement import client_subset
+
+    n = len(client_subset(cfg.data.clients, cfg.seed, shard_clients))
+    flat = cfg.to_dict()
+    key = (n, *(repr(flat.get(k)) for k in ("rounds", "participation", "participation_sampling", "participation_range")),
+           *sorted((k, repr(v)) for k, v in flat.items() if k.startswith("dp")))
+    if key not in _PLANS:
+        try:
+            plan_run(cfg, n)
+            _PLANS[key] = ""
+        except UserError as exc:
+            _PLANS[key] = str(exc)
+    if _PLANS[key]:
+        raise UserError(_PLANS[key])
