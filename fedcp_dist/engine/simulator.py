@@ -14,6 +14,7 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from fedcp_dist.capabilities import PeerExchange, Probes, supports
 from fedcp_dist.engine import startup
@@ -33,6 +34,7 @@ from fedcp_dist.engine.probes import RoundProbes
 from fedcp_dist.engine.round_record import evaluation_record, learned_nothing, round_record, summary_json
 from fedcp_dist.rundir.directory import DIVERGED, SUMMARY, RunDir
 from fedcp_dist.engine.heartbeat import Heartbeat
+from fedcp_dist.fused.groups import one_thread_each, run_in_workers
 from fedcp_dist.rundir.present import progress_line, result_table
 from fedcp_dist.engine.run_start import close_parts, run_data_record, start_run
 from fedcp_dist.runtime import Runtime
@@ -82,6 +84,9 @@ class Simulator:
         #: the method's peer exchange (None: it has none)
         self.exchange = self.algo if supports(self.algo, PeerExchange) else None
         self.select_by_features = cfg.client_selection == "feature_difference"
+        #: evaluations on one intra-op thread, as the fused groups train (:meth:`evaluate`)
+        self.eval_one_thread = bool(self.fused and self.setup.groups is not None
+                                    and one_thread_each(cfg, rt.device, torch.get_num_threads()))
         #: with partial participation, which of the run's clients some round's cohort has held so far: an
         #: evaluation then says how many of the clients it evaluated have ever trained (at 10^5 clients
         #: and a cohort of 100, most have not, and their personalized accuracy is the untrained one)
@@ -127,10 +132,17 @@ class Simulator:
         discards)."""
         fault_point("eval", round_idx + 1)  # the fault tests' hook
         self.store.prefetch(self.eval_owned)
-        return evaluate_clients(self.algo, self.store, self.data, self.eval_owned, round_idx,
-                                lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size, probes,
-                                order, progress=self.echo if self.rt.is_main else None,
-                                stop=(lambda: self.stop.signum is not None) if stoppable else None)
+
+        def job() -> EvalSums:
+            return evaluate_clients(self.algo, self.store, self.data, self.eval_owned, round_idx,
+                                    lambda t, c: self.trainer.generator(STREAM_EVAL, t, c), self.cfg.eval_batch_size,
+                                    probes, order, progress=self.echo if self.rt.is_main else None,
+                                    stop=(lambda: self.stop.signum is not None) if stoppable else None)
+
+        # where the fused groups train on one intra-op thread each (a CPU rank of several threads), the
+        # evaluation does too: on the rank's threads its sums rounded with the thread count, so a run's
+        # metrics changed with the world size (one rank of 2 threads against 2 of 1) though its models did not
+        return run_in_workers([job], one_thread=self.eval_one_thread)[0]
 
     def _cohort(self, t: int):
         """Round t's sorted cohort: uniform, or drawn by feature difference when ρ < 1."""
