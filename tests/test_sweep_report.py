@@ -1159,6 +1159,24 @@ def test_a_config_its_summary_contradicts_or_cut_at_a_line_end_is_named(tmp_path
     capsys.readouterr()
 
 
+def test_a_run_going_on_is_said_to_be_running(tmp_path, capsys):
+    """A run still going (its out_dir lock held) was listed as 'unfinished or failed'. The lock is
+    looked up in the kernel's list, not taken: a run starting meanwhile must find it free."""
+    import fcntl
+
+    fake_run(tmp_path / "runs" / "s1", "fedcp", 1, 0.1, 0.8)
+    fake_run(tmp_path / "runs" / "s2", "fedcp", 2, 0.1, 0.8, finished=False)
+    with open(tmp_path / "runs" / "s2" / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        report.main([str(tmp_path / "runs"), "--no-plots"])
+        held = (tmp_path / "runs" / "report.md").read_text()
+    report.main([str(tmp_path / "runs"), "--no-plots"])
+    free = (tmp_path / "runs" / "report.md").read_text()
+    assert "no summary.json yet: running (a process on this machine holds its lock)" in held, held
+    assert "no summary.json: unfinished or failed" in free and "running" not in free, free
+    capsys.readouterr()
+
+
 def test_a_finished_runs_records_cut_at_a_line_end_are_named_not_read(tmp_path, capsys):
     """metrics.jsonl cut after a whole line (or emptied) read as a run that evaluated less: a
     finished run's rounds_to_50 said 'not reached' and its acc_after_4 'n/a'. Records that do not

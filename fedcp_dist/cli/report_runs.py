@@ -420,10 +420,29 @@ def _config_against_summary(config: dict, summary: Optional[dict]) -> str:
 
 
 def _no_summary(path: Path) -> str:
-    """Why a run folder has no summary to report: none written yet, or one that is damaged."""
+    """Why a run folder has no summary to report: none written yet (a run going on, as far as this
+    machine can tell, or one that stopped), or one that is damaged."""
     if (path / SUMMARY).exists():
         return f"{SUMMARY} is damaged (not a JSON object)"
+    if _lock_held(path / ".lock"):
+        return f"no {SUMMARY} yet: running (a process on this machine holds its lock)"
     return f"no {SUMMARY}: unfinished or failed"
+
+
+def _lock_held(lock: Path) -> bool:
+    """Whether a process holds the ``flock`` on a run's lock file, as the kernel lists it in
+    /proc/locks (Linux; a lock held on another node of a shared file system is not seen), without
+    taking it: a report taking it, even for a moment, could make a run starting then refuse its
+    out_dir as in use."""
+    try:
+        st = lock.stat()
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            held = f.read().splitlines()
+    except OSError:
+        return False
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == want
+               for fields in (line.split() for line in held))
 
 
 def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:
