@@ -561,6 +561,14 @@ def test_a_run_without_a_round_a_checkpoint_or_a_finite_model_is_named_so(runs, 
     assert _dlg_error(capsys, [failed, "--out", tmp_path / "o"]) == (
         f"error: {failed} has no complete checkpoint: the run ended before its first one, due after round 2 "
         f"(checkpoint_every=50), and the clients' states are kept only in checkpoints")
+    # a finished run whose checkpoints were removed: it had left one, not "ended before its first"
+    removed = tmp_path / "removed"
+    removed.mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        (removed / name).write_bytes((runs["fedavg"] / name).read_bytes())
+    assert _dlg_error(capsys, [removed, "--out", tmp_path / "o"]) == (
+        f"error: {removed} has no complete checkpoint: its 2 rounds recorded should have left one (checkpoint_every=1): "
+        f"the checkpoints were removed or damaged, and the clients' states are kept only in checkpoints")
 
     load = runstate.load_run_state
 

@@ -92,6 +92,14 @@ def run_config(run_dir: Path, data_path: Optional[str] = None, changes: Optional
     return cfg
 
 
+def _records(run) -> list:
+    """The run's records (metrics.jsonl), none where it cannot be read whole."""
+    try:
+        return run.read_metrics()
+    except UserError:
+        return []
+
+
 def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu",
                    changes: Optional[dict] = None, warn: Callable[[str], None] = print) -> RunState:
     """Rebuild the run in ``run_dir`` with the states of its newest complete checkpoint.
@@ -108,9 +116,16 @@ def load_run_state(run_dir, data_path: Optional[str] = None, device: str = "cpu"
     cfg = run_config(run_dir, data_path, changes)
     ckpt = Checkpointer(str(run_dir), 0, 1, max(1, cfg.keep_checkpoints)).latest(warn=warn, reading=True)
     if ckpt is None and cfg.checkpoint_every:
-        raise UserError(f"{run_dir} has no complete checkpoint: the run ended before its first one, due after round "
-                        f"{min(cfg.checkpoint_every, cfg.rounds)} (checkpoint_every={cfg.checkpoint_every}), and the "
-                        f"clients' states are kept only in checkpoints")
+        from fedcp_dist.rundir.directory import RunDir
+
+        due = min(cfg.checkpoint_every, cfg.rounds)
+        done = sum(1 for r in _records(RunDir(run_dir)) if r.get("kind") == "round")
+        why = (f"the run ended before its first one, due after round {due} (checkpoint_every={cfg.checkpoint_every})"
+               if done < due else
+               f"its {done} rounds recorded should have left one (checkpoint_every={cfg.checkpoint_every}): the "
+               f"checkpoints were removed or damaged")
+        raise UserError(f"{run_dir} has no complete checkpoint: {why}, and the clients' states are kept only in "
+                        f"checkpoints")
     if ckpt is None:
         raise UserError(
             f"{run_dir} has no complete checkpoint, and the clients' states are kept only in checkpoints: "
