@@ -952,7 +952,9 @@ def test_tools_given_a_folder_they_cannot_write_in_say_so_before_working(digits6
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / CONFIG).write_text(f"method: fedcp\nout_dir: {run_dir}\n")
+    from fedcp_dist.config import Config, dump_config
+
+    (run_dir / CONFIG).write_text(dump_config(Config(method="fedcp", rounds=1, out_dir=str(run_dir))))
     (run_dir / "summary.json").write_text(json.dumps({"method": "fedcp", "best_acc": 0.5, "rounds": 1}))
     if _immutable(run_dir) is None:
         pytest.skip("chattr +i is not available here")
