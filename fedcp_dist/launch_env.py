@@ -326,6 +326,22 @@ def mpi_say_stopped(ep) -> None:
             comm.send(None, dest=r, tag=STOP_TAG)
 
 
+#: seconds rank 0 waits for its word of a failed or stopped rendezvous to reach the other ranks
+WORD_WAIT_S = 10.0
+
+
+def _deliver(comm, word, world_size: int) -> None:
+    """Send ``word`` to every other rank and wait (at most :data:`WORD_WAIT_S`) until each has
+    taken it: this rank then ends, and an MPI_Abort (a failed rank ends the job) lost a message not
+    yet delivered, so that the others, stopped by mpirun's SIGTERM, said they were asked to stop."""
+    requests = [comm.issend(word, dest=r, tag=STORE_TAG) for r in range(1, world_size)]
+    end = time.monotonic() + WORD_WAIT_S
+    while requests and time.monotonic() < end:
+        requests = [q for q in requests if not q.test()[0]]
+        if requests:
+            time.sleep(STORE_POLL_S / 5)
+
+
 def _stopped_at_start(where: str, by_another: bool = False):
     who = "another rank was asked to stop" if by_another else "stopped"
     return Preempted(f"{who} while the ranks met at {where}, before any training (nothing trained in this "
@@ -357,8 +373,11 @@ def _mpi_rendezvous(ep, host: str, port: int, deadline: float, wait: str, stoppe
                 store = dist.TCPStore(host, port, ep.world_size, True, left, wait_for_workers=False, multi_tenant=True)
             except (RuntimeError, ValueError, OSError) as exc:
                 why = f"rank 0 could not open it: {first_line(exc)}"
-        for r in range(1, ep.world_size):  # a small message: sent eagerly, whether rank r still lives or not
-            comm.send(why, dest=r, tag=STORE_TAG)
+        if why is None:
+            for r in range(1, ep.world_size):  # a small message: sent eagerly, whether rank r still lives or not
+                comm.send(why, dest=r, tag=STORE_TAG)
+        else:
+            _deliver(comm, why, ep.world_size)
         if why == STOPPED:
             raise _stopped_at_start(where)
         if why:
