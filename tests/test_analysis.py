@@ -529,8 +529,8 @@ def test_a_config_its_summary_contradicts_is_refused(tmp_path, capsys):
     method = __import__("yaml").safe_load((run / "config.yaml").read_text())["method"]
     assert method != "fedavg"
     said = _error(capsys, [run, "--out", tmp_path / "out"])
-    assert said == (f"error: {run / 'config.yaml'} says method {method} but {run / 'summary.json'} says fedavg: one of "
-                    f"them was edited or replaced"), said
+    assert said == (f"error: {run}: config.yaml says method {method} but summary.json says fedavg: one of them was "
+                    f"edited or replaced"), said
 
 
 def _dlg_error(capsys, argv) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedcp_dist.errors import UserError
-from fedcp_dist.rundir.directory import ANALYSIS, METRICS, read_jsonl
+from fedcp_dist.rundir.directory import ANALYSIS, METRICS, contradiction, read_jsonl
 from fedcp_dist.options import shown
 
 S_BINS = 50
@@ -145,13 +145,13 @@ def read_run(path, label: Optional[str] = None) -> Run:
             summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             summary = None
-    if isinstance(summary, dict) and "method" in summary and summary["method"] != config.get("method"):
-        # one of the two edited or replaced: a model would be read as another method's
-        raise UserError(f"{path / 'config.yaml'} says method {config.get('method')} but {path / 'summary.json'} says "
-                        f"{summary['method']}: one of them was edited or replaced")
+    flat = flatten(config)
+    contradicted = contradiction(flat, summary)
+    if contradicted:  # a model would be read as another method's
+        raise UserError(f"{path}: {contradicted}")
     train, evals = read_probes(path / ANALYSIS) if (path / ANALYSIS).is_file() else ([], [])
     rounds.sort(key=lambda r: r.get("round", 0))
-    return Run(path, label or path.name, flatten(config), rounds, [points[k] for k in sorted(points)], summary,
+    return Run(path, label or path.name, flat, rounds, [points[k] for k in sorted(points)], summary,
                train, evals)
 
 

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fedcp_dist.analysis.records import read_probes, weighted_mean
+from fedcp_dist.cli.report_damage import config_problem, cut_short, no_summary
 from fedcp_dist.config import Config, flatten
 from fedcp_dist.errors import UserError
 from fedcp_dist.options import did_you_mean
-from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, METRICS, NOT_DEFINING, SUMMARY, RunDir,
+from fedcp_dist.rundir.directory import (ANALYSIS, CHECKPOINTS, CONFIG, DIVERGED, NOT_DEFINING, RunDir,
                                          defining_changes)
 from fedcp_dist.rundir.present import format_value
 from fedcp_dist.sweep.drift import goes_on
@@ -173,22 +174,6 @@ def _curve_of(records: list) -> list:
     return sorted(points.items())
 
 
-def _cut_short(records: list, summary: Optional[dict]) -> str:
-    """What is wrong with a finished run's records (its metrics.jsonl, read whole) that do not reach
-    the end its summary.json says it reached: "" when they do, or when there is no summary."""
-    if not isinstance(summary, dict) or not isinstance(summary.get("rounds"), int):
-        return ""
-    rounds = [int(r["round"]) for r in records if r.get("kind", "round") == "round" and isinstance(r.get("round"), int)]
-    last = max(rounds, default=0)
-    # the final evaluation's record (kind final_eval) closes every finished run's file since records had a kind
-    final = any(r.get("kind") == "final_eval" for r in records) or not any("kind" in r for r in records)
-    if last >= summary["rounds"] and final:
-        return ""
-    return (f"{METRICS} ends after round {last} of the {summary['rounds']} that {SUMMARY} says the run did"
-            f"{'' if final else ', without the final evaluation'}: cut short or replaced, so the metrics read "
-            f"from it are unknown")
-
-
 def _read(path: Path) -> tuple:
     """(flat config, summary, curve, what is wrong with its config.yaml, what is wrong with its
     metrics.jsonl) of the run in ``path``; {},
@@ -198,7 +183,8 @@ def _read(path: Path) -> tuple:
     beside the runs evaluated on that schedule throughout."""
     run = RunDir(path)
     config = run.read_config()
-    problem = _config_problem(path, config)
+    summary = run.read_summary()
+    problem = config_problem(path, config, summary)
     config = config or {}
     try:
         records = run.read_metrics()
@@ -207,10 +193,7 @@ def _read(path: Path) -> tuple:
     changed = _eval_every_as_run(records or [], config.get("eval_every"))
     if changed:
         config["eval_every"] = changed
-    summary = run.read_summary()
-    if not problem:
-        problem = _config_against_summary(config, summary)
-    short = _cut_short(records, summary) if records is not None else ""
+    short = cut_short(records, summary) if records is not None else ""
     return config, summary, None if records is None else [] if short else _curve_of(records), problem, short
 
 
@@ -333,7 +316,7 @@ def collect(root) -> Collection:
         if summary is not None and problem:
             why, summary = problem, None
         elif summary is None:
-            why = "not started" if not path.exists() else _no_summary(path)
+            why = "not started" if not path.exists() else no_summary(path)
         elif summary.get("status") == DIVERGED:
             why = DIVERGED_WHY
         elif isinstance(wanted, dict):  # a manifest that says what the point is now (written since it does)
@@ -349,7 +332,7 @@ def collect(root) -> Collection:
             continue
         seen.add(path)
         config, summary, curve, problem, short = _read(path)
-        why = (_no_summary(path) if summary is None
+        why = (no_summary(path) if summary is None
                else DIVERGED_WHY if summary.get("status") == DIVERGED else "")
         if problem:  # no setting to file it under (nor a row): listed apart
             unreadable.append((path, problem))
@@ -380,69 +363,6 @@ def _shard_name(path) -> Optional[str]:
     """A shard's file name: a sweep's shards are named by their partition, and a sweep folder moved
     or copied with its shards (run again there, its points name the new copy) is the same sweep."""
     return os.path.basename(path) if isinstance(path, str) else None
-
-
-def _config_problem(path: Path, config: Optional[dict]) -> str:
-    """Why a run's config (``config``: its config.yaml as read) cannot tell its setting ("" when it
-    can): a damaged or missing config.yaml. Such a finished run is listed with the reason instead of
-    filed under empty settings."""
-    if not (path / CONFIG).exists():
-        return f"no {CONFIG}: its setting is unknown"
-    if config is None:
-        return f"{CONFIG} is damaged (not a YAML mapping): its setting is unknown"
-    return ""
-
-
-#: keys every config.yaml a run writes holds (it writes them all)
-_RUN_KEYS = ("method", "rounds", "seed")
-
-
-def _config_against_summary(config: dict, summary: Optional[dict]) -> str:
-    """Why a finished run's config.yaml cannot be its setting ("" when it can): keys every run
-    writes missing (a file cut at a line end still reads as YAML), or a method or rounds that its
-    summary.json contradicts (one of the two edited or replaced: its result was filed under
-    another method)."""
-    if not isinstance(summary, dict):
-        return ""
-    missing = [k for k in _RUN_KEYS if k not in config]
-    if missing:
-        return f"{CONFIG} lacks {', '.join(missing)} (cut short or edited): its setting is unknown"
-    written = flatten(Config().to_dict())  # a run writes every key (an older version: most of today's)
-    lacking = sum(1 for k in written if k not in config)
-    if lacking > len(written) // 2:
-        return (f"{CONFIG} lacks {lacking} of the {len(written)} keys a run writes (cut short or edited): its setting "
-                f"is unknown")
-    for key in ("method", "rounds"):
-        if key in summary and summary[key] != config[key]:
-            return (f"{CONFIG} says {key} {config[key]} but {SUMMARY} says {summary[key]}: one of them was edited or "
-                    f"replaced, so its setting is unknown")
-    return ""
-
-
-def _no_summary(path: Path) -> str:
-    """Why a run folder has no summary to report: none written yet (a run going on, as far as this
-    machine can tell, or one that stopped), or one that is damaged."""
-    if (path / SUMMARY).exists():
-        return f"{SUMMARY} is damaged (not a JSON object)"
-    if _lock_held(path / ".lock"):
-        return f"no {SUMMARY} yet: running (a process on this machine holds its lock)"
-    return f"no {SUMMARY}: unfinished or failed"
-
-
-def _lock_held(lock: Path) -> bool:
-    """Whether a process holds the ``flock`` on a run's lock file, as the kernel lists it in
-    /proc/locks (Linux; a lock held on another node of a shared file system is not seen), without
-    taking it: a report taking it, even for a moment, could make a run starting then refuse its
-    out_dir as in use."""
-    try:
-        st = lock.stat()
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            held = f.read().splitlines()
-    except OSError:
-        return False
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    return any(len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == want
-               for fields in (line.split() for line in held))
 
 
 def setting_keys(col: Collection, by: Optional[list], rows: str = "method") -> list:

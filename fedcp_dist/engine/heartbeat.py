@@ -19,8 +19,11 @@ import threading
 import time
 from typing import Callable, Optional
 
-#: seconds a phase goes without a line before the first one
-FIRST_S = 15.0
+from fedcp_dist.engine.evaluation import PROGRESS_S
+
+#: seconds a phase goes without a line before the first one: as long as a long evaluation goes
+#: between its own lines
+FIRST_S = PROGRESS_S
 #: the most seconds between two lines of one phase (the gaps double up to it)
 LONGEST_GAP_S = 300.0
 #: seconds between two looks at the phase

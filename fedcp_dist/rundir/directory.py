@@ -185,6 +185,15 @@ def check_resume_config(checkpointed: dict, current: dict, out_dir, same_data: b
 # ----------------------------------------------------------------------------- reading a run
 
 
+def contradiction(config: dict, summary: Optional[dict]) -> str:
+    """"" or what a finished run's summary.json contradicts in its flat config.yaml (the method or
+    the rounds): one of the two edited or replaced, so the result cannot be told whose it is."""
+    for key in ("method", "rounds"):
+        if isinstance(summary, dict) and key in summary and summary[key] != config.get(key):
+            return f"{CONFIG} says {key} {config.get(key)} but {SUMMARY} says {summary[key]}: one of them was edited or replaced"
+    return ""
+
+
 class RunDir:
     """The paths of one run directory and what can be read from it (whether or not it exists)."""
 
@@ -217,6 +226,21 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.path / LOCK
+
+    def lock_held(self) -> bool:
+        """Whether a process holds the ``flock`` on the lock file, as the kernel lists it in
+        /proc/locks (Linux; a lock held on another node of a shared file system is not seen),
+        without taking it: a reader taking it, even for a moment, could make a run starting then
+        refuse its out_dir as in use."""
+        try:
+            st = self.lock.stat()
+            with open("/proc/locks", encoding="ascii", errors="replace") as f:
+                held = f.read().splitlines()
+        except OSError:
+            return False
+        want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        return any(len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == want
+                   for fields in (line.split() for line in held))
 
     def checkpoint_dirs(self) -> list:
         """[(R, path)] of every ``checkpoints/round_R`` directory, complete or not, R ascending."""
